@@ -1,0 +1,200 @@
+// Package netns is the one place in mesh-cni that switches network namespaces.
+//
+// A Linux thread's network namespace is per thread, while Go schedules goroutines on
+// any thread. Every function here therefore runs the caller's work on a fresh
+// goroutine locked to its OS thread, and if the thread cannot be switched back it is
+// never returned to the runtime's pool: the goroutine exits while still locked, which
+// makes the Go runtime terminate that thread.
+package netns
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+
+	"golang.org/x/sys/unix"
+)
+
+// ErrNotNetNS is returned (wrapped) when a path exists but is not a network namespace.
+var ErrNotNetNS = errors.New("not a network namespace")
+
+// nsfsMagic is the statfs f_type of nsfs, the filesystem that namespace files
+// (/proc/PID/ns/net and their bind mounts) live on.
+const nsfsMagic = 0x6e736673
+
+// Validate reports whether path names a network namespace. It checks the
+// filesystem type and then the namespace type, so a regular file, a directory or a
+// mount namespace file are all rejected with an error that says which.
+func Validate(path string) error {
+	if path == "" {
+		return fmt.Errorf("netns path is empty")
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(path, &st); err != nil {
+		return fmt.Errorf("netns path %q: %w", path, err)
+	}
+	if st.Type != nsfsMagic {
+		return fmt.Errorf("netns path %q (filesystem type %#x): %w", path, st.Type, ErrNotNetNS)
+	}
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open netns %q: %w", path, err)
+	}
+	defer unix.Close(fd)
+	// NS_GET_NSTYPE tells which kind of namespace the file refers to.
+	kind, err := unix.IoctlRetInt(fd, unix.NS_GET_NSTYPE)
+	if err != nil {
+		return fmt.Errorf("query namespace type of %q: %w", path, err)
+	}
+	if kind != unix.CLONE_NEWNET {
+		return fmt.Errorf("netns path %q (namespace type %#x): %w", path, kind, ErrNotNetNS)
+	}
+	return nil
+}
+
+// Do runs fn with the calling thread inside the network namespace at path. fn runs on
+// its own goroutine locked to an OS thread; sockets fn creates belong to that
+// namespace and stay usable from any goroutine afterwards. Do returns fn's error.
+func Do(path string, fn func() error) error {
+	target, err := os.Open(path)
+	if err != nil {
+		return fmt.Errorf("open netns %q: %w", path, err)
+	}
+	defer target.Close()
+	return DoFd(int(target.Fd()), fn)
+}
+
+// DoFd is Do for an already-open namespace file descriptor.
+func DoFd(fd int, fn func() error) error {
+	result := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		// The thread is unlocked only when it is back in its original namespace;
+		// otherwise the goroutine exits locked and the runtime discards the thread.
+		restored := false
+		defer func() {
+			if restored {
+				runtime.UnlockOSThread()
+			}
+		}()
+		origin, err := os.Open(threadNetNSPath())
+		if err != nil {
+			result <- fmt.Errorf("open current netns: %w", err)
+			return
+		}
+		defer origin.Close()
+		if err := unix.Setns(fd, unix.CLONE_NEWNET); err != nil {
+			restored = true
+			result <- fmt.Errorf("enter netns: %w", err)
+			return
+		}
+		fnErr := fn()
+		if err := unix.Setns(int(origin.Fd()), unix.CLONE_NEWNET); err != nil {
+			result <- errors.Join(fnErr, fmt.Errorf("return to original netns: %w", err))
+			return
+		}
+		restored = true
+		result <- fnErr
+	}()
+	return <-result
+}
+
+// Create makes a new, empty network namespace and bind-mounts it at path (whose
+// parent directory is created if needed), the way `ip netns add` does. The namespace
+// lives until Remove unmounts it and no process or socket holds it.
+func Create(path string) error {
+	if err := ensureNetNSDir(filepath.Dir(path)); err != nil {
+		return err
+	}
+	f, err := os.OpenFile(path, os.O_RDONLY|os.O_CREATE|os.O_EXCL, 0o444)
+	if err != nil {
+		return fmt.Errorf("create netns mount point %q: %w", path, err)
+	}
+	f.Close()
+
+	result := make(chan error, 1)
+	go func() {
+		// This thread is never unlocked: after unshare it belongs to the new
+		// namespace, so when the goroutine ends the runtime throws the thread away.
+		runtime.LockOSThread()
+		if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
+			result <- fmt.Errorf("unshare network namespace: %w", err)
+			return
+		}
+		if err := unix.Mount(threadNetNSPath(), path, "none", unix.MS_BIND, ""); err != nil {
+			result <- fmt.Errorf("bind-mount new netns at %q: %w", path, err)
+			return
+		}
+		result <- nil
+	}()
+	if err := <-result; err != nil {
+		os.Remove(path)
+		return err
+	}
+	return nil
+}
+
+// Remove unmounts and deletes a namespace made by Create. A path that is already
+// gone is not an error.
+func Remove(path string) error {
+	if err := unix.Unmount(path, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
+		return fmt.Errorf("unmount netns %q: %w", path, err)
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("remove netns mount point %q: %w", path, err)
+	}
+	return nil
+}
+
+// Cookie returns the kernel's cookie for the network namespace at path: the value
+// BPF programs see from bpf_get_netns_cookie for sockets in that namespace.
+func Cookie(path string) (uint64, error) {
+	var cookie uint64
+	err := Do(path, func() error {
+		var err error
+		cookie, err = currentCookie()
+		return err
+	})
+	if err != nil {
+		return 0, fmt.Errorf("netns cookie of %q: %w", path, err)
+	}
+	return cookie, nil
+}
+
+// CookieFd is Cookie for an already-open namespace file descriptor.
+func CookieFd(fd int) (uint64, error) {
+	var cookie uint64
+	err := DoFd(fd, func() error {
+		var err error
+		cookie, err = currentCookie()
+		return err
+	})
+	return cookie, err
+}
+
+func currentCookie() (uint64, error) {
+	sock, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return 0, fmt.Errorf("socket for SO_NETNS_COOKIE: %w", err)
+	}
+	defer unix.Close(sock)
+	cookie, err := unix.GetsockoptUint64(sock, unix.SOL_SOCKET, unix.SO_NETNS_COOKIE)
+	if err != nil {
+		return 0, fmt.Errorf("getsockopt SO_NETNS_COOKIE: %w", err)
+	}
+	return cookie, nil
+}
+
+func threadNetNSPath() string {
+	return fmt.Sprintf("/proc/%d/task/%d/ns/net", os.Getpid(), unix.Gettid())
+}
+
+// ensureNetNSDir creates the directory that holds namespace mount points.
+func ensureNetNSDir(dir string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return fmt.Errorf("create netns dir %q: %w", dir, err)
+	}
+	return nil
+}

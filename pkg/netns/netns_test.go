@@ -1,0 +1,85 @@
+package netns_test
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/mesh-cni/mesh-cni/pkg/netns"
+)
+
+func newNS(t *testing.T) string {
+	t.Helper()
+	path := filepath.Join("/run/netns", fmt.Sprintf("meshtest-netns-%s-%d", t.Name(), os.Getpid()))
+	if err := netns.Create(path); err != nil {
+		t.Fatalf("create netns: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := netns.Remove(path); err != nil {
+			t.Errorf("remove netns: %v", err)
+		}
+	})
+	return path
+}
+
+func TestValidate(t *testing.T) {
+	path := newNS(t)
+	if err := netns.Validate(path); err != nil {
+		t.Fatalf("Validate(new netns) = %v", err)
+	}
+	if err := netns.Validate("/proc/self/ns/net"); err != nil {
+		t.Fatalf("Validate(/proc/self/ns/net) = %v", err)
+	}
+	if err := netns.Validate("/proc/self/ns/mnt"); !errors.Is(err, netns.ErrNotNetNS) {
+		t.Fatalf("Validate(mnt ns) = %v, want ErrNotNetNS", err)
+	}
+	regular := filepath.Join(t.TempDir(), "file")
+	if err := os.WriteFile(regular, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := netns.Validate(regular); !errors.Is(err, netns.ErrNotNetNS) {
+		t.Fatalf("Validate(regular file) = %v, want ErrNotNetNS", err)
+	}
+	if err := netns.Validate(filepath.Join(t.TempDir(), "missing")); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("Validate(missing) = %v, want not-exist", err)
+	}
+	if err := netns.Validate(""); err == nil {
+		t.Fatal("Validate(\"\") succeeded")
+	}
+}
+
+func TestDoAndCookie(t *testing.T) {
+	path := newNS(t)
+	hostCookie, err := netns.Cookie("/proc/self/ns/net")
+	if err != nil {
+		t.Fatal(err)
+	}
+	podCookie, err := netns.Cookie(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if hostCookie == podCookie || podCookie == 0 {
+		t.Fatalf("cookies: host %d pod %d, want distinct non-zero", hostCookie, podCookie)
+	}
+	// Inside a fresh namespace only lo exists, and it is down.
+	var names []string
+	if err := netns.Do(path, func() error {
+		ifs, err := net.Interfaces()
+		for _, i := range ifs {
+			names = append(names, i.Name)
+		}
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if len(names) != 1 || names[0] != "lo" {
+		t.Fatalf("interfaces in new netns = %v, want [lo]", names)
+	}
+	again, err := netns.Cookie("/proc/self/ns/net")
+	if err != nil || again != hostCookie {
+		t.Fatalf("host cookie changed after Do: %d -> %d (%v)", hostCookie, again, err)
+	}
+}
