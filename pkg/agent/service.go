@@ -1,0 +1,278 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"go.uber.org/zap"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/mesh-cni/mesh-cni/pkg/gate"
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/pkg/podstore"
+)
+
+// Service implements the gate API: it admits pods once the agent is ready, asks
+// the policy whether each joins the mesh, has the data path redirect the ones that
+// do, and keeps the records that say so.
+type Service struct {
+	gatepb.UnimplementedGateServer
+
+	log       *zap.Logger
+	readiness *Readiness
+	policy    Policy
+	datapath  Datapath
+	store     *podstore.Store
+	locks     *keyLock
+	now       func() time.Time
+}
+
+// NewService wires the gate to its collaborators.
+func NewService(log *zap.Logger, readiness *Readiness, policy Policy, datapath Datapath, store *podstore.Store) *Service {
+	return &Service{
+		log:       log,
+		readiness: readiness,
+		policy:    policy,
+		datapath:  datapath,
+		store:     store,
+		locks:     newKeyLock(),
+		now:       time.Now,
+	}
+}
+
+func keyOf(a *gatepb.Attachment) podstore.Key {
+	return podstore.Key{Network: a.GetNetwork(), ContainerID: a.GetContainerId(), Ifname: a.GetIfname()}
+}
+
+func podFields(pod *gatepb.PodIdentity, key podstore.Key) []zap.Field {
+	return []zap.Field{
+		zap.String("pod", pod.GetNamespace()+"/"+pod.GetName()),
+		zap.String("podUID", pod.GetUid()),
+		zap.String("attachment", key.String()),
+	}
+}
+
+// Add implements gatepb.GateServer.
+func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddResponse, error) {
+	start := s.now()
+	if err := gate.ValidateAdd(req); err != nil {
+		s.log.Warn("rejected add", zap.Error(err))
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	key := keyOf(req.GetAttachment())
+	fields := podFields(req.GetPod(), key)
+
+	if err := s.readiness.Wait(ctx); err != nil {
+		s.log.Warn("add gave up waiting for readiness", append(fields, zap.Error(err))...)
+		return nil, status.Error(codes.Unavailable, err.Error())
+	}
+	waited := s.now().Sub(start)
+
+	unlock := s.locks.Lock(key.String())
+	defer unlock()
+
+	decision, err := s.policy.Decide(ctx, req.GetPod())
+	if err != nil {
+		s.log.Error("enrollment policy failed", append(fields, zap.Error(err))...)
+		return nil, status.Errorf(codes.Unavailable, "enrollment policy could not decide for pod %s/%s: %v", req.GetPod().GetNamespace(), req.GetPod().GetName(), err)
+	}
+	if !decision.Enroll {
+		// A pod re-added out of scope must not keep an older redirection.
+		if _, err := s.release(ctx, key); err != nil {
+			return nil, status.Error(codes.Internal, err.Error())
+		}
+		s.log.Info("pod skipped", append(fields, zap.String("reason", decision.Reason), zap.Duration("waited", waited))...)
+		return &gatepb.AddResponse{Decision: gatepb.Decision_DECISION_SKIPPED, Reason: decision.Reason}, nil
+	}
+
+	ifnames := interfaceNames(req.GetInterfaces(), key.Ifname)
+	cookie, err := s.datapath.Enroll(ctx, req.GetNetnsPath(), ifnames)
+	if err != nil {
+		s.log.Error("enrollment failed", append(fields, zap.Error(err))...)
+		return nil, status.Errorf(codes.Internal, "enroll pod %s/%s: %v", req.GetPod().GetNamespace(), req.GetPod().GetName(), err)
+	}
+	if prev, ok := s.store.Get(key); ok && prev.NetnsCookie != cookie {
+		// Same attachment, new network namespace (a sandbox re-created under the
+		// same id): the old namespace's redirection is stale.
+		if err := s.datapath.Release(ctx, prev.NetnsCookie); err != nil {
+			s.log.Warn("release of replaced namespace failed", append(fields, zap.Error(err))...)
+		}
+	}
+	rec := podstore.Record{
+		Key:         key,
+		Namespace:   req.GetPod().GetNamespace(),
+		Name:        req.GetPod().GetName(),
+		UID:         req.GetPod().GetUid(),
+		NetnsPath:   req.GetNetnsPath(),
+		NetnsCookie: cookie,
+		Interfaces:  toRecordInterfaces(req.GetInterfaces()),
+		Source:      req.GetSource().String(),
+		EnrolledAt:  s.now(),
+	}
+	if err := s.store.Put(rec); err != nil {
+		// Without a record the agent would forget the pod on restart; undo so the
+		// caller can retry from a clean state.
+		if rerr := s.datapath.Release(ctx, cookie); rerr != nil {
+			err = errors.Join(err, rerr)
+		}
+		s.log.Error("recording enrollment failed", append(fields, zap.Error(err))...)
+		return nil, status.Errorf(codes.Internal, "record enrollment of pod %s/%s: %v", req.GetPod().GetNamespace(), req.GetPod().GetName(), err)
+	}
+	s.log.Info("pod enrolled", append(fields,
+		zap.Uint64("netnsCookie", cookie),
+		zap.Strings("interfaces", ifnames),
+		zap.Duration("waited", waited),
+		zap.Duration("took", s.now().Sub(start)))...)
+	return &gatepb.AddResponse{Decision: gatepb.Decision_DECISION_ENROLLED, Reason: decision.Reason, NetnsCookie: cookie}, nil
+}
+
+// interfaceNames picks the interfaces to redirect on: those the primary plugin
+// reported inside the pod, or the attachment's own ifname when it reported none.
+func interfaceNames(ifs []*gatepb.Interface, fallback string) []string {
+	names := make([]string, 0, len(ifs))
+	for _, i := range ifs {
+		names = append(names, i.GetName())
+	}
+	if len(names) == 0 {
+		names = append(names, fallback)
+	}
+	return names
+}
+
+func toRecordInterfaces(ifs []*gatepb.Interface) []podstore.Interface {
+	out := make([]podstore.Interface, 0, len(ifs))
+	for _, i := range ifs {
+		out = append(out, podstore.Interface{Name: i.GetName(), MAC: i.GetMac(), Addresses: i.GetAddresses()})
+	}
+	return out
+}
+
+// Del implements gatepb.GateServer. It does not wait for readiness: releasing
+// needs only the records and the pinned data path.
+func (s *Service) Del(ctx context.Context, req *gatepb.DelRequest) (*gatepb.DelResponse, error) {
+	if err := gate.ValidateDel(req); err != nil {
+		s.log.Warn("rejected del", zap.Error(err))
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	key := keyOf(req.GetAttachment())
+	unlock := s.locks.Lock(key.String())
+	defer unlock()
+	released, err := s.release(ctx, key)
+	if err != nil {
+		return nil, status.Error(codes.Internal, err.Error())
+	}
+	if released {
+		s.log.Info("pod released", podFields(req.GetPod(), key)...)
+	}
+	return &gatepb.DelResponse{Released: released}, nil
+}
+
+// release undoes an enrollment; the caller holds the key's lock.
+func (s *Service) release(ctx context.Context, key podstore.Key) (bool, error) {
+	rec, ok := s.store.Get(key)
+	if !ok {
+		return false, nil
+	}
+	if err := s.datapath.Release(ctx, rec.NetnsCookie); err != nil {
+		return false, fmt.Errorf("release %s (netns cookie %d): %w", key, rec.NetnsCookie, err)
+	}
+	if err := s.store.Delete(key); err != nil {
+		return false, err
+	}
+	return true, nil
+}
+
+// Check implements gatepb.GateServer.
+func (s *Service) Check(ctx context.Context, req *gatepb.CheckRequest) (*gatepb.CheckResponse, error) {
+	if err := gate.ValidateCheck(req); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	if ready, why := s.readiness.Ready(); !ready {
+		return nil, status.Errorf(codes.Unavailable, "mesh-agent is not ready (%s)", why)
+	}
+	key := keyOf(req.GetAttachment())
+	unlock := s.locks.Lock(key.String())
+	defer unlock()
+
+	decision, err := s.policy.Decide(ctx, req.GetPod())
+	if err != nil {
+		return nil, status.Errorf(codes.Unavailable, "enrollment policy could not decide: %v", err)
+	}
+	rec, enrolled := s.store.Get(key)
+	if !decision.Enroll {
+		if enrolled {
+			return nil, status.Errorf(codes.FailedPrecondition, "pod %s/%s is enrolled but the policy says it should not be: %s", req.GetPod().GetNamespace(), req.GetPod().GetName(), decision.Reason)
+		}
+		return &gatepb.CheckResponse{Decision: gatepb.Decision_DECISION_SKIPPED, Reason: decision.Reason}, nil
+	}
+	if !enrolled {
+		return nil, status.Errorf(codes.FailedPrecondition, "pod %s/%s should be enrolled but the agent has no record of attachment %s", req.GetPod().GetNamespace(), req.GetPod().GetName(), key)
+	}
+	if err := s.datapath.Check(ctx, rec.NetnsCookie, interfaceNames(req.GetInterfaces(), key.Ifname)); err != nil {
+		return nil, status.Errorf(codes.FailedPrecondition, "redirection of pod %s/%s is not intact: %v", req.GetPod().GetNamespace(), req.GetPod().GetName(), err)
+	}
+	return &gatepb.CheckResponse{Decision: gatepb.Decision_DECISION_ENROLLED, Reason: decision.Reason}, nil
+}
+
+// GC implements gatepb.GateServer: every attachment of the network that the
+// runtime no longer lists is released.
+func (s *Service) GC(ctx context.Context, req *gatepb.GCRequest) (*gatepb.GCResponse, error) {
+	if err := gate.ValidateGC(req); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	valid := make(map[podstore.Key]bool, len(req.GetValid()))
+	for _, a := range req.GetValid() {
+		valid[podstore.Key{Network: req.GetNetwork(), ContainerID: a.GetContainerId(), Ifname: a.GetIfname()}] = true
+	}
+	resp := &gatepb.GCResponse{}
+	var errs []error
+	for _, rec := range s.store.List() {
+		if rec.Key.Network != req.GetNetwork() || valid[rec.Key] {
+			continue
+		}
+		released, err := s.releaseLocked(ctx, rec.Key)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if released {
+			s.log.Info("pod released by gc", zap.String("pod", rec.Namespace+"/"+rec.Name), zap.String("podUID", rec.UID), zap.String("attachment", rec.Key.String()))
+			resp.Released = append(resp.Released, &gatepb.Attachment{ContainerId: rec.Key.ContainerID, Ifname: rec.Key.Ifname, Network: rec.Key.Network})
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return resp, status.Errorf(codes.Internal, "gc released %d attachments, failed on others: %v", len(resp.Released), err)
+	}
+	return resp, nil
+}
+
+func (s *Service) releaseLocked(ctx context.Context, key podstore.Key) (bool, error) {
+	unlock := s.locks.Lock(key.String())
+	defer unlock()
+	return s.release(ctx, key)
+}
+
+// List implements gatepb.GateServer.
+func (s *Service) List(context.Context, *gatepb.ListRequest) (*gatepb.ListResponse, error) {
+	ready, _ := s.readiness.Ready()
+	resp := &gatepb.ListResponse{Ready: ready}
+	for _, rec := range s.store.List() {
+		ifs := make([]*gatepb.Interface, 0, len(rec.Interfaces))
+		for _, i := range rec.Interfaces {
+			ifs = append(ifs, &gatepb.Interface{Name: i.Name, Mac: i.MAC, Addresses: i.Addresses})
+		}
+		resp.Enrollments = append(resp.Enrollments, &gatepb.Enrollment{
+			Pod:                &gatepb.PodIdentity{Namespace: rec.Namespace, Name: rec.Name, Uid: rec.UID},
+			Attachment:         &gatepb.Attachment{ContainerId: rec.Key.ContainerID, Ifname: rec.Key.Ifname, Network: rec.Key.Network},
+			NetnsPath:          rec.NetnsPath,
+			NetnsCookie:        rec.NetnsCookie,
+			Interfaces:         ifs,
+			Source:             gatepb.Source(gatepb.Source_value[rec.Source]),
+			EnrolledAtUnixNano: rec.EnrolledAt.UnixNano(),
+		})
+	}
+	return resp, nil
+}

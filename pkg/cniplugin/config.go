@@ -1,0 +1,137 @@
+package cniplugin
+
+import (
+	"encoding/json"
+	"fmt"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/containernetworking/cni/pkg/types"
+	"github.com/containernetworking/cni/pkg/version"
+	"go.uber.org/zap/zapcore"
+)
+
+// Defaults of the plugin's config fields.
+const (
+	DefaultSocketPath  = "/var/run/mesh-cni/gate.sock"
+	DefaultGateTimeout = 30 * time.Second
+	DefaultDelTimeout  = 2 * time.Second
+	DefaultLogLevel    = "info"
+)
+
+// DefaultExcludeNamespaces keeps the cluster's own system pods out of the mesh,
+// so they can never wait on an agent that itself needs them to start.
+var defaultExcludeNamespaces = []string{"kube-system"}
+
+// NetConf is the plugin's entry in the conflist.
+type NetConf struct {
+	types.NetConf
+
+	// SocketPath is the agent's gate socket.
+	SocketPath string `json:"socketPath,omitempty"`
+	// GateTimeout bounds how long ADD waits for the agent (a Go duration string).
+	GateTimeout Duration `json:"gateTimeout,omitempty"`
+	// DelTimeout bounds how long DEL, CHECK, GC and STATUS wait for the agent.
+	DelTimeout Duration `json:"delTimeout,omitempty"`
+	// ExcludeNamespaces are passed straight through without contacting the agent.
+	// Absent means ["kube-system"]; an empty list excludes nothing.
+	ExcludeNamespaces *[]string `json:"excludeNamespaces,omitempty"`
+	// LogLevel is debug, info, warn or error.
+	LogLevel string `json:"logLevel,omitempty"`
+	// LogFile, when set, receives the plugin's logs; otherwise stderr does. Never
+	// stdout: it carries the CNI result.
+	LogFile string `json:"logFile,omitempty"`
+	// Attachments is the GC list under its early name; ValidAttachments (in
+	// types.NetConf) is the current one.
+	Attachments []types.GCAttachment `json:"cni.dev/attachments,omitempty"`
+}
+
+// Duration is a time.Duration written as a Go duration string ("30s").
+type Duration time.Duration
+
+// UnmarshalJSON implements json.Unmarshaler.
+func (d *Duration) UnmarshalJSON(b []byte) error {
+	var s string
+	if err := json.Unmarshal(b, &s); err != nil {
+		return fmt.Errorf("want a duration string such as \"30s\", got %s", truncate(string(b), 40))
+	}
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		return fmt.Errorf("duration %q: %w", truncate(s, 40), err)
+	}
+	if v <= 0 {
+		return fmt.Errorf("duration %q must be positive", s)
+	}
+	*d = Duration(v)
+	return nil
+}
+
+// MarshalJSON implements json.Marshaler.
+func (d Duration) MarshalJSON() ([]byte, error) { return json.Marshal(time.Duration(d).String()) }
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "..."
+}
+
+// Excluded reports whether pods of namespace pass through without the agent.
+func (c *NetConf) Excluded(namespace string) bool {
+	return slices.Contains(*c.ExcludeNamespaces, namespace)
+}
+
+// parseConfig decodes stdin, applies defaults, parses prevResult and validates.
+// Its errors are CNI errors with the code the spec assigns.
+func parseConfig(stdin []byte) (*NetConf, error) {
+	conf := &NetConf{}
+	if err := json.Unmarshal(stdin, conf); err != nil {
+		return nil, types.NewError(types.ErrDecodingFailure, "mesh-cni: cannot decode the network configuration", err.Error())
+	}
+	if conf.SocketPath == "" {
+		conf.SocketPath = DefaultSocketPath
+	}
+	if conf.GateTimeout == 0 {
+		conf.GateTimeout = Duration(DefaultGateTimeout)
+	}
+	if conf.DelTimeout == 0 {
+		conf.DelTimeout = Duration(DefaultDelTimeout)
+	}
+	if conf.ExcludeNamespaces == nil {
+		ex := slices.Clone(defaultExcludeNamespaces)
+		conf.ExcludeNamespaces = &ex
+	}
+	if conf.LogLevel == "" {
+		conf.LogLevel = DefaultLogLevel
+	}
+	if !filepath.IsAbs(conf.SocketPath) {
+		return nil, types.NewError(types.ErrInvalidNetworkConfig, "mesh-cni: socketPath must be an absolute path", conf.SocketPath)
+	}
+	if _, err := zapcore.ParseLevel(conf.LogLevel); err != nil {
+		return nil, types.NewError(types.ErrInvalidNetworkConfig, "mesh-cni: logLevel must be debug, info, warn or error", conf.LogLevel)
+	}
+	if conf.LogFile != "" && !filepath.IsAbs(conf.LogFile) {
+		return nil, types.NewError(types.ErrInvalidNetworkConfig, "mesh-cni: logFile must be an absolute path", conf.LogFile)
+	}
+	for _, ns := range *conf.ExcludeNamespaces {
+		if strings.TrimSpace(ns) == "" {
+			return nil, types.NewError(types.ErrInvalidNetworkConfig, "mesh-cni: excludeNamespaces contains an empty name", "")
+		}
+	}
+	if conf.RawPrevResult != nil {
+		if err := version.ParsePrevResult(&conf.NetConf); err != nil {
+			return nil, types.NewError(types.ErrDecodingFailure, "mesh-cni: cannot parse prevResult", err.Error())
+		}
+	}
+	return conf, nil
+}
+
+// validAttachments returns the GC list under either of its names.
+func (c *NetConf) validAttachments() []types.GCAttachment {
+	if len(c.ValidAttachments) > 0 {
+		return c.ValidAttachments
+	}
+	return c.Attachments
+}

@@ -1,0 +1,341 @@
+// Package cniplugin is the mesh-cni chained CNI plugin: it holds a pod's ADD at
+// the mesh-agent's gate until the agent has enrolled the pod, and passes the
+// primary plugin's result through unchanged.
+package cniplugin
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"runtime/debug"
+	"time"
+
+	"github.com/containernetworking/cni/pkg/skel"
+	"github.com/containernetworking/cni/pkg/types"
+	types100 "github.com/containernetworking/cni/pkg/types/100"
+	"github.com/containernetworking/cni/pkg/version"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	"github.com/mesh-cni/mesh-cni/pkg/gate"
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/pkg/netns"
+)
+
+// SupportedVersions are the CNI spec versions mesh-cni accepts. GC and STATUS
+// need 1.1.0, CHECK 0.4.0; the chain may be older and still use ADD and DEL.
+var supportedVersions = version.PluginSupports("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
+
+// Plugin runs the CNI commands. Stdout is where results go; Stderr receives logs
+// when no log file is configured.
+type Plugin struct {
+	Stdout io.Writer
+	Stderr io.Writer
+}
+
+// Funcs returns the command table for skel.
+func (p Plugin) Funcs() skel.CNIFuncs {
+	return skel.CNIFuncs{
+		Add:    p.guard(p.Add),
+		Del:    p.guard(p.Del),
+		Check:  p.guard(p.Check),
+		GC:     p.guard(p.GC),
+		Status: p.guard(p.Status),
+	}
+}
+
+// Main is the plugin's entry point.
+func Main() {
+	p := Plugin{Stdout: os.Stdout, Stderr: os.Stderr}
+	skel.PluginMainFuncs(p.Funcs(), supportedVersions, "mesh-cni: holds pod start until the mesh agent has enrolled the pod")
+}
+
+// guard turns a panic into a CNI error instead of a crash with no result.
+func (p Plugin) guard(fn func(*skel.CmdArgs) error) func(*skel.CmdArgs) error {
+	return func(args *skel.CmdArgs) (err error) {
+		defer func() {
+			if r := recover(); r != nil {
+				err = types.NewError(types.ErrInternal, fmt.Sprintf("mesh-cni: internal error: %v", r), string(debug.Stack()))
+			}
+		}()
+		return fn(args)
+	}
+}
+
+func (p Plugin) logger(conf *NetConf, args *skel.CmdArgs, cmd string) (*zap.Logger, func()) {
+	lvl, _ := zapcore.ParseLevel(conf.LogLevel) // validated in parseConfig
+	out := zapcore.AddSync(p.Stderr)
+	closeFn := func() {}
+	if conf.LogFile != "" {
+		f, err := os.OpenFile(conf.LogFile, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+		if err == nil {
+			out = zapcore.AddSync(f)
+			closeFn = func() { f.Close() }
+		}
+	}
+	enc := zap.NewProductionEncoderConfig()
+	enc.EncodeTime = zapcore.ISO8601TimeEncoder
+	log := zap.New(zapcore.NewCore(zapcore.NewJSONEncoder(enc), out, lvl)).With(
+		zap.String("cmd", cmd),
+		zap.String("containerID", args.ContainerID),
+		zap.String("ifname", args.IfName),
+		zap.String("network", conf.Name),
+	)
+	return log, func() { _ = log.Sync(); closeFn() }
+}
+
+func (p Plugin) dial(conf *NetConf) (*grpc.ClientConn, error) {
+	// A socket that exists but that this process may not open would otherwise
+	// look like an agent that never answers; say what it is at once.
+	if err := unix.Access(conf.SocketPath, unix.W_OK); errors.Is(err, unix.EACCES) {
+		return nil, types.NewError(ErrGateRefused,
+			fmt.Sprintf("mesh-cni: no permission to use gate socket %s (the plugin runs as uid %d; the socket is for root)", conf.SocketPath, os.Getuid()),
+			err.Error())
+	}
+	conn, err := gate.Dial(conf.SocketPath)
+	if err != nil {
+		return nil, types.NewError(types.ErrInternal, "mesh-cni: cannot set up the gate client", err.Error())
+	}
+	return conn, nil
+}
+
+// Add implements CNI ADD.
+func (p Plugin) Add(args *skel.CmdArgs) error {
+	start := time.Now()
+	conf, err := parseConfig(args.StdinData)
+	if err != nil {
+		return err
+	}
+	log, done := p.logger(conf, args, "ADD")
+	defer done()
+	if conf.PrevResult == nil {
+		return types.NewError(types.ErrInvalidNetworkConfig,
+			"mesh-cni: no prevResult: mesh-cni is a chained plugin and must come after the primary network plugin in a conflist", "")
+	}
+	pod, err := parseArgs(args.Args)
+	if err != nil {
+		return err
+	}
+	if err := pod.requireIdentity(); err != nil {
+		return err
+	}
+	log = log.With(zap.String("pod", pod.Namespace+"/"+pod.Name), zap.String("podUID", pod.UID))
+	if conf.Excluded(pod.Namespace) {
+		log.Info("pod passed through: namespace is excluded from the mesh")
+		return types.PrintResult(conf.PrevResult, conf.CNIVersion)
+	}
+	if err := netns.Validate(args.Netns); err != nil {
+		return types.NewError(types.ErrInvalidNetNS, "mesh-cni: CNI_NETNS is not a network namespace", err.Error())
+	}
+	result, err := types100.NewResultFromResult(conf.PrevResult)
+	if err != nil {
+		return types.NewError(types.ErrDecodingFailure, "mesh-cni: cannot convert prevResult", err.Error())
+	}
+	parsed := time.Now()
+
+	conn, err := p.dial(conf)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	timeout := time.Duration(conf.GateTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	resp, err := gatepb.NewGateClient(conn).Add(ctx, &gatepb.AddRequest{
+		Pod:        &gatepb.PodIdentity{Namespace: pod.Namespace, Name: pod.Name, Uid: pod.UID},
+		Attachment: &gatepb.Attachment{ContainerId: args.ContainerID, Ifname: args.IfName, Network: conf.Name},
+		NetnsPath:  args.Netns,
+		Interfaces: podInterfaces(result, args.IfName),
+		Source:     gatepb.Source_SOURCE_CNI,
+	}, grpc.WaitForReady(true))
+	if err != nil {
+		log.Error("pod not admitted", zap.Error(err), zap.Duration("waited", time.Since(start)))
+		return gateError("ADD", conf.SocketPath, timeout, err)
+	}
+	log.Info("pod admitted",
+		zap.String("decision", resp.GetDecision().String()),
+		zap.String("reason", resp.GetReason()),
+		zap.Uint64("netnsCookie", resp.GetNetnsCookie()))
+	log.Debug("add timing",
+		zap.Duration("parse", parsed.Sub(start)),
+		zap.Duration("gate", time.Since(parsed)),
+		zap.Duration("total", time.Since(start)))
+	return types.PrintResult(conf.PrevResult, conf.CNIVersion)
+}
+
+// podInterfaces lists the interfaces the primary plugin put inside the pod
+// (those with a sandbox), with their addresses.
+func podInterfaces(res *types100.Result, ifname string) []*gatepb.Interface {
+	var out []*gatepb.Interface
+	index := map[int]*gatepb.Interface{}
+	for i, iface := range res.Interfaces {
+		if iface == nil || iface.Sandbox == "" {
+			continue
+		}
+		gi := &gatepb.Interface{Name: iface.Name, Mac: iface.Mac}
+		index[i] = gi
+		out = append(out, gi)
+	}
+	for _, ip := range res.IPs {
+		if ip == nil || ip.Interface == nil {
+			continue
+		}
+		if gi, ok := index[*ip.Interface]; ok {
+			gi.Addresses = append(gi.Addresses, ip.Address.String())
+		}
+	}
+	if len(out) == 0 {
+		out = append(out, &gatepb.Interface{Name: ifname})
+	}
+	return out
+}
+
+// Del implements CNI DEL. It succeeds when the agent is away: the agent releases
+// what it holds by GC and reconcile, and a failing DEL would only leave the pod
+// stuck terminating.
+func (p Plugin) Del(args *skel.CmdArgs) error {
+	conf, err := parseConfig(args.StdinData)
+	if err != nil {
+		return err
+	}
+	log, done := p.logger(conf, args, "DEL")
+	defer done()
+	pod, err := parseArgs(args.Args)
+	if err != nil {
+		return err
+	}
+	if pod.HasIdentity && conf.Excluded(pod.Namespace) {
+		return nil
+	}
+	conn, err := p.dial(conf)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(conf.DelTimeout))
+	defer cancel()
+	req := &gatepb.DelRequest{
+		Attachment: &gatepb.Attachment{ContainerId: args.ContainerID, Ifname: args.IfName, Network: conf.Name},
+		NetnsPath:  args.Netns,
+		Source:     gatepb.Source_SOURCE_CNI,
+	}
+	if pod.HasIdentity {
+		req.Pod = &gatepb.PodIdentity{Namespace: pod.Namespace, Name: pod.Name, Uid: pod.UID}
+	}
+	resp, err := gatepb.NewGateClient(conn).Del(ctx, req)
+	if isAgentAway(err) {
+		log.Warn("mesh-agent unreachable during DEL; it will release the pod when it runs again", zap.Error(err))
+		return nil
+	}
+	if err != nil {
+		return gateError("DEL", conf.SocketPath, time.Duration(conf.DelTimeout), err)
+	}
+	log.Info("pod deleted", zap.Bool("released", resp.GetReleased()))
+	return nil
+}
+
+// Check implements CNI CHECK.
+func (p Plugin) Check(args *skel.CmdArgs) error {
+	conf, err := parseConfig(args.StdinData)
+	if err != nil {
+		return err
+	}
+	_, done := p.logger(conf, args, "CHECK")
+	defer done()
+	if conf.PrevResult == nil {
+		return types.NewError(types.ErrInvalidNetworkConfig, "mesh-cni: CHECK needs prevResult", "")
+	}
+	pod, err := parseArgs(args.Args)
+	if err != nil {
+		return err
+	}
+	if err := pod.requireIdentity(); err != nil {
+		return err
+	}
+	if conf.Excluded(pod.Namespace) {
+		return nil
+	}
+	if err := netns.Validate(args.Netns); err != nil {
+		return types.NewError(types.ErrInvalidNetNS, "mesh-cni: CNI_NETNS is not a network namespace", err.Error())
+	}
+	result, err := types100.NewResultFromResult(conf.PrevResult)
+	if err != nil {
+		return types.NewError(types.ErrDecodingFailure, "mesh-cni: cannot convert prevResult", err.Error())
+	}
+	conn, err := p.dial(conf)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(conf.DelTimeout))
+	defer cancel()
+	_, err = gatepb.NewGateClient(conn).Check(ctx, &gatepb.CheckRequest{
+		Pod:        &gatepb.PodIdentity{Namespace: pod.Namespace, Name: pod.Name, Uid: pod.UID},
+		Attachment: &gatepb.Attachment{ContainerId: args.ContainerID, Ifname: args.IfName, Network: conf.Name},
+		NetnsPath:  args.Netns,
+		Interfaces: podInterfaces(result, args.IfName),
+	})
+	if err != nil {
+		return gateError("CHECK", conf.SocketPath, time.Duration(conf.DelTimeout), err)
+	}
+	return nil
+}
+
+// GC implements CNI GC: the agent releases every attachment of this network that
+// the runtime does not list as valid.
+func (p Plugin) GC(args *skel.CmdArgs) error {
+	conf, err := parseConfig(args.StdinData)
+	if err != nil {
+		return err
+	}
+	log, done := p.logger(conf, args, "GC")
+	defer done()
+	valid := conf.validAttachments()
+	req := &gatepb.GCRequest{Network: conf.Name, Valid: make([]*gatepb.Attachment, 0, len(valid))}
+	for _, a := range valid {
+		req.Valid = append(req.Valid, &gatepb.Attachment{ContainerId: a.ContainerID, Ifname: a.IfName, Network: conf.Name})
+	}
+	conn, err := p.dial(conf)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(conf.DelTimeout))
+	defer cancel()
+	resp, err := gatepb.NewGateClient(conn).GC(ctx, req)
+	if err != nil {
+		return gateError("GC", conf.SocketPath, time.Duration(conf.DelTimeout), err)
+	}
+	log.Info("gc done", zap.Int("valid", len(valid)), zap.Int("released", len(resp.GetReleased())))
+	return nil
+}
+
+// Status implements CNI STATUS: available only when the agent reports ready.
+func (p Plugin) Status(args *skel.CmdArgs) error {
+	conf, err := parseConfig(args.StdinData)
+	if err != nil {
+		return err
+	}
+	conn, err := p.dial(conf)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(conf.DelTimeout))
+	defer cancel()
+	resp, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{})
+	if err != nil {
+		return types.NewError(ErrPluginNotAvailable,
+			fmt.Sprintf("mesh-cni: mesh-agent is not reachable on gate socket %s; new pods will wait for it", conf.SocketPath), err.Error())
+	}
+	if resp.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+		return types.NewError(ErrPluginNotAvailable,
+			fmt.Sprintf("mesh-cni: mesh-agent on %s is not ready (%s); new pods will wait for it", conf.SocketPath, resp.GetStatus()), "")
+	}
+	return nil
+}

@@ -1,0 +1,33 @@
+package gate
+
+import (
+	"fmt"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
+	"google.golang.org/grpc/credentials/insecure"
+)
+
+// Dial prepares a client connection to the gate socket. It does not connect until
+// the first call. Reconnect back-off is short and capped low on purpose: a plugin
+// waiting for an agent that is starting must notice the socket within a fraction
+// of a second, where gRPC's default back-off grows to minutes.
+func Dial(socketPath string) (*grpc.ClientConn, error) {
+	conn, err := grpc.NewClient("unix://"+socketPath,
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithConnectParams(grpc.ConnectParams{
+			Backoff: backoff.Config{
+				BaseDelay:  20 * time.Millisecond,
+				Multiplier: 1.5,
+				Jitter:     0.2,
+				MaxDelay:   200 * time.Millisecond,
+			},
+			MinConnectTimeout: time.Second,
+		}),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("gate client for %s: %w", socketPath, err)
+	}
+	return conn, nil
+}

@@ -1,0 +1,228 @@
+package gate
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"path/filepath"
+	"regexp"
+
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/pkg/netns"
+)
+
+// Bounds on request fields. Every string a caller sends ends up in logs, state
+// records and file names, so each is bounded and restricted to the characters its
+// kind allows.
+const (
+	maxNamespaceLen   = 63
+	maxPodNameLen     = 253
+	maxUIDLen         = 128
+	maxContainerIDLen = 128
+	maxNetworkLen     = 128
+	maxIfnameLen      = 15
+	maxPathLen        = 4096
+	maxInterfaces     = 16
+	maxAddresses      = 32
+	maxMetadata       = 256
+	maxMetaKeyLen     = 317
+	maxMetaValueLen   = 4096
+	maxAttachments    = 65536
+)
+
+var (
+	dnsLabel     = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?$`)
+	dnsSubdomain = regexp.MustCompile(`^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$`)
+	uidPattern   = regexp.MustCompile(`^[A-Za-z0-9-]+$`)
+	// The CNI spec restricts container ids and network names to these characters.
+	cniIdentifier = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.\-]*$`)
+)
+
+// ErrInvalidRequest is the cause of every validation failure.
+var ErrInvalidRequest = errors.New("invalid gate request")
+
+func invalid(format string, args ...any) error {
+	return fmt.Errorf("%w: %s", ErrInvalidRequest, fmt.Sprintf(format, args...))
+}
+
+// ValidateAdd checks an Add request completely, including that the netns path is a
+// network namespace on this host.
+func ValidateAdd(req *gatepb.AddRequest) error {
+	if err := validatePod(req.GetPod()); err != nil {
+		return err
+	}
+	if err := validateAttachment(req.GetAttachment()); err != nil {
+		return err
+	}
+	if err := validateNetnsPath(req.GetNetnsPath(), true); err != nil {
+		return err
+	}
+	return validateInterfaces(req.GetInterfaces())
+}
+
+// ValidateDel checks a Del request. The netns may already be gone, so only the
+// shape of its path is checked.
+func ValidateDel(req *gatepb.DelRequest) error {
+	if err := validateAttachment(req.GetAttachment()); err != nil {
+		return err
+	}
+	if req.GetPod() != nil {
+		if err := validatePod(req.GetPod()); err != nil {
+			return err
+		}
+	}
+	if req.GetNetnsPath() == "" {
+		return nil
+	}
+	return validateNetnsPath(req.GetNetnsPath(), false)
+}
+
+// ValidateCheck checks a Check request.
+func ValidateCheck(req *gatepb.CheckRequest) error {
+	if err := validatePod(req.GetPod()); err != nil {
+		return err
+	}
+	if err := validateAttachment(req.GetAttachment()); err != nil {
+		return err
+	}
+	if err := validateNetnsPath(req.GetNetnsPath(), true); err != nil {
+		return err
+	}
+	return validateInterfaces(req.GetInterfaces())
+}
+
+// ValidateGC checks a GC request.
+func ValidateGC(req *gatepb.GCRequest) error {
+	if err := validateNetwork(req.GetNetwork()); err != nil {
+		return err
+	}
+	if n := len(req.GetValid()); n > maxAttachments {
+		return invalid("%d valid attachments, more than the limit of %d", n, maxAttachments)
+	}
+	for i, a := range req.GetValid() {
+		if err := validateContainerID(a.GetContainerId()); err != nil {
+			return fmt.Errorf("valid attachment %d: %w", i, err)
+		}
+		if err := validateIfname(a.GetIfname()); err != nil {
+			return fmt.Errorf("valid attachment %d: %w", i, err)
+		}
+	}
+	return nil
+}
+
+func validatePod(p *gatepb.PodIdentity) error {
+	if p == nil {
+		return invalid("pod identity is missing")
+	}
+	ns, name := p.GetNamespace(), p.GetName()
+	if len(ns) == 0 || len(ns) > maxNamespaceLen || !dnsLabel.MatchString(ns) {
+		return invalid("pod namespace %.80q is not a DNS-1123 label of at most %d characters", ns, maxNamespaceLen)
+	}
+	if len(name) == 0 || len(name) > maxPodNameLen || !dnsSubdomain.MatchString(name) {
+		return invalid("pod name %.80q is not a DNS-1123 subdomain of at most %d characters", name, maxPodNameLen)
+	}
+	if uid := p.GetUid(); uid != "" && (len(uid) > maxUIDLen || !uidPattern.MatchString(uid)) {
+		return invalid("pod uid %.80q is not a uid of at most %d characters", uid, maxUIDLen)
+	}
+	if err := validateMetadata("label", p.GetLabels()); err != nil {
+		return err
+	}
+	return validateMetadata("annotation", p.GetAnnotations())
+}
+
+func validateMetadata(kind string, m map[string]string) error {
+	if len(m) > maxMetadata {
+		return invalid("%d pod %ss, more than the limit of %d", len(m), kind, maxMetadata)
+	}
+	for k, v := range m {
+		if k == "" || len(k) > maxMetaKeyLen {
+			return invalid("pod %s key %.80q is empty or longer than %d", kind, k, maxMetaKeyLen)
+		}
+		if len(v) > maxMetaValueLen {
+			return invalid("pod %s %.80q has a value longer than %d", kind, k, maxMetaValueLen)
+		}
+	}
+	return nil
+}
+
+func validateAttachment(a *gatepb.Attachment) error {
+	if a == nil {
+		return invalid("attachment (container id, ifname, network) is missing")
+	}
+	if err := validateContainerID(a.GetContainerId()); err != nil {
+		return err
+	}
+	if err := validateIfname(a.GetIfname()); err != nil {
+		return err
+	}
+	return validateNetwork(a.GetNetwork())
+}
+
+func validateContainerID(id string) error {
+	if len(id) == 0 || len(id) > maxContainerIDLen || !cniIdentifier.MatchString(id) {
+		return invalid("container id %.80q must be 1-%d characters of A-Z a-z 0-9 _ . -", id, maxContainerIDLen)
+	}
+	return nil
+}
+
+func validateNetwork(name string) error {
+	if len(name) == 0 || len(name) > maxNetworkLen || !cniIdentifier.MatchString(name) {
+		return invalid("network name %.80q must be 1-%d characters of A-Z a-z 0-9 _ . -", name, maxNetworkLen)
+	}
+	return nil
+}
+
+// validateIfname applies the kernel's rules for interface names.
+func validateIfname(name string) error {
+	if len(name) == 0 || len(name) > maxIfnameLen || name == "." || name == ".." {
+		return invalid("interface name %.80q must be 1-%d characters and not . or ..", name, maxIfnameLen)
+	}
+	for _, r := range name {
+		if r == '/' || r == ':' || r <= ' ' || r == 0x7f {
+			return invalid("interface name %.80q contains %q", name, r)
+		}
+	}
+	return nil
+}
+
+func validateNetnsPath(path string, mustExist bool) error {
+	if path == "" {
+		return invalid("netns path is missing")
+	}
+	if len(path) > maxPathLen || !filepath.IsAbs(path) || filepath.Clean(path) != path {
+		return invalid("netns path %.120q must be an absolute, clean path", path)
+	}
+	if !mustExist {
+		return nil
+	}
+	if err := netns.Validate(path); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidRequest, err)
+	}
+	return nil
+}
+
+func validateInterfaces(ifs []*gatepb.Interface) error {
+	if len(ifs) > maxInterfaces {
+		return invalid("%d interfaces, more than the limit of %d", len(ifs), maxInterfaces)
+	}
+	for _, i := range ifs {
+		if err := validateIfname(i.GetName()); err != nil {
+			return err
+		}
+		if mac := i.GetMac(); mac != "" {
+			if _, err := net.ParseMAC(mac); err != nil {
+				return invalid("interface %s: MAC %.40q: %v", i.GetName(), mac, err)
+			}
+		}
+		if len(i.GetAddresses()) > maxAddresses {
+			return invalid("interface %s has %d addresses, more than the limit of %d", i.GetName(), len(i.GetAddresses()), maxAddresses)
+		}
+		for _, a := range i.GetAddresses() {
+			if _, err := netip.ParsePrefix(a); err != nil {
+				return invalid("interface %s: address %.60q is not in CIDR notation: %v", i.GetName(), a, err)
+			}
+		}
+	}
+	return nil
+}
