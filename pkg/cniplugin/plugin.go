@@ -132,9 +132,9 @@ func (p Plugin) Add(args *skel.CmdArgs) error {
 	if err := netns.Validate(args.Netns); err != nil {
 		return types.NewError(types.ErrInvalidNetNS, "mesh-cni: CNI_NETNS is not a network namespace", err.Error())
 	}
-	result, err := types100.NewResultFromResult(conf.PrevResult)
+	result, err := resultOf(conf)
 	if err != nil {
-		return types.NewError(types.ErrDecodingFailure, "mesh-cni: cannot convert prevResult", err.Error())
+		return err
 	}
 	parsed := time.Now()
 
@@ -168,6 +168,16 @@ func (p Plugin) Add(args *skel.CmdArgs) error {
 	return types.PrintResult(conf.PrevResult, conf.CNIVersion)
 }
 
+// resultOf converts prevResult, of whatever version, to the current result type
+// to read its interfaces.
+func resultOf(conf *NetConf) (*types100.Result, error) {
+	res, err := types100.NewResultFromResult(conf.PrevResult)
+	if err != nil {
+		return nil, types.NewError(types.ErrDecodingFailure, "mesh-cni: cannot convert prevResult", err.Error())
+	}
+	return res, nil
+}
+
 // podInterfaces lists the interfaces the primary plugin put inside the pod
 // (those with a sandbox), with their addresses.
 func podInterfaces(res *types100.Result, ifname string) []*gatepb.Interface {
@@ -185,7 +195,7 @@ func podInterfaces(res *types100.Result, ifname string) []*gatepb.Interface {
 		if ip == nil || ip.Interface == nil {
 			continue
 		}
-		if gi, ok := index[*ip.Interface]; ok {
+		if gi, ok := index[*ip.Interface]; ok && ip.Address.IP != nil {
 			gi.Addresses = append(gi.Addresses, ip.Address.String())
 		}
 	}
@@ -263,9 +273,9 @@ func (p Plugin) Check(args *skel.CmdArgs) error {
 	if err := netns.Validate(args.Netns); err != nil {
 		return types.NewError(types.ErrInvalidNetNS, "mesh-cni: CNI_NETNS is not a network namespace", err.Error())
 	}
-	result, err := types100.NewResultFromResult(conf.PrevResult)
+	result, err := resultOf(conf)
 	if err != nil {
-		return types.NewError(types.ErrDecodingFailure, "mesh-cni: cannot convert prevResult", err.Error())
+		return err
 	}
 	conn, err := p.dial(conf)
 	if err != nil {

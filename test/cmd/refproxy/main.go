@@ -1,0 +1,105 @@
+// Command refproxy runs the reference L4 mesh proxy (package test/proxy) in the
+// network namespace it is started in, typically a pod's:
+//
+//	nsenter --net=/run/netns/pod refproxy -record /tmp/pod.jsonl
+//
+// It prints one line, "ready", on stdout once every listener is bound, and exits
+// cleanly on SIGTERM or SIGINT.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strconv"
+	"syscall"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/mesh-cni/mesh-cni/test/proxy"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+// run serves until ctx is done and returns the exit status: 0 after a clean stop,
+// 1 when the proxy fails, 2 for bad flags.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("refproxy", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	outbound := fs.Uint("outbound-port", proxy.DefaultOutboundPort, "outbound listener port (127.0.0.1 and [::1])")
+	inbound := fs.Uint("inbound-port", proxy.DefaultInboundPort, "inbound listener port (0.0.0.0 and [::])")
+	mark := fs.String("mark", fmt.Sprintf("%#x", proxy.DefaultMark), "SO_MARK set on onward connections (decimal or 0x hex)")
+	record := fs.String("record", "", "append a JSON line per finished connection to this file")
+	echo := fs.Bool("echo", false, "answer connections by echoing instead of dialing the original destination")
+	level := zapcore.InfoLevel
+	fs.Var(&level, "log-level", "log level (debug, info, warn, error)")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		return 2
+	}
+	if fs.NArg() != 0 {
+		fmt.Fprintf(stderr, "refproxy: unexpected arguments %q\n", fs.Args())
+		return 2
+	}
+	cfg := proxy.Config{RecordPath: *record, Echo: *echo}
+	var err error
+	if cfg.OutboundPort, err = port(*outbound); err != nil {
+		fmt.Fprintf(stderr, "refproxy: -outbound-port: %v\n", err)
+		return 2
+	}
+	if cfg.InboundPort, err = port(*inbound); err != nil {
+		fmt.Fprintf(stderr, "refproxy: -inbound-port: %v\n", err)
+		return 2
+	}
+	m, err := strconv.ParseUint(*mark, 0, 32)
+	if err != nil || m == 0 {
+		fmt.Fprintf(stderr, "refproxy: -mark %q: want a non-zero 32-bit number\n", *mark)
+		return 2
+	}
+	cfg.Mark = uint32(m)
+
+	log := zap.New(zapcore.NewCore(
+		zapcore.NewJSONEncoder(zap.NewProductionEncoderConfig()),
+		zapcore.Lock(zapcore.AddSync(stderr)),
+		level,
+	))
+	defer log.Sync() //nolint:errcheck // nothing useful to do if stderr cannot sync
+	cfg.Logger = log
+
+	p, err := proxy.Start(ctx, cfg)
+	if err != nil {
+		log.Error("start proxy", zap.Error(err))
+		return 1
+	}
+	if _, err := fmt.Fprintln(stdout, "ready"); err != nil {
+		log.Error("announce ready", zap.Error(err))
+		_ = p.Close()
+		return 1
+	}
+	<-ctx.Done()
+	log.Info("stopping", zap.Int("connections", len(p.Records())))
+	if err := p.Close(); err != nil {
+		log.Error("stop proxy", zap.Error(err))
+		return 1
+	}
+	return 0
+}
+
+func port(v uint) (uint16, error) {
+	if v == 0 || v > 65535 {
+		return 0, fmt.Errorf("%d is not a port (1-65535)", v)
+	}
+	return uint16(v), nil
+}

@@ -1,0 +1,94 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"io"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/mesh-cni/mesh-cni/pkg/netns"
+	"github.com/mesh-cni/mesh-cni/test/capture"
+	"github.com/mesh-cni/mesh-cni/test/proxy"
+)
+
+func TestRunBadFlags(t *testing.T) {
+	for _, args := range [][]string{
+		{"-mark", "zero"},
+		{"-mark", "0"},
+		{"-mark", "0x1ffffffff"},
+		{"-outbound-port", "70000"},
+		{"-inbound-port", "0"},
+		{"-log-level", "loud"},
+		{"-no-such-flag"},
+		{"stray"},
+	} {
+		var stdout, stderr bytes.Buffer
+		if code := run(t.Context(), args, &stdout, &stderr); code != 2 {
+			t.Errorf("run(%q) = %d, want 2 (stderr %q)", args, code, stderr.String())
+		}
+		if stdout.Len() != 0 {
+			t.Errorf("run(%q) printed %q on stdout", args, stdout.String())
+		}
+	}
+}
+
+// TestRunServesUntilCancelled runs the command in-process inside a pod namespace:
+// it prints exactly "ready", serves (echo mode) and records, and returns 0 when its
+// context ends, as on SIGTERM.
+func TestRunServesUntilCancelled(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: creates network namespaces")
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	pod, _ := capture.NewPodPair(t)
+	records := filepath.Join(t.TempDir(), "records.jsonl")
+
+	runCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	stdoutR, stdoutW := io.Pipe()
+	var stderr bytes.Buffer
+	exit := make(chan int, 1)
+	go func() {
+		var code int
+		// run binds its listeners on the calling thread, here inside the pod.
+		err := netns.Do(pod.NetNS, func() error {
+			code = run(runCtx, []string{"-echo", "-record", records, "-outbound-port", "15101", "-mark", "1337"}, stdoutW, &stderr)
+			return nil
+		})
+		if err != nil {
+			t.Errorf("enter pod: %v", err)
+		}
+		stdoutW.Close()
+		exit <- code
+	}()
+
+	out := bufio.NewReader(stdoutR)
+	line, err := out.ReadString('\n')
+	if err != nil || line != "ready\n" {
+		t.Fatalf("first stdout line %q, %v", line, err)
+	}
+	conn, err := pod.Dial(ctx, netip.MustParseAddrPort("127.0.0.1:15101"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := capture.EchoRoundTrip(ctx, conn, []byte("hello through refproxy")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := proxy.WaitForRecords(ctx, records, func(rs []proxy.Record) bool { return len(rs) == 1 }); err != nil {
+		t.Fatal(err)
+	}
+
+	stop()
+	if rest, err := io.ReadAll(out); err != nil || len(rest) != 0 {
+		t.Errorf("more stdout after ready: %q, %v", rest, err)
+	}
+	if code := <-exit; code != 0 {
+		t.Fatalf("run returned %d after cancel; stderr:\n%s", code, stderr.String())
+	}
+}

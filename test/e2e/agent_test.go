@@ -1,0 +1,110 @@
+package e2e
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+	"google.golang.org/grpc"
+
+	"github.com/mesh-cni/mesh-cni/pkg/gate"
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/test/harness"
+)
+
+// agent is a mesh-agent process under test and the paths it uses.
+type agent struct {
+	t        testing.TB
+	Socket   string
+	StateDir string
+	Args     []string
+	Proc     *harness.Process
+}
+
+// newAgent prepares (but does not start) an agent with its own socket and state
+// directory. The directory is short-named: Unix socket paths are limited to 107
+// bytes.
+func newAgent(t testing.TB, extraArgs ...string) *agent {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "mesh-e2e-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	a := &agent{
+		t:        t,
+		Socket:   filepath.Join(dir, "run", "gate.sock"),
+		StateDir: filepath.Join(dir, "pods"),
+	}
+	a.Args = append([]string{"run", "--socket", a.Socket, "--state-dir", a.StateDir, "--log-level", "debug"}, extraArgs...)
+	return a
+}
+
+// start runs the agent and waits until it reports ready.
+func (a *agent) start(ctx context.Context) {
+	a.t.Helper()
+	a.Proc = harness.StartProcess(a.t, harness.ProcessOptions{Path: harness.Bins(a.t).Path("mesh-agent"), Args: a.Args, Name: "mesh-agent"})
+	a.waitReady(ctx)
+}
+
+func (a *agent) waitReady(ctx context.Context) {
+	a.t.Helper()
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if err := harness.WaitForHealthy(ctx, a.Socket); err != nil {
+		a.t.Fatalf("agent did not become ready: %v", err)
+	}
+}
+
+func (a *agent) stop(ctx context.Context) {
+	a.t.Helper()
+	if err := a.Proc.Stop(ctx); err != nil {
+		a.t.Fatalf("stop agent: %v", err)
+	}
+}
+
+// list returns the agent's enrollment records through the gate API.
+func (a *agent) list(ctx context.Context) *gatepb.ListResponse {
+	a.t.Helper()
+	conn, err := gate.Dial(a.Socket)
+	if err != nil {
+		a.t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	resp, err := gatepb.NewGateClient(conn).List(ctx, &gatepb.ListRequest{}, grpc.WaitForReady(true))
+	if err != nil {
+		a.t.Fatalf("list enrollments: %v", err)
+	}
+	return resp
+}
+
+// meshEntry is mesh-cni's entry in a conflist, pointed at this agent.
+func (a *agent) meshEntry(gateTimeout string) map[string]any {
+	return map[string]any{
+		"type":        "mesh-cni",
+		"socketPath":  a.Socket,
+		"gateTimeout": gateTimeout,
+		"logLevel":    "debug",
+	}
+}
+
+// meshNode is a node whose CNI bin dir has the reference plugins and mesh-cni.
+func meshNode(t testing.TB) *harness.Node {
+	return harness.NewNode(t, harness.NodeOptions{Plugins: append(harness.ReferencePluginNames(), "mesh-cni")})
+}
+
+// chain is [bridge, mesh-cni] on node, pointed at a.
+func chain(t testing.TB, node *harness.Node, a *agent, gateTimeout string) *libcni.NetworkConfigList {
+	return node.Conflist(t, "meshnet", a.meshEntry(gateTimeout))
+}
+
+func testContext(t testing.TB) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	t.Cleanup(cancel)
+	return ctx
+}

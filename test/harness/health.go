@@ -1,0 +1,72 @@
+package harness
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/status"
+)
+
+// healthPoll is the pause between health checks that reached a server that is not
+// serving yet. Reaching the socket itself is waited for by gRPC (wait-for-ready),
+// with a short reconnect backoff so a socket that appears late is found soon.
+const healthPoll = 50 * time.Millisecond
+
+// WaitForHealthy waits until the gRPC server on the Unix socket at socketPath reports
+// the overall health service ("") as SERVING, or ctx ends. The socket need not exist
+// yet.
+func WaitForHealthy(ctx context.Context, socketPath string) error {
+	abs, err := filepath.Abs(socketPath)
+	if err != nil {
+		return fmt.Errorf("health check socket %q: %w", socketPath, err)
+	}
+	conn, err := grpc.NewClient("unix://"+abs,
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithConnectParams(grpc.ConnectParams{
+			Backoff: backoff.Config{
+				BaseDelay:  20 * time.Millisecond,
+				Multiplier: 1.6,
+				Jitter:     0.2,
+				MaxDelay:   500 * time.Millisecond,
+			},
+			MinConnectTimeout: time.Second,
+		}))
+	if err != nil {
+		return fmt.Errorf("health client for %s: %w", socketPath, err)
+	}
+	defer conn.Close()
+	client := healthpb.NewHealthClient(conn)
+	var last error
+	for {
+		resp, err := client.Check(ctx, &healthpb.HealthCheckRequest{}, grpc.WaitForReady(true))
+		switch {
+		case err == nil && resp.GetStatus() == healthpb.HealthCheckResponse_SERVING:
+			return nil
+		case err == nil:
+			last = fmt.Errorf("status %s", resp.GetStatus())
+		case status.Code(err) == codes.Unimplemented:
+			return fmt.Errorf("health check on %s: server has no health service: %w", socketPath, err)
+		case ctx.Err() != nil:
+			if last == nil {
+				last = err
+			}
+			return fmt.Errorf("wait for %s to be healthy: %w (last: %v)", socketPath, ctx.Err(), last)
+		default:
+			last = err
+		}
+		timer := time.NewTimer(healthPoll)
+		select {
+		case <-ctx.Done():
+			timer.Stop()
+			return fmt.Errorf("wait for %s to be healthy: %w (last: %v)", socketPath, ctx.Err(), last)
+		case <-timer.C:
+		}
+	}
+}

@@ -1,0 +1,275 @@
+package harness
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/mesh-cni/mesh-cni/pkg/netns"
+)
+
+// pipeGrace bounds how long Wait keeps reading output after the process exited, in
+// case a grandchild still holds its stdout.
+const pipeGrace = 2 * time.Second
+
+// ProcessOptions configures StartProcess.
+type ProcessOptions struct {
+	// Path of the executable (e.g. Bins(t).Path("mesh-agent")).
+	Path string
+	// Args are the arguments after the program name.
+	Args []string
+	// Env is added to the test's environment (later entries win); with ReplaceEnv it
+	// is the whole environment.
+	Env        []string
+	ReplaceEnv bool
+	// Dir is the working directory; default the test's. A process running as
+	// another user needs one it may enter (e.g. "/").
+	Dir string
+	// Credential runs the process as another user/group (e.g. to be a non-root
+	// peer on a socket); nil keeps root.
+	Credential *syscall.Credential
+	// NetNSPath starts the process inside that network namespace; "" keeps the
+	// test's.
+	NetNSPath string
+	// Name labels the process in logs; default the executable's base name.
+	Name string
+}
+
+// Process is a running child process whose stdout and stderr go to a log file (and
+// memory, for WaitForLine). It is killed in the test's cleanup if still running,
+// and its output is logged if the test failed.
+type Process struct {
+	name    string
+	logPath string
+	cmd     *exec.Cmd
+	out     *outputLog
+	done    chan struct{}
+	waitErr error // set before done is closed
+}
+
+// StartProcess starts a process; see ProcessOptions.
+func StartProcess(tb testing.TB, opts ProcessOptions) *Process {
+	tb.Helper()
+	name := opts.Name
+	if name == "" {
+		name = filepath.Base(opts.Path)
+	}
+	logPath := filepath.Join(tb.TempDir(), name+".log")
+	file, err := os.Create(logPath)
+	if err != nil {
+		tb.Fatalf("process %s: log file: %v", name, err)
+	}
+	out := newOutputLog(file)
+
+	cmd := exec.Command(opts.Path, opts.Args...)
+	cmd.Dir = opts.Dir
+	if opts.ReplaceEnv {
+		cmd.Env = append([]string{}, opts.Env...)
+	} else if len(opts.Env) > 0 {
+		cmd.Env = append(os.Environ(), opts.Env...)
+	}
+	cmd.Stdout = out
+	cmd.Stderr = out
+	cmd.WaitDelay = pipeGrace
+	cmd.SysProcAttr = &syscall.SysProcAttr{
+		Credential: opts.Credential,
+		// If the test binary dies without running its cleanups the child goes
+		// too. (The signal follows the starting thread; the threads that start
+		// children here are returned to the runtime's pool, which keeps them.)
+		Pdeathsig: syscall.SIGKILL,
+	}
+	if opts.NetNSPath != "" {
+		// The child inherits the namespace of the thread that starts it.
+		err = netns.Do(opts.NetNSPath, cmd.Start)
+	} else {
+		err = cmd.Start()
+	}
+	if err != nil {
+		file.Close()
+		tb.Fatalf("start %s: %v", name, err)
+	}
+	p := &Process{name: name, logPath: logPath, cmd: cmd, out: out, done: make(chan struct{})}
+	go func() {
+		p.waitErr = cmd.Wait()
+		close(p.done)
+		out.notify()
+	}()
+	tb.Cleanup(func() {
+		if err := p.Kill(); err != nil {
+			tb.Errorf("cleanup: %v", err)
+		}
+		file.Close()
+		if tb.Failed() {
+			tb.Logf("output of %s (pid %d, %s):\n%s", name, p.Pid(), p.exitDesc(), p.Output())
+		}
+	})
+	return p
+}
+
+// Pid is the process id.
+func (p *Process) Pid() int { return p.cmd.Process.Pid }
+
+// LogPath is the file holding the process's stdout and stderr.
+func (p *Process) LogPath() string { return p.logPath }
+
+// Output is everything the process wrote so far.
+func (p *Process) Output() string { return p.out.String() }
+
+// Done is closed when the process has exited and its output is complete.
+func (p *Process) Done() <-chan struct{} { return p.done }
+
+// Wait waits for the process to exit and returns its exit error (nil for status 0,
+// *exec.ExitError otherwise), or the context's error.
+func (p *Process) Wait(ctx context.Context) error {
+	select {
+	case <-p.done:
+		return p.waitErr
+	case <-ctx.Done():
+		return fmt.Errorf("wait for %s (pid %d): %w", p.name, p.Pid(), ctx.Err())
+	}
+}
+
+// Signal sends sig to the process (a no-op once it has exited).
+func (p *Process) Signal(sig os.Signal) error {
+	if err := p.cmd.Process.Signal(sig); err != nil && !errors.Is(err, os.ErrProcessDone) {
+		return fmt.Errorf("signal %s (pid %d): %w", p.name, p.Pid(), err)
+	}
+	return nil
+}
+
+// Stop asks the process to exit with SIGTERM and waits until it does or ctx ends,
+// then kills it. It returns the process's exit error (nil if it exited with status
+// 0), or an error saying it had to be killed.
+func (p *Process) Stop(ctx context.Context) error {
+	select {
+	case <-p.done:
+		return p.waitErr
+	default:
+	}
+	if err := p.Signal(syscall.SIGTERM); err != nil {
+		return err
+	}
+	select {
+	case <-p.done:
+		return p.waitErr
+	case <-ctx.Done():
+	}
+	if err := p.Kill(); err != nil {
+		return err
+	}
+	return fmt.Errorf("%s (pid %d) did not exit after SIGTERM (%w); killed it", p.name, p.Pid(), ctx.Err())
+}
+
+// Kill sends SIGKILL and waits for the process to be gone.
+func (p *Process) Kill() error {
+	if err := p.Signal(syscall.SIGKILL); err != nil {
+		return err
+	}
+	<-p.done
+	return nil
+}
+
+// WaitForLine waits until the process prints a line containing substr and returns
+// that line. It fails if the process exits first or ctx ends. Lines printed before
+// the call count.
+func (p *Process) WaitForLine(ctx context.Context, substr string) (string, error) {
+	scanned := 0
+	for {
+		// Done first: once it is closed, the output read below is complete.
+		exited := false
+		select {
+		case <-p.done:
+			exited = true
+		default:
+		}
+		data, changed := p.out.snapshot()
+		for {
+			i := bytes.IndexByte(data[scanned:], '\n')
+			if i < 0 {
+				break
+			}
+			line := string(data[scanned : scanned+i])
+			scanned += i + 1
+			if strings.Contains(line, substr) {
+				return line, nil
+			}
+		}
+		if exited {
+			if tail := string(data[scanned:]); strings.Contains(tail, substr) {
+				return tail, nil
+			}
+			return "", fmt.Errorf("%s (pid %d) exited (%s) before printing %q; output:\n%s", p.name, p.Pid(), p.exitDesc(), substr, data)
+		}
+		select {
+		case <-changed:
+		case <-p.done:
+		case <-ctx.Done():
+			return "", fmt.Errorf("wait for %q from %s (pid %d): %w; output so far:\n%s", substr, p.name, p.Pid(), ctx.Err(), p.Output())
+		}
+	}
+}
+
+func (p *Process) exitDesc() string {
+	select {
+	case <-p.done:
+		if p.waitErr == nil {
+			return "exit status 0"
+		}
+		return p.waitErr.Error()
+	default:
+		return "running"
+	}
+}
+
+// outputLog is the process's stdout+stderr: appended to a file, kept in memory, and
+// announced to waiters by closing (and replacing) a channel on every write.
+type outputLog struct {
+	mu      sync.Mutex
+	file    *os.File
+	data    []byte
+	changed chan struct{}
+}
+
+func newOutputLog(file *os.File) *outputLog {
+	return &outputLog{file: file, changed: make(chan struct{})}
+}
+
+func (l *outputLog) Write(b []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.data = append(l.data, b...)
+	// The in-memory copy is what tests read; a failing file write must not break
+	// the child's output pipe.
+	_, _ = l.file.Write(b)
+	close(l.changed)
+	l.changed = make(chan struct{})
+	return len(b), nil
+}
+
+func (l *outputLog) notify() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	close(l.changed)
+	l.changed = make(chan struct{})
+}
+
+func (l *outputLog) snapshot() ([]byte, <-chan struct{}) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.data[:len(l.data):len(l.data)], l.changed
+}
+
+func (l *outputLog) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return string(l.data)
+}
