@@ -21,6 +21,9 @@ type Datapath interface {
 	// Check returns an error describing what is missing when the namespace's
 	// redirection is not intact.
 	Check(ctx context.Context, cookie uint64, interfaces []string) error
+	// Enrolled lists the cookies of every namespace with redirection in place,
+	// including those enrolled by an earlier agent.
+	Enrolled(ctx context.Context) ([]uint64, error)
 }
 
 // RecordOnly is a Datapath that redirects nothing: it only resolves the netns
@@ -42,3 +45,6 @@ func (RecordOnly) Release(context.Context, uint64) error { return nil }
 
 // Check implements Datapath.
 func (RecordOnly) Check(context.Context, uint64, []string) error { return nil }
+
+// Enrolled implements Datapath: a record-only data path holds nothing.
+func (RecordOnly) Enrolled(context.Context) ([]uint64, error) { return nil, nil }

@@ -48,3 +48,11 @@ func (l *lazyDatapath) Check(ctx context.Context, cookie uint64, interfaces []st
 	}
 	return dp.Check(ctx, cookie, interfaces)
 }
+
+func (l *lazyDatapath) Enrolled(ctx context.Context) ([]uint64, error) {
+	dp, err := l.get()
+	if err != nil {
+		return nil, err
+	}
+	return dp.Enrolled(ctx)
+}

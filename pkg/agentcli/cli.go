@@ -4,11 +4,11 @@ package agentcli
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
-	"strconv"
+	"os"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -16,72 +16,130 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/mesh-cni/mesh-cni/pkg/agent"
+	"github.com/mesh-cni/mesh-cni/pkg/redirect"
 )
 
 // Defaults shared with the plugin's config and the Kubernetes manifests.
 const (
 	DefaultSocketPath = "/var/run/mesh-cni/gate.sock"
 	DefaultStateDir   = "/var/run/mesh-cni/pods"
-	DefaultBPFFSRoot  = "/sys/fs/bpf/mesh-cni"
+	DefaultBPFFSRoot  = redirect.DefaultPinRoot
+	DefaultCNIBinDir  = "/opt/cni/bin"
+	DefaultCNIConfDir = "/etc/cni/net.d"
+	DefaultInstallDir = "/var/run/mesh-cni/install"
 )
 
-// options are the flags of `mesh-agent run`.
+// options are the flags of `mesh-agent run` (most are shared by uninstall).
 type options struct {
-	socketPath    string
-	stateDir      string
-	allowedUIDs   uidList
-	datapath      string
-	bpffsRoot     string
-	cgroupRoot    string
-	logLevel      string
-	shutdownGrace time.Duration
+	socketPath        string
+	stateDir          string
+	allowedUIDs       intList
+	datapath          string
+	bpffsRoot         string
+	cgroupRoot        string
+	logLevel          string
+	shutdownGrace     time.Duration
+	reconcileInterval time.Duration
+
+	// Redirection settings for every enrolled pod.
+	outboundPort  uint
+	inboundPort   uint
+	proxyMark     uint
+	proxyUID      int
+	excludedPorts intList
+	excludedCIDRs prefixList
+	probeSources  prefixList
+	failOpen      bool
+
+	// The CNI chain entry.
+	cniInstall        bool
+	cniBinDirs        stringList
+	cniConfDir        string
+	cniConfFile       string
+	ownedConfig       bool
+	pluginBinary      string
+	installStateDir   string
+	gateTimeout       time.Duration
+	excludeNamespaces stringList
+	pluginLogLevel    string
+	pluginLogFile     string
 }
 
 // flagSet declares every flag of `mesh-agent run`; the configuration reference in
 // the README is checked against it.
-func flagSet(opts *options, stderr io.Writer) *flag.FlagSet {
-	fs := flag.NewFlagSet("mesh-agent run", flag.ContinueOnError)
+func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
+	defaults := redirect.DefaultSettings()
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.StringVar(&opts.socketPath, "socket", DefaultSocketPath, "path of the gate socket the mesh-cni plugin dials")
 	fs.StringVar(&opts.stateDir, "state-dir", DefaultStateDir, "directory of the per-pod enrollment records")
-	opts.allowedUIDs = uidList{0}
+	opts.allowedUIDs = intList{0}
 	fs.Var(&opts.allowedUIDs, "allowed-uids", "comma-separated user ids allowed to call the gate socket (checked with SO_PEERCRED)")
 	fs.StringVar(&opts.datapath, "datapath", "ebpf", "redirection data path: ebpf, or none to run the gate without redirection")
 	fs.StringVar(&opts.bpffsRoot, "bpffs-root", DefaultBPFFSRoot, "bpffs directory where maps and links are pinned (a bpffs is mounted there if needed)")
-	fs.StringVar(&opts.cgroupRoot, "cgroup-root", "", "cgroup v2 root where the connect programs attach (default: found in /proc/self/mountinfo)")
+	fs.StringVar(&opts.cgroupRoot, "cgroup-root", "", "cgroup v2 directory where the socket programs attach (default: the cgroup2 mount found in /proc/self/mountinfo)")
 	fs.StringVar(&opts.logLevel, "log-level", "info", "log level: debug, info, warn or error")
 	fs.DurationVar(&opts.shutdownGrace, "shutdown-grace", 5*time.Second, "how long in-flight gate calls may run after SIGTERM")
+	fs.DurationVar(&opts.reconcileInterval, "reconcile-interval", 30*time.Second, "period of the reconcile pass that releases pods whose namespace is gone and repairs broken redirection")
+
+	fs.UintVar(&opts.outboundPort, "outbound-port", uint(defaults.OutboundPort), "proxy's outbound listener port inside each pod (127.0.0.1 and ::1)")
+	fs.UintVar(&opts.inboundPort, "inbound-port", uint(defaults.InboundPort), "proxy's inbound listener port inside each pod")
+	fs.UintVar(&opts.proxyMark, "proxy-mark", uint(defaults.ProxyMark), "socket mark (SO_MARK) of the proxy's own connections, never redirected")
+	fs.IntVar(&opts.proxyUID, "proxy-uid", -1, "uid whose connections are never redirected (-1: none)")
+	opts.excludedPorts = toIntList(defaults.ExcludedPorts)
+	fs.Var(&opts.excludedPorts, "excluded-ports", "comma-separated destination ports never redirected (default: the proxy's own ports)")
+	fs.Var(&opts.excludedCIDRs, "excluded-cidrs", "comma-separated outbound destination CIDRs never redirected")
+	fs.Var(&opts.probeSources, "probe-sources", "comma-separated inbound source CIDRs never redirected (the node's addresses, for kubelet probes)")
+	fs.BoolVar(&opts.failOpen, "fail-open", false, "pass traffic through when no proxy listens (default: refuse outbound connects and drop inbound SYNs)")
+
+	fs.BoolVar(&opts.cniInstall, "cni-install", true, "install the plugin binary and the chain entry, and keep the entry in place")
+	opts.cniBinDirs = stringList{DefaultCNIBinDir}
+	fs.Var(&opts.cniBinDirs, "cni-bin-dir", "comma-separated CNI bin directories to install the mesh-cni binary into")
+	fs.StringVar(&opts.cniConfDir, "cni-conf-dir", DefaultCNIConfDir, "CNI configuration directory")
+	fs.StringVar(&opts.cniConfFile, "cni-conf-file", "", "the primary CNI config file name to chain onto (default: the first valid file, as kubelet picks)")
+	fs.BoolVar(&opts.ownedConfig, "owned-config", false, "write a merged conflist that sorts before the primary's instead of editing the primary's file")
+	fs.StringVar(&opts.pluginBinary, "plugin-binary", "", "the mesh-cni binary to install (default: mesh-cni next to the mesh-agent binary)")
+	fs.StringVar(&opts.installStateDir, "install-state-dir", DefaultInstallDir, "where the installer keeps the primary config's original bytes for uninstall")
+	fs.DurationVar(&opts.gateTimeout, "gate-timeout", 30*time.Second, "the chain entry's gateTimeout: how long a pod's ADD waits for the agent")
+	opts.excludeNamespaces = stringList{"kube-system"}
+	fs.Var(&opts.excludeNamespaces, "exclude-namespaces", "the chain entry's excludeNamespaces: pods there never wait for the agent")
+	fs.StringVar(&opts.pluginLogLevel, "plugin-log-level", "info", "the chain entry's logLevel")
+	fs.StringVar(&opts.pluginLogFile, "plugin-log-file", "", "the chain entry's logFile (default: the plugin logs to the runtime's stderr)")
 	return fs
 }
 
-type uidList []int
-
-func (u *uidList) String() string {
-	parts := make([]string, len(*u))
-	for i, v := range *u {
-		parts[i] = strconv.Itoa(v)
+// redirectSettings turns the flags into the data path's settings.
+func (o options) redirectSettings() (redirect.Settings, error) {
+	s := redirect.DefaultSettings()
+	if o.outboundPort > 65535 || o.inboundPort > 65535 {
+		return s, fmt.Errorf("ports must be at most 65535")
 	}
-	return strings.Join(parts, ",")
-}
-
-func (u *uidList) Set(s string) error {
-	var out []int
-	for _, part := range strings.Split(s, ",") {
-		part = strings.TrimSpace(part)
-		if part == "" {
-			continue
+	if o.proxyMark > 0xffffffff {
+		return s, fmt.Errorf("--proxy-mark %#x does not fit 32 bits", o.proxyMark)
+	}
+	s.OutboundPort, s.InboundPort = uint16(o.outboundPort), uint16(o.inboundPort)
+	s.ProxyMark = uint32(o.proxyMark)
+	if s.ProxyMark&^s.ProxyMarkMask != 0 {
+		s.ProxyMarkMask = 0 // compare every bit of a mark outside the default mask
+	}
+	if o.proxyUID >= 0 {
+		uid := uint32(o.proxyUID)
+		s.ProxyUID = &uid
+	}
+	s.ExcludedPorts = s.ExcludedPorts[:0]
+	for _, p := range o.excludedPorts {
+		if p <= 0 || p > 65535 {
+			return s, fmt.Errorf("--excluded-ports: %d is not a port", p)
 		}
-		v, err := strconv.Atoi(part)
-		if err != nil || v < 0 {
-			return fmt.Errorf("uid %q is not a non-negative integer", part)
-		}
-		out = append(out, v)
+		s.ExcludedPorts = append(s.ExcludedPorts, uint16(p))
 	}
-	if len(out) == 0 {
-		return errors.New("at least one uid is needed")
+	s.ExcludedCIDRs = o.excludedCIDRs
+	s.ProbeSources = o.probeSources
+	s.FailOpen = o.failOpen
+	if err := s.Validate(); err != nil {
+		return s, fmt.Errorf("redirection settings: %w", err)
 	}
-	*u = out
-	return nil
+	return s, nil
 }
 
 // Main runs the mesh-agent command line and returns the process exit code.
@@ -104,12 +162,13 @@ func Main(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 }
 
-const usage = `usage: mesh-agent [run] [flags]   run the node agent (default)
-       mesh-agent uninstall [flags]  remove the pinned data path and its cgroup attachments`
+const usage = `usage: mesh-agent [run] [flags]    run the node agent (default)
+       mesh-agent uninstall [flags]  remove the chain entry, the plugin binary, the pinned data path and its cgroup attachments
+Run "mesh-agent run -h" for the flags.`
 
 func runCommand(ctx context.Context, args []string, stderr io.Writer) int {
 	var opts options
-	fs := flagSet(&opts, stderr)
+	fs := flagSet("mesh-agent run", &opts, stderr)
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -120,17 +179,10 @@ func runCommand(ctx context.Context, args []string, stderr io.Writer) int {
 	}
 	defer log.Sync() //nolint:errcheck // nothing useful to do when stderr is gone
 
-	open, err := datapathOpener(opts, log)
+	cfg, err := agentConfig(opts, log)
 	if err != nil {
 		log.Error("invalid configuration", zap.Error(err))
 		return 2
-	}
-	cfg := agent.Config{
-		SocketPath:    opts.socketPath,
-		StateDir:      opts.stateDir,
-		AllowedUIDs:   opts.allowedUIDs,
-		OpenDatapath:  open,
-		ShutdownGrace: opts.shutdownGrace,
 	}
 	if err := agent.Run(ctx, log, cfg); err != nil {
 		log.Error("agent failed", zap.Error(err))
@@ -139,18 +191,56 @@ func runCommand(ctx context.Context, args []string, stderr io.Writer) int {
 	return 0
 }
 
-func datapathOpener(opts options, log *zap.Logger) (func(context.Context) (agent.Datapath, func() error, error), error) {
+func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {
+	cfg := agent.Config{
+		SocketPath:        opts.socketPath,
+		StateDir:          opts.stateDir,
+		AllowedUIDs:       opts.allowedUIDs,
+		ShutdownGrace:     opts.shutdownGrace,
+		ReconcileInterval: opts.reconcileInterval,
+	}
 	switch opts.datapath {
 	case "none":
-		return func(context.Context) (agent.Datapath, func() error, error) {
+		cfg.OpenDatapath = func(context.Context) (agent.Datapath, func() error, error) {
 			log.Warn("running without a data path: pods are recorded but their traffic is NOT redirected")
 			return agent.RecordOnly{}, func() error { return nil }, nil
-		}, nil
+		}
 	case "ebpf":
-		return ebpfOpener(opts, log), nil
+		settings, err := opts.redirectSettings()
+		if err != nil {
+			return cfg, err
+		}
+		rcfg := redirect.Config{PinRoot: opts.bpffsRoot, CgroupRoot: opts.cgroupRoot, Logger: log.Named("datapath")}
+		cfg.OpenDatapath = func(ctx context.Context) (agent.Datapath, func() error, error) {
+			dp, err := redirect.Open(ctx, rcfg)
+			if err != nil {
+				return nil, nil, err
+			}
+			return agent.RedirectDatapath{DP: dp, Settings: settings}, dp.Close, nil
+		}
 	default:
-		return nil, fmt.Errorf("--datapath=%q: want ebpf or none", opts.datapath)
+		return cfg, fmt.Errorf("--datapath=%q: want ebpf or none", opts.datapath)
 	}
+	if opts.cniInstall {
+		inst, err := newCNIInstaller(opts, log)
+		if err != nil {
+			return cfg, err
+		}
+		cfg.InstallCNIConfig = inst
+	}
+	return cfg, nil
+}
+
+// pluginBinaryPath is the mesh-cni binary the agent installs.
+func (o options) pluginBinaryPath() (string, error) {
+	if o.pluginBinary != "" {
+		return o.pluginBinary, nil
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return "", fmt.Errorf("locate mesh-agent binary to find mesh-cni next to it: %w", err)
+	}
+	return filepath.Join(filepath.Dir(self), "mesh-cni"), nil
 }
 
 func newLogger(level string, w io.Writer) (*zap.Logger, error) {

@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"testing"
 	"time"
@@ -20,6 +21,7 @@ type agent struct {
 	t        testing.TB
 	Socket   string
 	StateDir string
+	BPFFS    string
 	Args     []string
 	Proc     *harness.Process
 }
@@ -33,13 +35,31 @@ func newAgent(t testing.TB, extraArgs ...string) *agent {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
 	a := &agent{
 		t:        t,
 		Socket:   filepath.Join(dir, "run", "gate.sock"),
 		StateDir: filepath.Join(dir, "pods"),
 	}
-	a.Args = append([]string{"run", "--socket", a.Socket, "--state-dir", a.StateDir, "--log-level", "debug"}, extraArgs...)
+	a.BPFFS = filepath.Join(dir, "bpf")
+	// The tests drive their own conflists, so the agent installs nothing; its
+	// installer has its own tests.
+	a.Args = append([]string{"run", "--socket", a.Socket, "--state-dir", a.StateDir, "--bpffs-root", a.BPFFS,
+		"--cni-install=false", "--log-level", "debug"}, extraArgs...)
+	// The data path is pinned on purpose and outlives the agent: a test removes
+	// it with the product's own uninstall, after the agent (registered later, so
+	// stopped earlier) is gone.
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		out, err := exec.CommandContext(ctx, harness.Bins(t).Path("mesh-agent"), "uninstall",
+			"--bpffs-root", a.BPFFS, "--cni-install=false", "--log-level", "warn").CombinedOutput()
+		if err != nil {
+			t.Errorf("mesh-agent uninstall: %v\n%s", err, out)
+		}
+		if err := os.RemoveAll(dir); err != nil {
+			t.Errorf("remove agent dir: %v", err)
+		}
+	})
 	return a
 }
 
@@ -56,6 +76,14 @@ func (a *agent) waitReady(ctx context.Context) {
 	defer cancel()
 	if err := harness.WaitForHealthy(ctx, a.Socket); err != nil {
 		a.t.Fatalf("agent did not become ready: %v", err)
+	}
+}
+
+// kill stops the agent with SIGKILL: no shutdown code runs.
+func (a *agent) kill() {
+	a.t.Helper()
+	if err := a.Proc.Kill(); err != nil {
+		a.t.Fatalf("kill agent: %v", err)
 	}
 }
 

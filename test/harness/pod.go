@@ -18,6 +18,8 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	types100 "github.com/containernetworking/cni/pkg/types/100"
 
+	"github.com/vishvananda/netlink"
+
 	"github.com/mesh-cni/mesh-cni/pkg/netns"
 )
 
@@ -64,6 +66,18 @@ func (n *Node) NewPod(tb testing.TB, namespace, name string) *Pod {
 	}
 	if err := netns.Create(p.NetNSPath); err != nil {
 		tb.Fatalf("create pod netns: %v", err)
+	}
+	// A container runtime brings the sandbox's loopback up (containerd and CRI-O
+	// do it themselves or through the loopback plugin); pods rely on 127.0.0.1.
+	if err := netns.Do(p.NetNSPath, func() error {
+		lo, err := netlink.LinkByName("lo")
+		if err != nil {
+			return err
+		}
+		return netlink.LinkSetUp(lo)
+	}); err != nil {
+		netns.Remove(p.NetNSPath)
+		tb.Fatalf("bring up lo in pod netns: %v", err)
 	}
 	tb.Cleanup(func() {
 		p.mu.Lock()

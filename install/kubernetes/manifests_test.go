@@ -1,0 +1,721 @@
+package kubernetes
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"net"
+	"os"
+	"os/exec"
+	"path"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/serializer"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	"sigs.k8s.io/yaml"
+
+	"github.com/mesh-cni/mesh-cni/pkg/agentcli"
+	"github.com/mesh-cni/mesh-cni/pkg/cniplugin"
+)
+
+const kustomizationFile = "kustomization.yaml"
+
+// pendingFlags are flags the DaemonSet passes that `mesh-agent run` does not
+// declare yet (the installer, health and ZDS work in progress). An agent
+// given an unknown flag exits at once, so the DaemonSet only works once each
+// of these exists: remove an entry when its flag lands.
+func pendingFlags() map[string]string {
+	return map[string]string{
+		"cni-bin-dir":   "installer",
+		"cni-conf-dir":  "installer",
+		"plugin-binary": "installer",
+		"metrics-addr":  "health and metrics server",
+		"zds-socket":    "ZDS server",
+	}
+}
+
+// object is one decoded document of a manifest file.
+type object struct {
+	file  string
+	index int
+	obj   runtime.Object
+}
+
+func (o object) String() string { return fmt.Sprintf("%s document %d", o.file, o.index) }
+
+// strictDecoder decodes YAML or JSON into the typed API objects of the kinds
+// the manifests may hold. Unknown fields, fields spelled in another case,
+// duplicate keys and kinds outside the scheme are all errors.
+func strictDecoder(t *testing.T) runtime.Decoder {
+	t.Helper()
+	scheme := runtime.NewScheme()
+	for _, add := range []func(*runtime.Scheme) error{corev1.AddToScheme, appsv1.AddToScheme, rbacv1.AddToScheme} {
+		if err := add(scheme); err != nil {
+			t.Fatalf("build scheme: %v", err)
+		}
+	}
+	return serializer.NewCodecFactory(scheme, serializer.EnableStrict).UniversalDeserializer()
+}
+
+// splitDocuments returns the non-empty YAML documents of data.
+func splitDocuments(data []byte) ([][]byte, error) {
+	r := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(data)))
+	var docs [][]byte
+	for {
+		doc, err := r.Read()
+		if errors.Is(err, io.EOF) {
+			return docs, nil
+		}
+		if err != nil {
+			return nil, err
+		}
+		j, err := yaml.YAMLToJSON(doc)
+		if err != nil {
+			return nil, err
+		}
+		if string(j) == "null" { // only comments or whitespace
+			continue
+		}
+		docs = append(docs, doc)
+	}
+}
+
+func decodeStrict(dec runtime.Decoder, doc []byte) (runtime.Object, error) {
+	obj, _, err := dec.Decode(doc, nil, nil)
+	if err != nil {
+		return nil, err
+	}
+	return obj, nil
+}
+
+// manifestFiles returns the YAML files of the directory except the
+// kustomization, sorted.
+func manifestFiles(t *testing.T) []string {
+	t.Helper()
+	entries, err := os.ReadDir(".")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var files []string
+	for _, e := range entries {
+		name := e.Name()
+		if strings.HasSuffix(name, ".yml") {
+			t.Errorf("%s: name manifests *.yaml (the embed pattern and the kustomization check only see those)", name)
+		}
+		if e.Type().IsRegular() && strings.HasSuffix(name, ".yaml") && name != kustomizationFile {
+			files = append(files, name)
+		}
+	}
+	return files
+}
+
+// loadObjects decodes every document of every manifest file strictly.
+func loadObjects(t *testing.T) []object {
+	t.Helper()
+	dec := strictDecoder(t)
+	var objs []object
+	for _, file := range manifestFiles(t) {
+		data, err := fs.ReadFile(Manifests(), file)
+		if err != nil {
+			t.Fatalf("%s is not embedded: %v", file, err)
+		}
+		docs, err := splitDocuments(data)
+		if err != nil {
+			t.Fatalf("%s: %v", file, err)
+		}
+		if len(docs) == 0 {
+			t.Errorf("%s holds no object", file)
+		}
+		for i, doc := range docs {
+			obj, err := decodeStrict(dec, doc)
+			if err != nil {
+				t.Errorf("%s document %d: %v", file, i, err)
+				continue
+			}
+			objs = append(objs, object{file: file, index: i, obj: obj})
+		}
+	}
+	if t.Failed() {
+		t.FailNow()
+	}
+	return objs
+}
+
+// only returns the single object of type T, failing unless there is exactly one.
+func only[T runtime.Object](t *testing.T, objs []object) T {
+	t.Helper()
+	var found []T
+	for _, o := range objs {
+		if v, ok := o.obj.(T); ok {
+			found = append(found, v)
+		}
+	}
+	if len(found) != 1 {
+		var zero T
+		t.Fatalf("want exactly one %T, found %d", zero, len(found))
+	}
+	return found[0]
+}
+
+func TestStrictDecoderRejects(t *testing.T) {
+	dec := strictDecoder(t)
+	base := "apiVersion: v1\nkind: ServiceAccount\nmetadata:\n  name: x\n"
+	if _, err := decodeStrict(dec, []byte(base)); err != nil {
+		t.Fatalf("valid object rejected: %v", err)
+	}
+	for name, doc := range map[string]string{
+		"unknown field":           base + "automountServiceAccountTokn: true\n",
+		"field in the wrong case": base + "AutomountServiceAccountToken: true\n",
+		"duplicate key":           base + "automountServiceAccountToken: true\nautomountServiceAccountToken: false\n",
+		"kind outside the scheme": "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata:\n  name: x\n",
+		"beta version":            "apiVersion: rbac.authorization.k8s.io/v1beta1\nkind: ClusterRole\nmetadata:\n  name: x\n",
+		"wrong type":              base + "automountServiceAccountToken: \"yes\"\n",
+	} {
+		if _, err := decodeStrict(dec, []byte(doc)); err == nil {
+			t.Errorf("%s: decoded without error", name)
+		}
+	}
+}
+
+func TestManifestKinds(t *testing.T) {
+	objs := loadObjects(t)
+	type key struct{ kind, namespace, name string }
+	want := []key{
+		{"Namespace", "", Namespace},
+		{"ServiceAccount", Namespace, ServiceAccount},
+		{"ClusterRole", "", "mesh-agent"},
+		{"ClusterRoleBinding", "", "mesh-agent"},
+		{"ResourceQuota", Namespace, "mesh-agent-node-critical"},
+		{"DaemonSet", Namespace, DaemonSet},
+	}
+	var got []key
+	for _, o := range objs {
+		var k key
+		switch v := o.obj.(type) {
+		case *corev1.Namespace:
+			k = key{"Namespace", v.Namespace, v.Name}
+		case *corev1.ServiceAccount:
+			k = key{"ServiceAccount", v.Namespace, v.Name}
+		case *corev1.ResourceQuota:
+			k = key{"ResourceQuota", v.Namespace, v.Name}
+		case *rbacv1.ClusterRole:
+			k = key{"ClusterRole", v.Namespace, v.Name}
+		case *rbacv1.ClusterRoleBinding:
+			k = key{"ClusterRoleBinding", v.Namespace, v.Name}
+		case *appsv1.DaemonSet:
+			k = key{"DaemonSet", v.Namespace, v.Name}
+		default:
+			t.Errorf("%v: unexpected %T", o, o.obj)
+			continue
+		}
+		got = append(got, k)
+	}
+	less := func(a, b key) int { return strings.Compare(a.kind+"/"+a.name, b.kind+"/"+b.name) }
+	slices.SortFunc(got, less)
+	slices.SortFunc(want, less)
+	if !slices.Equal(got, want) {
+		t.Errorf("objects (kind, namespace, name):\n got %v\nwant %v", got, want)
+	}
+
+	ns := only[*corev1.Namespace](t, objs)
+	if lvl := ns.Labels["pod-security.kubernetes.io/enforce"]; lvl != "privileged" {
+		t.Errorf("namespace %s: pod-security enforce level %q, want privileged (the agent pods are privileged)", ns.Name, lvl)
+	}
+}
+
+func TestKustomizationListsEveryFile(t *testing.T) {
+	data, err := fs.ReadFile(Manifests(), kustomizationFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Only the fields this kustomization uses; strict, so a misspelt field
+	// (which kustomize would reject) fails here too.
+	var k struct {
+		APIVersion string   `json:"apiVersion"`
+		Kind       string   `json:"kind"`
+		Resources  []string `json:"resources"`
+		Images     []struct {
+			Name   string `json:"name"`
+			NewTag string `json:"newTag"`
+		} `json:"images"`
+	}
+	if err := yaml.UnmarshalStrict(data, &k); err != nil {
+		t.Fatalf("%s: %v", kustomizationFile, err)
+	}
+	if k.APIVersion != "kustomize.config.k8s.io/v1beta1" || k.Kind != "Kustomization" {
+		t.Errorf("%s: apiVersion %q kind %q", kustomizationFile, k.APIVersion, k.Kind)
+	}
+	files := manifestFiles(t)
+	listed := slices.Clone(k.Resources)
+	slices.Sort(listed)
+	if dup := slices.Compact(slices.Clone(listed)); len(dup) != len(listed) {
+		t.Errorf("%s lists a resource twice: %v", kustomizationFile, k.Resources)
+	}
+	if !slices.Equal(slices.Compact(listed), files) {
+		t.Errorf("%s resources %v, want every manifest in the directory: %v", kustomizationFile, k.Resources, files)
+	}
+
+	repo, _, _ := strings.Cut(Image, ":")
+	if len(k.Images) != 1 || k.Images[0].Name != repo {
+		t.Errorf("%s images %+v: want one entry named %q so that overlays can set the agent image", kustomizationFile, k.Images, repo)
+	}
+}
+
+// agentContainer returns the DaemonSet and its agent container.
+func agentContainer(t *testing.T, objs []object) (*appsv1.DaemonSet, corev1.Container) {
+	t.Helper()
+	ds := only[*appsv1.DaemonSet](t, objs)
+	cs := ds.Spec.Template.Spec.Containers
+	if len(cs) != 1 || cs[0].Name != Container {
+		t.Fatalf("DaemonSet containers: want exactly one named %q, got %d", Container, len(cs))
+	}
+	if n := len(ds.Spec.Template.Spec.InitContainers); n != 0 {
+		t.Fatalf("DaemonSet has %d init containers; the checks here cover only %q", n, Container)
+	}
+	return ds, cs[0]
+}
+
+// flagArgs parses the container's args: the run subcommand, then --name=value.
+func flagArgs(t *testing.T, c corev1.Container) map[string]string {
+	t.Helper()
+	if len(c.Command) != 1 || c.Command[0] != AgentBinary {
+		t.Errorf("command %q, want [%s]", c.Command, AgentBinary)
+	}
+	if len(c.Args) == 0 || c.Args[0] != "run" {
+		t.Fatalf("args %q: want the run subcommand first", c.Args)
+	}
+	flags := map[string]string{}
+	for _, a := range c.Args[1:] {
+		name, value, ok := strings.Cut(strings.TrimPrefix(a, "--"), "=")
+		if !strings.HasPrefix(a, "--") || !ok || name == "" {
+			t.Errorf("arg %q: want --name=value (one argument, so a value can never be taken for a flag)", a)
+			continue
+		}
+		if _, dup := flags[name]; dup {
+			t.Errorf("flag --%s given twice", name)
+		}
+		flags[name] = value
+	}
+	return flags
+}
+
+// under reports whether p is dir or inside it.
+func under(p, dir string) bool {
+	return p == dir || strings.HasPrefix(p, strings.TrimSuffix(dir, "/")+"/")
+}
+
+func TestDaemonSetMountsMatchAgentPaths(t *testing.T) {
+	ds, c := agentContainer(t, loadObjects(t))
+	pod := ds.Spec.Template.Spec
+
+	// Volumes: hostPath only, each used by exactly one mount.
+	volumes := map[string]corev1.Volume{}
+	for _, v := range pod.Volumes {
+		if v.HostPath == nil {
+			t.Errorf("volume %q is not a hostPath volume", v.Name)
+			continue
+		}
+		if v.HostPath.Type == nil || *v.HostPath.Type == "" {
+			t.Errorf("volume %q: set the hostPath type, so a missing or wrong host path fails the pod instead of being created as a file", v.Name)
+		}
+		volumes[v.Name] = v
+	}
+
+	mounts := map[string]corev1.VolumeMount{}
+	for _, m := range c.VolumeMounts {
+		if _, dup := mounts[m.Name]; dup {
+			t.Errorf("volume %q mounted twice", m.Name)
+		}
+		if m.SubPath != "" || m.SubPathExpr != "" {
+			t.Errorf("mount %q uses a subPath; the table has none", m.Name)
+		}
+		mounts[m.Name] = m
+	}
+
+	for _, want := range AgentMounts() {
+		m, ok := mounts[want.Volume]
+		if !ok {
+			t.Errorf("no mount of volume %q (%s at %s)", want.Volume, want.HostPath, want.Path)
+			continue
+		}
+		delete(mounts, want.Volume)
+		prop := ""
+		if m.MountPropagation != nil && *m.MountPropagation != corev1.MountPropagationNone {
+			prop = string(*m.MountPropagation)
+		}
+		got := Mount{Volume: m.Name, Path: m.MountPath, ReadOnly: m.ReadOnly, Propagation: prop}
+		if v, ok := volumes[want.Volume]; ok {
+			got.HostPath = v.HostPath.Path
+			delete(volumes, want.Volume)
+		}
+		if got != want {
+			t.Errorf("mount of volume %q:\n got %+v\nwant %+v", want.Volume, got, want)
+		}
+	}
+	for name, m := range mounts {
+		t.Errorf("mount %q at %s is not in AgentMounts", name, m.MountPath)
+	}
+	for name := range volumes {
+		t.Errorf("volume %q is not in AgentMounts", name)
+	}
+
+	// Mounts never nest: kubelet gives no order guarantee that would make an
+	// inner one reliable, and an inner hostPath would be created inside the
+	// outer host directory.
+	table := AgentMounts()
+	for i, a := range table {
+		for _, b := range table[i+1:] {
+			if under(a.Path, b.Path) || under(b.Path, a.Path) {
+				t.Errorf("mounts %q (%s) and %q (%s) nest", a.Volume, a.Path, b.Volume, b.Path)
+			}
+		}
+		if a.Propagation == PropagationBidirectional && (c.SecurityContext == nil || c.SecurityContext.Privileged == nil || !*c.SecurityContext.Privileged) {
+			t.Errorf("mount %q is Bidirectional: the API server accepts that only in a privileged container", a.Volume)
+		}
+	}
+
+	// Path flags: given exactly as in the table, each inside exactly one mount
+	// (or, for files of the image, inside none).
+	flags := flagArgs(t, c)
+	for _, pf := range AgentPathFlags() {
+		got, ok := flags[pf.Flag]
+		if !ok {
+			t.Errorf("args lack --%s=%s", pf.Flag, pf.Value)
+		} else if got != pf.Value {
+			t.Errorf("--%s=%s, the table says %s", pf.Flag, got, pf.Value)
+		}
+		var in []string
+		for _, m := range table {
+			if under(pf.Value, m.Path) {
+				in = append(in, m.Volume)
+			}
+		}
+		switch {
+		case pf.InImage && len(in) != 0:
+			t.Errorf("--%s=%s is a file of the image but mount %v hides it", pf.Flag, pf.Value, in)
+		case !pf.InImage && len(in) != 1:
+			t.Errorf("--%s=%s: want it inside exactly one mount, is inside %v", pf.Flag, pf.Value, in)
+		}
+	}
+	for _, m := range table {
+		if under(AgentBinary, m.Path) {
+			t.Errorf("mount %q hides the agent binary %s", m.Volume, AgentBinary)
+		}
+	}
+	// Every absolute path among the args is a path flag of the table.
+	known := map[string]bool{}
+	for _, pf := range AgentPathFlags() {
+		known[pf.Flag] = true
+	}
+	for name, value := range flags {
+		if strings.HasPrefix(value, "/") && !known[name] {
+			t.Errorf("--%s=%s is a path missing from AgentPathFlags", name, value)
+		}
+	}
+}
+
+// declaredAgentFlags returns the flags `mesh-agent run` declares, read from its
+// own usage text.
+func declaredAgentFlags(t *testing.T) map[string]bool {
+	t.Helper()
+	var stdout, stderr bytes.Buffer
+	agentcli.Main(context.Background(), []string{"run", "-h"}, &stdout, &stderr)
+	flags := map[string]bool{}
+	for _, m := range regexp.MustCompile(`(?m)^  -([a-z0-9][a-z0-9-]*)`).FindAllStringSubmatch(stderr.String()+stdout.String(), -1) {
+		flags[m[1]] = true
+	}
+	if !flags["socket"] {
+		t.Fatalf("could not read the flags of mesh-agent run from its usage:\n%s%s", stdout.String(), stderr.String())
+	}
+	return flags
+}
+
+func TestAgentArgs(t *testing.T) {
+	ds, c := agentContainer(t, loadObjects(t))
+	flags := flagArgs(t, c)
+	declared := declaredAgentFlags(t)
+	pendingList := pendingFlags()
+	for name := range flags {
+		_, pending := pendingList[name]
+		switch {
+		case declared[name] && pending:
+			t.Logf("--%s is declared by mesh-agent run now: remove it from pendingFlags", name)
+		case !declared[name] && !pending:
+			t.Errorf("--%s is not a flag of mesh-agent run (the agent would exit at start)", name)
+		}
+	}
+
+	// The plugin on the host dials its default socket path unless its CNI
+	// config says otherwise: the agent must listen right there.
+	if got := flags["socket"]; got != cniplugin.DefaultSocketPath {
+		t.Errorf("--socket=%s, but the mesh-cni plugin dials %s by default", got, cniplugin.DefaultSocketPath)
+	}
+	if flags["datapath"] != "ebpf" {
+		t.Errorf("--datapath=%q: the DaemonSet must redirect traffic (ebpf)", flags["datapath"])
+	}
+
+	// The metrics/health address is the one the probes and the port use.
+	if got := flags["metrics-addr"]; got != MetricsAddr {
+		t.Errorf("--metrics-addr=%s, want %s", got, MetricsAddr)
+	}
+	host, portStr, err := net.SplitHostPort(MetricsAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	port, err := strconv.Atoi(portStr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var portName string
+	for _, p := range c.Ports {
+		if int(p.ContainerPort) == port && p.Protocol == corev1.ProtocolTCP {
+			portName = p.Name
+		}
+	}
+	if portName == "" {
+		t.Errorf("no TCP container port %d declared (with hostNetwork it reserves the port on the node)", port)
+	}
+	for _, p := range []struct {
+		name, path string
+		probe      *corev1.Probe
+	}{
+		{"startup", "/healthz", c.StartupProbe},
+		{"liveness", "/healthz", c.LivenessProbe},
+		{"readiness", "/readyz", c.ReadinessProbe},
+	} {
+		if p.probe == nil || p.probe.HTTPGet == nil {
+			t.Errorf("%s probe: want httpGet %s", p.name, p.path)
+			continue
+		}
+		g := p.probe.HTTPGet
+		if g.Path != p.path || g.Host != host || g.Scheme != "" && g.Scheme != corev1.URISchemeHTTP ||
+			!(g.Port.StrVal == portName || g.Port.IntValue() == port) {
+			t.Errorf("%s probe: httpGet %s:%s%s, want %s:%d%s", p.name, g.Host, g.Port.String(), g.Path, host, port, p.path)
+		}
+	}
+
+	// The pod outlives the agent's own shutdown grace, with a margin.
+	grace, err := time.ParseDuration(flags["shutdown-grace"])
+	if err != nil {
+		t.Fatalf("--shutdown-grace: %v", err)
+	}
+	tgps := ds.Spec.Template.Spec.TerminationGracePeriodSeconds
+	if tgps == nil || time.Duration(*tgps)*time.Second < grace+5*time.Second {
+		t.Errorf("terminationGracePeriodSeconds %v: want at least --shutdown-grace (%v) + 5s", tgps, grace)
+	}
+}
+
+func TestDaemonSetSpec(t *testing.T) {
+	objs := loadObjects(t)
+	ds, c := agentContainer(t, objs)
+	pod := ds.Spec.Template.Spec
+
+	if sel := ds.Spec.Selector; sel == nil || len(sel.MatchLabels) == 0 || len(sel.MatchExpressions) != 0 {
+		t.Errorf("selector %v: want matchLabels only", sel)
+	} else {
+		for k, v := range sel.MatchLabels {
+			if ds.Spec.Template.Labels[k] != v {
+				t.Errorf("selector %s=%s does not match the pod template's labels", k, v)
+			}
+		}
+	}
+	if !pod.HostNetwork {
+		t.Error("hostNetwork: want true")
+	}
+	if pod.HostPID || pod.HostIPC {
+		t.Error("hostPID/hostIPC: want false (netns paths come from /var/run/netns)")
+	}
+	if pod.PriorityClassName != "system-node-critical" {
+		t.Errorf("priorityClassName %q", pod.PriorityClassName)
+	}
+	if !slices.ContainsFunc(pod.Tolerations, func(tol corev1.Toleration) bool {
+		return tol.Key == "" && tol.Operator == corev1.TolerationOpExists && tol.Effect == ""
+	}) {
+		t.Errorf("tolerations %v: want one {operator: Exists} so that every node runs the agent", pod.Tolerations)
+	}
+
+	us := ds.Spec.UpdateStrategy
+	if us.Type != appsv1.RollingUpdateDaemonSetStrategyType || us.RollingUpdate == nil ||
+		us.RollingUpdate.MaxUnavailable == nil || us.RollingUpdate.MaxUnavailable.String() != "1" ||
+		us.RollingUpdate.MaxSurge == nil || us.RollingUpdate.MaxSurge.String() != "0" {
+		t.Errorf("updateStrategy %+v: want RollingUpdate, maxUnavailable 1, maxSurge 0 (never two agents on a node)", us)
+	}
+
+	sa := only[*corev1.ServiceAccount](t, objs)
+	if pod.ServiceAccountName != sa.Name || ds.Namespace != sa.Namespace {
+		t.Errorf("DaemonSet %s/%s runs as service account %q, the manifests define %s/%s", ds.Namespace, ds.Name, pod.ServiceAccountName, sa.Namespace, sa.Name)
+	}
+
+	if c.Image != Image {
+		t.Errorf("image %q, want %q (kustomize images replaces it)", c.Image, Image)
+	}
+	if c.ImagePullPolicy != corev1.PullIfNotPresent {
+		t.Errorf("imagePullPolicy %q: want IfNotPresent (a restart must not need the registry)", c.ImagePullPolicy)
+	}
+
+	env := map[string]corev1.EnvVar{}
+	for _, e := range c.Env {
+		env[e.Name] = e
+	}
+	if e := env["NODE_NAME"]; e.ValueFrom == nil || e.ValueFrom.FieldRef == nil || e.ValueFrom.FieldRef.FieldPath != "spec.nodeName" {
+		t.Errorf("env NODE_NAME %+v: want fieldRef spec.nodeName", e)
+	}
+	if e, ok := env["GOMEMLIMIT"]; ok {
+		// GOMEMLIMIT is read as bytes: a divisor would make it tiny.
+		if r := e.ValueFrom; r == nil || r.ResourceFieldRef == nil || r.ResourceFieldRef.Resource != "limits.memory" ||
+			!r.ResourceFieldRef.Divisor.IsZero() && r.ResourceFieldRef.Divisor.Value() != 1 {
+			t.Errorf("env GOMEMLIMIT %+v: want resourceFieldRef limits.memory in bytes", e)
+		}
+	}
+
+	res := c.Resources
+	for _, r := range []corev1.ResourceName{corev1.ResourceCPU, corev1.ResourceMemory} {
+		if q, ok := res.Requests[r]; !ok || q.IsZero() {
+			t.Errorf("no %s request", r)
+		}
+	}
+	if q, ok := res.Limits[corev1.ResourceMemory]; !ok || q.Cmp(res.Requests[corev1.ResourceMemory]) < 0 {
+		t.Errorf("memory limit %v: want one, at least the request", res.Limits)
+	}
+
+	sc := c.SecurityContext
+	if sc == nil || sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem {
+		t.Error("securityContext.readOnlyRootFilesystem: want true")
+	}
+}
+
+func TestRBACLeastPrivilege(t *testing.T) {
+	objs := loadObjects(t)
+	role := only[*rbacv1.ClusterRole](t, objs)
+	binding := only[*rbacv1.ClusterRoleBinding](t, objs)
+	sa := only[*corev1.ServiceAccount](t, objs)
+
+	// Exactly what the agent uses: "group/resource" -> verbs.
+	want := map[string][]string{
+		"/pods":                {"get", "list", "patch", "watch"},
+		"/namespaces":          {"get", "list", "watch"},
+		"/events":              {"create", "patch"},
+		"events.k8s.io/events": {"create", "patch"},
+	}
+	got := map[string][]string{}
+	if role.AggregationRule != nil {
+		t.Error("ClusterRole aggregates other roles")
+	}
+	for i, r := range role.Rules {
+		if len(r.NonResourceURLs) != 0 {
+			t.Errorf("rule %d grants non-resource URLs %v", i, r.NonResourceURLs)
+		}
+		for _, list := range [][]string{r.APIGroups, r.Resources, r.Verbs, r.ResourceNames} {
+			if slices.Contains(list, "*") || slices.ContainsFunc(list, func(s string) bool { return strings.Contains(s, "*") }) {
+				t.Errorf("rule %d has a wildcard: %+v", i, r)
+			}
+		}
+		for _, res := range r.Resources {
+			if base, _, _ := strings.Cut(res, "/"); base == "secrets" || base == "configmaps" || base == "serviceaccounts" {
+				t.Errorf("rule %d grants %s", i, res)
+			}
+			for _, g := range r.APIGroups {
+				got[g+"/"+res] = append(got[g+"/"+res], r.Verbs...)
+			}
+		}
+	}
+	for k, v := range got {
+		slices.Sort(v)
+		got[k] = slices.Compact(v)
+	}
+	gotJSON, _ := json.Marshal(got)
+	wantJSON, _ := json.Marshal(want)
+	if !bytes.Equal(gotJSON, wantJSON) {
+		t.Errorf("ClusterRole grants\n %s\nwant exactly\n %s", gotJSON, wantJSON)
+	}
+
+	if binding.RoleRef != (rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: role.Name}) {
+		t.Errorf("ClusterRoleBinding roleRef %+v, want the ClusterRole %q", binding.RoleRef, role.Name)
+	}
+	wantSubj := []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Name: sa.Name, Namespace: sa.Namespace}}
+	if !slices.Equal(binding.Subjects, wantSubj) {
+		t.Errorf("ClusterRoleBinding subjects %+v, want %+v", binding.Subjects, wantSubj)
+	}
+}
+
+// TestKustomizeBuild builds the kustomization with kubectl's kustomize, as
+// `kubectl apply -k` does, and through an overlay that pins the image.
+func TestKustomizeBuild(t *testing.T) {
+	kubectl, err := exec.LookPath("kubectl")
+	if err != nil {
+		if os.Getenv("CI") != "" {
+			t.Fatalf("kubectl is needed to build the kustomization: %v", err)
+		}
+		t.Skipf("kubectl not found (%v); CI runs this test", err)
+	}
+	dec := strictDecoder(t)
+	build := func(dir string) []runtime.Object {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+		defer cancel()
+		var stderr bytes.Buffer
+		cmd := exec.CommandContext(ctx, kubectl, "kustomize", dir)
+		cmd.Stderr = &stderr
+		out, err := cmd.Output()
+		if err != nil {
+			t.Fatalf("kubectl kustomize %s: %v\n%s", dir, err, stderr.String())
+		}
+		docs, err := splitDocuments(out)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var objs []runtime.Object
+		for i, doc := range docs {
+			obj, err := decodeStrict(dec, doc)
+			if err != nil {
+				t.Fatalf("built document %d: %v", i, err)
+			}
+			objs = append(objs, obj)
+		}
+		return objs
+	}
+
+	if got, want := len(build(".")), len(loadObjects(t)); got != want {
+		t.Errorf("kustomize built %d objects, the files hold %d", got, want)
+	}
+
+	// kustomize takes bases only by relative path.
+	overlay := t.TempDir()
+	here, err := filepath.Abs(".")
+	if err != nil {
+		t.Fatal(err)
+	}
+	base, err := filepath.Rel(overlay, here)
+	if err != nil {
+		t.Fatal(err)
+	}
+	repo, _, _ := strings.Cut(Image, ":")
+	kust := fmt.Sprintf("resources:\n  - %s\nimages:\n  - name: %s\n    newName: registry.example/mesh-agent\n    newTag: v9.9.9\n", base, repo)
+	if err := os.WriteFile(path.Join(overlay, kustomizationFile), []byte(kust), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var image string
+	for _, o := range build(overlay) {
+		if ds, ok := o.(*appsv1.DaemonSet); ok {
+			image = ds.Spec.Template.Spec.Containers[0].Image
+		}
+	}
+	if image != "registry.example/mesh-agent:v9.9.9" {
+		t.Errorf("overlay with images set the agent image to %q", image)
+	}
+}

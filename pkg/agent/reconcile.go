@@ -1,0 +1,125 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+
+	"go.uber.org/zap"
+
+	"github.com/mesh-cni/mesh-cni/pkg/netns"
+	"github.com/mesh-cni/mesh-cni/pkg/podstore"
+)
+
+// ReconcileResult counts what one reconcile pass did.
+type ReconcileResult struct {
+	// Released: pods whose network namespace is gone (deleted without DEL).
+	Released int
+	// Repaired: pods whose redirection was broken and was put back.
+	Repaired int
+	// Orphans: data path entries no record claims, removed.
+	Orphans int
+	// Kept: pods found intact.
+	Kept int
+}
+
+// Reconcile makes the data path match the records and the live namespaces: the
+// records say which pods the agent enrolled, the data path what is redirected,
+// and the namespaces which pods still exist. It holds each pod's lock while it
+// looks at that pod, so it never races an ADD or DEL for it.
+func (s *Service) Reconcile(ctx context.Context) (ReconcileResult, error) {
+	var res ReconcileResult
+	var errs []error
+	claimed := map[uint64]bool{}
+	for _, rec := range s.store.List() {
+		outcome, err := s.reconcileOne(ctx, rec.Key)
+		if err != nil {
+			errs = append(errs, err)
+		}
+		switch outcome {
+		case outcomeReleased:
+			res.Released++
+		case outcomeRepaired:
+			res.Repaired++
+			claimed[rec.NetnsCookie] = true
+		case outcomeKept:
+			res.Kept++
+			claimed[rec.NetnsCookie] = true
+		}
+	}
+	cookies, err := s.datapath.Enrolled(ctx)
+	if err != nil {
+		errs = append(errs, err)
+	}
+	for _, c := range cookies {
+		if claimed[c] || s.cookieClaimed(c) {
+			continue
+		}
+		if err := s.datapath.Release(ctx, c); err != nil {
+			errs = append(errs, fmt.Errorf("release orphan netns cookie %d: %w", c, err))
+			continue
+		}
+		res.Orphans++
+		s.log.Info("orphan redirection released", zap.Uint64("netnsCookie", c))
+	}
+	return res, errors.Join(errs...)
+}
+
+// cookieClaimed reports whether a record (possibly written since the pass began)
+// holds cookie.
+func (s *Service) cookieClaimed(cookie uint64) bool {
+	return slices.ContainsFunc(s.store.List(), func(r podstore.Record) bool { return r.NetnsCookie == cookie })
+}
+
+type reconcileOutcome int
+
+const (
+	outcomeGone reconcileOutcome = iota
+	outcomeReleased
+	outcomeRepaired
+	outcomeKept
+)
+
+func (s *Service) reconcileOne(ctx context.Context, key podstore.Key) (reconcileOutcome, error) {
+	unlock := s.locks.Lock(key.String())
+	defer unlock()
+	rec, ok := s.store.Get(key)
+	if !ok {
+		return outcomeGone, nil // deleted meanwhile
+	}
+	fields := []zap.Field{zap.String("pod", rec.Namespace+"/"+rec.Name), zap.String("podUID", rec.UID), zap.String("attachment", key.String())}
+	if !s.namespaceAlive(rec) {
+		if _, err := s.release(ctx, key); err != nil {
+			return outcomeGone, err
+		}
+		s.log.Info("pod released: its network namespace is gone", fields...)
+		return outcomeReleased, nil
+	}
+	ifnames := make([]string, 0, len(rec.Interfaces))
+	for _, i := range rec.Interfaces {
+		ifnames = append(ifnames, i.Name)
+	}
+	if len(ifnames) == 0 {
+		ifnames = []string{key.Ifname}
+	}
+	if err := s.datapath.Check(ctx, rec.NetnsCookie, ifnames); err == nil {
+		return outcomeKept, nil
+	} else {
+		s.log.Warn("pod redirection broken; repairing", append(fields, zap.Error(err))...)
+	}
+	if _, err := s.datapath.Enroll(ctx, rec.NetnsPath, ifnames); err != nil {
+		return outcomeGone, fmt.Errorf("repair %s: %w", key, err)
+	}
+	return outcomeRepaired, nil
+}
+
+// namespaceAlive: the record's namespace path still names a network namespace,
+// and the same one (a path can be reused by a new pod after a node crash).
+func (s *Service) namespaceAlive(rec podstore.Record) bool {
+	if netns.Validate(rec.NetnsPath) != nil {
+		return false
+	}
+	cookie, err := netns.Cookie(rec.NetnsPath)
+	return err == nil && cookie == rec.NetnsCookie
+}

@@ -1,0 +1,116 @@
+package agentcli
+
+import (
+	"context"
+	"fmt"
+	"io"
+
+	"go.uber.org/zap"
+
+	"github.com/mesh-cni/mesh-cni/install"
+	"github.com/mesh-cni/mesh-cni/pkg/agent"
+	"github.com/mesh-cni/mesh-cni/pkg/redirect"
+)
+
+// chainEntry is the mesh-cni entry the agent puts in the node's CNI config.
+func (o options) chainEntry() map[string]any {
+	entry := map[string]any{
+		"type":              "mesh-cni",
+		"socketPath":        o.socketPath,
+		"gateTimeout":       o.gateTimeout.String(),
+		"excludeNamespaces": []string(o.excludeNamespaces),
+		"logLevel":          o.pluginLogLevel,
+	}
+	if o.pluginLogFile != "" {
+		entry["logFile"] = o.pluginLogFile
+	}
+	return entry
+}
+
+func (o options) installerConfig(log *zap.Logger, onChange func(install.Status)) install.Config {
+	mode := install.ModeChain
+	if o.ownedConfig {
+		mode = install.ModeOwned
+	}
+	return install.Config{
+		ConfDir:     o.cniConfDir,
+		Entry:       o.chainEntry(),
+		Mode:        mode,
+		PrimaryFile: o.cniConfFile,
+		StateDir:    o.installStateDir,
+		Logger:      log,
+		OnChange:    onChange,
+	}
+}
+
+// newCNIInstaller installs the plugin binary and returns the function that keeps
+// the chain entry in place for the agent's life.
+func newCNIInstaller(opts options, log *zap.Logger) (agent.CNIConfigInstaller, error) {
+	bin, err := opts.pluginBinaryPath()
+	if err != nil {
+		return nil, err
+	}
+	log = log.Named("cni-install")
+	return func(ctx context.Context, report func(bool, string)) error {
+		changed, err := install.InstallBinary(ctx, bin, opts.cniBinDirs)
+		if err != nil {
+			report(false, "plugin binary not installed: "+err.Error())
+			return fmt.Errorf("install plugin binary %s: %w", bin, err)
+		}
+		log.Info("plugin binary in place", zap.Strings("dirs", opts.cniBinDirs), zap.Bool("replaced", changed))
+		report(false, "chain entry not installed yet")
+		in, err := install.New(opts.installerConfig(log, func(st install.Status) {
+			reason := st.Reason
+			if reason == "" && !st.Ready {
+				reason = "chain entry missing"
+			}
+			report(st.Ready, reason)
+		}))
+		if err != nil {
+			return err
+		}
+		return in.Run(ctx)
+	}, nil
+}
+
+// uninstallCommand removes everything the agent put on the node: the chain
+// entry (the primary config returns to its original bytes), the owned config,
+// the plugin binary, the pinned data path and its cgroup attachments.
+func uninstallCommand(ctx context.Context, args []string, stderr io.Writer) int {
+	var opts options
+	fs := flagSet("mesh-agent uninstall", &opts, stderr)
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	log, err := newLogger(opts.logLevel, stderr)
+	if err != nil {
+		fmt.Fprintf(stderr, "mesh-agent: %v\n", err)
+		return 2
+	}
+	failed := false
+	if opts.cniInstall {
+		in, err := install.New(opts.installerConfig(log.Named("cni-install"), nil))
+		if err == nil {
+			err = in.Remove(ctx)
+		}
+		if err != nil {
+			log.Error("removing the chain entry failed", zap.Error(err))
+			failed = true
+		}
+		if err := install.RemoveBinary(opts.cniBinDirs, "mesh-cni"); err != nil {
+			log.Error("removing the plugin binary failed", zap.Error(err))
+			failed = true
+		}
+	}
+	if opts.datapath == "ebpf" {
+		if err := redirect.Uninstall(ctx, redirect.Config{PinRoot: opts.bpffsRoot, CgroupRoot: opts.cgroupRoot, Logger: log.Named("datapath")}); err != nil {
+			log.Error("removing the data path failed", zap.Error(err))
+			failed = true
+		}
+	}
+	if failed {
+		return 1
+	}
+	log.Info("mesh-cni uninstalled from this node")
+	return 0
+}

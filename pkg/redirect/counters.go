@@ -1,0 +1,66 @@
+package redirect
+
+import "fmt"
+
+// Indexes into the counters map: enum counter in bpf/redirect.c.
+const (
+	counterOutRedirected uint32 = iota
+	counterOutPassed
+	counterOutDropped
+	counterInRedirected
+	counterInPassed
+	counterInDropped
+	counterMax
+)
+
+// DirectionCounters count redirection decisions in one direction.
+type DirectionCounters struct {
+	// Redirected: sent to the proxy.
+	Redirected uint64
+	// Passed: left alone by policy (proxy mark or uid, excluded port or CIDR,
+	// probe source, loopback destination) or by fail-open with no proxy listening.
+	Passed uint64
+	// Dropped: no proxy listening and fail-open off. Outbound connects are still
+	// rewritten and get ECONNREFUSED; inbound SYNs are dropped.
+	Dropped uint64
+}
+
+// Counters are the data path's decisions summed over all CPUs and all enrolled
+// pods since the maps were created (they survive agent restarts). Outbound counts
+// TCP connect() calls from enrolled netns; inbound counts new connections (SYNs)
+// arriving on enrolled interfaces. Packets of existing connections are not counted.
+type Counters struct {
+	Outbound DirectionCounters
+	Inbound  DirectionCounters
+}
+
+// Counters reads the per-CPU counters.
+func (d *Datapath) Counters() (Counters, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return Counters{}, ErrClosed
+	}
+	var sums [counterMax]uint64
+	for i := range counterMax {
+		var perCPU []uint64
+		if err := d.objs.Counters.Lookup(i, &perCPU); err != nil {
+			return Counters{}, fmt.Errorf("read counter %d: %w", i, err)
+		}
+		for _, v := range perCPU {
+			sums[i] += v
+		}
+	}
+	return Counters{
+		Outbound: DirectionCounters{
+			Redirected: sums[counterOutRedirected],
+			Passed:     sums[counterOutPassed],
+			Dropped:    sums[counterOutDropped],
+		},
+		Inbound: DirectionCounters{
+			Redirected: sums[counterInRedirected],
+			Passed:     sums[counterInPassed],
+			Dropped:    sums[counterInDropped],
+		},
+	}, nil
+}

@@ -1,0 +1,16 @@
+// Package bench holds mesh-cni's benchmarks: each measures mesh-cni side by side
+// with its baseline in the same run and reports the ratio.
+package bench
+
+import (
+	"maps"
+	"testing"
+
+	"github.com/mesh-cni/mesh-cni/test/harness"
+)
+
+func TestMain(m *testing.M) {
+	pkgs := harness.ReferencePlugins()
+	maps.Copy(pkgs, harness.ProductBinaries())
+	harness.Main(m, harness.Options{Packages: pkgs})
+}

@@ -1,0 +1,385 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/containernetworking/cni/libcni"
+
+	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/proxy"
+)
+
+// meshPod is a pod added through [bridge, mesh-cni] with, optionally, the
+// reference proxy running inside it.
+type meshPod struct {
+	*harness.Pod
+	records string // the proxy's record file, "" without a proxy
+	proxy   *harness.Process
+}
+
+func addMeshPod(ctx context.Context, t *testing.T, node *harness.Node, list *libcni.NetworkConfigList, namespace, name string) *meshPod {
+	t.Helper()
+	p := node.NewPod(t, namespace, name)
+	if _, err := node.Add(ctx, p, list); err != nil {
+		t.Fatalf("ADD %s/%s: %v", namespace, name, err)
+	}
+	return &meshPod{Pod: p}
+}
+
+// startProxy runs the reference proxy inside the pod, the way a sidecar runs.
+func (p *meshPod) startProxy(ctx context.Context, t *testing.T) {
+	t.Helper()
+	p.records = filepath.Join(t.TempDir(), p.Name+"-records.jsonl")
+	p.proxy = p.Start(t, harness.ProcessOptions{
+		Path: harness.Bins(t).Path("refproxy"),
+		Args: []string{"-record", p.records},
+		Name: "refproxy-" + p.Name,
+	})
+	readyCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if _, err := p.proxy.WaitForLine(readyCtx, "ready"); err != nil {
+		t.Fatalf("proxy in %s: %v", p.Name, err)
+	}
+}
+
+func (p *meshPod) proxyRecords(t *testing.T) []proxy.Record {
+	t.Helper()
+	recs, err := proxy.ReadRecords(p.records)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		t.Fatal(err)
+	}
+	return recs
+}
+
+// waitRecords waits until the proxy recorded n connections.
+func (p *meshPod) waitRecords(ctx context.Context, t *testing.T, n int) []proxy.Record {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	recs, err := proxy.WaitForRecords(ctx, p.records, func(r []proxy.Record) bool { return len(r) >= n })
+	if err != nil {
+		t.Fatalf("proxy in %s: want %d records, have %d: %v", p.Name, n, len(recs), err)
+	}
+	return recs
+}
+
+// server is a TCP echo server inside a pod that remembers who connected.
+type server struct {
+	mu      sync.Mutex
+	clients []netip.Addr
+}
+
+func (s *server) serve(t *testing.T, p *harness.Pod, port int) {
+	t.Helper()
+	ln := p.Listen(t, "tcp", fmt.Sprintf("[::]:%d", port))
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			ap := netip.MustParseAddrPort(c.RemoteAddr().String())
+			s.mu.Lock()
+			s.clients = append(s.clients, ap.Addr().Unmap())
+			s.mu.Unlock()
+			go func() {
+				defer c.Close()
+				io.Copy(c, c)
+			}()
+		}
+	}()
+}
+
+func (s *server) seen() []netip.Addr {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]netip.Addr(nil), s.clients...)
+}
+
+// roundTrip connects from pod to addr, sends payload and checks the echo.
+func roundTrip(ctx context.Context, p *harness.Pod, addr netip.AddrPort, payload []byte) error {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	c, err := p.Dial(ctx, "tcp", addr.String())
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := c.Write(payload); err != nil {
+		return fmt.Errorf("write: %w", err)
+	}
+	c.(*net.TCPConn).CloseWrite()
+	got, err := io.ReadAll(c)
+	if err != nil {
+		return fmt.Errorf("read: %w", err)
+	}
+	if !bytes.Equal(got, payload) {
+		return fmt.Errorf("echo mismatch: sent %d bytes, got %d", len(payload), len(got))
+	}
+	return nil
+}
+
+// TestRedirectThroughChain: pods added through the real chain with the eBPF data
+// path get their traffic redirected through their proxies, in both directions,
+// over IPv4 and IPv6, with the original destination intact.
+func TestRedirectThroughChain(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	a := newAgent(t, "--excluded-ports", "15001,15006,15008,15020,15021,15053,15090,9090")
+	a.start(ctx)
+	node := meshNode(t)
+	list := chain(t, node, a, "30s")
+	ca := addMeshPod(ctx, t, node, list, "shop", "client")
+	sb := addMeshPod(ctx, t, node, list, "shop", "server")
+	other := addMeshPod(ctx, t, node, list, "kube-system", "outsider")
+	ca.startProxy(ctx, t)
+	sb.startProxy(ctx, t)
+	var app, excluded server
+	app.serve(t, sb.Pod, 8080)
+	excluded.serve(t, sb.Pod, 9090)
+	payload := bytes.Repeat([]byte("mesh-cni "), 8<<10)
+
+	for i, dst := range []netip.Addr{sb.IPv4(t), sb.IPv6(t)} {
+		target := netip.AddrPortFrom(dst, 8080)
+		if err := roundTrip(ctx, ca.Pod, target, payload); err != nil {
+			t.Fatalf("A -> %s: %v", target, err)
+		}
+		out := ca.waitRecords(ctx, t, i+1)[i]
+		if out.Direction != "outbound" || !sameAddrPort(out.OriginalDst, target) || out.DstSource != "getsockopt" || out.Error != "" {
+			t.Fatalf("client proxy record %+v, want outbound to %s via getsockopt", out, target)
+		}
+		in := sb.waitRecords(ctx, t, i+1)[i]
+		if in.Direction != "inbound" || !sameAddrPort(in.OriginalDst, target) || in.DstSource != "getsockopt" || in.Error != "" {
+			t.Fatalf("server proxy record %+v, want inbound to %s via getsockopt", in, target)
+		}
+		if int(in.BytesToDst) != len(payload) {
+			t.Fatalf("server proxy forwarded %d bytes, want %d", in.BytesToDst, len(payload))
+		}
+	}
+	// The application only ever saw its own proxy as the client.
+	for _, c := range app.seen() {
+		if c == ca.IPv4(t) || c == ca.IPv6(t) {
+			t.Fatalf("the server saw the client %s directly: the inbound proxy was bypassed", c)
+		}
+	}
+
+	// An excluded port goes direct both ways: no new proxy records.
+	before := len(ca.proxyRecords(t)) + len(sb.proxyRecords(t))
+	if err := roundTrip(ctx, ca.Pod, netip.AddrPortFrom(sb.IPv4(t), 9090), payload); err != nil {
+		t.Fatalf("A -> B:9090 (excluded): %v", err)
+	}
+	if got := excluded.seen(); len(got) != 1 || got[0] != ca.IPv4(t) {
+		t.Fatalf("excluded port saw clients %v, want exactly the client pod %s", got, ca.IPv4(t))
+	}
+	// A pod that is not enrolled is not redirected: it reaches B's port 9090 directly.
+	if err := roundTrip(ctx, other.Pod, netip.AddrPortFrom(sb.IPv4(t), 9090), payload); err != nil {
+		t.Fatalf("outsider -> B:9090: %v", err)
+	}
+	if after := len(ca.proxyRecords(t)) + len(sb.proxyRecords(t)); after != before {
+		t.Fatalf("proxies recorded %d new connections for traffic that must not be redirected", after-before)
+	}
+	// The proxy's own marked connections were never looped: one record each way
+	// per connection made.
+	if n := len(ca.proxyRecords(t)); n != 2 {
+		t.Fatalf("client proxy has %d records, want 2", n)
+	}
+}
+
+// TestFailClosedAndRelease: an enrolled pod with no proxy cannot talk (outbound
+// refused, inbound SYN dropped); DEL removes redirection at once; a re-added pod
+// is redirected again. With --fail-open, a pod without proxy passes traffic.
+func TestFailClosedAndRelease(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	a := newAgent(t)
+	a.start(ctx)
+	node := meshNode(t)
+	list := chain(t, node, a, "30s")
+	lonely := addMeshPod(ctx, t, node, list, "shop", "no-proxy")
+	peer := addMeshPod(ctx, t, node, list, "kube-system", "peer")
+	var peerApp, lonelyApp server
+	peerApp.serve(t, peer.Pod, 8080)
+	lonelyApp.serve(t, lonely.Pod, 8080)
+
+	err := roundTrip(ctx, lonely.Pod, netip.AddrPortFrom(peer.IPv4(t), 8080), []byte("x"))
+	if !errors.Is(err, syscall.ECONNREFUSED) {
+		t.Fatalf("outbound from an enrolled pod with no proxy: %v, want connection refused", err)
+	}
+	shortCtx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	err = roundTrip(shortCtx, peer.Pod, netip.AddrPortFrom(lonely.IPv4(t), 8080), []byte("x"))
+	cancel()
+	if err == nil || !(errors.Is(err, context.DeadlineExceeded) || strings.Contains(err.Error(), "timeout")) {
+		t.Fatalf("inbound to an enrolled pod with no proxy: %v, want a timeout (SYN dropped)", err)
+	}
+	if len(lonelyApp.seen()) != 0 {
+		t.Fatal("the application of a fail-closed pod received a connection")
+	}
+
+	cookieDir, cookie := podPinDir(t, a, lonely.Pod)
+	if !settingsEntryExists(t, a, cookie) {
+		t.Fatal("enrolled pod has no entry in the pinned settings map")
+	}
+	if err := node.Del(ctx, lonely.Pod, list); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(cookieDir); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("pod's link pins %s still exist after DEL: %v", cookieDir, err)
+	}
+	if settingsEntryExists(t, a, cookie) {
+		t.Fatal("the pod's netns cookie entry is still in the settings map after DEL")
+	}
+	if _, err := node.Add(ctx, lonely.Pod, list); err != nil {
+		t.Fatal(err)
+	}
+	if err := roundTrip(ctx, lonely.Pod, netip.AddrPortFrom(peer.IPv4(t), 8080), []byte("x")); !errors.Is(err, syscall.ECONNREFUSED) {
+		t.Fatalf("re-added pod without proxy: %v, want connection refused again", err)
+	}
+
+	t.Run("fail-open", func(t *testing.T) {
+		open := newAgent(t, "--fail-open")
+		open.start(ctx)
+		node := meshNode(t)
+		list := chain(t, node, open, "30s")
+		p := addMeshPod(ctx, t, node, list, "shop", "open")
+		q := addMeshPod(ctx, t, node, list, "kube-system", "q")
+		var qApp, pApp server
+		qApp.serve(t, q.Pod, 8080)
+		pApp.serve(t, p.Pod, 8080)
+		if err := roundTrip(ctx, p.Pod, netip.AddrPortFrom(q.IPv4(t), 8080), []byte("x")); err != nil {
+			t.Fatalf("fail-open outbound: %v", err)
+		}
+		if err := roundTrip(ctx, q.Pod, netip.AddrPortFrom(p.IPv4(t), 8080), []byte("x")); err != nil {
+			t.Fatalf("fail-open inbound: %v", err)
+		}
+	})
+}
+
+// podPinDir is where the agent pinned the pod's TCX links, and the pod's netns
+// cookie.
+func podPinDir(t *testing.T, a *agent, p *harness.Pod) (string, uint64) {
+	t.Helper()
+	for _, e := range a.list(context.Background()).GetEnrollments() {
+		if e.GetAttachment().GetContainerId() == p.ContainerID {
+			dir := filepath.Join(a.BPFFS, "pods", fmt.Sprint(e.GetNetnsCookie()))
+			entries, err := os.ReadDir(dir)
+			if err != nil || len(entries) == 0 {
+				t.Fatalf("enrolled pod has no link pins in %s: %v", dir, err)
+			}
+			return dir, e.GetNetnsCookie()
+		}
+	}
+	t.Fatalf("pod %s is not enrolled", p.Name)
+	return "", 0
+}
+
+// settingsEntryExists looks the cookie up in the agent's pinned settings map,
+// the map every program keys on.
+func settingsEntryExists(t *testing.T, a *agent, cookie uint64) bool {
+	t.Helper()
+	m, err := ebpf.LoadPinnedMap(filepath.Join(a.BPFFS, "maps", "settings"), &ebpf.LoadPinOptions{ReadOnly: true})
+	if err != nil {
+		t.Fatalf("open pinned settings map: %v", err)
+	}
+	defer m.Close()
+	value := make([]byte, m.ValueSize())
+	err = m.Lookup(cookie, value)
+	if errors.Is(err, ebpf.ErrKeyNotExist) {
+		return false
+	}
+	if err != nil {
+		t.Fatalf("look up cookie %d: %v", cookie, err)
+	}
+	return true
+}
+
+// TestAgentRestartKeepsDataPath: kill -9 the agent while a client keeps
+// connecting; every connection still goes through the proxies, and the
+// restarted agent adopts what it enrolled before.
+func TestAgentRestartKeepsDataPath(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	a := newAgent(t)
+	a.start(ctx)
+	node := meshNode(t)
+	list := chain(t, node, a, "30s")
+	ca := addMeshPod(ctx, t, node, list, "shop", "client")
+	sb := addMeshPod(ctx, t, node, list, "shop", "server")
+	ca.startProxy(ctx, t)
+	sb.startProxy(ctx, t)
+	var app server
+	app.serve(t, sb.Pod, 8080)
+	before := a.list(ctx).GetEnrollments()
+
+	var ok, failed atomic.Int64
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		target := netip.AddrPortFrom(sb.IPv4(t), 8080)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if err := roundTrip(ctx, ca.Pod, target, []byte("ping")); err != nil {
+				failed.Add(1)
+			} else {
+				ok.Add(1)
+			}
+		}
+	}()
+	waitFor(t, 30*time.Second, "connections before the kill", func() bool { return ok.Load() >= 20 })
+	a.kill()
+	atKill := ok.Load()
+	waitFor(t, 30*time.Second, "connections while the agent is down", func() bool { return ok.Load() >= atKill+50 })
+	a.start(ctx)
+	afterStart := ok.Load()
+	waitFor(t, 30*time.Second, "connections after the restart", func() bool { return ok.Load() >= afterStart+20 })
+	close(stop)
+	<-done
+
+	total := int(ok.Load())
+	t.Logf("%d connections succeeded (%d while the agent was down), %d failed", total, afterStart-atKill, failed.Load())
+	if failed.Load() != 0 {
+		t.Fatalf("%d connections failed across the agent restart", failed.Load())
+	}
+	for _, c := range app.seen() {
+		if c == ca.IPv4(t) {
+			t.Fatal("a connection reached the server directly, bypassing the proxies")
+		}
+	}
+	outRecs := ca.waitRecords(ctx, t, total)
+	if len(outRecs) != total {
+		t.Fatalf("client proxy handled %d connections, the client made %d", len(outRecs), total)
+	}
+	after := a.list(ctx).GetEnrollments()
+	if len(after) != len(before) {
+		t.Fatalf("restarted agent lists %d enrollments, had %d", len(after), len(before))
+	}
+	for i := range before {
+		if before[i].GetNetnsCookie() != after[i].GetNetnsCookie() || before[i].GetAttachment().GetContainerId() != after[i].GetAttachment().GetContainerId() {
+			t.Fatalf("enrollment %d changed across the restart: %v -> %v", i, before[i], after[i])
+		}
+	}
+}
+
+func sameAddrPort(a, b netip.AddrPort) bool {
+	return a.Addr().Unmap() == b.Addr().Unmap() && a.Port() == b.Port()
+}
