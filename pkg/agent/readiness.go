@@ -12,25 +12,33 @@ import (
 // (the chain entry removed, say), and waiting callers then wait again.
 type Readiness struct {
 	mu       sync.Mutex
+	names    []string          // every condition, in declaration order
 	notReady map[string]string // condition -> why it does not hold
 	changed  chan struct{}     // closed and replaced on every change
-	onChange func(ready bool)
+	onChange []func(ready bool)
+}
+
+// Condition is one readiness condition's state.
+type Condition struct {
+	Name   string `json:"name"`
+	OK     bool   `json:"ok"`
+	Reason string `json:"reason,omitempty"`
 }
 
 // NewReadiness starts with every named condition unmet.
 func NewReadiness(conditions ...string) *Readiness {
-	r := &Readiness{notReady: make(map[string]string), changed: make(chan struct{})}
+	r := &Readiness{names: conditions, notReady: make(map[string]string), changed: make(chan struct{})}
 	for _, c := range conditions {
 		r.notReady[c] = "not yet checked"
 	}
 	return r
 }
 
-// OnChange registers fn to be called (under no lock of the caller's) with the new
-// overall state whenever it flips. Register before the first Set.
+// OnChange registers fn to be called (with no lock held) with the new overall
+// state whenever it flips.
 func (r *Readiness) OnChange(fn func(ready bool)) {
 	r.mu.Lock()
-	r.onChange = fn
+	r.onChange = append(r.onChange, fn)
 	r.mu.Unlock()
 }
 
@@ -45,15 +53,16 @@ func (r *Readiness) Set(condition string, ok bool, reason string) {
 		r.notReady[condition] = reason
 	}
 	isReady := len(r.notReady) == 0
-	changed := wasUnmet == ok || prevReason != reason
-	if changed {
+	if wasUnmet == ok || prevReason != reason {
 		close(r.changed)
 		r.changed = make(chan struct{})
 	}
-	fn := r.onChange
+	fns := r.onChange
 	r.mu.Unlock()
-	if fn != nil && wasReady != isReady {
-		fn(isReady)
+	if wasReady != isReady {
+		for _, fn := range fns {
+			fn(isReady)
+		}
 	}
 }
 
@@ -62,6 +71,18 @@ func (r *Readiness) Ready() (bool, string) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return len(r.notReady) == 0, r.describeLocked()
+}
+
+// Conditions lists every condition and its state.
+func (r *Readiness) Conditions() []Condition {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := make([]Condition, 0, len(r.names))
+	for _, n := range r.names {
+		why, unmet := r.notReady[n]
+		out = append(out, Condition{Name: n, OK: !unmet, Reason: why})
+	}
+	return out
 }
 
 func (r *Readiness) describeLocked() string {

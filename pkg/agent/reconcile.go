@@ -63,6 +63,7 @@ func (s *Service) Reconcile(ctx context.Context) (ReconcileResult, error) {
 		res.Orphans++
 		s.log.Info("orphan redirection released", zap.Uint64("netnsCookie", c))
 	}
+	s.metrics.reconciled(res)
 	return res, errors.Join(errs...)
 }
 

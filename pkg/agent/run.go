@@ -9,6 +9,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 	"github.com/mesh-cni/mesh-cni/pkg/podstore"
 )
 
@@ -20,8 +21,8 @@ const (
 )
 
 // CNIConfigInstaller installs the chain entry and keeps it in place until ctx
-// ends, reporting through report whether the entry is in place.
-type CNIConfigInstaller func(ctx context.Context, report func(ready bool, reason string)) error
+// ends, reporting every change of its state.
+type CNIConfigInstaller func(ctx context.Context, report func(CNIStatus)) error
 
 // Config is what Run needs; the command line fills it.
 type Config struct {
@@ -40,7 +41,18 @@ type Config struct {
 	ReconcileInterval time.Duration
 	// ShutdownGrace bounds how long in-flight calls may run after a stop.
 	ShutdownGrace time.Duration
+	// MetricsAddr serves /metrics, /healthz and /readyz; empty turns it off.
+	MetricsAddr string
+	// DatapathName is shown by status ("ebpf", "none").
+	DatapathName string
+	// EntryPoints are the other ways pods reach the gate (KNI, the network
+	// plugin hook). Each starts once the gate is serving and stops with it.
+	EntryPoints []EntryPoint
 }
+
+// EntryPoint starts a server that admits pods through gate; the returned func
+// stops it.
+type EntryPoint func(ctx context.Context, gate gatepb.GateServer, ready func() (bool, string)) (stop func(), err error)
 
 // Run runs the agent until ctx is cancelled. The gate socket is served first, so
 // pods arriving during start-up wait at the gate instead of failing. Then, in
@@ -66,12 +78,38 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 	}
 	lazy := &lazyDatapath{}
 	svc := NewService(log, readiness, policy, lazy, store)
-	srv, err := NewGateServer(ctx, log, cfg.SocketPath, cfg.AllowedUIDs, svc, readiness)
+	svc.datapathName = cfg.DatapathName
+	metrics := NewMetrics(store.Len, func() bool { ok, _ := readiness.Ready(); return ok }, func() CounterReader {
+		dp, err := lazy.get()
+		if err != nil {
+			return nil
+		}
+		r, _ := dp.(CounterReader)
+		return r
+	})
+	svc.metrics = metrics
+	if cfg.MetricsAddr != "" {
+		stopHTTP, err := serveHTTP(ctx, log, cfg.MetricsAddr, metrics, readiness)
+		if err != nil {
+			return err
+		}
+		defer stopHTTP()
+	}
+	srv, err := NewGateServer(ctx, log, cfg.SocketPath, cfg.AllowedUIDs, svc, readiness, metrics)
 	if err != nil {
 		return err
 	}
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- srv.Serve() }()
+	for _, start := range cfg.EntryPoints {
+		stop, err := start(ctx, svc, readiness.Ready)
+		if err != nil {
+			srv.Stop(0)
+			<-serveErr
+			return err
+		}
+		defer stop()
+	}
 	grace := cfg.ShutdownGrace
 	if grace == 0 {
 		grace = 5 * time.Second
@@ -108,8 +146,9 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 		background.Add(1)
 		go func() {
 			defer background.Done()
-			installErr <- cfg.InstallCNIConfig(bgCtx, func(ready bool, reason string) {
-				readiness.Set(CondCNIConfig, ready, reason)
+			installErr <- cfg.InstallCNIConfig(bgCtx, func(st CNIStatus) {
+				svc.setCNIStatus(st)
+				readiness.Set(CondCNIConfig, st.InPlace, st.Reason)
 			})
 		}()
 	}

@@ -25,7 +25,7 @@ type GateServer struct {
 
 // NewGateServer listens on socketPath and registers svc. The health service's
 // overall status ("" and the gate service's name) follows readiness.
-func NewGateServer(ctx context.Context, log *zap.Logger, socketPath string, allowedUIDs []int, svc *Service, readiness *Readiness) (*GateServer, error) {
+func NewGateServer(ctx context.Context, log *zap.Logger, socketPath string, allowedUIDs []int, svc *Service, readiness *Readiness, metrics *Metrics) (*GateServer, error) {
 	l, err := gate.Listen(ctx, socketPath)
 	if err != nil {
 		return nil, err
@@ -33,7 +33,7 @@ func NewGateServer(ctx context.Context, log *zap.Logger, socketPath string, allo
 	auth := gate.NewAuthorizer(allowedUIDs)
 	srv := grpc.NewServer(
 		grpc.Creds(gate.ServerCredentials()),
-		grpc.ChainUnaryInterceptor(auth.UnaryInterceptor),
+		grpc.ChainUnaryInterceptor(auth.UnaryInterceptor, metrics.UnaryInterceptor),
 		grpc.ChainStreamInterceptor(auth.StreamInterceptor),
 	)
 	gatepb.RegisterGateServer(srv, svc)

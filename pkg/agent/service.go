@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -21,13 +22,16 @@ import (
 type Service struct {
 	gatepb.UnimplementedGateServer
 
-	log       *zap.Logger
-	readiness *Readiness
-	policy    Policy
-	datapath  Datapath
-	store     *podstore.Store
-	locks     *keyLock
-	now       func() time.Time
+	log          *zap.Logger
+	readiness    *Readiness
+	policy       Policy
+	datapath     Datapath
+	store        *podstore.Store
+	locks        *keyLock
+	now          func() time.Time
+	metrics      *Metrics
+	cni          atomic.Pointer[CNIStatus]
+	datapathName string
 }
 
 // NewService wires the gate to its collaborators.
@@ -59,6 +63,7 @@ func podFields(pod *gatepb.PodIdentity, key podstore.Key) []zap.Field {
 func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddResponse, error) {
 	start := s.now()
 	if err := gate.ValidateAdd(req); err != nil {
+		s.metrics.enrollFailed("invalid-request")
 		s.log.Warn("rejected add", zap.Error(err))
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
@@ -66,6 +71,7 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 	fields := podFields(req.GetPod(), key)
 
 	if err := s.readiness.Wait(ctx); err != nil {
+		s.metrics.enrollFailed("not-ready")
 		s.log.Warn("add gave up waiting for readiness", append(fields, zap.Error(err))...)
 		return nil, status.Error(codes.Unavailable, err.Error())
 	}
@@ -76,6 +82,7 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 
 	decision, err := s.policy.Decide(ctx, req.GetPod())
 	if err != nil {
+		s.metrics.enrollFailed("policy")
 		s.log.Error("enrollment policy failed", append(fields, zap.Error(err))...)
 		return nil, status.Errorf(codes.Unavailable, "enrollment policy could not decide for pod %s/%s: %v", req.GetPod().GetNamespace(), req.GetPod().GetName(), err)
 	}
@@ -91,6 +98,7 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 	ifnames := interfaceNames(req.GetInterfaces(), key.Ifname)
 	cookie, err := s.datapath.Enroll(ctx, req.GetNetnsPath(), ifnames)
 	if err != nil {
+		s.metrics.enrollFailed("datapath")
 		s.log.Error("enrollment failed", append(fields, zap.Error(err))...)
 		return nil, status.Errorf(codes.Internal, "enroll pod %s/%s: %v", req.GetPod().GetNamespace(), req.GetPod().GetName(), err)
 	}
@@ -118,6 +126,7 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 		if rerr := s.datapath.Release(ctx, cookie); rerr != nil {
 			err = errors.Join(err, rerr)
 		}
+		s.metrics.enrollFailed("record")
 		s.log.Error("recording enrollment failed", append(fields, zap.Error(err))...)
 		return nil, status.Errorf(codes.Internal, "record enrollment of pod %s/%s: %v", req.GetPod().GetNamespace(), req.GetPod().GetName(), err)
 	}
@@ -273,6 +282,38 @@ func (s *Service) List(context.Context, *gatepb.ListRequest) (*gatepb.ListRespon
 			Source:             gatepb.Source(gatepb.Source_value[rec.Source]),
 			EnrolledAtUnixNano: rec.EnrolledAt.UnixNano(),
 		})
+	}
+	return resp, nil
+}
+
+// CNIStatus is the chain entry's state as the installer reports it.
+type CNIStatus struct {
+	InPlace bool
+	Reason  string
+	Mode    string
+	Primary string
+	File    string
+	Repairs uint64
+}
+
+// setCNIStatus records the installer's latest report.
+func (s *Service) setCNIStatus(st CNIStatus) {
+	prev := s.cni.Swap(&st)
+	if prev != nil && st.Repairs > prev.Repairs {
+		s.metrics.chainRepaired(st.Repairs - prev.Repairs)
+	}
+}
+
+// Status implements gatepb.GateServer.
+func (s *Service) Status(context.Context, *gatepb.StatusRequest) (*gatepb.StatusResponse, error) {
+	ready, _ := s.readiness.Ready()
+	resp := &gatepb.StatusResponse{Ready: ready, Datapath: s.datapathName, Enrolled: int32(s.store.Len()), CniConfig: &gatepb.CNIConfig{}}
+	for _, c := range s.readiness.Conditions() {
+		resp.Conditions = append(resp.Conditions, &gatepb.Condition{Name: c.Name, Ok: c.OK, Reason: c.Reason})
+	}
+	if st := s.cni.Load(); st != nil {
+		resp.CniConfig = &gatepb.CNIConfig{Managed: true, InPlace: st.InPlace, Mode: st.Mode, PrimaryFile: st.Primary,
+			File: st.File, Repairs: st.Repairs, Reason: st.Reason}
 	}
 	return resp, nil
 }

@@ -21,12 +21,13 @@ import (
 
 // Defaults shared with the plugin's config and the Kubernetes manifests.
 const (
-	DefaultSocketPath = "/var/run/mesh-cni/gate.sock"
-	DefaultStateDir   = "/var/run/mesh-cni/pods"
-	DefaultBPFFSRoot  = redirect.DefaultPinRoot
-	DefaultCNIBinDir  = "/opt/cni/bin"
-	DefaultCNIConfDir = "/etc/cni/net.d"
-	DefaultInstallDir = "/var/run/mesh-cni/install"
+	DefaultSocketPath  = "/var/run/mesh-cni/gate.sock"
+	DefaultStateDir    = "/var/run/mesh-cni/pods"
+	DefaultBPFFSRoot   = redirect.DefaultPinRoot
+	DefaultCNIBinDir   = "/opt/cni/bin"
+	DefaultCNIConfDir  = "/etc/cni/net.d"
+	DefaultInstallDir  = "/var/run/mesh-cni/install"
+	DefaultMetricsAddr = "127.0.0.1:15099"
 )
 
 // options are the flags of `mesh-agent run` (most are shared by uninstall).
@@ -40,6 +41,7 @@ type options struct {
 	logLevel          string
 	shutdownGrace     time.Duration
 	reconcileInterval time.Duration
+	metricsAddr       string
 
 	// Redirection settings for every enrolled pod.
 	outboundPort  uint
@@ -63,6 +65,8 @@ type options struct {
 	excludeNamespaces stringList
 	pluginLogLevel    string
 	pluginLogFile     string
+
+	entry entryOptions
 }
 
 // flagSet declares every flag of `mesh-agent run`; the configuration reference in
@@ -80,6 +84,7 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.StringVar(&opts.cgroupRoot, "cgroup-root", "", "cgroup v2 directory where the socket programs attach (default: the cgroup2 mount found in /proc/self/mountinfo)")
 	fs.StringVar(&opts.logLevel, "log-level", "info", "log level: debug, info, warn or error")
 	fs.DurationVar(&opts.shutdownGrace, "shutdown-grace", 5*time.Second, "how long in-flight gate calls may run after SIGTERM")
+	fs.StringVar(&opts.metricsAddr, "metrics-addr", DefaultMetricsAddr, "address for /metrics, /healthz and /readyz (empty: off); loopback unless you need scraping from off the node")
 	fs.DurationVar(&opts.reconcileInterval, "reconcile-interval", 30*time.Second, "period of the reconcile pass that releases pods whose namespace is gone and repairs broken redirection")
 
 	fs.UintVar(&opts.outboundPort, "outbound-port", uint(defaults.OutboundPort), "proxy's outbound listener port inside each pod (127.0.0.1 and ::1)")
@@ -105,6 +110,7 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.Var(&opts.excludeNamespaces, "exclude-namespaces", "the chain entry's excludeNamespaces: pods there never wait for the agent")
 	fs.StringVar(&opts.pluginLogLevel, "plugin-log-level", "info", "the chain entry's logLevel")
 	fs.StringVar(&opts.pluginLogFile, "plugin-log-file", "", "the chain entry's logFile (default: the plugin logs to the runtime's stderr)")
+	opts.entry.register(fs)
 	return fs
 }
 
@@ -198,6 +204,8 @@ func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {
 		AllowedUIDs:       opts.allowedUIDs,
 		ShutdownGrace:     opts.shutdownGrace,
 		ReconcileInterval: opts.reconcileInterval,
+		MetricsAddr:       opts.metricsAddr,
+		DatapathName:      opts.datapath,
 	}
 	switch opts.datapath {
 	case "none":
@@ -221,6 +229,11 @@ func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {
 	default:
 		return cfg, fmt.Errorf("--datapath=%q: want ebpf or none", opts.datapath)
 	}
+	eps, err := opts.entryPoints(log)
+	if err != nil {
+		return cfg, err
+	}
+	cfg.EntryPoints = eps
 	if opts.cniInstall {
 		inst, err := newCNIInstaller(opts, log)
 		if err != nil {

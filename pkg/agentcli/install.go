@@ -9,6 +9,7 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/install"
 	"github.com/mesh-cni/mesh-cni/pkg/agent"
+	"github.com/mesh-cni/mesh-cni/pkg/nethook"
 	"github.com/mesh-cni/mesh-cni/pkg/redirect"
 )
 
@@ -51,20 +52,20 @@ func newCNIInstaller(opts options, log *zap.Logger) (agent.CNIConfigInstaller, e
 		return nil, err
 	}
 	log = log.Named("cni-install")
-	return func(ctx context.Context, report func(bool, string)) error {
+	return func(ctx context.Context, report func(agent.CNIStatus)) error {
 		changed, err := install.InstallBinary(ctx, bin, opts.cniBinDirs)
 		if err != nil {
-			report(false, "plugin binary not installed: "+err.Error())
+			report(agent.CNIStatus{Reason: "plugin binary not installed: " + err.Error()})
 			return fmt.Errorf("install plugin binary %s: %w", bin, err)
 		}
 		log.Info("plugin binary in place", zap.Strings("dirs", opts.cniBinDirs), zap.Bool("replaced", changed))
-		report(false, "chain entry not installed yet")
+		report(agent.CNIStatus{Reason: "chain entry not installed yet"})
 		in, err := install.New(opts.installerConfig(log, func(st install.Status) {
 			reason := st.Reason
 			if reason == "" && !st.Ready {
 				reason = "chain entry missing"
 			}
-			report(st.Ready, reason)
+			report(agent.CNIStatus{InPlace: st.Ready, Reason: reason, Mode: st.Mode.String(), Primary: st.Primary, File: st.File, Repairs: st.Repairs})
 		}))
 		if err != nil {
 			return err
@@ -99,6 +100,12 @@ func uninstallCommand(ctx context.Context, args []string, stderr io.Writer) int 
 		}
 		if err := install.RemoveBinary(opts.cniBinDirs, "mesh-cni"); err != nil {
 			log.Error("removing the plugin binary failed", zap.Error(err))
+			failed = true
+		}
+	}
+	if opts.entry.hookSocket != "" {
+		if err := nethook.RemoveRegistration(opts.entry.hookPluginDir, opts.entry.hookName); err != nil {
+			log.Error("removing the hook registration failed", zap.Error(err))
 			failed = true
 		}
 	}

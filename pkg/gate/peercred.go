@@ -52,7 +52,7 @@ func (peerCredentials) Info() credentials.ProtocolInfo {
 	return credentials.ProtocolInfo{SecurityProtocol: "peercred"}
 }
 func (p peerCredentials) Clone() credentials.TransportCredentials { return p }
-func (peerCredentials) OverrideServerName(string) error            { return nil }
+func (peerCredentials) OverrideServerName(string) error           { return nil }
 
 func readPeerCred(conn net.Conn) (PeerCred, error) {
 	sc, ok := conn.(syscall.Conn)

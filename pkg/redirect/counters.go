@@ -1,6 +1,10 @@
 package redirect
 
-import "fmt"
+import (
+	"fmt"
+
+	"github.com/cilium/ebpf"
+)
 
 // Indexes into the counters map: enum counter in bpf/redirect.c.
 const (
@@ -16,13 +20,13 @@ const (
 // DirectionCounters count redirection decisions in one direction.
 type DirectionCounters struct {
 	// Redirected: sent to the proxy.
-	Redirected uint64
+	Redirected uint64 `json:"redirected"`
 	// Passed: left alone by policy (proxy mark or uid, excluded port or CIDR,
 	// probe source, loopback destination) or by fail-open with no proxy listening.
-	Passed uint64
+	Passed uint64 `json:"passed"`
 	// Dropped: no proxy listening and fail-open off. Outbound connects are still
 	// rewritten and get ECONNREFUSED; inbound SYNs are dropped.
-	Dropped uint64
+	Dropped uint64 `json:"dropped"`
 }
 
 // Counters are the data path's decisions summed over all CPUs and all enrolled
@@ -30,8 +34,8 @@ type DirectionCounters struct {
 // TCP connect() calls from enrolled netns; inbound counts new connections (SYNs)
 // arriving on enrolled interfaces. Packets of existing connections are not counted.
 type Counters struct {
-	Outbound DirectionCounters
-	Inbound  DirectionCounters
+	Outbound DirectionCounters `json:"outbound"`
+	Inbound  DirectionCounters `json:"inbound"`
 }
 
 // Counters reads the per-CPU counters.
@@ -41,10 +45,15 @@ func (d *Datapath) Counters() (Counters, error) {
 	if d.closed {
 		return Counters{}, ErrClosed
 	}
+	return sumCounters(d.objs.Counters)
+}
+
+// sumCounters adds up the per-CPU counters map.
+func sumCounters(m *ebpf.Map) (Counters, error) {
 	var sums [counterMax]uint64
 	for i := range counterMax {
 		var perCPU []uint64
-		if err := d.objs.Counters.Lookup(i, &perCPU); err != nil {
+		if err := m.Lookup(i, &perCPU); err != nil {
 			return Counters{}, fmt.Errorf("read counter %d: %w", i, err)
 		}
 		for _, v := range perCPU {

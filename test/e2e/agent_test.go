@@ -2,6 +2,11 @@ package e2e
 
 import (
 	"context"
+	"fmt"
+	"net"
+	"strings"
+	"sync"
+	"syscall"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -44,7 +49,7 @@ func newAgent(t testing.TB, extraArgs ...string) *agent {
 	// The tests drive their own conflists, so the agent installs nothing; its
 	// installer has its own tests.
 	a.Args = append([]string{"run", "--socket", a.Socket, "--state-dir", a.StateDir, "--bpffs-root", a.BPFFS,
-		"--cni-install=false", "--log-level", "debug"}, extraArgs...)
+		"--cni-install=false", "--metrics-addr=", "--log-level", "debug"}, extraArgs...)
 	// The data path is pinned on purpose and outlives the agent: a test removes
 	// it with the product's own uninstall, after the agent (registered later, so
 	// stopped earlier) is gone.
@@ -63,10 +68,14 @@ func newAgent(t testing.TB, extraArgs ...string) *agent {
 	return a
 }
 
+// agents maps gate sockets to their agents, for diagnostics.
+var agents sync.Map
+
 // start runs the agent and waits until it reports ready.
 func (a *agent) start(ctx context.Context) {
 	a.t.Helper()
 	a.Proc = harness.StartProcess(a.t, harness.ProcessOptions{Path: harness.Bins(a.t).Path("mesh-agent"), Args: a.Args, Name: "mesh-agent"})
+	agents.Store(a.Socket, a)
 	a.waitReady(ctx)
 }
 
@@ -135,4 +144,62 @@ func testContext(t testing.TB) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	t.Cleanup(cancel)
 	return ctx
+}
+
+// diagnoseSocket logs what the kernel says about the gate socket, from the test
+// process and from inside the node's netns, to explain a refused connection.
+func (a *agent) diagnoseSocket(t testing.TB, node *harness.Node) {
+	t.Helper()
+	var st syscall.Stat_t
+	err := syscall.Stat(a.Socket, &st)
+	t.Logf("diagnose: stat %s from test: ino=%d mode=%o err=%v", a.Socket, st.Ino, st.Mode, err)
+	probe := func() string {
+		c, err := net.Dial("unix", a.Socket)
+		if err != nil {
+			return err.Error()
+		}
+		c.Close()
+		return "connected"
+	}
+	t.Logf("diagnose: dial from test process: %s", probe())
+	_ = node.Do(func() error {
+		var st2 syscall.Stat_t
+		err := syscall.Stat(a.Socket, &st2)
+		t.Logf("diagnose: from node netns thread: ino=%d err=%v dial=%s", st2.Ino, err, probe())
+		return nil
+	})
+	out, _ := exec.Command("ss", "-xlpn").CombinedOutput()
+	for _, line := range strings.Split(string(out), "\n") {
+		if strings.Contains(line, filepath.Dir(a.Socket)) || strings.Contains(line, "mesh-agent") {
+			t.Logf("diagnose: ss: %s", line)
+		}
+	}
+	if a.Proc != nil {
+		self, _ := os.Readlink("/proc/self/ns/mnt")
+		agentNS, _ := os.Readlink(fmt.Sprintf("/proc/%d/ns/mnt", a.Proc.Pid()))
+		t.Logf("diagnose: mount ns test=%s agent=%s", self, agentNS)
+		tasks, _ := filepath.Glob("/proc/self/task/*/ns/mnt")
+		seen := map[string]int{}
+		for _, tk := range tasks {
+			l, _ := os.Readlink(tk)
+			seen[l]++
+		}
+		t.Logf("diagnose: mount ns of test threads: %v", seen)
+		selfNet, _ := os.Readlink("/proc/self/ns/net")
+		agentNet, _ := os.Readlink(fmt.Sprintf("/proc/%d/ns/net", a.Proc.Pid()))
+		t.Logf("diagnose: net ns test=%s agent=%s", selfNet, agentNet)
+		if unixTable, err := os.ReadFile(fmt.Sprintf("/proc/%d/net/unix", a.Proc.Pid())); err == nil {
+			for _, line := range strings.Split(string(unixTable), "\n") {
+				if strings.Contains(line, "gate.sock") {
+					t.Logf("diagnose: agent's /proc/net/unix: %s", line)
+				}
+			}
+		}
+		fds, _ := filepath.Glob(fmt.Sprintf("/proc/%d/fd/*", a.Proc.Pid()))
+		for _, fd := range fds {
+			if l, _ := os.Readlink(fd); strings.HasPrefix(l, "socket:") {
+				t.Logf("diagnose: agent fd %s -> %s", filepath.Base(fd), l)
+			}
+		}
+	}
 }

@@ -478,6 +478,9 @@ func TestConcurrentPods(t *testing.T) {
 		}
 	}
 	if t.Failed() {
+		a.diagnoseSocket(t, node)
+	}
+	if t.Failed() {
 		t.FailNow()
 	}
 	seen := map[string]int{}

@@ -3,6 +3,7 @@ package e2e
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -36,6 +37,9 @@ func addMeshPod(ctx context.Context, t *testing.T, node *harness.Node, list *lib
 	t.Helper()
 	p := node.NewPod(t, namespace, name)
 	if _, err := node.Add(ctx, p, list); err != nil {
+		if a, ok := agents.Load(socketOf(list)); ok {
+			a.(*agent).diagnoseSocket(t, node)
+		}
 		t.Fatalf("ADD %s/%s: %v", namespace, name, err)
 	}
 	return &meshPod{Pod: p}
@@ -378,6 +382,21 @@ func TestAgentRestartKeepsDataPath(t *testing.T) {
 			t.Fatalf("enrollment %d changed across the restart: %v -> %v", i, before[i], after[i])
 		}
 	}
+}
+
+// socketOf finds the gate socket a conflist points at, for diagnostics.
+func socketOf(list *libcni.NetworkConfigList) string {
+	for _, p := range list.Plugins {
+		if p.Network.Type == "mesh-cni" {
+			var c struct {
+				SocketPath string `json:"socketPath"`
+			}
+			if json.Unmarshal(p.Bytes, &c) == nil {
+				return c.SocketPath
+			}
+		}
+	}
+	return ""
 }
 
 func sameAddrPort(a, b netip.AddrPort) bool {

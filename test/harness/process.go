@@ -80,13 +80,12 @@ func StartProcess(tb testing.TB, opts ProcessOptions) *Process {
 	cmd.Stdout = out
 	cmd.Stderr = out
 	cmd.WaitDelay = pipeGrace
-	cmd.SysProcAttr = &syscall.SysProcAttr{
-		Credential: opts.Credential,
-		// If the test binary dies without running its cleanups the child goes
-		// too. (The signal follows the starting thread; the threads that start
-		// children here are returned to the runtime's pool, which keeps them.)
-		Pdeathsig: syscall.SIGKILL,
-	}
+	// No Pdeathsig: the kernel sends it when the *thread* that forked the child
+	// exits, and Go ends OS threads whenever a goroutine exits while locked to
+	// one (pkg/netns does this on purpose), so long-lived children such as the
+	// agent were killed at random mid-test. Children are killed in cleanup, and
+	// Run's leak check kills and reports any that survive.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: opts.Credential}
 	if opts.NetNSPath != "" {
 		// The child inherits the namespace of the thread that starts it.
 		err = netns.Do(opts.NetNSPath, cmd.Start)

@@ -9,6 +9,10 @@
 // (SO_ORIGINAL_DST), dials it with a socket mark so the capture leaves the proxy's own
 // traffic alone, copies bytes both ways and records what it saw, in memory and
 // optionally as JSON lines in a file that tests in other processes can read.
+//
+// Start runs one such proxy in one namespace. StartNode runs it the way ztunnel
+// does: one process on the node that receives pods from the agent over ZDS
+// (pkg/zds) and opens each pod's listeners inside that pod's namespace.
 package proxy
 
 import (
@@ -94,7 +98,9 @@ type Proxy struct {
 	cfg       Config
 	log       *zap.Logger
 	rec       *recorder
-	ns        *os.File // open while the proxy runs when Config.NetNS is set
+	ownRec    bool     // the record file is this proxy's to close (not a node's)
+	pod       string   // the pod uid records carry, in node mode
+	ns        *os.File // open while the proxy runs when it serves another namespace
 	listeners []*listener
 
 	ctx    context.Context
@@ -130,21 +136,29 @@ func Start(ctx context.Context, cfg Config) (*Proxy, error) {
 	if err != nil {
 		return nil, err
 	}
-	p := &Proxy{cfg: cfg, log: cfg.Logger, rec: rec, onward: map[netip.AddrPort]struct{}{}}
+	var ns *os.File
+	if cfg.NetNS != "" {
+		if err := netns.Validate(cfg.NetNS); err != nil {
+			return nil, errors.Join(err, rec.close())
+		}
+		if ns, err = os.Open(cfg.NetNS); err != nil {
+			return nil, errors.Join(fmt.Errorf("open netns: %w", err), rec.close())
+		}
+	}
+	return start(ctx, cfg, ns, rec, true, "")
+}
+
+// start binds and serves in the namespace ns (nil: the calling thread's), which the
+// proxy owns from here on, also on error. cfg has its defaults applied.
+func start(ctx context.Context, cfg Config, ns *os.File, rec *recorder, ownRec bool, pod string) (*Proxy, error) {
+	p := &Proxy{cfg: cfg, log: cfg.Logger, rec: rec, ownRec: ownRec, pod: pod, ns: ns, onward: map[netip.AddrPort]struct{}{}}
+	if pod != "" {
+		p.log = p.log.With(zap.String("pod", pod))
+	}
 	p.ctx, p.cancel = context.WithCancel(ctx)
 
 	fail := func(err error) (*Proxy, error) {
 		return nil, errors.Join(err, p.Close())
-	}
-	if cfg.NetNS != "" {
-		if err := netns.Validate(cfg.NetNS); err != nil {
-			return fail(err)
-		}
-		f, err := os.Open(cfg.NetNS)
-		if err != nil {
-			return fail(fmt.Errorf("open netns: %w", err))
-		}
-		p.ns = f
 	}
 	binds := []struct {
 		network, host string
@@ -202,7 +216,10 @@ func (p *Proxy) Close() error {
 		p.cancel()
 		p.closeListeners()
 		p.wg.Wait()
-		errs := []error{p.rec.close()}
+		var errs []error
+		if p.ownRec {
+			errs = append(errs, p.rec.close())
+		}
 		if p.ns != nil {
 			errs = append(errs, p.ns.Close())
 		}
@@ -219,7 +236,8 @@ func (p *Proxy) closeListeners() {
 	}
 }
 
-// listen binds in Config.NetNS when set, otherwise in the calling thread's namespace.
+// listen binds in the proxy's namespace when it has one, otherwise in the calling
+// thread's.
 func (p *Proxy) listen(ctx context.Context, network, addr string) (net.Listener, error) {
 	var lc net.ListenConfig
 	if p.ns == nil {
@@ -234,25 +252,17 @@ func (p *Proxy) listen(ctx context.Context, network, addr string) (net.Listener,
 	return ln, err
 }
 
-// dial connects to dst with the proxy's mark, in Config.NetNS when set.
+// dial connects to dst with the proxy's mark, from the proxy's namespace.
 func (p *Proxy) dial(dst netip.AddrPort) (*net.TCPConn, error) {
+	if p.ns != nil {
+		return dialFrom(p.ctx, int(p.ns.Fd()), dst, p.cfg.Mark, p.cfg.DialTimeout)
+	}
 	d := net.Dialer{Timeout: p.cfg.DialTimeout, Control: markControl(p.cfg.Mark)}
 	network := "tcp4"
 	if dst.Addr().Is6() {
 		network = "tcp6"
 	}
-	var c net.Conn
-	dialFn := func() error {
-		var err error
-		c, err = d.DialContext(p.ctx, network, dst.String())
-		return err
-	}
-	var err error
-	if p.ns == nil {
-		err = dialFn()
-	} else {
-		err = netns.DoFd(int(p.ns.Fd()), dialFn)
-	}
+	c, err := d.DialContext(p.ctx, network, dst.String())
 	if err != nil {
 		return nil, err
 	}
@@ -304,6 +314,7 @@ func (p *Proxy) serve(ln *listener) {
 func (p *Proxy) handle(client *net.TCPConn, ln *listener) {
 	rec := Record{
 		Time:      time.Now(),
+		Pod:       p.pod,
 		Direction: ln.dir,
 		Client:    addrPortOf(client.RemoteAddr()),
 		Local:     addrPortOf(client.LocalAddr()),

@@ -39,7 +39,10 @@ const (
 // Record describes one proxied connection, written when the connection ends.
 type Record struct {
 	// Time is when the connection was accepted.
-	Time      time.Time `json:"time"`
+	Time time.Time `json:"time"`
+	// Pod is the uid of the pod whose listener accepted the connection, for a
+	// node proxy (StartNode); empty for a proxy started with Start.
+	Pod       string    `json:"pod,omitempty"`
 	Direction Direction `json:"direction"`
 	// Client is the accepted connection's remote address.
 	Client netip.AddrPort `json:"client"`

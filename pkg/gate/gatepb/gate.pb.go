@@ -981,6 +981,272 @@ func (x *ListResponse) GetEnrollments() []*Enrollment {
 	return nil
 }
 
+type StatusRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StatusRequest) Reset() {
+	*x = StatusRequest{}
+	mi := &file_pkg_gate_gatepb_gate_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StatusRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StatusRequest) ProtoMessage() {}
+
+func (x *StatusRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_pkg_gate_gatepb_gate_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StatusRequest.ProtoReflect.Descriptor instead.
+func (*StatusRequest) Descriptor() ([]byte, []int) {
+	return file_pkg_gate_gatepb_gate_proto_rawDescGZIP(), []int{14}
+}
+
+type Condition struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	Ok            bool                   `protobuf:"varint,2,opt,name=ok,proto3" json:"ok,omitempty"`
+	Reason        string                 `protobuf:"bytes,3,opt,name=reason,proto3" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Condition) Reset() {
+	*x = Condition{}
+	mi := &file_pkg_gate_gatepb_gate_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Condition) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Condition) ProtoMessage() {}
+
+func (x *Condition) ProtoReflect() protoreflect.Message {
+	mi := &file_pkg_gate_gatepb_gate_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Condition.ProtoReflect.Descriptor instead.
+func (*Condition) Descriptor() ([]byte, []int) {
+	return file_pkg_gate_gatepb_gate_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *Condition) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *Condition) GetOk() bool {
+	if x != nil {
+		return x.Ok
+	}
+	return false
+}
+
+func (x *Condition) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+// CNIConfig is the state of the mesh-cni chain entry.
+type CNIConfig struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Managed bool                   `protobuf:"varint,1,opt,name=managed,proto3" json:"managed,omitempty"`
+	InPlace bool                   `protobuf:"varint,2,opt,name=in_place,json=inPlace,proto3" json:"in_place,omitempty"`
+	Mode    string                 `protobuf:"bytes,3,opt,name=mode,proto3" json:"mode,omitempty"`
+	// The primary CNI's config file and the file carrying the entry.
+	PrimaryFile   string `protobuf:"bytes,4,opt,name=primary_file,json=primaryFile,proto3" json:"primary_file,omitempty"`
+	File          string `protobuf:"bytes,5,opt,name=file,proto3" json:"file,omitempty"`
+	Repairs       uint64 `protobuf:"varint,6,opt,name=repairs,proto3" json:"repairs,omitempty"`
+	Reason        string `protobuf:"bytes,7,opt,name=reason,proto3" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CNIConfig) Reset() {
+	*x = CNIConfig{}
+	mi := &file_pkg_gate_gatepb_gate_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CNIConfig) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CNIConfig) ProtoMessage() {}
+
+func (x *CNIConfig) ProtoReflect() protoreflect.Message {
+	mi := &file_pkg_gate_gatepb_gate_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CNIConfig.ProtoReflect.Descriptor instead.
+func (*CNIConfig) Descriptor() ([]byte, []int) {
+	return file_pkg_gate_gatepb_gate_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *CNIConfig) GetManaged() bool {
+	if x != nil {
+		return x.Managed
+	}
+	return false
+}
+
+func (x *CNIConfig) GetInPlace() bool {
+	if x != nil {
+		return x.InPlace
+	}
+	return false
+}
+
+func (x *CNIConfig) GetMode() string {
+	if x != nil {
+		return x.Mode
+	}
+	return ""
+}
+
+func (x *CNIConfig) GetPrimaryFile() string {
+	if x != nil {
+		return x.PrimaryFile
+	}
+	return ""
+}
+
+func (x *CNIConfig) GetFile() string {
+	if x != nil {
+		return x.File
+	}
+	return ""
+}
+
+func (x *CNIConfig) GetRepairs() uint64 {
+	if x != nil {
+		return x.Repairs
+	}
+	return 0
+}
+
+func (x *CNIConfig) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+type StatusResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Ready         bool                   `protobuf:"varint,1,opt,name=ready,proto3" json:"ready,omitempty"`
+	Conditions    []*Condition           `protobuf:"bytes,2,rep,name=conditions,proto3" json:"conditions,omitempty"`
+	CniConfig     *CNIConfig             `protobuf:"bytes,3,opt,name=cni_config,json=cniConfig,proto3" json:"cni_config,omitempty"`
+	Datapath      string                 `protobuf:"bytes,4,opt,name=datapath,proto3" json:"datapath,omitempty"`
+	Enrolled      int32                  `protobuf:"varint,5,opt,name=enrolled,proto3" json:"enrolled,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StatusResponse) Reset() {
+	*x = StatusResponse{}
+	mi := &file_pkg_gate_gatepb_gate_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StatusResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StatusResponse) ProtoMessage() {}
+
+func (x *StatusResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_pkg_gate_gatepb_gate_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StatusResponse.ProtoReflect.Descriptor instead.
+func (*StatusResponse) Descriptor() ([]byte, []int) {
+	return file_pkg_gate_gatepb_gate_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *StatusResponse) GetReady() bool {
+	if x != nil {
+		return x.Ready
+	}
+	return false
+}
+
+func (x *StatusResponse) GetConditions() []*Condition {
+	if x != nil {
+		return x.Conditions
+	}
+	return nil
+}
+
+func (x *StatusResponse) GetCniConfig() *CNIConfig {
+	if x != nil {
+		return x.CniConfig
+	}
+	return nil
+}
+
+func (x *StatusResponse) GetDatapath() string {
+	if x != nil {
+		return x.Datapath
+	}
+	return ""
+}
+
+func (x *StatusResponse) GetEnrolled() int32 {
+	if x != nil {
+		return x.Enrolled
+	}
+	return 0
+}
+
 var File_pkg_gate_gatepb_gate_proto protoreflect.FileDescriptor
 
 const file_pkg_gate_gatepb_gate_proto_rawDesc = "" +
@@ -1070,7 +1336,29 @@ const file_pkg_gate_gatepb_gate_proto_rawDesc = "" +
 	"\x15enrolled_at_unix_nano\x18\a \x01(\x03R\x12enrolledAtUnixNano\"c\n" +
 	"\fListResponse\x12\x14\n" +
 	"\x05ready\x18\x01 \x01(\bR\x05ready\x12=\n" +
-	"\venrollments\x18\x02 \x03(\v2\x1b.meshcni.gate.v1.EnrollmentR\venrollments*Q\n" +
+	"\venrollments\x18\x02 \x03(\v2\x1b.meshcni.gate.v1.EnrollmentR\venrollments\"\x0f\n" +
+	"\rStatusRequest\"G\n" +
+	"\tCondition\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x0e\n" +
+	"\x02ok\x18\x02 \x01(\bR\x02ok\x12\x16\n" +
+	"\x06reason\x18\x03 \x01(\tR\x06reason\"\xbd\x01\n" +
+	"\tCNIConfig\x12\x18\n" +
+	"\amanaged\x18\x01 \x01(\bR\amanaged\x12\x19\n" +
+	"\bin_place\x18\x02 \x01(\bR\ainPlace\x12\x12\n" +
+	"\x04mode\x18\x03 \x01(\tR\x04mode\x12!\n" +
+	"\fprimary_file\x18\x04 \x01(\tR\vprimaryFile\x12\x12\n" +
+	"\x04file\x18\x05 \x01(\tR\x04file\x12\x18\n" +
+	"\arepairs\x18\x06 \x01(\x04R\arepairs\x12\x16\n" +
+	"\x06reason\x18\a \x01(\tR\x06reason\"\xd5\x01\n" +
+	"\x0eStatusResponse\x12\x14\n" +
+	"\x05ready\x18\x01 \x01(\bR\x05ready\x12:\n" +
+	"\n" +
+	"conditions\x18\x02 \x03(\v2\x1a.meshcni.gate.v1.ConditionR\n" +
+	"conditions\x129\n" +
+	"\n" +
+	"cni_config\x18\x03 \x01(\v2\x1a.meshcni.gate.v1.CNIConfigR\tcniConfig\x12\x1a\n" +
+	"\bdatapath\x18\x04 \x01(\tR\bdatapath\x12\x1a\n" +
+	"\benrolled\x18\x05 \x01(\x05R\benrolled*Q\n" +
 	"\x06Source\x12\x16\n" +
 	"\x12SOURCE_UNSPECIFIED\x10\x00\x12\x0e\n" +
 	"\n" +
@@ -1081,13 +1369,14 @@ const file_pkg_gate_gatepb_gate_proto_rawDesc = "" +
 	"\bDecision\x12\x18\n" +
 	"\x14DECISION_UNSPECIFIED\x10\x00\x12\x15\n" +
 	"\x11DECISION_ENROLLED\x10\x01\x12\x14\n" +
-	"\x10DECISION_SKIPPED\x10\x022\xd6\x02\n" +
+	"\x10DECISION_SKIPPED\x10\x022\xa1\x03\n" +
 	"\x04Gate\x12@\n" +
 	"\x03Add\x12\x1b.meshcni.gate.v1.AddRequest\x1a\x1c.meshcni.gate.v1.AddResponse\x12@\n" +
 	"\x03Del\x12\x1b.meshcni.gate.v1.DelRequest\x1a\x1c.meshcni.gate.v1.DelResponse\x12F\n" +
 	"\x05Check\x12\x1d.meshcni.gate.v1.CheckRequest\x1a\x1e.meshcni.gate.v1.CheckResponse\x12=\n" +
 	"\x02GC\x12\x1a.meshcni.gate.v1.GCRequest\x1a\x1b.meshcni.gate.v1.GCResponse\x12C\n" +
-	"\x04List\x12\x1c.meshcni.gate.v1.ListRequest\x1a\x1d.meshcni.gate.v1.ListResponseB.Z,github.com/mesh-cni/mesh-cni/pkg/gate/gatepbb\x06proto3"
+	"\x04List\x12\x1c.meshcni.gate.v1.ListRequest\x1a\x1d.meshcni.gate.v1.ListResponse\x12I\n" +
+	"\x06Status\x12\x1e.meshcni.gate.v1.StatusRequest\x1a\x1f.meshcni.gate.v1.StatusResponseB.Z,github.com/mesh-cni/mesh-cni/pkg/gate/gatepbb\x06proto3"
 
 var (
 	file_pkg_gate_gatepb_gate_proto_rawDescOnce sync.Once
@@ -1102,30 +1391,34 @@ func file_pkg_gate_gatepb_gate_proto_rawDescGZIP() []byte {
 }
 
 var file_pkg_gate_gatepb_gate_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_pkg_gate_gatepb_gate_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
+var file_pkg_gate_gatepb_gate_proto_msgTypes = make([]protoimpl.MessageInfo, 20)
 var file_pkg_gate_gatepb_gate_proto_goTypes = []any{
-	(Source)(0),           // 0: meshcni.gate.v1.Source
-	(Decision)(0),         // 1: meshcni.gate.v1.Decision
-	(*PodIdentity)(nil),   // 2: meshcni.gate.v1.PodIdentity
-	(*Attachment)(nil),    // 3: meshcni.gate.v1.Attachment
-	(*Interface)(nil),     // 4: meshcni.gate.v1.Interface
-	(*AddRequest)(nil),    // 5: meshcni.gate.v1.AddRequest
-	(*AddResponse)(nil),   // 6: meshcni.gate.v1.AddResponse
-	(*DelRequest)(nil),    // 7: meshcni.gate.v1.DelRequest
-	(*DelResponse)(nil),   // 8: meshcni.gate.v1.DelResponse
-	(*CheckRequest)(nil),  // 9: meshcni.gate.v1.CheckRequest
-	(*CheckResponse)(nil), // 10: meshcni.gate.v1.CheckResponse
-	(*GCRequest)(nil),     // 11: meshcni.gate.v1.GCRequest
-	(*GCResponse)(nil),    // 12: meshcni.gate.v1.GCResponse
-	(*ListRequest)(nil),   // 13: meshcni.gate.v1.ListRequest
-	(*Enrollment)(nil),    // 14: meshcni.gate.v1.Enrollment
-	(*ListResponse)(nil),  // 15: meshcni.gate.v1.ListResponse
-	nil,                   // 16: meshcni.gate.v1.PodIdentity.LabelsEntry
-	nil,                   // 17: meshcni.gate.v1.PodIdentity.AnnotationsEntry
+	(Source)(0),            // 0: meshcni.gate.v1.Source
+	(Decision)(0),          // 1: meshcni.gate.v1.Decision
+	(*PodIdentity)(nil),    // 2: meshcni.gate.v1.PodIdentity
+	(*Attachment)(nil),     // 3: meshcni.gate.v1.Attachment
+	(*Interface)(nil),      // 4: meshcni.gate.v1.Interface
+	(*AddRequest)(nil),     // 5: meshcni.gate.v1.AddRequest
+	(*AddResponse)(nil),    // 6: meshcni.gate.v1.AddResponse
+	(*DelRequest)(nil),     // 7: meshcni.gate.v1.DelRequest
+	(*DelResponse)(nil),    // 8: meshcni.gate.v1.DelResponse
+	(*CheckRequest)(nil),   // 9: meshcni.gate.v1.CheckRequest
+	(*CheckResponse)(nil),  // 10: meshcni.gate.v1.CheckResponse
+	(*GCRequest)(nil),      // 11: meshcni.gate.v1.GCRequest
+	(*GCResponse)(nil),     // 12: meshcni.gate.v1.GCResponse
+	(*ListRequest)(nil),    // 13: meshcni.gate.v1.ListRequest
+	(*Enrollment)(nil),     // 14: meshcni.gate.v1.Enrollment
+	(*ListResponse)(nil),   // 15: meshcni.gate.v1.ListResponse
+	(*StatusRequest)(nil),  // 16: meshcni.gate.v1.StatusRequest
+	(*Condition)(nil),      // 17: meshcni.gate.v1.Condition
+	(*CNIConfig)(nil),      // 18: meshcni.gate.v1.CNIConfig
+	(*StatusResponse)(nil), // 19: meshcni.gate.v1.StatusResponse
+	nil,                    // 20: meshcni.gate.v1.PodIdentity.LabelsEntry
+	nil,                    // 21: meshcni.gate.v1.PodIdentity.AnnotationsEntry
 }
 var file_pkg_gate_gatepb_gate_proto_depIdxs = []int32{
-	16, // 0: meshcni.gate.v1.PodIdentity.labels:type_name -> meshcni.gate.v1.PodIdentity.LabelsEntry
-	17, // 1: meshcni.gate.v1.PodIdentity.annotations:type_name -> meshcni.gate.v1.PodIdentity.AnnotationsEntry
+	20, // 0: meshcni.gate.v1.PodIdentity.labels:type_name -> meshcni.gate.v1.PodIdentity.LabelsEntry
+	21, // 1: meshcni.gate.v1.PodIdentity.annotations:type_name -> meshcni.gate.v1.PodIdentity.AnnotationsEntry
 	2,  // 2: meshcni.gate.v1.AddRequest.pod:type_name -> meshcni.gate.v1.PodIdentity
 	3,  // 3: meshcni.gate.v1.AddRequest.attachment:type_name -> meshcni.gate.v1.Attachment
 	4,  // 4: meshcni.gate.v1.AddRequest.interfaces:type_name -> meshcni.gate.v1.Interface
@@ -1145,21 +1438,25 @@ var file_pkg_gate_gatepb_gate_proto_depIdxs = []int32{
 	4,  // 18: meshcni.gate.v1.Enrollment.interfaces:type_name -> meshcni.gate.v1.Interface
 	0,  // 19: meshcni.gate.v1.Enrollment.source:type_name -> meshcni.gate.v1.Source
 	14, // 20: meshcni.gate.v1.ListResponse.enrollments:type_name -> meshcni.gate.v1.Enrollment
-	5,  // 21: meshcni.gate.v1.Gate.Add:input_type -> meshcni.gate.v1.AddRequest
-	7,  // 22: meshcni.gate.v1.Gate.Del:input_type -> meshcni.gate.v1.DelRequest
-	9,  // 23: meshcni.gate.v1.Gate.Check:input_type -> meshcni.gate.v1.CheckRequest
-	11, // 24: meshcni.gate.v1.Gate.GC:input_type -> meshcni.gate.v1.GCRequest
-	13, // 25: meshcni.gate.v1.Gate.List:input_type -> meshcni.gate.v1.ListRequest
-	6,  // 26: meshcni.gate.v1.Gate.Add:output_type -> meshcni.gate.v1.AddResponse
-	8,  // 27: meshcni.gate.v1.Gate.Del:output_type -> meshcni.gate.v1.DelResponse
-	10, // 28: meshcni.gate.v1.Gate.Check:output_type -> meshcni.gate.v1.CheckResponse
-	12, // 29: meshcni.gate.v1.Gate.GC:output_type -> meshcni.gate.v1.GCResponse
-	15, // 30: meshcni.gate.v1.Gate.List:output_type -> meshcni.gate.v1.ListResponse
-	26, // [26:31] is the sub-list for method output_type
-	21, // [21:26] is the sub-list for method input_type
-	21, // [21:21] is the sub-list for extension type_name
-	21, // [21:21] is the sub-list for extension extendee
-	0,  // [0:21] is the sub-list for field type_name
+	17, // 21: meshcni.gate.v1.StatusResponse.conditions:type_name -> meshcni.gate.v1.Condition
+	18, // 22: meshcni.gate.v1.StatusResponse.cni_config:type_name -> meshcni.gate.v1.CNIConfig
+	5,  // 23: meshcni.gate.v1.Gate.Add:input_type -> meshcni.gate.v1.AddRequest
+	7,  // 24: meshcni.gate.v1.Gate.Del:input_type -> meshcni.gate.v1.DelRequest
+	9,  // 25: meshcni.gate.v1.Gate.Check:input_type -> meshcni.gate.v1.CheckRequest
+	11, // 26: meshcni.gate.v1.Gate.GC:input_type -> meshcni.gate.v1.GCRequest
+	13, // 27: meshcni.gate.v1.Gate.List:input_type -> meshcni.gate.v1.ListRequest
+	16, // 28: meshcni.gate.v1.Gate.Status:input_type -> meshcni.gate.v1.StatusRequest
+	6,  // 29: meshcni.gate.v1.Gate.Add:output_type -> meshcni.gate.v1.AddResponse
+	8,  // 30: meshcni.gate.v1.Gate.Del:output_type -> meshcni.gate.v1.DelResponse
+	10, // 31: meshcni.gate.v1.Gate.Check:output_type -> meshcni.gate.v1.CheckResponse
+	12, // 32: meshcni.gate.v1.Gate.GC:output_type -> meshcni.gate.v1.GCResponse
+	15, // 33: meshcni.gate.v1.Gate.List:output_type -> meshcni.gate.v1.ListResponse
+	19, // 34: meshcni.gate.v1.Gate.Status:output_type -> meshcni.gate.v1.StatusResponse
+	29, // [29:35] is the sub-list for method output_type
+	23, // [23:29] is the sub-list for method input_type
+	23, // [23:23] is the sub-list for extension type_name
+	23, // [23:23] is the sub-list for extension extendee
+	0,  // [0:23] is the sub-list for field type_name
 }
 
 func init() { file_pkg_gate_gatepb_gate_proto_init() }
@@ -1173,7 +1470,7 @@ func file_pkg_gate_gatepb_gate_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pkg_gate_gatepb_gate_proto_rawDesc), len(file_pkg_gate_gatepb_gate_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   16,
+			NumMessages:   20,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

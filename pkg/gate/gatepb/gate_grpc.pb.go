@@ -23,11 +23,12 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	Gate_Add_FullMethodName   = "/meshcni.gate.v1.Gate/Add"
-	Gate_Del_FullMethodName   = "/meshcni.gate.v1.Gate/Del"
-	Gate_Check_FullMethodName = "/meshcni.gate.v1.Gate/Check"
-	Gate_GC_FullMethodName    = "/meshcni.gate.v1.Gate/GC"
-	Gate_List_FullMethodName  = "/meshcni.gate.v1.Gate/List"
+	Gate_Add_FullMethodName    = "/meshcni.gate.v1.Gate/Add"
+	Gate_Del_FullMethodName    = "/meshcni.gate.v1.Gate/Del"
+	Gate_Check_FullMethodName  = "/meshcni.gate.v1.Gate/Check"
+	Gate_GC_FullMethodName     = "/meshcni.gate.v1.Gate/GC"
+	Gate_List_FullMethodName   = "/meshcni.gate.v1.Gate/List"
+	Gate_Status_FullMethodName = "/meshcni.gate.v1.Gate/Status"
 )
 
 // GateClient is the client API for Gate service.
@@ -47,6 +48,8 @@ type GateClient interface {
 	GC(ctx context.Context, in *GCRequest, opts ...grpc.CallOption) (*GCResponse, error)
 	// List returns the agent's enrollment records.
 	List(ctx context.Context, in *ListRequest, opts ...grpc.CallOption) (*ListResponse, error)
+	// Status summarises the node: readiness and its conditions, the chain entry.
+	Status(ctx context.Context, in *StatusRequest, opts ...grpc.CallOption) (*StatusResponse, error)
 }
 
 type gateClient struct {
@@ -107,6 +110,16 @@ func (c *gateClient) List(ctx context.Context, in *ListRequest, opts ...grpc.Cal
 	return out, nil
 }
 
+func (c *gateClient) Status(ctx context.Context, in *StatusRequest, opts ...grpc.CallOption) (*StatusResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(StatusResponse)
+	err := c.cc.Invoke(ctx, Gate_Status_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // GateServer is the server API for Gate service.
 // All implementations must embed UnimplementedGateServer
 // for forward compatibility.
@@ -124,6 +137,8 @@ type GateServer interface {
 	GC(context.Context, *GCRequest) (*GCResponse, error)
 	// List returns the agent's enrollment records.
 	List(context.Context, *ListRequest) (*ListResponse, error)
+	// Status summarises the node: readiness and its conditions, the chain entry.
+	Status(context.Context, *StatusRequest) (*StatusResponse, error)
 	mustEmbedUnimplementedGateServer()
 }
 
@@ -148,6 +163,9 @@ func (UnimplementedGateServer) GC(context.Context, *GCRequest) (*GCResponse, err
 }
 func (UnimplementedGateServer) List(context.Context, *ListRequest) (*ListResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method List not implemented")
+}
+func (UnimplementedGateServer) Status(context.Context, *StatusRequest) (*StatusResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Status not implemented")
 }
 func (UnimplementedGateServer) mustEmbedUnimplementedGateServer() {}
 func (UnimplementedGateServer) testEmbeddedByValue()              {}
@@ -260,6 +278,24 @@ func _Gate_List_Handler(srv interface{}, ctx context.Context, dec func(interface
 	return interceptor(ctx, in, info, handler)
 }
 
+func _Gate_Status_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(StatusRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(GateServer).Status(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: Gate_Status_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(GateServer).Status(ctx, req.(*StatusRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // Gate_ServiceDesc is the grpc.ServiceDesc for Gate service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -286,6 +322,10 @@ var Gate_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "List",
 			Handler:    _Gate_List_Handler,
+		},
+		{
+			MethodName: "Status",
+			Handler:    _Gate_Status_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

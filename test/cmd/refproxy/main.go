@@ -3,8 +3,15 @@
 //
 //	nsenter --net=/run/netns/pod refproxy -record /tmp/pod.jsonl
 //
-// It prints one line, "ready", on stdout once every listener is bound, and exits
-// cleanly on SIGTERM or SIGINT.
+// or, with -zds, as a node proxy like ztunnel: one process on the node that
+// receives the pods from the agent's ZDS socket and opens each pod's listeners
+// inside that pod's network namespace:
+//
+//	refproxy -zds /var/run/ztunnel/ztunnel.sock -record /tmp/node.jsonl
+//
+// It prints one line, "ready", on stdout once every listener is bound (with
+// -zds: once the first snapshot from the agent is served), and exits cleanly on
+// SIGTERM or SIGINT.
 package main
 
 import (
@@ -21,6 +28,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
+	"github.com/mesh-cni/mesh-cni/pkg/zds"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
@@ -41,6 +49,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	mark := fs.String("mark", fmt.Sprintf("%#x", proxy.DefaultMark), "SO_MARK set on onward connections (decimal or 0x hex)")
 	record := fs.String("record", "", "append a JSON line per finished connection to this file")
 	echo := fs.Bool("echo", false, "answer connections by echoing instead of dialing the original destination")
+	zdsPath := fs.String("zds", "", "run as a node proxy: take pods from the agent's ZDS socket at this path (e.g. "+zds.DefaultSocketPath+")")
 	level := zapcore.InfoLevel
 	fs.Var(&level, "log-level", "log level (debug, info, warn, error)")
 	if err := fs.Parse(args); err != nil {
@@ -78,6 +87,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	defer log.Sync() //nolint:errcheck // nothing useful to do if stderr cannot sync
 	cfg.Logger = log
 
+	if *zdsPath != "" {
+		return runNode(ctx, proxy.NodeConfig{Proxy: cfg, ZDSPath: *zdsPath}, stdout, log)
+	}
 	p, err := proxy.Start(ctx, cfg)
 	if err != nil {
 		log.Error("start proxy", zap.Error(err))
@@ -95,6 +107,36 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 	return 0
+}
+
+// runNode serves as a node proxy until ctx is done. It announces ready once the
+// first snapshot is served, so every pod enrolled by then has its listeners.
+func runNode(ctx context.Context, cfg proxy.NodeConfig, stdout io.Writer, log *zap.Logger) int {
+	n, err := proxy.StartNode(ctx, cfg)
+	if err != nil {
+		log.Error("start node proxy", zap.Error(err))
+		return 1
+	}
+	code := 0
+	if _, err := n.WaitStatus(ctx, func(st proxy.NodeStatus) bool { return st.Snapshots > 0 }); err == nil {
+		if _, err := fmt.Fprintln(stdout, "ready"); err != nil {
+			log.Error("announce ready", zap.Error(err))
+			code = 1
+		}
+	} else if ctx.Err() == nil {
+		log.Error("node proxy stopped before its first snapshot", zap.Error(err))
+		code = 1
+	}
+	if code == 0 {
+		<-ctx.Done()
+	}
+	st := n.Status()
+	log.Info("stopping", zap.Int("pods", len(st.Pods)), zap.Int("connections", len(n.Records())))
+	if err := n.Close(); err != nil {
+		log.Error("stop node proxy", zap.Error(err))
+		return 1
+	}
+	return code
 }
 
 func port(v uint) (uint16, error) {

@@ -11,7 +11,10 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/zap/zaptest"
+
 	"github.com/mesh-cni/mesh-cni/pkg/netns"
+	"github.com/mesh-cni/mesh-cni/pkg/zds"
 	"github.com/mesh-cni/mesh-cni/test/capture"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
@@ -90,5 +93,82 @@ func TestRunServesUntilCancelled(t *testing.T) {
 	}
 	if code := <-exit; code != 0 {
 		t.Fatalf("run returned %d after cancel; stderr:\n%s", code, stderr.String())
+	}
+}
+
+// TestRunNodeMode runs the command as a node proxy (-zds) in-process, in the
+// host namespace: it prints "ready" once the agent's snapshot is served, and the
+// pod it was handed has its (echo) listener inside the pod's namespace.
+func TestRunNodeMode(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: creates network namespaces")
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	pod, _ := capture.NewPodPair(t)
+	path := filepath.Join(t.TempDir(), "ztunnel.sock")
+	uid := "refproxy-test-pod"
+	srv, err := zds.NewServer(ctx, zds.Config{SocketPath: path, Logger: zaptest.NewLogger(t),
+		Snapshot: zds.SnapshotFunc(func(context.Context) ([]zds.Pod, error) {
+			return []zds.Pod{{UID: uid, Name: "p", Namespace: "default", NetnsPath: pod.NetNS}}, nil
+		})})
+	if err != nil {
+		t.Fatal(err)
+	}
+	serveDone := make(chan error, 1)
+	go func() { serveDone <- srv.Serve(ctx) }()
+	defer func() {
+		srv.Close()
+		if err := <-serveDone; err != nil {
+			t.Errorf("serve: %v", err)
+		}
+	}()
+	records := filepath.Join(t.TempDir(), "records.jsonl")
+
+	runCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	stdoutR, stdoutW := io.Pipe()
+	var stderr bytes.Buffer
+	exit := make(chan int, 1)
+	go func() {
+		code := run(runCtx, []string{"-zds", path, "-echo", "-record", records}, stdoutW, &stderr)
+		stdoutW.Close()
+		exit <- code
+	}()
+	line, err := bufio.NewReader(stdoutR).ReadString('\n')
+	if err != nil || line != "ready\n" {
+		t.Fatalf("first stdout line %q, %v", line, err)
+	}
+	conn, err := pod.Dial(ctx, netip.MustParseAddrPort("[::1]:15001"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := capture.EchoRoundTrip(ctx, conn, []byte("hello through the node proxy")); err != nil {
+		t.Fatal(err)
+	}
+	got, err := proxy.WaitForRecords(ctx, records, func(rs []proxy.Record) bool { return len(rs) == 1 })
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got[0].Pod != uid || got[0].Direction != proxy.Outbound {
+		t.Errorf("record %+v, want an outbound record of pod %s", got[0], uid)
+	}
+	stop()
+	if code := <-exit; code != 0 {
+		t.Fatalf("run returned %d after cancel; stderr:\n%s", code, stderr.String())
+	}
+}
+
+// TestRunNodeModeNoAgent: with no agent there is no snapshot and no "ready", and
+// SIGTERM still ends the command cleanly.
+func TestRunNodeModeNoAgent(t *testing.T) {
+	ctx, cancel := context.WithTimeout(t.Context(), 100*time.Millisecond)
+	defer cancel()
+	var stdout, stderr bytes.Buffer
+	if code := run(ctx, []string{"-zds", filepath.Join(t.TempDir(), "none.sock")}, &stdout, &stderr); code != 0 {
+		t.Fatalf("run = %d; stderr:\n%s", code, stderr.String())
+	}
+	if stdout.Len() != 0 {
+		t.Errorf("printed %q without an agent", stdout.String())
 	}
 }

@@ -1,0 +1,93 @@
+package agentcli
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/mesh-cni/mesh-cni/pkg/agent"
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/pkg/kni"
+	"github.com/mesh-cni/mesh-cni/pkg/nethook"
+)
+
+// entryOptions are the flags of the entry points beyond CNI.
+type entryOptions struct {
+	kniSocket        string
+	kniUpstream      string
+	kniEnrollTimeout time.Duration
+	hookSocket       string
+	hookPluginDir    string
+	hookName         string
+	hookPriority     int
+}
+
+// DefaultHookPluginDir is where containerd's network-plugin prototype looks for
+// registrations.
+const DefaultHookPluginDir = "/etc/containerd/net.d"
+
+func (e *entryOptions) register(fs *flag.FlagSet) {
+	fs.StringVar(&e.kniSocket, "kni-socket", "", "serve the KNI interposer on this socket (kubelet's KNI endpoint); empty: off")
+	fs.StringVar(&e.kniUpstream, "kni-upstream", "", "socket of the real KNI network runtime the interposer forwards to")
+	fs.DurationVar(&e.kniEnrollTimeout, "kni-enroll-timeout", kni.DefaultEnrollTimeout, "how long a KNI attach waits for the agent to enroll the pod")
+	fs.StringVar(&e.hookSocket, "hook-socket", "", "serve the containerd PodNetworkLifecycle hook on this socket; empty: off")
+	fs.StringVar(&e.hookPluginDir, "hook-plugin-dir", DefaultHookPluginDir, "directory where the hook's registration file is written")
+	fs.StringVar(&e.hookName, "hook-name", "mesh-cni", "name of the hook registration (file <name>.json)")
+	fs.IntVar(&e.hookPriority, "hook-priority", nethook.DefaultPriority, "hook priority: runs after plugins with a lower number (the primary)")
+}
+
+// entryPoints builds the KNI interposer and the hook from the flags.
+func (o options) entryPoints(log *zap.Logger) ([]agent.EntryPoint, error) {
+	var eps []agent.EntryPoint
+	if o.entry.kniSocket != "" {
+		if o.entry.kniUpstream == "" {
+			return nil, fmt.Errorf("--kni-socket needs --kni-upstream, the real network runtime's socket")
+		}
+		eps = append(eps, func(ctx context.Context, gate gatepb.GateServer, ready func() (bool, string)) (func(), error) {
+			srv, err := kni.New(ctx, log.Named("kni"), kni.Config{
+				SocketPath: o.entry.kniSocket, UpstreamSocket: o.entry.kniUpstream, AllowedUIDs: o.allowedUIDs,
+				Gate: gate, Ready: ready, ExcludeNamespaces: o.excludeNamespaces, EnrollTimeout: o.entry.kniEnrollTimeout,
+			})
+			if err != nil {
+				return nil, err
+			}
+			go func() {
+				if err := srv.Serve(); err != nil {
+					log.Error("kni interposer stopped", zap.Error(err))
+				}
+			}()
+			return func() { srv.Stop(o.shutdownGrace) }, nil
+		})
+	}
+	if o.entry.hookSocket != "" {
+		eps = append(eps, func(ctx context.Context, gate gatepb.GateServer, ready func() (bool, string)) (func(), error) {
+			srv, err := nethook.New(ctx, log.Named("hook"), nethook.Config{
+				SocketPath: o.entry.hookSocket, AllowedUIDs: o.allowedUIDs, Gate: gate, Ready: ready,
+				ExcludeNamespaces: o.excludeNamespaces,
+			})
+			if err != nil {
+				return nil, err
+			}
+			go func() {
+				if err := srv.Serve(); err != nil {
+					log.Error("network-plugin hook stopped", zap.Error(err))
+				}
+			}()
+			// Registered only once the socket answers, so the runtime never dials a
+			// dead socket; left in place on shutdown (pods then wait, as with CNI).
+			path, err := nethook.WriteRegistration(o.entry.hookPluginDir, nethook.Registration{
+				Name: o.entry.hookName, Address: o.entry.hookSocket, Priority: o.entry.hookPriority,
+			})
+			if err != nil {
+				srv.Stop(0)
+				return nil, err
+			}
+			log.Info("network-plugin hook registered", zap.String("file", path))
+			return func() { srv.Stop(o.shutdownGrace) }, nil
+		})
+	}
+	return eps, nil
+}

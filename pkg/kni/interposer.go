@@ -1,0 +1,213 @@
+package kni
+
+import (
+	"context"
+	"slices"
+
+	"go.uber.org/zap"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/pkg/kni/knipb"
+)
+
+type (
+	attachFunc = func(context.Context, *knipb.AttachInterfaceRequest, ...grpc.CallOption) (*knipb.AttachInterfaceResponse, error)
+	detachFunc = func(context.Context, *knipb.DetachInterfaceRequest, ...grpc.CallOption) (*knipb.DetachInterfaceResponse, error)
+)
+
+// interposer implements the KNI service by forwarding to the network runtime,
+// enrolling after attach and releasing before detach.
+type interposer struct {
+	knipb.UnimplementedKNIServer
+
+	log      *zap.Logger
+	cfg      Config
+	gate     gatepb.GateServer
+	upstream knipb.KNIClient
+}
+
+func (i *interposer) AttachInterface(ctx context.Context, req *knipb.AttachInterfaceRequest) (*knipb.AttachInterfaceResponse, error) {
+	return i.attach(ctx, "AttachInterface", req, i.upstream.AttachInterface, i.upstream.DetachInterface)
+}
+
+// AttachNetwork is the older name of AttachInterface. A failed one is undone
+// with DetachNetwork: a runtime old enough to know only these names may not
+// know DetachInterface.
+func (i *interposer) AttachNetwork(ctx context.Context, req *knipb.AttachInterfaceRequest) (*knipb.AttachInterfaceResponse, error) {
+	return i.attach(ctx, "AttachNetwork", req, i.upstream.AttachNetwork, i.upstream.DetachNetwork)
+}
+
+func (i *interposer) DetachInterface(ctx context.Context, req *knipb.DetachInterfaceRequest) (*knipb.DetachInterfaceResponse, error) {
+	return i.detach(ctx, "DetachInterface", req, i.upstream.DetachInterface)
+}
+
+func (i *interposer) DetachNetwork(ctx context.Context, req *knipb.DetachInterfaceRequest) (*knipb.DetachInterfaceResponse, error) {
+	return i.detach(ctx, "DetachNetwork", req, i.upstream.DetachNetwork)
+}
+
+func (i *interposer) CreateNetwork(ctx context.Context, req *knipb.CreateNetworkRequest) (*knipb.CreateNetworkResponse, error) {
+	return forward(ctx, i.upstream.CreateNetwork, req)
+}
+
+func (i *interposer) DeleteNetwork(ctx context.Context, req *knipb.DeleteNetworkRequest) (*knipb.DeleteNetworkResponse, error) {
+	return forward(ctx, i.upstream.DeleteNetwork, req)
+}
+
+func (i *interposer) QueryPodNetwork(ctx context.Context, req *knipb.QueryPodNetworkRequest) (*knipb.QueryPodNetworkResponse, error) {
+	return forward(ctx, i.upstream.QueryPodNetwork, req)
+}
+
+func (i *interposer) SetupNodeNetwork(ctx context.Context, req *knipb.SetupNodeNetworkRequest) (*knipb.SetupNodeNetworkResponse, error) {
+	return forward(ctx, i.upstream.SetupNodeNetwork, req)
+}
+
+func (i *interposer) QueryNodeNetworks(ctx context.Context, req *knipb.QueryNodeNetworksRequest) (*knipb.QueryNodeNetworksResponse, error) {
+	return forward(ctx, i.upstream.QueryNodeNetworks, req)
+}
+
+func (i *interposer) excluded(namespace string) bool {
+	return slices.Contains(i.cfg.ExcludeNamespaces, namespace)
+}
+
+// attach forwards an attach and enrolls the pod once the runtime has set it up.
+//
+// Order and failure handling, thought through:
+//   - A request that names no valid pod or sandbox could never be enrolled; it
+//     is refused before the runtime does any work (InvalidArgument).
+//   - The runtime's error is returned unchanged: nothing was set up by us.
+//   - After the runtime's success, the response is held until gate Add
+//     returns. Add waits for the agent's readiness; the wait is bounded by the
+//     caller's deadline and EnrollTimeout.
+//   - If the pod cannot be enrolled (no netns in the request, a runtime
+//     response that cannot be understood, Add failing or timing out), the pod
+//     must not start unmeshed (fail closed), and kubelet treats a failed attach
+//     as a failed sandbox. So the attach is undone: gate Del for anything the
+//     agent may hold, then the matching detach to the runtime, on a context of
+//     its own (the caller's has often expired by then). The caller gets the
+//     enrollment error's code with a message that says the attach was undone,
+//     or that undoing it failed too.
+func (i *interposer) attach(ctx context.Context, method string, req *knipb.AttachInterfaceRequest, attach attachFunc, detach detachFunc) (*knipb.AttachInterfaceResponse, error) {
+	log := i.log.With(zap.String("method", method), zap.String("sandbox", req.GetId()),
+		zap.String("pod", req.GetNamespace()+"/"+req.GetName()))
+	excluded := i.excluded(firstNonEmpty(req.GetNamespace(), req.GetLabels()[LabelPodNamespace]))
+	if !excluded {
+		if _, _, err := attachIdentity(req, i.cfg.Network); err != nil {
+			log.Warn("refused attach: the pod could not be enrolled", zap.Error(err))
+			return nil, status.Errorf(codes.InvalidArgument, "mesh-cni: cannot enroll this pod in the mesh, so the attach was not forwarded to the network runtime: %v", err)
+		}
+	}
+	resp, err := forward(ctx, attach, req)
+	if err != nil {
+		log.Info("network runtime failed the attach", zap.Error(err))
+		return nil, err
+	}
+	if excluded {
+		log.Info("namespace is excluded from the mesh; attach passed through")
+		return resp, nil
+	}
+
+	add, err := AttachToGate(req, resp, i.cfg.Network)
+	if err != nil {
+		log.Error("cannot enroll the attached pod", zap.Error(err))
+		return nil, i.undo(ctx, log, req, detach, codes.FailedPrecondition, err.Error())
+	}
+	if i.cfg.Ready != nil {
+		if ready, why := i.cfg.Ready(); !ready {
+			log.Info("mesh-agent is not ready; the attach waits for it", zap.String("notReady", why), zap.Duration("atMost", i.cfg.EnrollTimeout))
+		}
+	}
+	addCtx, cancel := context.WithTimeout(ctx, i.cfg.EnrollTimeout)
+	defer cancel()
+	decision, err := i.gate.Add(addCtx, add)
+	if err != nil {
+		st := status.Convert(err)
+		log.Error("enrollment failed", zap.Error(err))
+		return nil, i.undo(ctx, log, req, detach, st.Code(), st.Message())
+	}
+	log.Info("attach done", zap.Stringer("decision", decision.GetDecision()), zap.String("reason", decision.GetReason()),
+		zap.String("netns", add.GetNetnsPath()), zap.String("ifname", add.GetAttachment().GetIfname()))
+	return resp, nil
+}
+
+// undo rolls back an attach whose pod could not be enrolled and returns the
+// error for the caller.
+func (i *interposer) undo(ctx context.Context, log *zap.Logger, req *knipb.AttachInterfaceRequest, detach detachFunc, code codes.Code, why string) error {
+	if code == codes.OK || code == codes.Unknown {
+		code = codes.Internal
+	}
+	undoCtx, cancel := context.WithTimeout(context.WithoutCancel(outgoing(ctx)), i.cfg.RollbackTimeout)
+	defer cancel()
+	dreq := detachRequestFor(req)
+	if del, err := DetachToGate(dreq, i.cfg.Network); err == nil {
+		i.release(undoCtx, log, del)
+	}
+	if _, err := detach(undoCtx, dreq); err != nil {
+		log.Error("undoing the attach failed; the network runtime may still hold the pod's network", zap.Error(err))
+		return status.Errorf(code, "mesh-cni: pod %s/%s was not enrolled in the mesh (%s), and undoing its network attachment failed: %v",
+			req.GetNamespace(), req.GetName(), why, err)
+	}
+	log.Warn("attach undone because the pod was not enrolled")
+	return status.Errorf(code, "mesh-cni: pod %s/%s was not enrolled in the mesh, so its network attachment was undone: %s",
+		req.GetNamespace(), req.GetName(), why)
+}
+
+func detachRequestFor(req *knipb.AttachInterfaceRequest) *knipb.DetachInterfaceRequest {
+	return &knipb.DetachInterfaceRequest{
+		Name:        req.GetName(),
+		Id:          req.GetId(),
+		Namespace:   req.GetNamespace(),
+		Isolation:   req.GetIsolation(),
+		Labels:      req.GetLabels(),
+		Annotations: req.GetAnnotations(),
+		Extradata:   req.GetExtradata(),
+	}
+}
+
+// detach releases the pod, then forwards. The release never blocks the
+// detach: its errors are logged and the agent's reconciliation cleans up after
+// a pod whose network namespace is gone.
+func (i *interposer) detach(ctx context.Context, method string, req *knipb.DetachInterfaceRequest, fwd detachFunc) (*knipb.DetachInterfaceResponse, error) {
+	log := i.log.With(zap.String("method", method), zap.String("sandbox", req.GetId()),
+		zap.String("pod", req.GetNamespace()+"/"+req.GetName()))
+	if del, err := DetachToGate(req, i.cfg.Network); err != nil {
+		log.Warn("cannot release the pod from the mesh; forwarding the detach anyway", zap.Error(err))
+	} else {
+		relCtx, cancel := context.WithTimeout(ctx, i.cfg.ReleaseTimeout)
+		i.release(relCtx, log, del)
+		cancel()
+	}
+	return forward(ctx, fwd, req)
+}
+
+// release deletes every attachment the agent holds for the sandbox in this
+// network. A detach does not say which interfaces the attach reported, so the
+// agent's records are the authority; del's own attachment is used when they
+// cannot be listed.
+func (i *interposer) release(ctx context.Context, log *zap.Logger, del *gatepb.DelRequest) {
+	atts := []*gatepb.Attachment{del.GetAttachment()}
+	if list, err := i.gate.List(ctx, &gatepb.ListRequest{}); err != nil {
+		log.Warn("listing the agent's enrollments failed; releasing the default interface only", zap.Error(err))
+	} else {
+		atts = atts[:0]
+		for _, e := range list.GetEnrollments() {
+			a := e.GetAttachment()
+			if a.GetNetwork() == del.GetAttachment().GetNetwork() && a.GetContainerId() == del.GetAttachment().GetContainerId() {
+				atts = append(atts, a)
+			}
+		}
+	}
+	for _, a := range atts {
+		d := proto.Clone(del).(*gatepb.DelRequest)
+		d.Attachment = a
+		resp, err := i.gate.Del(ctx, d)
+		if err != nil {
+			log.Warn("release from the mesh failed", zap.String("ifname", a.GetIfname()), zap.Error(err))
+			continue
+		}
+		log.Info("released from the mesh", zap.String("ifname", a.GetIfname()), zap.Bool("held", resp.GetReleased()))
+	}
+}

@@ -1,0 +1,217 @@
+// Package kni is the mesh-agent's KNI entry point: an interposer that serves the
+// KNI network runtime service (proto package "kni") to kubelet on a Unix socket
+// and forwards every call to the node's real network runtime.
+//
+// Around the two calls that matter to the mesh it talks to the agent's gate in
+// process:
+//
+//   - AttachInterface / AttachNetwork: forwarded first; once the runtime has set
+//     the pod's network up, the pod is enrolled through gate Add (which waits
+//     until the agent is ready, bounded by the caller's deadline and
+//     Config.EnrollTimeout) and the runtime's response is held until Add
+//     returns. If the pod cannot be enrolled the attach fails and is undone
+//     with a detach to the runtime, so kubelet sees a failed attach (exactly as
+//     a failed CNI ADD) and nothing is left half set up.
+//   - DetachInterface / DetachNetwork: the pod is released through gate Del
+//     first (errors are logged, a detach is never blocked by the mesh), then
+//     the detach is forwarded.
+//
+// Everything else, including methods this build does not know, is forwarded as
+// it is: metadata and deadlines go up, headers, trailers and the runtime's
+// errors (same code and message) come back.
+package kni
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"path/filepath"
+	"slices"
+	"time"
+
+	"go.uber.org/zap"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/mesh-cni/mesh-cni/pkg/gate"
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/pkg/kni/knipb"
+)
+
+// Defaults for Config.
+const (
+	// DefaultNetwork is the attachment network KNI pods are recorded under in the
+	// agent; CNI GC of a conflist never touches them.
+	DefaultNetwork = "kni"
+	// DefaultEnrollTimeout bounds how long an attach waits for the agent, like
+	// the CNI plugin's gateTimeout. The caller's deadline bounds it too.
+	DefaultEnrollTimeout = 30 * time.Second
+	// DefaultReleaseTimeout bounds the gate Del before a detach is forwarded.
+	DefaultReleaseTimeout = 5 * time.Second
+	// DefaultRollbackTimeout bounds the detach that undoes a failed attach. It
+	// does not derive from the caller's deadline, which has often run out by
+	// then.
+	DefaultRollbackTimeout = 30 * time.Second
+)
+
+// DefaultExcludeNamespace is passed through without contacting the gate, as in
+// the CNI plugin's default excludeNamespaces: the cluster's own system pods
+// never wait on the agent.
+const DefaultExcludeNamespace = "kube-system"
+
+// Config configures the interposer.
+type Config struct {
+	// SocketPath is where the interposer listens: the KNI endpoint kubelet is
+	// configured with. Its directory is made 0700 and the socket 0600.
+	SocketPath string
+	// UpstreamSocket is the real network runtime's socket.
+	UpstreamSocket string
+	// AllowedUIDs may call (SO_PEERCRED); none means root only.
+	AllowedUIDs []int
+	// Gate is the agent's gate, called in process.
+	Gate gatepb.GateServer
+	// Ready reports the agent's readiness and, when not ready, what is missing.
+	// It only feeds the logs (gate Add does the waiting); nil means "don't say".
+	Ready func() (bool, string)
+	// Network is the attachment network the pods are recorded under; default
+	// DefaultNetwork.
+	Network string
+	// ExcludeNamespaces pass through without enrollment; nil means
+	// DefaultExcludeNamespace only, an empty non-nil slice excludes none.
+	ExcludeNamespaces []string
+	// EnrollTimeout, ReleaseTimeout, RollbackTimeout: see the defaults.
+	EnrollTimeout, ReleaseTimeout, RollbackTimeout time.Duration
+}
+
+func (c Config) withDefaults() (Config, error) {
+	if c.Gate == nil {
+		return c, errors.New("kni interposer: no gate")
+	}
+	for _, p := range []struct{ name, path string }{{"socket", c.SocketPath}, {"upstream socket", c.UpstreamSocket}} {
+		if !filepath.IsAbs(p.path) {
+			return c, fmt.Errorf("kni interposer: %s path %q must be absolute", p.name, p.path)
+		}
+	}
+	if filepath.Clean(c.SocketPath) == filepath.Clean(c.UpstreamSocket) {
+		return c, fmt.Errorf("kni interposer: socket and upstream socket are both %q", c.SocketPath)
+	}
+	if c.Network == "" {
+		c.Network = DefaultNetwork
+	}
+	if c.ExcludeNamespaces == nil {
+		c.ExcludeNamespaces = []string{DefaultExcludeNamespace}
+	}
+	c.ExcludeNamespaces = slices.Clone(c.ExcludeNamespaces)
+	if c.EnrollTimeout <= 0 {
+		c.EnrollTimeout = DefaultEnrollTimeout
+	}
+	if c.ReleaseTimeout <= 0 {
+		c.ReleaseTimeout = DefaultReleaseTimeout
+	}
+	if c.RollbackTimeout <= 0 {
+		c.RollbackTimeout = DefaultRollbackTimeout
+	}
+	return c, nil
+}
+
+// Server is the interposer listening on its socket.
+type Server struct {
+	log      *zap.Logger
+	grpc     *grpc.Server
+	upstream *grpc.ClientConn
+	listener net.Listener
+}
+
+// New prepares the upstream connection (it connects on first use, so the
+// runtime may start later) and listens on cfg.SocketPath.
+func New(ctx context.Context, log *zap.Logger, cfg Config) (*Server, error) {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	conn, err := dialUpstream(cfg.UpstreamSocket)
+	if err != nil {
+		return nil, err
+	}
+	l, err := gate.Listen(ctx, cfg.SocketPath)
+	if err != nil {
+		conn.Close()
+		return nil, fmt.Errorf("kni interposer: %w", err)
+	}
+	log = log.With(zap.String("entry", "kni"))
+	codec := newRawCodec()
+	auth := gate.NewAuthorizer(cfg.AllowedUIDs)
+	srv := grpc.NewServer(
+		grpc.Creds(gate.ServerCredentials()),
+		grpc.ChainUnaryInterceptor(auth.UnaryInterceptor),
+		grpc.ChainStreamInterceptor(auth.StreamInterceptor),
+		grpc.ForceServerCodecV2(codec),
+		grpc.UnknownServiceHandler(forwardUnknown(conn, codec)),
+	)
+	knipb.RegisterKNIServer(srv, &interposer{
+		log:      log,
+		cfg:      cfg,
+		gate:     cfg.Gate,
+		upstream: knipb.NewKNIClient(conn),
+	})
+	return &Server{log: log, grpc: srv, upstream: conn, listener: l}, nil
+}
+
+// dialUpstream prepares the client connection to the network runtime. The
+// reconnect back-off is short so that a restarted runtime is used again within
+// a fraction of a second; calls are not held waiting for it (no wait-for-ready),
+// so kubelet sees the runtime's unavailability exactly as if it dialled it.
+func dialUpstream(socketPath string) (*grpc.ClientConn, error) {
+	conn, err := grpc.NewClient("unix://"+socketPath,
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithConnectParams(grpc.ConnectParams{
+			Backoff: backoff.Config{
+				BaseDelay:  20 * time.Millisecond,
+				Multiplier: 1.5,
+				Jitter:     0.2,
+				MaxDelay:   time.Second,
+			},
+			MinConnectTimeout: time.Second,
+		}),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("kni interposer: client for network runtime at %s: %w", socketPath, err)
+	}
+	return conn, nil
+}
+
+// Addr is the socket path the interposer listens on.
+func (s *Server) Addr() string { return s.listener.Addr().String() }
+
+// Serve serves until Stop; it returns nil after a stop.
+func (s *Server) Serve() error {
+	s.log.Info("KNI interposer serving", zap.String("socket", s.Addr()), zap.String("upstream", s.upstream.Target()))
+	if err := s.grpc.Serve(s.listener); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+		return fmt.Errorf("serve KNI interposer: %w", err)
+	}
+	return nil
+}
+
+// Stop lets in-flight calls finish for up to grace, cuts the rest, and closes
+// the upstream connection. An attach cut off before its enrollment returned has
+// failed for kubelet, which retries it.
+func (s *Server) Stop(grace time.Duration) {
+	done := make(chan struct{})
+	go func() {
+		s.grpc.GracefulStop()
+		close(done)
+	}()
+	t := time.NewTimer(grace)
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
+		s.grpc.Stop()
+		<-done
+	}
+	if err := s.upstream.Close(); err != nil {
+		s.log.Warn("closing the network runtime connection", zap.Error(err))
+	}
+}

@@ -1,0 +1,254 @@
+// Package nethook is the mesh-agent's network-plugin hook entry point: it
+// serves the containerd-style PodNetworkLifecycle service (proto package
+// "containerd.services.networking.v1") on its own Unix socket and registers it
+// with a JSON file in the runtime's plugin directory, as a non-primary plugin
+// that runs after the primary one.
+//
+//   - SetupPodNetwork enrolls the pod through gate Add (which waits until the
+//     agent is ready, bounded by the caller's deadline and
+//     Config.EnrollTimeout) and answers with prev_result unchanged: the mesh
+//     adds no interfaces, routes or DNS. If the pod cannot be enrolled the
+//     setup fails, and the runtime tears down the plugins that already ran.
+//   - TeardownPodNetwork releases the pod through gate Del; errors are logged
+//     and never fail the teardown.
+//   - CheckHealth reports the agent's readiness, and what is missing.
+package nethook
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"slices"
+	"time"
+
+	"go.uber.org/zap"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/mesh-cni/mesh-cni/pkg/gate"
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/pkg/nethook/nethookpb"
+)
+
+// Defaults for Config.
+const (
+	// DefaultNetwork is the attachment network hook pods are recorded under in
+	// the agent; CNI GC of a conflist never touches them.
+	DefaultNetwork = "nethook"
+	// DefaultEnrollTimeout bounds how long a setup waits for the agent, like the
+	// CNI plugin's gateTimeout. The caller's deadline bounds it too.
+	DefaultEnrollTimeout = 30 * time.Second
+	// DefaultReleaseTimeout bounds the gate Del of a teardown.
+	DefaultReleaseTimeout = 5 * time.Second
+)
+
+// DefaultExcludeNamespace is passed through without contacting the gate, as in
+// the CNI plugin's default excludeNamespaces: the cluster's own system pods
+// never wait on the agent.
+const DefaultExcludeNamespace = "kube-system"
+
+// Config configures the hook server.
+type Config struct {
+	// SocketPath is where the hook listens; its directory is made 0700 and the
+	// socket 0600. It goes into the registration's address.
+	SocketPath string
+	// AllowedUIDs may call (SO_PEERCRED); none means root only.
+	AllowedUIDs []int
+	// Gate is the agent's gate, called in process.
+	Gate gatepb.GateServer
+	// Ready reports the agent's readiness and, when not ready, what is missing;
+	// CheckHealth answers with it.
+	Ready func() (bool, string)
+	// Network is the attachment network pods are recorded under; default
+	// DefaultNetwork.
+	Network string
+	// ExcludeNamespaces pass through without enrollment; nil means
+	// DefaultExcludeNamespace only, an empty non-nil slice excludes none.
+	ExcludeNamespaces []string
+	// EnrollTimeout and ReleaseTimeout: see the defaults.
+	EnrollTimeout, ReleaseTimeout time.Duration
+}
+
+func (c Config) withDefaults() (Config, error) {
+	if c.Gate == nil {
+		return c, errors.New("network-plugin hook: no gate")
+	}
+	if c.Ready == nil {
+		return c, errors.New("network-plugin hook: no readiness function")
+	}
+	if c.Network == "" {
+		c.Network = DefaultNetwork
+	}
+	if c.ExcludeNamespaces == nil {
+		c.ExcludeNamespaces = []string{DefaultExcludeNamespace}
+	}
+	c.ExcludeNamespaces = slices.Clone(c.ExcludeNamespaces)
+	if c.EnrollTimeout <= 0 {
+		c.EnrollTimeout = DefaultEnrollTimeout
+	}
+	if c.ReleaseTimeout <= 0 {
+		c.ReleaseTimeout = DefaultReleaseTimeout
+	}
+	return c, nil
+}
+
+// Server is the hook listening on its socket.
+type Server struct {
+	log      *zap.Logger
+	grpc     *grpc.Server
+	listener net.Listener
+}
+
+// New listens on cfg.SocketPath.
+func New(ctx context.Context, log *zap.Logger, cfg Config) (*Server, error) {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	l, err := gate.Listen(ctx, cfg.SocketPath)
+	if err != nil {
+		return nil, fmt.Errorf("network-plugin hook: %w", err)
+	}
+	log = log.With(zap.String("entry", "nethook"))
+	auth := gate.NewAuthorizer(cfg.AllowedUIDs)
+	srv := grpc.NewServer(
+		grpc.Creds(gate.ServerCredentials()),
+		grpc.ChainUnaryInterceptor(auth.UnaryInterceptor),
+		grpc.ChainStreamInterceptor(auth.StreamInterceptor),
+	)
+	nethookpb.RegisterPodNetworkLifecycleServer(srv, &hook{log: log, cfg: cfg})
+	return &Server{log: log, grpc: srv, listener: l}, nil
+}
+
+// Addr is the socket path the hook listens on: the registration's address.
+func (s *Server) Addr() string { return s.listener.Addr().String() }
+
+// Serve serves until Stop; it returns nil after a stop.
+func (s *Server) Serve() error {
+	s.log.Info("network-plugin hook serving", zap.String("socket", s.Addr()))
+	if err := s.grpc.Serve(s.listener); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+		return fmt.Errorf("serve network-plugin hook: %w", err)
+	}
+	return nil
+}
+
+// Stop lets in-flight calls finish for up to grace, then cuts the rest. A setup
+// cut off before its enrollment returned has failed for the runtime.
+func (s *Server) Stop(grace time.Duration) {
+	done := make(chan struct{})
+	go func() {
+		s.grpc.GracefulStop()
+		close(done)
+	}()
+	t := time.NewTimer(grace)
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
+		s.grpc.Stop()
+		<-done
+	}
+}
+
+type hook struct {
+	nethookpb.UnimplementedPodNetworkLifecycleServer
+	log *zap.Logger
+	cfg Config
+}
+
+func (h *hook) SetupPodNetwork(ctx context.Context, req *nethookpb.SetupPodNetworkRequest) (*nethookpb.SetupPodNetworkResponse, error) {
+	log := h.log.With(zap.String("sandbox", req.GetSandboxId()), zap.String("pod", req.GetPodNamespace()+"/"+req.GetPodName()))
+	// The answer is what came before, untouched: the mesh sets up no network.
+	result := req.GetPrevResult()
+	if result == nil {
+		result = &nethookpb.SetupPodNetworkResponse{}
+	}
+	if slices.Contains(h.cfg.ExcludeNamespaces, req.GetPodNamespace()) {
+		log.Info("namespace is excluded from the mesh; setup passed through")
+		return result, nil
+	}
+	add, err := SetupToGate(req, h.cfg.Network)
+	if err != nil {
+		log.Warn("refused setup: the pod could not be enrolled", zap.Error(err))
+		return nil, status.Errorf(codes.InvalidArgument, "mesh-cni: cannot enroll pod %s/%s in the mesh: %v", req.GetPodNamespace(), req.GetPodName(), err)
+	}
+	if ready, why := h.cfg.Ready(); !ready {
+		log.Info("mesh-agent is not ready; the setup waits for it", zap.String("notReady", why), zap.Duration("atMost", h.cfg.EnrollTimeout))
+	}
+	addCtx, cancel := context.WithTimeout(ctx, h.cfg.EnrollTimeout)
+	defer cancel()
+	decision, err := h.cfg.Gate.Add(addCtx, add)
+	if err != nil {
+		st := status.Convert(err)
+		log.Error("enrollment failed", zap.Error(err))
+		// Nothing should be held after a failed Add; release anyway, so the
+		// runtime's retry starts clean.
+		relCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.cfg.ReleaseTimeout)
+		h.release(relCtx, log, &gatepb.DelRequest{Attachment: add.GetAttachment(), NetnsPath: add.GetNetnsPath(), Source: gatepb.Source_SOURCE_HOOK})
+		cancel()
+		code := st.Code()
+		if code == codes.OK || code == codes.Unknown {
+			code = codes.Internal
+		}
+		return nil, status.Errorf(code, "mesh-cni: pod %s/%s was not enrolled in the mesh: %s", req.GetPodNamespace(), req.GetPodName(), st.Message())
+	}
+	log.Info("setup done", zap.Stringer("decision", decision.GetDecision()), zap.String("reason", decision.GetReason()),
+		zap.String("netns", add.GetNetnsPath()), zap.String("ifname", add.GetAttachment().GetIfname()))
+	return result, nil
+}
+
+// TeardownPodNetwork releases the pod. It never fails because of the mesh: a
+// failed teardown would keep the runtime from removing the sandbox, and the
+// agent's reconciliation releases pods whose network namespace is gone.
+func (h *hook) TeardownPodNetwork(ctx context.Context, req *nethookpb.TeardownPodNetworkRequest) (*nethookpb.TeardownPodNetworkResponse, error) {
+	log := h.log.With(zap.String("sandbox", req.GetSandboxId()), zap.String("pod", req.GetPodNamespace()+"/"+req.GetPodName()))
+	del, err := TeardownToGate(req, h.cfg.Network)
+	if err != nil {
+		log.Warn("cannot release the pod from the mesh", zap.Error(err))
+		return &nethookpb.TeardownPodNetworkResponse{}, nil
+	}
+	relCtx, cancel := context.WithTimeout(ctx, h.cfg.ReleaseTimeout)
+	defer cancel()
+	h.release(relCtx, log, del)
+	return &nethookpb.TeardownPodNetworkResponse{}, nil
+}
+
+// CheckHealth reports the agent's readiness; the runtime wants every plugin
+// ready, so pods are held at the runtime until the agent is.
+func (h *hook) CheckHealth(context.Context, *nethookpb.CheckHealthRequest) (*nethookpb.CheckHealthResponse, error) {
+	if ready, why := h.cfg.Ready(); !ready {
+		return &nethookpb.CheckHealthResponse{Ready: false, Message: "mesh-agent is not ready: " + why}, nil
+	}
+	return &nethookpb.CheckHealthResponse{Ready: true, Message: "mesh-agent is ready"}, nil
+}
+
+// release deletes every attachment the agent holds for the sandbox in this
+// network: the agent's records are the authority on which interfaces were
+// enrolled. del's own attachment is used when they cannot be listed.
+func (h *hook) release(ctx context.Context, log *zap.Logger, del *gatepb.DelRequest) {
+	atts := []*gatepb.Attachment{del.GetAttachment()}
+	if list, err := h.cfg.Gate.List(ctx, &gatepb.ListRequest{}); err != nil {
+		log.Warn("listing the agent's enrollments failed; releasing the default interface only", zap.Error(err))
+	} else {
+		atts = atts[:0]
+		for _, e := range list.GetEnrollments() {
+			a := e.GetAttachment()
+			if a.GetNetwork() == del.GetAttachment().GetNetwork() && a.GetContainerId() == del.GetAttachment().GetContainerId() {
+				atts = append(atts, a)
+			}
+		}
+	}
+	for _, a := range atts {
+		d := proto.Clone(del).(*gatepb.DelRequest)
+		d.Attachment = a
+		resp, err := h.cfg.Gate.Del(ctx, d)
+		if err != nil {
+			log.Warn("release from the mesh failed", zap.String("ifname", a.GetIfname()), zap.Error(err))
+			continue
+		}
+		log.Info("released from the mesh", zap.String("ifname", a.GetIfname()), zap.Bool("held", resp.GetReleased()))
+	}
+}

@@ -1,0 +1,753 @@
+package zds_test
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"go.uber.org/zap/zaptest"
+	"golang.org/x/sys/unix"
+
+	"github.com/mesh-cni/mesh-cni/pkg/netns"
+	"github.com/mesh-cni/mesh-cni/pkg/zds"
+	"github.com/mesh-cni/mesh-cni/pkg/zds/zdspb"
+)
+
+func requireRoot(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: creates network namespaces")
+	}
+}
+
+func testCtx(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func randomSuffix(t *testing.T) string {
+	var b [4]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		t.Fatal(err)
+	}
+	return hex.EncodeToString(b[:])
+}
+
+// newNetns creates a pod network namespace, removed in cleanup.
+func newNetns(t *testing.T) string {
+	t.Helper()
+	path := filepath.Join("/run/netns", fmt.Sprintf("zds-%d-%s", os.Getpid(), randomSuffix(t)))
+	if err := netns.Create(path); err != nil {
+		t.Fatalf("create netns: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := netns.Remove(path); err != nil {
+			t.Errorf("remove netns: %v", err)
+		}
+	})
+	return path
+}
+
+// store is the agent's list of enrolled pods, in order.
+type store struct {
+	mu   sync.Mutex
+	pods []zds.Pod
+}
+
+func (s *store) EnrolledPods(context.Context) ([]zds.Pod, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]zds.Pod(nil), s.pods...), nil
+}
+
+func (s *store) add(p zds.Pod) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.pods = append(s.pods, p)
+}
+
+func (s *store) del(uid string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i, p := range s.pods {
+		if p.UID == uid {
+			s.pods = append(s.pods[:i], s.pods[i+1:]...)
+			return
+		}
+	}
+}
+
+func pod(t *testing.T, name string) zds.Pod {
+	return zds.Pod{
+		UID:            name + "-uid-" + randomSuffix(t),
+		Name:           name,
+		Namespace:      "ns-" + name,
+		ServiceAccount: "sa-" + name,
+		NetnsPath:      newNetns(t),
+	}
+}
+
+// startServer runs a server on a socket in t.TempDir() until the test ends.
+func startServer(t *testing.T, snap zds.Snapshotter, cfg zds.Config) (*zds.Server, string) {
+	t.Helper()
+	if cfg.SocketPath == "" {
+		cfg.SocketPath = filepath.Join(t.TempDir(), "zds.sock")
+	}
+	cfg.Snapshot = snap
+	cfg.Logger = zaptest.NewLogger(t)
+	if cfg.LivenessInterval == 0 {
+		cfg.LivenessInterval = 50 * time.Millisecond
+	}
+	s, err := zds.NewServer(testCtx(t), cfg)
+	if err != nil {
+		t.Fatalf("new server: %v", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- s.Serve(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("serve: %v", err)
+		}
+	})
+	return s, cfg.SocketPath
+}
+
+// dialProxy connects a test proxy and says hello with version v.
+func dialProxy(t *testing.T, ctx context.Context, path string, v zdspb.Version) *zds.ProxyConn {
+	t.Helper()
+	pc, err := zds.Dial(ctx, path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pc.Close() })
+	if err := pc.Hello(v); err != nil {
+		t.Fatal(err)
+	}
+	return pc
+}
+
+func recv(t *testing.T, ctx context.Context, pc *zds.ProxyConn) *zds.Request {
+	t.Helper()
+	req, err := pc.Recv(ctx)
+	if err != nil {
+		t.Fatalf("receive request: %v", err)
+	}
+	if req.Netns != nil {
+		t.Cleanup(func() { req.Netns.Close() })
+	}
+	return req
+}
+
+func ack(t *testing.T, pc *zds.ProxyConn, msg string) {
+	t.Helper()
+	if err := pc.Ack(msg); err != nil {
+		t.Fatalf("ack: %v", err)
+	}
+}
+
+// takeSnapshot acks every request up to and including SnapshotSent and returns
+// the requests before it.
+func takeSnapshot(t *testing.T, ctx context.Context, pc *zds.ProxyConn) []*zds.Request {
+	t.Helper()
+	var got []*zds.Request
+	for {
+		req := recv(t, ctx, pc)
+		ack(t, pc, "")
+		if req.GetSnapshotSent() != nil {
+			return got
+		}
+		got = append(got, req)
+	}
+}
+
+// expectEOF reads until the server closes the connection; any request on the
+// way is a failure.
+func expectEOF(t *testing.T, ctx context.Context, pc *zds.ProxyConn) {
+	t.Helper()
+	req, err := pc.Recv(ctx)
+	// A reset instead of an orderly close when the server hung up on unread data.
+	if !errors.Is(err, io.EOF) && !errors.Is(err, unix.ECONNRESET) {
+		t.Fatalf("want the server to close the connection, got request %v, error %v", req, err)
+	}
+}
+
+func waitFor(t *testing.T, ctx context.Context, what string, cond func() bool) {
+	t.Helper()
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	for !cond() {
+		select {
+		case <-ctx.Done():
+			t.Fatalf("waiting for %s: %v", what, ctx.Err())
+		case <-tick.C:
+		}
+	}
+}
+
+// async runs fn and returns a channel with its error.
+func async(fn func() error) <-chan error {
+	ch := make(chan error, 1)
+	go func() { ch <- fn() }()
+	return ch
+}
+
+func wait(t *testing.T, ctx context.Context, ch <-chan error) error {
+	t.Helper()
+	select {
+	case err := <-ch:
+		return err
+	case <-ctx.Done():
+		t.Fatalf("waiting for call: %v", ctx.Err())
+		return nil
+	}
+}
+
+func checkAdd(t *testing.T, req *zds.Request, want zds.Pod) {
+	t.Helper()
+	add := req.GetAdd()
+	if add == nil {
+		t.Fatalf("want AddWorkload for %s, got %v", want.UID, req.WorkloadRequest)
+	}
+	info := add.GetWorkloadInfo()
+	if add.GetUid() != want.UID || info.GetName() != want.Name || info.GetNamespace() != want.Namespace ||
+		info.GetServiceAccount() != want.ServiceAccount {
+		t.Errorf("AddWorkload %v, want pod %+v", add, want)
+	}
+	if req.Netns == nil {
+		t.Fatalf("AddWorkload for %s without netns fd", want.UID)
+	}
+	// The fd must be the pod's namespace: same nsfs inode and the same netns
+	// cookie, the key the data path uses.
+	gotID, err := zds.FdNetnsID(int(req.Netns.Fd()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(want.NetnsPath, &st); err != nil {
+		t.Fatal(err)
+	}
+	if gotID != (zds.NetnsID{Dev: st.Dev, Ino: st.Ino}) {
+		t.Errorf("fd for %s is netns %+v, want inode %d", want.UID, gotID, st.Ino)
+	}
+	gotCookie, err := netns.CookieFd(int(req.Netns.Fd()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantCookie, err := netns.Cookie(want.NetnsPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if gotCookie != wantCookie {
+		t.Errorf("fd for %s has netns cookie %d, want %d", want.UID, gotCookie, wantCookie)
+	}
+}
+
+func checkDel(t *testing.T, req *zds.Request, uid string) {
+	t.Helper()
+	if req.GetDel().GetUid() != uid || req.Netns != nil {
+		t.Fatalf("want DelWorkload %s without fd, got %v (fd %v)", uid, req.WorkloadRequest, req.Netns)
+	}
+}
+
+// TestSnapshot connects a proxy to an agent with enrolled pods: it gets every
+// pod with its real netns fd, a KeepWorkload for the pod whose namespace is gone,
+// nothing for an invalid entry, and SnapshotSent; then it counts as connected.
+func TestSnapshot(t *testing.T) {
+	requireRoot(t)
+	ctx := testCtx(t)
+	a, b := pod(t, "a"), pod(t, "b")
+	gone := zds.Pod{UID: "gone-uid", Name: "gone", Namespace: "ns", NetnsPath: "/run/netns/zds-no-such-netns"}
+	st := &store{pods: []zds.Pod{a, {Name: "no-uid", NetnsPath: a.NetnsPath}, gone, b}}
+	srv, path := startServer(t, st, zds.Config{})
+	if srv.EverConnected() || srv.Connected() != 0 {
+		t.Fatal("connected before any proxy")
+	}
+
+	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
+	got := takeSnapshot(t, ctx, pc)
+	if len(got) != 3 {
+		t.Fatalf("snapshot has %d requests, want 3: %v", len(got), got)
+	}
+	checkAdd(t, got[0], a)
+	if got[1].GetKeep().GetUid() != gone.UID || got[1].Netns != nil {
+		t.Errorf("want KeepWorkload %s without fd, got %v", gone.UID, got[1].WorkloadRequest)
+	}
+	checkAdd(t, got[2], b)
+
+	if err := srv.WaitForProxy(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if srv.Connected() != 1 || !srv.EverConnected() {
+		t.Errorf("Connected %d EverConnected %v after snapshot", srv.Connected(), srv.EverConnected())
+	}
+}
+
+// TestAddToNewestDeleteToAll: with two proxies connected (an upgrade in progress),
+// a new pod goes to the newest only, a pod both have is deleted on both, a pod
+// only the newest has is deleted there only, and a pod a proxy already has is
+// not sent again.
+func TestAddToNewestDeleteToAll(t *testing.T) {
+	requireRoot(t)
+	ctx := testCtx(t)
+	p1, p2, p3 := pod(t, "p1"), pod(t, "p2"), pod(t, "p3")
+	st := &store{pods: []zds.Pod{p1}}
+	srv, path := startServer(t, st, zds.Config{})
+
+	old := dialProxy(t, ctx, path, zdspb.Version_V1)
+	checkAdd(t, takeSnapshot(t, ctx, old)[0], p1)
+	newer := dialProxy(t, ctx, path, zdspb.Version_V1)
+	checkAdd(t, takeSnapshot(t, ctx, newer)[0], p1)
+	waitFor(t, ctx, "two proxies", func() bool { return srv.Connected() == 2 })
+
+	// Already acked with the same namespace: returns without a request (one
+	// would never be acked here and time out).
+	if err := srv.AddPod(ctx, p1); err != nil {
+		t.Fatalf("re-add p1: %v", err)
+	}
+
+	st.add(p2)
+	done := async(func() error { return srv.AddPod(ctx, p2) })
+	checkAdd(t, recv(t, ctx, newer), p2)
+	ack(t, newer, "")
+	if err := wait(t, ctx, done); err != nil {
+		t.Fatalf("add p2: %v", err)
+	}
+
+	// p1 goes from both. The old proxy's next request is this delete, so it was
+	// never sent p2.
+	st.del(p1.UID)
+	done = async(func() error { return srv.DelPod(ctx, p1.UID) })
+	for _, pc := range []*zds.ProxyConn{old, newer} {
+		checkDel(t, recv(t, ctx, pc), p1.UID)
+		ack(t, pc, "")
+	}
+	if err := wait(t, ctx, done); err != nil {
+		t.Fatalf("delete p1: %v", err)
+	}
+
+	// p2 only went to the newer proxy, so only it hears of the delete.
+	st.del(p2.UID)
+	done = async(func() error { return srv.DelPod(ctx, p2.UID) })
+	checkDel(t, recv(t, ctx, newer), p2.UID)
+	ack(t, newer, "")
+	if err := wait(t, ctx, done); err != nil {
+		t.Fatalf("delete p2: %v", err)
+	}
+
+	// The newer proxy goes away: the old one is the newest again, and its next
+	// request is p3's add (no delete of p2 came before it).
+	newer.Close()
+	waitFor(t, ctx, "the closed proxy to be dropped", func() bool { return srv.Connected() == 1 })
+	st.add(p3)
+	done = async(func() error { return srv.AddPod(ctx, p3) })
+	checkAdd(t, recv(t, ctx, old), p3)
+	ack(t, old, "")
+	if err := wait(t, ctx, done); err != nil {
+		t.Fatalf("add p3: %v", err)
+	}
+	if err := srv.DelPod(ctx, "never-added"); err != nil {
+		t.Errorf("delete of an unknown pod: %v", err)
+	}
+}
+
+// TestAckDeadline: a proxy that does not ack within the deadline fails the add
+// and loses its connection; nothing is left to add to.
+func TestAckDeadline(t *testing.T) {
+	requireRoot(t)
+	ctx := testCtx(t)
+	p := pod(t, "slow")
+	st := &store{}
+	srv, path := startServer(t, st, zds.Config{AckTimeout: 300 * time.Millisecond})
+	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
+	takeSnapshot(t, ctx, pc)
+	waitFor(t, ctx, "the proxy", func() bool { return srv.Connected() == 1 })
+
+	st.add(p)
+	done := async(func() error { return srv.AddPod(ctx, p) })
+	checkAdd(t, recv(t, ctx, pc), p)
+	// No ack.
+	err := wait(t, ctx, done)
+	if !errors.Is(err, os.ErrDeadlineExceeded) || !errors.Is(err, zds.ErrNoProxy) {
+		t.Fatalf("add without ack: %v, want a deadline error and ErrNoProxy", err)
+	}
+	expectEOF(t, ctx, pc)
+	waitFor(t, ctx, "the proxy to be dropped", func() bool { return srv.Connected() == 0 })
+	if err := srv.AddPod(ctx, p); !errors.Is(err, zds.ErrNoProxy) {
+		t.Errorf("add with no proxy: %v, want ErrNoProxy", err)
+	}
+	if err := srv.DelPod(ctx, p.UID); err != nil {
+		t.Errorf("delete with no proxy: %v", err)
+	}
+}
+
+// TestAckError: a proxy's refusal is an AckError for that pod; the connection
+// stays, and the same pod can be added again.
+func TestAckError(t *testing.T) {
+	requireRoot(t)
+	ctx := testCtx(t)
+	p := pod(t, "refused")
+	srv, path := startServer(t, &store{}, zds.Config{})
+	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
+	takeSnapshot(t, ctx, pc)
+
+	done := async(func() error { return srv.AddPod(ctx, p) })
+	checkAdd(t, recv(t, ctx, pc), p)
+	ack(t, pc, "cannot bind 15001")
+	var ae *zds.AckError
+	if err := wait(t, ctx, done); !errors.As(err, &ae) || ae.UID != p.UID || ae.Msg != "cannot bind 15001" {
+		t.Fatalf("refused add: %v, want an AckError", err)
+	}
+	done = async(func() error { return srv.AddPod(ctx, p) })
+	checkAdd(t, recv(t, ctx, pc), p)
+	ack(t, pc, "")
+	if err := wait(t, ctx, done); err != nil {
+		t.Fatalf("second add: %v", err)
+	}
+	done = async(func() error { return srv.DelPod(ctx, p.UID) })
+	checkDel(t, recv(t, ctx, pc), p.UID)
+	ack(t, pc, "still draining")
+	if err := wait(t, ctx, done); !errors.As(err, &ae) || ae.Request != "delete" {
+		t.Fatalf("refused delete: %v, want an AckError", err)
+	}
+	if srv.Connected() != 1 {
+		t.Errorf("connections after refusals: %d", srv.Connected())
+	}
+}
+
+// TestMisbehavingProxies runs proxies that break the protocol in different ways
+// next to a good one: each bad connection is closed on its own, any fd it sent
+// is closed, and the good proxy keeps working.
+func TestMisbehavingProxies(t *testing.T) {
+	requireRoot(t)
+	ctx := testCtx(t)
+	p1 := pod(t, "p1")
+	st := &store{pods: []zds.Pod{p1}}
+	srv, path := startServer(t, st, zds.Config{AckTimeout: 2 * time.Second})
+	good := dialProxy(t, ctx, path, zdspb.Version_V1)
+	takeSnapshot(t, ctx, good)
+
+	spare := newNetns(t)
+	for _, tc := range []struct {
+		name string
+		run  func(t *testing.T)
+	}{
+		{"wrong version", func(t *testing.T) {
+			expectEOF(t, ctx, dialProxy(t, ctx, path, zdspb.Version_NOT_USED))
+		}},
+		{"future version", func(t *testing.T) {
+			expectEOF(t, ctx, dialProxy(t, ctx, path, zdspb.Version(2)))
+		}},
+		{"garbage hello", func(t *testing.T) {
+			pc, err := zds.Dial(ctx, path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer pc.Close()
+			if err := pc.SendRaw([]byte("GET / HTTP/1.1\r\n\r\n")); err != nil {
+				t.Fatal(err)
+			}
+			expectEOF(t, ctx, pc)
+		}},
+		{"fd with hello", func(t *testing.T) {
+			pc, err := zds.Dial(ctx, path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer pc.Close()
+			f, err := os.Open(spare)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ino := inode(t, spare)
+			hello := []byte{0x08, 0x01} // ZdsHello{version: V1}
+			err = pc.SendRaw(hello, int(f.Fd()))
+			f.Close()
+			if err != nil {
+				t.Fatal(err)
+			}
+			expectEOF(t, ctx, pc)
+			// The server's copy of the fd must be closed too.
+			waitFor(t, ctx, "the server to close the fd it was sent", func() bool { return openFdsTo(t, ino) == 0 })
+		}},
+		{"close without hello", func(t *testing.T) {
+			pc, err := zds.Dial(ctx, path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			pc.Close()
+		}},
+		{"close during snapshot", func(t *testing.T) {
+			pc := dialProxy(t, ctx, path, zdspb.Version_V1)
+			checkAdd(t, recv(t, ctx, pc), p1)
+			pc.Close()
+		}},
+		{"garbage ack", func(t *testing.T) {
+			pc := dialProxy(t, ctx, path, zdspb.Version_V1)
+			checkAdd(t, recv(t, ctx, pc), p1)
+			if err := pc.SendRaw([]byte{0xde, 0xad, 0xbe, 0xef}); err != nil {
+				t.Fatal(err)
+			}
+			expectEOF(t, ctx, pc)
+		}},
+		{"fd with ack", func(t *testing.T) {
+			pc := dialProxy(t, ctx, path, zdspb.Version_V1)
+			checkAdd(t, recv(t, ctx, pc), p1)
+			f, err := os.Open(spare)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ino := inode(t, spare)
+			ackWithFd := []byte{0x0a, 0x00} // WorkloadResponse{ack: {}}
+			err = pc.SendRaw(ackWithFd, int(f.Fd()))
+			f.Close()
+			if err != nil {
+				t.Fatal(err)
+			}
+			expectEOF(t, ctx, pc)
+			waitFor(t, ctx, "the server to close the fd it was sent", func() bool { return openFdsTo(t, ino) == 0 })
+		}},
+		{"speaks out of turn", func(t *testing.T) {
+			pc := dialProxy(t, ctx, path, zdspb.Version_V1)
+			takeSnapshot(t, ctx, pc)
+			// An ack nobody asked for: the liveness check finds it.
+			ack(t, pc, "")
+			expectEOF(t, ctx, pc)
+		}},
+	} {
+		t.Run(tc.name, tc.run)
+	}
+
+	// Every bad connection is gone; the good proxy is the only one and works.
+	waitFor(t, ctx, "only the good proxy left", func() bool { return srv.Connected() == 1 })
+	p2 := pod(t, "p2")
+	st.add(p2)
+	done := async(func() error { return srv.AddPod(ctx, p2) })
+	checkAdd(t, recv(t, ctx, good), p2)
+	ack(t, good, "")
+	if err := wait(t, ctx, done); err != nil {
+		t.Fatalf("add to the good proxy: %v", err)
+	}
+}
+
+func inode(t *testing.T, path string) uint64 {
+	t.Helper()
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		t.Fatal(err)
+	}
+	return st.Ino
+}
+
+// openFdsTo counts this process's fds that refer to the network namespace with
+// inode ino.
+func openFdsTo(t *testing.T, ino uint64) int {
+	t.Helper()
+	entries, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := fmt.Sprintf("net:[%d]", ino)
+	n := 0
+	for _, e := range entries {
+		if target, err := os.Readlink(filepath.Join("/proc/self/fd", e.Name())); err == nil && target == want {
+			n++
+		}
+	}
+	return n
+}
+
+// TestLiveness: an idle proxy that goes away is noticed without any request.
+func TestLiveness(t *testing.T) {
+	requireRoot(t)
+	ctx := testCtx(t)
+	srv, path := startServer(t, &store{}, zds.Config{})
+	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
+	takeSnapshot(t, ctx, pc)
+	waitFor(t, ctx, "the proxy", func() bool { return srv.Connected() == 1 })
+	pc.Close()
+	waitFor(t, ctx, "the proxy to be dropped", func() bool { return srv.Connected() == 0 })
+	if !srv.EverConnected() {
+		t.Error("EverConnected forgot the proxy")
+	}
+}
+
+// TestAddPodWait: a pod enrolled while no proxy is connected waits for the next
+// proxy; the pod comes in that proxy's snapshot and is not sent twice.
+func TestAddPodWait(t *testing.T) {
+	requireRoot(t)
+	ctx := testCtx(t)
+	p := pod(t, "early")
+	st := &store{}
+	srv, path := startServer(t, st, zds.Config{})
+	st.add(p)
+	if err := srv.AddPod(ctx, p); !errors.Is(err, zds.ErrNoProxy) {
+		t.Fatalf("AddPod with no proxy: %v, want ErrNoProxy", err)
+	}
+	short, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer cancel()
+	if err := srv.AddPodWait(short, p); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("AddPodWait with no proxy coming: %v", err)
+	}
+	done := async(func() error { return srv.AddPodWait(ctx, p) })
+	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
+	snap := takeSnapshot(t, ctx, pc)
+	if len(snap) != 1 {
+		t.Fatalf("snapshot %v", snap)
+	}
+	checkAdd(t, snap[0], p)
+	if err := wait(t, ctx, done); err != nil {
+		t.Fatalf("AddPodWait: %v", err)
+	}
+	// The next request is the delete, not a second add.
+	st.del(p.UID)
+	done = async(func() error { return srv.DelPod(ctx, p.UID) })
+	checkDel(t, recv(t, ctx, pc), p.UID)
+	ack(t, pc, "")
+	if err := wait(t, ctx, done); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestAddPodErrors: pods that cannot be handed off fail before any proxy sees them.
+func TestAddPodErrors(t *testing.T) {
+	requireRoot(t)
+	ctx := testCtx(t)
+	srv, path := startServer(t, &store{}, zds.Config{})
+	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
+	takeSnapshot(t, ctx, pc)
+	regular := filepath.Join(t.TempDir(), "file")
+	if err := os.WriteFile(regular, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	good := pod(t, "good")
+	for name, p := range map[string]zds.Pod{
+		"no uid":      {NetnsPath: good.NetnsPath},
+		"no netns":    {UID: "u"},
+		"gone netns":  {UID: "u", NetnsPath: "/run/netns/zds-no-such-netns"},
+		"not a netns": {UID: "u", NetnsPath: regular},
+		"mount ns":    {UID: "u", NetnsPath: "/proc/self/ns/mnt"},
+		"too big":     {UID: "u", Name: strings.Repeat("n", zds.MaxRequestSize), NetnsPath: good.NetnsPath},
+	} {
+		if err := srv.AddPod(ctx, p); err == nil || errors.Is(err, zds.ErrNoProxy) {
+			t.Errorf("%s: AddPod = %v, want a pod error", name, err)
+		}
+	}
+	if err := srv.DelPod(ctx, ""); err == nil {
+		t.Error("DelPod without uid accepted")
+	}
+	// None of it reached the proxy: its next request is this add.
+	done := async(func() error { return srv.AddPod(ctx, good) })
+	checkAdd(t, recv(t, ctx, pc), good)
+	ack(t, pc, "")
+	if err := wait(t, ctx, done); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestSocket checks the socket's mode and directory and that only a stale socket
+// is ever replaced.
+func TestSocket(t *testing.T) {
+	requireRoot(t)
+	ctx := testCtx(t)
+	dir := filepath.Join(t.TempDir(), "ztunnel")
+	path := filepath.Join(dir, "zds.sock")
+	cfg := zds.Config{SocketPath: path, Snapshot: &store{}, Logger: zaptest.NewLogger(t)}
+
+	srv, err := zds.NewServer(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for p, want := range map[string]os.FileMode{dir: os.ModeDir | 0o700, path: os.ModeSocket | 0o600} {
+		if info, err := os.Lstat(p); err != nil || info.Mode() != want {
+			t.Errorf("%s: mode %v (%v), want %v", p, info.Mode(), err, want)
+		}
+	}
+	if entries, _ := os.ReadDir(dir); len(entries) != 1 {
+		t.Errorf("socket dir holds %v, want only the socket", entries)
+	}
+	// A live server keeps its socket; a second one fails (even before Serve: the
+	// socket is listening).
+	if _, err := zds.NewServer(ctx, cfg); err == nil || !strings.Contains(err.Error(), "in use") {
+		t.Fatalf("second server on a live socket: %v", err)
+	}
+	if err := srv.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Lstat(path); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("socket left after Close: %v", err)
+	}
+	if err := srv.Serve(ctx); !errors.Is(err, zds.ErrServerClosed) {
+		t.Errorf("Serve after Close: %v", err)
+	}
+
+	// A stale socket (its server died without removing it) is replaced.
+	if err := leaveStaleSocket(path); err != nil {
+		t.Fatal(err)
+	}
+	srv, err = zds.NewServer(ctx, cfg)
+	if err != nil {
+		t.Fatalf("server over a stale socket: %v", err)
+	}
+	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
+	go func() { _ = srv.Serve(ctx) }()
+	takeSnapshot(t, ctx, pc)
+	if err := srv.Close(); err != nil {
+		t.Fatal(err)
+	}
+
+	// Never a file that is not a socket, never in a world-writable directory.
+	if err := os.WriteFile(path, []byte("data"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := zds.NewServer(ctx, cfg); err == nil {
+		t.Error("replaced a regular file")
+	}
+	if data, err := os.ReadFile(path); err != nil || string(data) != "data" {
+		t.Errorf("regular file changed: %q %v", data, err)
+	}
+	open := filepath.Join(t.TempDir(), "open")
+	if err := os.Mkdir(open, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(open, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	cfg.SocketPath = filepath.Join(open, "zds.sock")
+	if _, err := zds.NewServer(ctx, cfg); err == nil || !strings.Contains(err.Error(), "world-writable") {
+		t.Errorf("socket in a world-writable directory: %v", err)
+	}
+	cfg.SocketPath = filepath.Join(t.TempDir(), strings.Repeat("d", 100), "zds.sock")
+	if _, err := zds.NewServer(ctx, cfg); err == nil || !strings.Contains(err.Error(), "too long") {
+		t.Errorf("overlong socket path: %v", err)
+	}
+	cfg.SocketPath = "relative.sock"
+	if _, err := zds.NewServer(ctx, cfg); err == nil {
+		t.Error("relative socket path accepted")
+	}
+	if _, err := zds.NewServer(ctx, zds.Config{SocketPath: path}); err == nil {
+		t.Error("config without Snapshot accepted")
+	}
+}
+
+// leaveStaleSocket leaves a socket file at path that nobody listens on, as a
+// crashed agent does.
+func leaveStaleSocket(path string) error {
+	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	return unix.Bind(fd, &unix.SockaddrUnix{Name: path})
+}
