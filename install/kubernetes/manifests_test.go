@@ -35,20 +35,6 @@ import (
 
 const kustomizationFile = "kustomization.yaml"
 
-// pendingFlags are flags the DaemonSet passes that `mesh-agent run` does not
-// declare yet (the installer, health and ZDS work in progress). An agent
-// given an unknown flag exits at once, so the DaemonSet only works once each
-// of these exists: remove an entry when its flag lands.
-func pendingFlags() map[string]string {
-	return map[string]string{
-		"cni-bin-dir":   "installer",
-		"cni-conf-dir":  "installer",
-		"plugin-binary": "installer",
-		"metrics-addr":  "health and metrics server",
-		"zds-socket":    "ZDS server",
-	}
-}
-
 // object is one decoded document of a manifest file.
 type object struct {
 	file  string
@@ -449,13 +435,8 @@ func TestAgentArgs(t *testing.T) {
 	ds, c := agentContainer(t, loadObjects(t))
 	flags := flagArgs(t, c)
 	declared := declaredAgentFlags(t)
-	pendingList := pendingFlags()
 	for name := range flags {
-		_, pending := pendingList[name]
-		switch {
-		case declared[name] && pending:
-			t.Logf("--%s is declared by mesh-agent run now: remove it from pendingFlags", name)
-		case !declared[name] && !pending:
+		if !declared[name] {
 			t.Errorf("--%s is not a flag of mesh-agent run (the agent would exit at start)", name)
 		}
 	}

@@ -45,3 +45,6 @@ func (r RedirectDatapath) Enrolled(ctx context.Context) ([]uint64, error) {
 	}
 	return out, nil
 }
+
+// Counters implements CounterReader.
+func (r RedirectDatapath) Counters() (redirect.Counters, error) { return r.DP.Counters() }

@@ -45,6 +45,10 @@ type Config struct {
 	MetricsAddr string
 	// DatapathName is shown by status ("ebpf", "none").
 	DatapathName string
+	// ZDSSocket serves the ZDS proxy handoff there; empty turns it off.
+	ZDSSocket string
+	// ZDSWait says when Add waits for the node proxy's ack.
+	ZDSWait WaitMode
 	// EntryPoints are the other ways pods reach the gate (KNI, the network
 	// plugin hook). Each starts once the gate is serving and stops with it.
 	EntryPoints []EntryPoint
@@ -140,6 +144,25 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 	res, rerr := svc.Reconcile(ctx)
 	logReconcile(log, "start", res, rerr)
 	readiness.Set(CondReconcile, true, "")
+
+	// The proxy handoff starts only now: its first snapshot must list every pod
+	// the records and the data path agree on, or a connected proxy would drop
+	// them.
+	if cfg.ZDSSocket != "" {
+		h, err := NewZDSHandoff(ctx, log.Named("zds"), cfg.ZDSSocket, cfg.ZDSWait, cfg.StateDir, store, metrics)
+		if err != nil {
+			return err
+		}
+		svc.handoff = h
+		background.Add(1)
+		go func() {
+			defer background.Done()
+			if err := h.Serve(bgCtx); err != nil && bgCtx.Err() == nil {
+				log.Error("zds server stopped", zap.Error(err))
+			}
+		}()
+		defer h.Close()
+	}
 
 	installErr := make(chan error, 1)
 	if cfg.InstallCNIConfig != nil {

@@ -31,6 +31,7 @@ type Service struct {
 	now          func() time.Time
 	metrics      *Metrics
 	cni          atomic.Pointer[CNIStatus]
+	handoff      Handoff
 	datapathName string
 }
 
@@ -130,6 +131,18 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 		s.log.Error("recording enrollment failed", append(fields, zap.Error(err))...)
 		return nil, status.Errorf(codes.Internal, "record enrollment of pod %s/%s: %v", req.GetPod().GetNamespace(), req.GetPod().GetName(), err)
 	}
+	if s.handoff != nil {
+		if err := s.handoff.PodAdded(ctx, rec); err != nil {
+			// No pod starts before its node proxy's listeners exist: undo, so a
+			// retried ADD starts clean.
+			s.metrics.enrollFailed("proxy-handoff")
+			if _, rerr := s.release(ctx, key); rerr != nil {
+				err = errors.Join(err, rerr)
+			}
+			s.log.Error("proxy handoff failed", append(fields, zap.Error(err))...)
+			return nil, status.Errorf(codes.Unavailable, "pod %s/%s: %v", req.GetPod().GetNamespace(), req.GetPod().GetName(), err)
+		}
+	}
 	s.log.Info("pod enrolled", append(fields,
 		zap.Uint64("netnsCookie", cookie),
 		zap.Strings("interfaces", ifnames),
@@ -191,7 +204,24 @@ func (s *Service) release(ctx context.Context, key podstore.Key) (bool, error) {
 	if err := s.store.Delete(key); err != nil {
 		return false, err
 	}
+	if s.handoff != nil && !s.uidStillEnrolled(rec.UID) {
+		s.handoff.PodDeleted(ctx, rec)
+	}
 	return true, nil
+}
+
+// uidStillEnrolled: another attachment of the same pod is still enrolled, so
+// the node proxy must keep the pod.
+func (s *Service) uidStillEnrolled(uid string) bool {
+	if uid == "" {
+		return false
+	}
+	for _, r := range s.store.List() {
+		if r.UID == uid {
+			return true
+		}
+	}
+	return false
 }
 
 // Check implements gatepb.GateServer.

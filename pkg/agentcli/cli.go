@@ -17,6 +17,7 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/pkg/agent"
 	"github.com/mesh-cni/mesh-cni/pkg/redirect"
+	"github.com/mesh-cni/mesh-cni/pkg/zds"
 )
 
 // Defaults shared with the plugin's config and the Kubernetes manifests.
@@ -42,6 +43,8 @@ type options struct {
 	shutdownGrace     time.Duration
 	reconcileInterval time.Duration
 	metricsAddr       string
+	zdsSocket         string
+	zdsWait           string
 
 	// Redirection settings for every enrolled pod.
 	outboundPort  uint
@@ -85,6 +88,8 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.StringVar(&opts.logLevel, "log-level", "info", "log level: debug, info, warn or error")
 	fs.DurationVar(&opts.shutdownGrace, "shutdown-grace", 5*time.Second, "how long in-flight gate calls may run after SIGTERM")
 	fs.StringVar(&opts.metricsAddr, "metrics-addr", DefaultMetricsAddr, "address for /metrics, /healthz and /readyz (empty: off); loopback unless you need scraping from off the node")
+	fs.StringVar(&opts.zdsSocket, "zds-socket", zds.DefaultSocketPath, "serve the ZDS proxy handoff (what ztunnel connects to) on this SOCK_SEQPACKET socket; empty: off")
+	fs.StringVar(&opts.zdsWait, "zds-wait", string(agent.WaitAuto), "when a pod's ADD waits for the node proxy's ack: auto (once a proxy has ever connected), always or never")
 	fs.DurationVar(&opts.reconcileInterval, "reconcile-interval", 30*time.Second, "period of the reconcile pass that releases pods whose namespace is gone and repairs broken redirection")
 
 	fs.UintVar(&opts.outboundPort, "outbound-port", uint(defaults.OutboundPort), "proxy's outbound listener port inside each pod (127.0.0.1 and ::1)")
@@ -159,6 +164,10 @@ func Main(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return runCommand(ctx, args, stderr)
 	case "uninstall":
 		return uninstallCommand(ctx, args, stderr)
+	case "status":
+		return statusCommand(ctx, args, stdout, stderr)
+	case "check":
+		return checkCommand(ctx, args, stdout, stderr)
 	case "help":
 		fmt.Fprintln(stdout, usage)
 		return 0
@@ -169,6 +178,8 @@ func Main(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 }
 
 const usage = `usage: mesh-agent [run] [flags]    run the node agent (default)
+       mesh-agent status [-o json] [flags]  the node summary and the enrolled pods (works with the agent down)
+       mesh-agent check [flags]      run the node checks; exits 1 listing what is wrong
        mesh-agent uninstall [flags]  remove the chain entry, the plugin binary, the pinned data path and its cgroup attachments
 Run "mesh-agent run -h" for the flags.`
 
@@ -205,6 +216,8 @@ func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {
 		ShutdownGrace:     opts.shutdownGrace,
 		ReconcileInterval: opts.reconcileInterval,
 		MetricsAddr:       opts.metricsAddr,
+		ZDSSocket:         opts.zdsSocket,
+		ZDSWait:           agent.WaitMode(opts.zdsWait),
 		DatapathName:      opts.datapath,
 	}
 	switch opts.datapath {

@@ -216,3 +216,27 @@ func writeAtomic(dir, name string, data []byte) error {
 	}
 	return nil
 }
+
+// Read loads the records in dir without changing anything (no clean-up of
+// interrupted writes, nothing moved aside): for tools that inspect a node.
+func Read(dir string) ([]Record, error) {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, fmt.Errorf("read pod state directory %q: %w", dir, err)
+	}
+	var out []Record
+	var errs []error
+	for _, e := range entries {
+		if !strings.HasSuffix(e.Name(), recordSuffix) || !e.Type().IsRegular() {
+			continue
+		}
+		rec, err := readRecord(filepath.Join(dir, e.Name()))
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		out = append(out, rec)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Key.String() < out[j].Key.String() })
+	return out, errors.Join(errs...)
+}

@@ -129,3 +129,10 @@ func unmount(dir string) error {
 	}
 	return nil
 }
+
+// FindCgroup2 returns the host's cgroup v2 mount point, where the socket programs
+// attach unless configured otherwise.
+func FindCgroup2() (string, error) { return findCgroup2() }
+
+// IsBPFFS reports whether dir is on a bpffs.
+func IsBPFFS(dir string) (bool, error) { return isBPFFS(dir) }

@@ -107,7 +107,7 @@ func Inspect(ctx context.Context, pinRoot string) (Snapshot, error) {
 
 func inspectHook(path, name string) HookState {
 	st := HookState{Name: name}
-	l, err := link.LoadPinnedLink(path, &ebpf.LoadPinOptions{ReadOnly: true})
+	l, err := link.LoadPinnedLink(path, nil)
 	if err != nil {
 		st.Problem = err.Error()
 		return st
@@ -128,7 +128,7 @@ func inspectHook(path, name string) HookState {
 }
 
 func tcxAttached(path string) bool {
-	l, err := link.LoadPinnedLink(path, &ebpf.LoadPinOptions{ReadOnly: true})
+	l, err := link.LoadPinnedLink(path, nil)
 	if err != nil {
 		return false
 	}

@@ -84,7 +84,7 @@ func TestDemo(t *testing.T) {
 	agentArgs := []string{"run", "--socket", socket, "--state-dir", filepath.Join(dir, "pods"),
 		"--bpffs-root", bpffs, "--cni-conf-dir", node.ConfDir, "--cni-bin-dir", node.BinDir,
 		"--install-state-dir", filepath.Join(dir, "install"), "--plugin-binary", bins.Path("mesh-cni"),
-		"--gate-timeout", "2m", "--metrics-addr=", "--log-level", "warn"}
+		"--gate-timeout", "2m", "--metrics-addr=", "--zds-socket=", "--log-level", "warn"}
 	t.Cleanup(func() {
 		out, err := exec.Command(bins.Path("mesh-agent"), "uninstall", "--bpffs-root", bpffs,
 			"--cni-conf-dir", node.ConfDir, "--cni-bin-dir", node.BinDir,

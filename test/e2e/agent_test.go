@@ -4,12 +4,12 @@ import (
 	"context"
 	"fmt"
 	"net"
-	"strings"
-	"sync"
-	"syscall"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -49,7 +49,7 @@ func newAgent(t testing.TB, extraArgs ...string) *agent {
 	// The tests drive their own conflists, so the agent installs nothing; its
 	// installer has its own tests.
 	a.Args = append([]string{"run", "--socket", a.Socket, "--state-dir", a.StateDir, "--bpffs-root", a.BPFFS,
-		"--cni-install=false", "--metrics-addr=", "--log-level", "debug"}, extraArgs...)
+		"--cni-install=false", "--metrics-addr=", "--zds-socket=", "--log-level", "debug"}, extraArgs...)
 	// The data path is pinned on purpose and outlives the agent: a test removes
 	// it with the product's own uninstall, after the agent (registered later, so
 	// stopped earlier) is gone.

@@ -1,0 +1,36 @@
+package cniplugin
+
+import (
+	"os"
+	"reflect"
+	"regexp"
+	"strings"
+	"testing"
+)
+
+// TestEveryConfigFieldDocumented keeps the README's plugin configuration table
+// and the plugin's own config fields equal.
+func TestEveryConfigFieldDocumented(t *testing.T) {
+	readme, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	documented := map[string]bool{}
+	for _, m := range regexp.MustCompile("(?m)^\\| `([a-zA-Z./-]+)` \\|").FindAllSubmatch(readme, -1) {
+		documented[string(m[1])] = true
+	}
+	typ := reflect.TypeFor[NetConf]()
+	for i := range typ.NumField() {
+		f := typ.Field(i)
+		if f.Anonymous {
+			continue // the CNI spec's own fields
+		}
+		name := strings.Split(f.Tag.Get("json"), ",")[0]
+		if strings.HasPrefix(name, "cni.dev/") {
+			continue // set by the runtime, not by operators
+		}
+		if !documented[name] {
+			t.Errorf("config field %q is not in the README's plugin configuration table", name)
+		}
+	}
+}
