@@ -54,7 +54,7 @@ const proxySeenFile = "zds-proxy-seen"
 
 // NewZDSHandoff creates the ZDS server; snapshot lists the enrolled pods. It does
 // not serve until Serve.
-func NewZDSHandoff(ctx context.Context, log *zap.Logger, socketPath string, mode WaitMode, stateDir string, store *podstore.Store, metrics *Metrics) (*ZDSHandoff, error) {
+func NewZDSHandoff(ctx context.Context, log *zap.Logger, socketPath string, mode WaitMode, stateDir string, enrolled func() []podstore.Record, metrics *Metrics) (*ZDSHandoff, error) {
 	switch mode {
 	case WaitAuto, WaitAlways, WaitNever:
 	default:
@@ -66,7 +66,7 @@ func NewZDSHandoff(ctx context.Context, log *zap.Logger, socketPath string, mode
 		Logger:     log,
 		Snapshot: zds.SnapshotFunc(func(context.Context) ([]zds.Pod, error) {
 			h.markSeen()
-			return zdsPods(store.List()), nil
+			return zdsPods(enrolled()), nil
 		}),
 	})
 	if err != nil {
@@ -145,11 +145,13 @@ func (h *ZDSHandoff) PodAdded(ctx context.Context, rec podstore.Record) error {
 		return nil // ZDS names workloads by pod uid; without one there is nothing to hand over
 	}
 	pod := zdsPod(rec)
+	waitCtx, cancel := withAnswerMargin(ctx)
+	defer cancel()
 	var err error
 	if h.shouldWait() {
-		err = h.srv.AddPodWait(ctx, pod)
+		err = h.srv.AddPodWait(waitCtx, pod)
 	} else {
-		err = h.srv.AddPod(ctx, pod)
+		err = h.srv.AddPod(waitCtx, pod)
 		if errors.Is(err, zds.ErrNoProxy) {
 			return nil // the proxy gets the pod in its snapshot when it connects
 		}
@@ -159,6 +161,23 @@ func (h *ZDSHandoff) PodAdded(ctx context.Context, rec podstore.Record) error {
 		return fmt.Errorf("node proxy did not take pod %s/%s over ZDS: %w", rec.Namespace, rec.Name, err)
 	}
 	return nil
+}
+
+// maxAnswerMargin bounds what PodAdded keeps back from the caller's deadline.
+const maxAnswerMargin = time.Second
+
+// withAnswerMargin ends the wait for the node proxy a little before the
+// caller's deadline (a fifth of the time left, at most maxAnswerMargin): a pod
+// the proxy did not take must still be released and the caller told why while
+// it listens. Waiting to the deadline itself leaves the caller a bare
+// "deadline exceeded" and the release no time to run.
+func withAnswerMargin(ctx context.Context) (context.Context, context.CancelFunc) {
+	deadline, ok := ctx.Deadline()
+	if !ok {
+		return context.WithCancel(ctx)
+	}
+	margin := min(time.Until(deadline)/5, maxAnswerMargin)
+	return context.WithDeadline(ctx, deadline.Add(-margin))
 }
 
 // PodDeleted implements Handoff.

@@ -12,10 +12,39 @@ type Decision struct {
 	Reason string
 }
 
-// Policy decides which pods join the mesh.
+// Policy decides which pods join the mesh. Decide runs inside gate Add, bounded
+// by the caller's deadline: when the answer cannot be known yet it returns an
+// error, never a guess, and the ADD fails with it.
 type Policy interface {
 	Decide(ctx context.Context, pod *gatepb.PodIdentity) (Decision, error)
 }
+
+// PolicyWatcher is a policy whose answers can change after a pod started (a
+// reloaded policy file, a namespace labelled later). Changed returns a channel
+// closed (and replaced) on every change; the agent then re-decides every pod it
+// knows.
+type PolicyWatcher interface {
+	Changed() <-chan struct{}
+}
+
+// PolicySyncer is a policy that needs to catch up before it can answer (informer
+// caches): the agent is not ready until Synced.
+type PolicySyncer interface {
+	Synced() (bool, string)
+}
+
+// OutcomeReporter is told each decision's outcome, to record it where operators
+// look (a pod annotation, an Event). Report must not block for long.
+type OutcomeReporter interface {
+	Report(ctx context.Context, pod *gatepb.PodIdentity, outcome string, err error)
+}
+
+// Outcomes passed to OutcomeReporter.
+const (
+	outcomeEnabled  = "enabled"
+	outcomeDisabled = "disabled"
+	outcomeFailed   = "failed"
+)
 
 // EnrollAll admits every pod that reaches the agent. The plugin's own
 // excludeNamespaces list is then the only scope.

@@ -45,7 +45,9 @@ func (s *Service) Reconcile(ctx context.Context) (ReconcileResult, error) {
 			claimed[rec.NetnsCookie] = true
 		case outcomeKept:
 			res.Kept++
-			claimed[rec.NetnsCookie] = true
+			if !rec.Skipped {
+				claimed[rec.NetnsCookie] = true
+			}
 		}
 	}
 	cookies, err := s.datapath.Enrolled(ctx)
@@ -70,7 +72,7 @@ func (s *Service) Reconcile(ctx context.Context) (ReconcileResult, error) {
 // cookieClaimed reports whether a record (possibly written since the pass began)
 // holds cookie.
 func (s *Service) cookieClaimed(cookie uint64) bool {
-	return slices.ContainsFunc(s.store.List(), func(r podstore.Record) bool { return r.NetnsCookie == cookie })
+	return slices.ContainsFunc(s.store.List(), func(r podstore.Record) bool { return !r.Skipped && r.NetnsCookie == cookie })
 }
 
 type reconcileOutcome int
@@ -97,13 +99,10 @@ func (s *Service) reconcileOne(ctx context.Context, key podstore.Key) (reconcile
 		s.log.Info("pod released: its network namespace is gone", fields...)
 		return outcomeReleased, nil
 	}
-	ifnames := make([]string, 0, len(rec.Interfaces))
-	for _, i := range rec.Interfaces {
-		ifnames = append(ifnames, i.Name)
+	if rec.Skipped {
+		return outcomeKept, nil
 	}
-	if len(ifnames) == 0 {
-		ifnames = []string{key.Ifname}
-	}
+	ifnames := recordIfnames(rec)
 	if err := s.datapath.Check(ctx, rec.NetnsCookie, ifnames); err == nil {
 		return outcomeKept, nil
 	} else {

@@ -18,6 +18,8 @@ const (
 	CondDatapath  = "datapath"
 	CondReconcile = "reconcile"
 	CondCNIConfig = "cni-config"
+	// CondEnrollmentSource: the enrollment policy can answer (caches synced).
+	CondEnrollmentSource = "enrollment-source"
 )
 
 // CNIConfigInstaller installs the chain entry and keeps it in place until ctx
@@ -71,19 +73,23 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 	for _, p := range problems {
 		log.Warn("pod state problem repaired at start", zap.Error(p))
 	}
-	conds := []string{CondDatapath, CondReconcile}
-	if cfg.InstallCNIConfig != nil {
-		conds = append(conds, CondCNIConfig)
-	}
-	readiness := NewReadiness(conds...)
 	policy := cfg.Policy
 	if policy == nil {
 		policy = EnrollAll{}
 	}
+	conds := []string{CondDatapath, CondReconcile}
+	if cfg.InstallCNIConfig != nil {
+		conds = append(conds, CondCNIConfig)
+	}
+	syncer, needsSync := policy.(PolicySyncer)
+	if needsSync {
+		conds = append(conds, CondEnrollmentSource)
+	}
+	readiness := NewReadiness(conds...)
 	lazy := &lazyDatapath{}
 	svc := NewService(log, readiness, policy, lazy, store)
 	svc.datapathName = cfg.DatapathName
-	metrics := NewMetrics(store.Len, func() bool { ok, _ := readiness.Ready(); return ok }, func() CounterReader {
+	metrics := NewMetrics(func() int { return len(svc.enrolled()) }, func() bool { ok, _ := readiness.Ready(); return ok }, func() CounterReader {
 		dp, err := lazy.get()
 		if err != nil {
 			return nil
@@ -149,7 +155,7 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 	// the records and the data path agree on, or a connected proxy would drop
 	// them.
 	if cfg.ZDSSocket != "" {
-		h, err := NewZDSHandoff(ctx, log.Named("zds"), cfg.ZDSSocket, cfg.ZDSWait, cfg.StateDir, store, metrics)
+		h, err := NewZDSHandoff(ctx, log.Named("zds"), cfg.ZDSSocket, cfg.ZDSWait, cfg.StateDir, svc.enrolled, metrics)
 		if err != nil {
 			return err
 		}
@@ -175,6 +181,20 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 			})
 		}()
 	}
+	if needsSync {
+		background.Add(1)
+		go func() {
+			defer background.Done()
+			followSync(bgCtx, syncer, readiness)
+		}()
+	}
+	if w, ok := policy.(PolicyWatcher); ok {
+		background.Add(1)
+		go func() {
+			defer background.Done()
+			followPolicy(bgCtx, log, w, svc)
+		}()
+	}
 	interval := cfg.ReconcileInterval
 	if interval == 0 {
 		interval = 30 * time.Second
@@ -197,7 +217,7 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 
 	go func() {
 		if readiness.Wait(bgCtx) == nil {
-			log.Info("agent ready", zap.Int("enrolledPods", store.Len()))
+			log.Info("agent ready", zap.Int("enrolledPods", len(svc.enrolled())))
 		}
 	}()
 	select {
@@ -227,5 +247,38 @@ func logReconcile(log *zap.Logger, when string, res ReconcileResult, err error) 
 	}
 	if res.Released+res.Repaired+res.Orphans > 0 || when == "start" {
 		log.Info("reconcile", fields...)
+	}
+}
+
+// followSync keeps the enrollment-source condition up to date.
+func followSync(ctx context.Context, syncer PolicySyncer, readiness *Readiness) {
+	t := time.NewTicker(100 * time.Millisecond)
+	defer t.Stop()
+	for {
+		ok, why := syncer.Synced()
+		readiness.Set(CondEnrollmentSource, ok, why)
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// followPolicy re-decides every known pod whenever the policy changes.
+func followPolicy(ctx context.Context, log *zap.Logger, w PolicyWatcher, svc *Service) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-w.Changed():
+		}
+		enrolled, released, err := svc.Reevaluate(ctx)
+		fields := []zap.Field{zap.Int("enrolled", enrolled), zap.Int("released", released)}
+		if err != nil {
+			log.Warn("policy change applied with errors", append(fields, zap.Error(err))...)
+		} else if enrolled+released > 0 {
+			log.Info("policy change applied", fields...)
+		}
 	}
 }

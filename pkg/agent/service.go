@@ -13,6 +13,7 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/pkg/gate"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/pkg/netns"
 	"github.com/mesh-cni/mesh-cni/pkg/podstore"
 )
 
@@ -84,31 +85,9 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 	decision, err := s.policy.Decide(ctx, req.GetPod())
 	if err != nil {
 		s.metrics.enrollFailed("policy")
+		s.report(ctx, req.GetPod(), outcomeFailed, err)
 		s.log.Error("enrollment policy failed", append(fields, zap.Error(err))...)
 		return nil, status.Errorf(codes.Unavailable, "enrollment policy could not decide for pod %s/%s: %v", req.GetPod().GetNamespace(), req.GetPod().GetName(), err)
-	}
-	if !decision.Enroll {
-		// A pod re-added out of scope must not keep an older redirection.
-		if _, err := s.release(ctx, key); err != nil {
-			return nil, status.Error(codes.Internal, err.Error())
-		}
-		s.log.Info("pod skipped", append(fields, zap.String("reason", decision.Reason), zap.Duration("waited", waited))...)
-		return &gatepb.AddResponse{Decision: gatepb.Decision_DECISION_SKIPPED, Reason: decision.Reason}, nil
-	}
-
-	ifnames := interfaceNames(req.GetInterfaces(), key.Ifname)
-	cookie, err := s.datapath.Enroll(ctx, req.GetNetnsPath(), ifnames)
-	if err != nil {
-		s.metrics.enrollFailed("datapath")
-		s.log.Error("enrollment failed", append(fields, zap.Error(err))...)
-		return nil, status.Errorf(codes.Internal, "enroll pod %s/%s: %v", req.GetPod().GetNamespace(), req.GetPod().GetName(), err)
-	}
-	if prev, ok := s.store.Get(key); ok && prev.NetnsCookie != cookie {
-		// Same attachment, new network namespace (a sandbox re-created under the
-		// same id): the old namespace's redirection is stale.
-		if err := s.datapath.Release(ctx, prev.NetnsCookie); err != nil {
-			s.log.Warn("release of replaced namespace failed", append(fields, zap.Error(err))...)
-		}
 	}
 	rec := podstore.Record{
 		Key:         key,
@@ -116,39 +95,105 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 		Name:        req.GetPod().GetName(),
 		UID:         req.GetPod().GetUid(),
 		NetnsPath:   req.GetNetnsPath(),
-		NetnsCookie: cookie,
 		Interfaces:  toRecordInterfaces(req.GetInterfaces()),
 		Source:      req.GetSource().String(),
-		EnrolledAt:  s.now(),
+		Labels:      req.GetPod().GetLabels(),
+		Annotations: req.GetPod().GetAnnotations(),
 	}
+	if !decision.Enroll {
+		if err := s.skip(ctx, rec); err != nil {
+			s.metrics.enrollFailed("record")
+			return nil, status.Error(codes.Internal, err.Error())
+		}
+		s.report(ctx, req.GetPod(), outcomeDisabled, nil)
+		s.log.Info("pod skipped", append(fields, zap.String("reason", decision.Reason), zap.Duration("waited", waited))...)
+		return &gatepb.AddResponse{Decision: gatepb.Decision_DECISION_SKIPPED, Reason: decision.Reason}, nil
+	}
+	rec, reason, err := s.enroll(ctx, rec)
+	if err != nil {
+		s.metrics.enrollFailed(reason)
+		s.report(ctx, req.GetPod(), outcomeFailed, err)
+		s.log.Error("enrollment failed", append(fields, zap.String("step", reason), zap.Error(err))...)
+		code := codes.Internal
+		if reason == "proxy-handoff" {
+			code = codes.Unavailable
+		}
+		return nil, status.Errorf(code, "enroll pod %s/%s: %v", req.GetPod().GetNamespace(), req.GetPod().GetName(), err)
+	}
+	s.report(ctx, req.GetPod(), outcomeEnabled, nil)
+	s.log.Info("pod enrolled", append(fields,
+		zap.Uint64("netnsCookie", rec.NetnsCookie),
+		zap.Strings("interfaces", recordIfnames(rec)),
+		zap.Duration("waited", waited),
+		zap.Duration("took", s.now().Sub(start)))...)
+	return &gatepb.AddResponse{Decision: gatepb.Decision_DECISION_ENROLLED, Reason: decision.Reason, NetnsCookie: rec.NetnsCookie}, nil
+}
+
+// enroll puts redirection in place for rec, records it and hands it to the node
+// proxy; on failure nothing is left enrolled. The caller holds the key's lock.
+// reason names the failing step for metrics.
+func (s *Service) enroll(ctx context.Context, rec podstore.Record) (podstore.Record, string, error) {
+	cookie, err := s.datapath.Enroll(ctx, rec.NetnsPath, recordIfnames(rec))
+	if err != nil {
+		return rec, "datapath", err
+	}
+	if prev, ok := s.store.Get(rec.Key); ok && prev.NetnsCookie != cookie {
+		// Same attachment, new network namespace (a sandbox re-created under the
+		// same id): the old namespace's redirection is stale.
+		if err := s.datapath.Release(ctx, prev.NetnsCookie); err != nil {
+			s.log.Warn("release of replaced namespace failed", zap.String("attachment", rec.Key.String()), zap.Error(err))
+		}
+	}
+	rec.NetnsCookie, rec.Skipped, rec.EnrolledAt = cookie, false, s.now()
 	if err := s.store.Put(rec); err != nil {
 		// Without a record the agent would forget the pod on restart; undo so the
 		// caller can retry from a clean state.
 		if rerr := s.datapath.Release(ctx, cookie); rerr != nil {
 			err = errors.Join(err, rerr)
 		}
-		s.metrics.enrollFailed("record")
-		s.log.Error("recording enrollment failed", append(fields, zap.Error(err))...)
-		return nil, status.Errorf(codes.Internal, "record enrollment of pod %s/%s: %v", req.GetPod().GetNamespace(), req.GetPod().GetName(), err)
+		return rec, "record", err
 	}
 	if s.handoff != nil {
 		if err := s.handoff.PodAdded(ctx, rec); err != nil {
 			// No pod starts before its node proxy's listeners exist: undo, so a
 			// retried ADD starts clean.
-			s.metrics.enrollFailed("proxy-handoff")
-			if _, rerr := s.release(ctx, key); rerr != nil {
+			if _, rerr := s.release(ctx, rec.Key); rerr != nil {
 				err = errors.Join(err, rerr)
 			}
-			s.log.Error("proxy handoff failed", append(fields, zap.Error(err))...)
-			return nil, status.Errorf(codes.Unavailable, "pod %s/%s: %v", req.GetPod().GetNamespace(), req.GetPod().GetName(), err)
+			return rec, "proxy-handoff", err
 		}
 	}
-	s.log.Info("pod enrolled", append(fields,
-		zap.Uint64("netnsCookie", cookie),
-		zap.Strings("interfaces", ifnames),
-		zap.Duration("waited", waited),
-		zap.Duration("took", s.now().Sub(start)))...)
-	return &gatepb.AddResponse{Decision: gatepb.Decision_DECISION_ENROLLED, Reason: decision.Reason, NetnsCookie: cookie}, nil
+	return rec, "", nil
+}
+
+// skip records rec as out of the mesh, releasing an earlier redirection of the
+// same attachment. The caller holds the key's lock.
+func (s *Service) skip(ctx context.Context, rec podstore.Record) error {
+	if prev, ok := s.store.Get(rec.Key); ok && !prev.Skipped {
+		if err := s.datapath.Release(ctx, prev.NetnsCookie); err != nil {
+			return fmt.Errorf("release %s: %w", rec.Key, err)
+		}
+		if s.handoff != nil && !s.uidStillEnrolled(prev.UID, prev.Key) {
+			s.handoff.PodDeleted(ctx, prev)
+		}
+	}
+	cookie, err := netns.Cookie(rec.NetnsPath)
+	if err != nil {
+		return err
+	}
+	rec.NetnsCookie, rec.Skipped, rec.EnrolledAt = cookie, true, s.now()
+	return s.store.Put(rec)
+}
+
+func recordIfnames(rec podstore.Record) []string {
+	names := make([]string, 0, len(rec.Interfaces))
+	for _, i := range rec.Interfaces {
+		names = append(names, i.Name)
+	}
+	if len(names) == 0 {
+		names = append(names, rec.Key.Ifname)
+	}
+	return names
 }
 
 // interfaceNames picks the interfaces to redirect on: those the primary plugin
@@ -198,13 +243,15 @@ func (s *Service) release(ctx context.Context, key podstore.Key) (bool, error) {
 	if !ok {
 		return false, nil
 	}
-	if err := s.datapath.Release(ctx, rec.NetnsCookie); err != nil {
-		return false, fmt.Errorf("release %s (netns cookie %d): %w", key, rec.NetnsCookie, err)
+	if !rec.Skipped {
+		if err := s.datapath.Release(ctx, rec.NetnsCookie); err != nil {
+			return false, fmt.Errorf("release %s (netns cookie %d): %w", key, rec.NetnsCookie, err)
+		}
 	}
 	if err := s.store.Delete(key); err != nil {
 		return false, err
 	}
-	if s.handoff != nil && !s.uidStillEnrolled(rec.UID) {
+	if !rec.Skipped && s.handoff != nil && !s.uidStillEnrolled(rec.UID, key) {
 		s.handoff.PodDeleted(ctx, rec)
 	}
 	return true, nil
@@ -212,16 +259,28 @@ func (s *Service) release(ctx context.Context, key podstore.Key) (bool, error) {
 
 // uidStillEnrolled: another attachment of the same pod is still enrolled, so
 // the node proxy must keep the pod.
-func (s *Service) uidStillEnrolled(uid string) bool {
+func (s *Service) uidStillEnrolled(uid string, except podstore.Key) bool {
 	if uid == "" {
 		return false
 	}
 	for _, r := range s.store.List() {
-		if r.UID == uid {
+		if r.UID == uid && !r.Skipped && r.Key != except {
 			return true
 		}
 	}
 	return false
+}
+
+// enrolled returns the records of pods with redirection in place.
+func (s *Service) enrolled() []podstore.Record {
+	all := s.store.List()
+	out := all[:0]
+	for _, r := range all {
+		if !r.Skipped {
+			out = append(out, r)
+		}
+	}
+	return out
 }
 
 // Check implements gatepb.GateServer.
@@ -240,7 +299,8 @@ func (s *Service) Check(ctx context.Context, req *gatepb.CheckRequest) (*gatepb.
 	if err != nil {
 		return nil, status.Errorf(codes.Unavailable, "enrollment policy could not decide: %v", err)
 	}
-	rec, enrolled := s.store.Get(key)
+	rec, known := s.store.Get(key)
+	enrolled := known && !rec.Skipped
 	if !decision.Enroll {
 		if enrolled {
 			return nil, status.Errorf(codes.FailedPrecondition, "pod %s/%s is enrolled but the policy says it should not be: %s", req.GetPod().GetNamespace(), req.GetPod().GetName(), decision.Reason)
@@ -250,7 +310,7 @@ func (s *Service) Check(ctx context.Context, req *gatepb.CheckRequest) (*gatepb.
 	if !enrolled {
 		return nil, status.Errorf(codes.FailedPrecondition, "pod %s/%s should be enrolled but the agent has no record of attachment %s", req.GetPod().GetNamespace(), req.GetPod().GetName(), key)
 	}
-	if err := s.datapath.Check(ctx, rec.NetnsCookie, interfaceNames(req.GetInterfaces(), key.Ifname)); err != nil {
+	if err := s.datapath.Check(ctx, rec.NetnsCookie, recordIfnames(rec)); err != nil {
 		return nil, status.Errorf(codes.FailedPrecondition, "redirection of pod %s/%s is not intact: %v", req.GetPod().GetNamespace(), req.GetPod().GetName(), err)
 	}
 	return &gatepb.CheckResponse{Decision: gatepb.Decision_DECISION_ENROLLED, Reason: decision.Reason}, nil
@@ -277,7 +337,7 @@ func (s *Service) GC(ctx context.Context, req *gatepb.GCRequest) (*gatepb.GCResp
 			errs = append(errs, err)
 			continue
 		}
-		if released {
+		if released && !rec.Skipped {
 			s.log.Info("pod released by gc", zap.String("pod", rec.Namespace+"/"+rec.Name), zap.String("podUID", rec.UID), zap.String("attachment", rec.Key.String()))
 			resp.Released = append(resp.Released, &gatepb.Attachment{ContainerId: rec.Key.ContainerID, Ifname: rec.Key.Ifname, Network: rec.Key.Network})
 		}
@@ -298,7 +358,7 @@ func (s *Service) releaseLocked(ctx context.Context, key podstore.Key) (bool, er
 func (s *Service) List(context.Context, *gatepb.ListRequest) (*gatepb.ListResponse, error) {
 	ready, _ := s.readiness.Ready()
 	resp := &gatepb.ListResponse{Ready: ready}
-	for _, rec := range s.store.List() {
+	for _, rec := range s.enrolled() {
 		ifs := make([]*gatepb.Interface, 0, len(rec.Interfaces))
 		for _, i := range rec.Interfaces {
 			ifs = append(ifs, &gatepb.Interface{Name: i.Name, Mac: i.MAC, Addresses: i.Addresses})
@@ -337,7 +397,7 @@ func (s *Service) setCNIStatus(st CNIStatus) {
 // Status implements gatepb.GateServer.
 func (s *Service) Status(context.Context, *gatepb.StatusRequest) (*gatepb.StatusResponse, error) {
 	ready, _ := s.readiness.Ready()
-	resp := &gatepb.StatusResponse{Ready: ready, Datapath: s.datapathName, Enrolled: int32(s.store.Len()), CniConfig: &gatepb.CNIConfig{}}
+	resp := &gatepb.StatusResponse{Ready: ready, Datapath: s.datapathName, Enrolled: int32(len(s.enrolled())), CniConfig: &gatepb.CNIConfig{}}
 	for _, c := range s.readiness.Conditions() {
 		resp.Conditions = append(resp.Conditions, &gatepb.Condition{Name: c.Name, Ok: c.OK, Reason: c.Reason})
 	}

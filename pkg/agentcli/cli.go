@@ -107,7 +107,7 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.Var(&opts.cniBinDirs, "cni-bin-dir", "comma-separated CNI bin directories to install the mesh-cni binary into")
 	fs.StringVar(&opts.cniConfDir, "cni-conf-dir", DefaultCNIConfDir, "CNI configuration directory")
 	fs.StringVar(&opts.cniConfFile, "cni-conf-file", "", "the primary CNI config file name to chain onto (default: the first valid file, as kubelet picks)")
-	fs.BoolVar(&opts.ownedConfig, "owned-config", false, "write a merged conflist that sorts before the primary's instead of editing the primary's file")
+	fs.BoolVar(&opts.ownedConfig, "owned-config", true, "write a merged conflist that sorts before the primary's (false: append the entry to the primary's own file, which leaves a short unmeshed window each time the primary rewrites it)")
 	fs.StringVar(&opts.pluginBinary, "plugin-binary", "", "the mesh-cni binary to install (default: mesh-cni next to the mesh-agent binary)")
 	fs.StringVar(&opts.installStateDir, "install-state-dir", DefaultInstallDir, "where the installer keeps the primary config's original bytes for uninstall")
 	fs.DurationVar(&opts.gateTimeout, "gate-timeout", 30*time.Second, "the chain entry's gateTimeout: how long a pod's ADD waits for the agent")

@@ -55,6 +55,13 @@ type Record struct {
 	Interfaces  []Interface `json:"interfaces,omitempty"`
 	Source      string      `json:"source"`
 	EnrolledAt  time.Time   `json:"enrolledAt"`
+	// Skipped: the pod reached the agent but the policy keeps it out of the mesh.
+	// It is recorded so that a later policy or label change can enroll it.
+	Skipped bool `json:"skipped,omitempty"`
+	// Labels and Annotations the entry point passed (KNI, hook), kept for
+	// re-deciding the pod later.
+	Labels      map[string]string `json:"labels,omitempty"`
+	Annotations map[string]string `json:"annotations,omitempty"`
 }
 
 const (

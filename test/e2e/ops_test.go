@@ -251,7 +251,7 @@ func TestCheckNamesFaults(t *testing.T) {
 	}
 	primaryFile := node.WriteConf(t, "10-bridge.conflist", primary)
 	a := newAgent(t)
-	installFlags := []string{"--cni-install=true", "--cni-conf-dir", node.ConfDir, "--cni-bin-dir", node.BinDir,
+	installFlags := []string{"--cni-install=true", "--owned-config=false", "--cni-conf-dir", node.ConfDir, "--cni-bin-dir", node.BinDir,
 		"--install-state-dir", filepath.Join(filepath.Dir(a.StateDir), "install"), "--plugin-binary", harness.Bins(t).Path("mesh-cni")}
 	a.Args = append(a.Args, installFlags...)
 	a.start(ctx)

@@ -1,0 +1,75 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"go.uber.org/zap"
+
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/pkg/podstore"
+)
+
+func (s *Service) report(ctx context.Context, pod *gatepb.PodIdentity, outcome string, err error) {
+	if r, ok := s.policy.(OutcomeReporter); ok {
+		r.Report(ctx, pod, outcome, err)
+	}
+}
+
+func identityOf(rec podstore.Record) *gatepb.PodIdentity {
+	return &gatepb.PodIdentity{Namespace: rec.Namespace, Name: rec.Name, Uid: rec.UID, Labels: rec.Labels, Annotations: rec.Annotations}
+}
+
+// Reevaluate asks the policy again about every pod the agent knows, enrolled or
+// skipped, and enrolls or releases those whose answer changed: labelling a
+// namespace after its pods started brings them into the mesh.
+func (s *Service) Reevaluate(ctx context.Context) (enrolled, released int, err error) {
+	var errs []error
+	for _, rec := range s.store.List() {
+		changed, enroll, err := s.reevaluateOne(ctx, rec.Key)
+		if err != nil {
+			errs = append(errs, err)
+		}
+		if changed && enroll {
+			enrolled++
+		} else if changed {
+			released++
+		}
+	}
+	return enrolled, released, errors.Join(errs...)
+}
+
+func (s *Service) reevaluateOne(ctx context.Context, key podstore.Key) (changed, enroll bool, err error) {
+	unlock := s.locks.Lock(key.String())
+	defer unlock()
+	rec, ok := s.store.Get(key)
+	if !ok {
+		return false, false, nil
+	}
+	pod := identityOf(rec)
+	fields := podFields(pod, key)
+	decision, err := s.policy.Decide(ctx, pod)
+	if err != nil {
+		return false, false, fmt.Errorf("re-decide %s: %w", key, err)
+	}
+	switch {
+	case decision.Enroll && rec.Skipped:
+		if _, reason, err := s.enroll(ctx, rec); err != nil {
+			s.metrics.enrollFailed(reason)
+			s.report(ctx, pod, outcomeFailed, err)
+			return false, true, fmt.Errorf("enroll %s after a policy change: %w", key, err)
+		}
+		s.report(ctx, pod, outcomeEnabled, nil)
+		s.log.Info("pod enrolled after a policy change", append(fields, zap.String("reason", decision.Reason))...)
+		return true, true, nil
+	case !decision.Enroll && !rec.Skipped:
+		if err := s.skip(ctx, rec); err != nil {
+			return false, false, fmt.Errorf("release %s after a policy change: %w", key, err)
+		}
+		s.report(ctx, pod, outcomeDisabled, nil)
+		s.log.Info("pod released after a policy change", append(fields, zap.String("reason", decision.Reason))...)
+		return true, false, nil
+	}
+	return false, decision.Enroll, nil
+}
