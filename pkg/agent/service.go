@@ -82,7 +82,9 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 	unlock := s.locks.Lock(key.String())
 	defer unlock()
 
+	locked := s.now()
 	decision, err := s.policy.Decide(ctx, req.GetPod())
+	decided := s.now()
 	if err != nil {
 		s.metrics.enrollFailed("policy")
 		s.report(ctx, req.GetPod(), outcomeFailed, err)
@@ -121,6 +123,13 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 		return nil, status.Errorf(code, "enroll pod %s/%s: %v", req.GetPod().GetNamespace(), req.GetPod().GetName(), err)
 	}
 	s.report(ctx, req.GetPod(), outcomeEnabled, nil)
+	if ce := s.log.Check(zap.DebugLevel, "add timing"); ce != nil {
+		ce.Write(append(fields,
+			zap.Duration("readiness", waited),
+			zap.Duration("lock", locked.Sub(start)-waited),
+			zap.Duration("policy", decided.Sub(locked)),
+			zap.Duration("enroll", s.now().Sub(decided)))...)
+	}
 	s.log.Info("pod enrolled", append(fields,
 		zap.Uint64("netnsCookie", rec.NetnsCookie),
 		zap.Strings("interfaces", recordIfnames(rec)),
