@@ -28,6 +28,12 @@ test: build
 demo: build
 	@MESH_DEMO=1 $(GO) test -count=1 -v -run '^TestDemo$$' ./test/demo/ | grep -v -e '^=== RUN' -e '^--- PASS' -e '^PASS$$' -e '^ok '
 
+# The same node in ambient mode: no proxy in any pod, one node proxy (in
+# ztunnel's role) takes every pod from the agent over ZDS.
+.PHONY: demo-ambient
+demo-ambient: build
+	@MESH_DEMO=1 $(GO) test -count=1 -v -run '^TestDemoAmbient$$' ./test/demo/ | grep -v -e '^=== RUN' -e '^--- PASS' -e '^PASS$$' -e '^ok '
+
 # Generated code is committed; CI runs check-generated to prove it is current.
 # Tool versions are pinned: protoc-gen-go, protoc-gen-go-grpc and bpf2go by
 # go.mod's tool directives, protoc (3.21.12) and clang (14) by Debian 12.
@@ -51,8 +57,14 @@ lint:
 	$(GO) vet ./...
 	$(GO) tool staticcheck ./...
 
+# The performance suite (issue #9), as root, on this one machine: every benchmark
+# in test/bench (about 20 minutes on 2 CPUs; MESH_BENCH_QUICK=1 for a quick check
+# that it all runs), raw samples into bin/bench, then docs/benchmarks.md and its
+# figures in docs/bench from those samples.
 bench: build
-	$(GO) test -run '^$$' -bench . -benchtime 200x -timeout 60m ./test/bench/...
+	@rm -rf $(BIN)/bench && mkdir -p $(BIN)/bench
+	set -o pipefail; MESH_BENCH_OUT=$(BIN)/bench $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 60m ./test/bench/ 2>&1 | tee $(BIN)/bench/bench.txt
+	$(GO) run ./test/bench/cmd/benchreport -in $(BIN)/bench -out docs/benchmarks.md -figs docs/bench
 
 clean:
 	rm -rf $(BIN)

@@ -149,11 +149,10 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 
 	res, rerr := svc.Reconcile(ctx)
 	logReconcile(log, "start", res, rerr)
-	readiness.Set(CondReconcile, true, "")
 
 	// The proxy handoff starts only now: its first snapshot must list every pod
 	// the records and the data path agree on, or a connected proxy would drop
-	// them.
+	// them. It is in place before the agent is ready, so no Add skips it.
 	if cfg.ZDSSocket != "" {
 		h, err := NewZDSHandoff(ctx, log.Named("zds"), cfg.ZDSSocket, cfg.ZDSWait, cfg.StateDir, svc.enrolled, metrics)
 		if err != nil {
@@ -169,6 +168,7 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 		}()
 		defer h.Close()
 	}
+	readiness.Set(CondReconcile, true, "")
 
 	installErr := make(chan error, 1)
 	if cfg.InstallCNIConfig != nil {

@@ -118,7 +118,8 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 		s.log.Error("enrollment failed", append(fields, zap.String("step", reason), zap.Error(err))...)
 		code := codes.Internal
 		if reason == "proxy-handoff" {
-			code = codes.Unavailable
+			// Aborted: the node proxy, not the agent, is what is missing.
+			code = codes.Aborted
 		}
 		return nil, status.Errorf(code, "enroll pod %s/%s: %v", req.GetPod().GetNamespace(), req.GetPod().GetName(), err)
 	}
@@ -165,8 +166,11 @@ func (s *Service) enroll(ctx context.Context, rec podstore.Record) (podstore.Rec
 	if s.handoff != nil {
 		if err := s.handoff.PodAdded(ctx, rec); err != nil {
 			// No pod starts before its node proxy's listeners exist: undo, so a
-			// retried ADD starts clean.
-			if _, rerr := s.release(ctx, rec.Key); rerr != nil {
+			// retried ADD starts clean. The caller's deadline may be spent by now.
+			undoCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+			_, rerr := s.release(undoCtx, rec.Key)
+			cancel()
+			if rerr != nil {
 				err = errors.Join(err, rerr)
 			}
 			return rec, "proxy-handoff", err
@@ -201,19 +205,6 @@ func recordIfnames(rec podstore.Record) []string {
 	}
 	if len(names) == 0 {
 		names = append(names, rec.Key.Ifname)
-	}
-	return names
-}
-
-// interfaceNames picks the interfaces to redirect on: those the primary plugin
-// reported inside the pod, or the attachment's own ifname when it reported none.
-func interfaceNames(ifs []*gatepb.Interface, fallback string) []string {
-	names := make([]string, 0, len(ifs))
-	for _, i := range ifs {
-		names = append(names, i.GetName())
-	}
-	if len(names) == 0 {
-		names = append(names, fallback)
 	}
 	return names
 }

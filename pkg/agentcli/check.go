@@ -129,15 +129,8 @@ func checkChainEntry(dir, explicit string) string {
 		files = []string{filepath.Join(dir, explicit)}
 	}
 	for _, f := range files {
-		var list *libcni.NetworkConfigList
-		if strings.HasSuffix(f, ".conflist") {
-			list, err = libcni.ConfListFromFile(f)
-		} else {
-			var conf *libcni.PluginConfig
-			if conf, err = libcni.ConfFromFile(f); err == nil {
-				list, err = libcni.ConfListFromConf(conf)
-			}
-		}
+		// Reads .conf and .conflist alike, as runtimes do with libcni 1.3.
+		list, err := libcni.NetworkConfFromFile(f)
 		if err != nil || list == nil || len(list.Plugins) == 0 {
 			continue // kubelet skips invalid files too
 		}

@@ -327,7 +327,12 @@ func (s *Server) addPod(ctx context.Context, pod Pod, wait bool) error {
 			}
 			select {
 			case <-ctx.Done():
-				return fmt.Errorf("pod %s: waiting for a proxy on %s: %w", pod.UID, s.cfg.SocketPath, ctx.Err())
+				err := fmt.Errorf("pod %s: waiting for a proxy on %s: %w", pod.UID, s.cfg.SocketPath, ctx.Err())
+				if lost != nil {
+					// Say why there was no proxy left: the operator's clue.
+					err = fmt.Errorf("%w; the proxy it was sent to broke: %w", err, lost)
+				}
+				return err
 			case <-changed:
 				continue
 			}
