@@ -54,7 +54,7 @@ const proxySeenFile = "zds-proxy-seen"
 
 // NewZDSHandoff creates the ZDS server; snapshot lists the enrolled pods. It does
 // not serve until Serve.
-func NewZDSHandoff(ctx context.Context, log *zap.Logger, socketPath string, mode WaitMode, stateDir string, enrolled func() []podstore.Record, metrics *Metrics) (*ZDSHandoff, error) {
+func NewZDSHandoff(ctx context.Context, log *zap.Logger, socketPath string, allowedUIDs []int, mode WaitMode, stateDir string, enrolled func() []podstore.Record, metrics *Metrics) (*ZDSHandoff, error) {
 	switch mode {
 	case WaitAuto, WaitAlways, WaitNever:
 	default:
@@ -62,8 +62,9 @@ func NewZDSHandoff(ctx context.Context, log *zap.Logger, socketPath string, mode
 	}
 	h := &ZDSHandoff{log: log, mode: mode, seenFile: filepath.Join(stateDir, proxySeenFile), metrics: metrics}
 	srv, err := zds.NewServer(ctx, zds.Config{
-		SocketPath: socketPath,
-		Logger:     log,
+		SocketPath:  socketPath,
+		AllowedUIDs: allowedUIDs,
+		Logger:      log,
 		Snapshot: zds.SnapshotFunc(func(context.Context) ([]zds.Pod, error) {
 			h.markSeen()
 			return zdsPods(enrolled()), nil

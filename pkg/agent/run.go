@@ -49,6 +49,9 @@ type Config struct {
 	DatapathName string
 	// ZDSSocket serves the ZDS proxy handoff there; empty turns it off.
 	ZDSSocket string
+	// ZDSAllowedUIDs may connect as node proxies (each is handed every pod's
+	// network namespace); empty means root only.
+	ZDSAllowedUIDs []int
 	// ZDSWait says when Add waits for the node proxy's ack.
 	ZDSWait WaitMode
 	// EntryPoints are the other ways pods reach the gate (KNI, the network
@@ -154,7 +157,7 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 	// the records and the data path agree on, or a connected proxy would drop
 	// them. It is in place before the agent is ready, so no Add skips it.
 	if cfg.ZDSSocket != "" {
-		h, err := NewZDSHandoff(ctx, log.Named("zds"), cfg.ZDSSocket, cfg.ZDSWait, cfg.StateDir, svc.enrolled, metrics)
+		h, err := NewZDSHandoff(ctx, log.Named("zds"), cfg.ZDSSocket, cfg.ZDSAllowedUIDs, cfg.ZDSWait, cfg.StateDir, svc.enrolled, metrics)
 		if err != nil {
 			return err
 		}

@@ -229,12 +229,22 @@ func (s *Service) Del(ctx context.Context, req *gatepb.DelRequest) (*gatepb.DelR
 	defer unlock()
 	released, err := s.release(ctx, key)
 	if err != nil {
-		return nil, status.Error(codes.Internal, err.Error())
+		return nil, releaseStatus(err)
 	}
 	if released {
 		s.log.Info("pod released", podFields(req.GetPod(), key)...)
 	}
 	return &gatepb.DelResponse{Released: released}, nil
+}
+
+// releaseStatus is the gRPC status of a failed release: Unavailable while the
+// data path is still loading at start (retryable; the plugin's DEL treats it as
+// the agent being away and reconcile or GC releases later), Internal otherwise.
+func releaseStatus(err error) error {
+	if errors.Is(err, errDatapathLoading) {
+		return status.Error(codes.Unavailable, err.Error())
+	}
+	return status.Error(codes.Internal, err.Error())
 }
 
 // release undoes an enrollment; the caller holds the key's lock.
@@ -343,7 +353,11 @@ func (s *Service) GC(ctx context.Context, req *gatepb.GCRequest) (*gatepb.GCResp
 		}
 	}
 	if err := errors.Join(errs...); err != nil {
-		return resp, status.Errorf(codes.Internal, "gc released %d attachments, failed on others: %v", len(resp.Released), err)
+		code := codes.Internal
+		if errors.Is(err, errDatapathLoading) {
+			code = codes.Unavailable
+		}
+		return resp, status.Errorf(code, "gc released %d attachments, failed on others: %v", len(resp.Released), err)
 	}
 	return resp, nil
 }

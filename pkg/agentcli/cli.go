@@ -45,6 +45,7 @@ type options struct {
 	metricsAddr       string
 	zdsSocket         string
 	zdsWait           string
+	zdsAllowedUIDs    intList
 
 	// Redirection settings for every enrolled pod.
 	outboundPort  uint
@@ -89,6 +90,8 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.DurationVar(&opts.shutdownGrace, "shutdown-grace", 5*time.Second, "how long in-flight gate calls may run after SIGTERM")
 	fs.StringVar(&opts.metricsAddr, "metrics-addr", DefaultMetricsAddr, "address for /metrics, /healthz and /readyz (empty: off); loopback unless you need scraping from off the node")
 	fs.StringVar(&opts.zdsSocket, "zds-socket", zds.DefaultSocketPath, "serve the ZDS proxy handoff (what ztunnel connects to) on this SOCK_SEQPACKET socket; empty: off")
+	opts.zdsAllowedUIDs = intList{0}
+	fs.Var(&opts.zdsAllowedUIDs, "zds-allowed-uids", "comma-separated user ids a node proxy may connect to the ZDS socket as (checked with SO_PEERCRED)")
 	fs.StringVar(&opts.zdsWait, "zds-wait", string(agent.WaitAuto), "when a pod's ADD waits for the node proxy's ack: auto (once a proxy has ever connected), always or never")
 	fs.DurationVar(&opts.reconcileInterval, "reconcile-interval", 30*time.Second, "period of the reconcile pass that releases pods whose namespace is gone and repairs broken redirection")
 
@@ -218,6 +221,7 @@ func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {
 		MetricsAddr:       opts.metricsAddr,
 		ZDSSocket:         opts.zdsSocket,
 		ZDSWait:           agent.WaitMode(opts.zdsWait),
+		ZDSAllowedUIDs:    opts.zdsAllowedUIDs,
 		DatapathName:      opts.datapath,
 	}
 	switch opts.datapath {

@@ -101,6 +101,10 @@ type Config struct {
 	Snapshot Snapshotter
 	// Logger receives the server's logs; nil discards them.
 	Logger *zap.Logger
+	// AllowedUIDs are the user ids a proxy may connect as (checked with
+	// SO_PEERCRED before anything is sent): every connection is handed the network
+	// namespace of every enrolled pod. Empty means root only.
+	AllowedUIDs []int
 }
 
 // Server is the agent's ZDS server. Its methods are safe for concurrent use.
@@ -423,9 +427,16 @@ func (s *Server) handle(id uint64, uc *net.UnixConn) {
 	defer c.close()
 	stop := context.AfterFunc(s.ctx, c.close)
 	defer stop()
-	if cred, err := peerCred(uc); err == nil {
-		log = log.With(zap.Int32("peer_pid", cred.Pid), zap.Uint32("peer_uid", cred.Uid))
-		c.log = log
+	cred, err := peerCred(uc)
+	if err != nil {
+		log.Warn("rejected proxy connection: peer credentials unknown", zap.Error(err))
+		return
+	}
+	log = log.With(zap.Int32("peer_pid", cred.Pid), zap.Uint32("peer_uid", cred.Uid))
+	c.log = log
+	if !s.uidAllowed(int(cred.Uid)) {
+		log.Warn("rejected proxy connection: peer uid is not allowed", zap.Ints("allowedUIDs", s.allowedUIDs()))
+		return
 	}
 	if err := c.readHello(); err != nil {
 		log.Warn("rejected proxy connection", zap.Error(err))
@@ -556,4 +567,20 @@ func addRequest(pod Pod) *zdspb.WorkloadRequest {
 			ServiceAccount: pod.ServiceAccount,
 		},
 	}}}
+}
+
+func (s *Server) allowedUIDs() []int {
+	if len(s.cfg.AllowedUIDs) == 0 {
+		return []int{0}
+	}
+	return s.cfg.AllowedUIDs
+}
+
+func (s *Server) uidAllowed(uid int) bool {
+	for _, u := range s.allowedUIDs() {
+		if u == uid {
+			return true
+		}
+	}
+	return false
 }

@@ -151,7 +151,7 @@ func removeIfOurs(path string, id fileID) error {
 	return nil
 }
 
-// peerCred returns the connecting process's credentials, for the logs.
+// peerCred returns the connecting process's credentials.
 func peerCred(c *net.UnixConn) (*unix.Ucred, error) {
 	raw, err := c.SyscallConn()
 	if err != nil {
