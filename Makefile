@@ -6,7 +6,7 @@ TOOLS := $(BIN)/tools
 # Tests and the demo take prebuilt binaries from here instead of building their own.
 export MESH_CNI_BIN_DIR := $(BIN)
 
-.PHONY: all build test demo generate check-generated lint bench fuzz clean
+.PHONY: all build test demo generate check-generated lint bench fuzz fuzz-short clean
 
 all: build
 
@@ -58,13 +58,23 @@ lint:
 	$(GO) tool staticcheck ./...
 
 # The performance suite (issue #9), as root, on this one machine: every benchmark
-# in test/bench (about 20 minutes on 2 CPUs; MESH_BENCH_QUICK=1 for a quick check
+# in test/bench (about 10 minutes on 2 CPUs; MESH_BENCH_QUICK=1 for a quick check
 # that it all runs), raw samples into bin/bench, then docs/benchmarks.md and its
 # figures in docs/bench from those samples.
 bench: build
 	@rm -rf $(BIN)/bench && mkdir -p $(BIN)/bench
 	set -o pipefail; MESH_BENCH_OUT=$(BIN)/bench $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 60m ./test/bench/ 2>&1 | tee $(BIN)/bench/bench.txt
 	$(GO) run ./test/bench/cmd/benchreport -in $(BIN)/bench -out docs/benchmarks.md -figs docs/bench
+
+# Every fuzz target for FUZZTIME each (11 targets: 5m each is about an hour);
+# `make test` already replays the committed seeds and crashers.
+FUZZTIME ?= 5m
+fuzz:
+	hack/fuzz.sh $(FUZZTIME)
+
+# The short run CI does.
+fuzz-short:
+	hack/fuzz.sh 10s
 
 clean:
 	rm -rf $(BIN)

@@ -55,18 +55,34 @@ func (s *Service) Reconcile(ctx context.Context) (ReconcileResult, error) {
 		errs = append(errs, err)
 	}
 	for _, c := range cookies {
-		if claimed[c] || s.cookieClaimed(c) {
+		if claimed[c] {
 			continue
 		}
-		if err := s.datapath.Release(ctx, c); err != nil {
+		released, err := s.releaseOrphan(ctx, c)
+		if err != nil {
 			errs = append(errs, fmt.Errorf("release orphan netns cookie %d: %w", c, err))
 			continue
 		}
-		res.Orphans++
-		s.log.Info("orphan redirection released", zap.Uint64("netnsCookie", c))
+		if released {
+			res.Orphans++
+			s.log.Info("orphan redirection released", zap.Uint64("netnsCookie", c))
+		}
 	}
 	s.metrics.reconciled(res)
 	return res, errors.Join(errs...)
+}
+
+// releaseOrphan releases cookie's redirection unless a record claims it. An Add
+// puts redirection in place before it writes the record; holding enrolling for
+// writing waits out any Add in between, so its enrollment is never taken for
+// an orphan (the pod would start unredirected).
+func (s *Service) releaseOrphan(ctx context.Context, cookie uint64) (bool, error) {
+	s.enrolling.Lock()
+	defer s.enrolling.Unlock()
+	if s.cookieClaimed(cookie) {
+		return false, nil
+	}
+	return true, s.datapath.Release(ctx, cookie)
 }
 
 // cookieClaimed reports whether a record (possibly written since the pass began)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -34,6 +35,11 @@ type Service struct {
 	cni          atomic.Pointer[CNIStatus]
 	handoff      Handoff
 	datapathName string
+	// enrolling is held for reading by an Add from putting redirection in
+	// place until its record is written, and for writing by reconcile while it
+	// releases an orphan: a fresh enrollment whose record is still being
+	// written is not an orphan.
+	enrolling sync.RWMutex
 }
 
 // NewService wires the gate to its collaborators.
@@ -143,8 +149,10 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 // proxy; on failure nothing is left enrolled. The caller holds the key's lock.
 // reason names the failing step for metrics.
 func (s *Service) enroll(ctx context.Context, rec podstore.Record) (podstore.Record, string, error) {
+	s.enrolling.RLock()
 	cookie, err := s.datapath.Enroll(ctx, rec.NetnsPath, recordIfnames(rec))
 	if err != nil {
+		s.enrolling.RUnlock()
 		return rec, "datapath", err
 	}
 	if prev, ok := s.store.Get(rec.Key); ok && prev.NetnsCookie != cookie {
@@ -161,8 +169,10 @@ func (s *Service) enroll(ctx context.Context, rec podstore.Record) (podstore.Rec
 		if rerr := s.datapath.Release(ctx, cookie); rerr != nil {
 			err = errors.Join(err, rerr)
 		}
+		s.enrolling.RUnlock()
 		return rec, "record", err
 	}
+	s.enrolling.RUnlock()
 	if s.handoff != nil {
 		if err := s.handoff.PodAdded(ctx, rec); err != nil {
 			// No pod starts before its node proxy's listeners exist: undo, so a

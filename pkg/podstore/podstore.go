@@ -106,7 +106,7 @@ func Open(dir string) (*Store, []error, error) {
 		case strings.HasSuffix(name, recordSuffix) && e.Type().IsRegular():
 			rec, err := readRecord(path)
 			if err == nil && rec.Key.fileName() != name {
-				err = fmt.Errorf("record for %s is stored under the wrong name", rec.Key)
+				err = fmt.Errorf("pod record %q holds %s, whose record has another name", path, rec.Key)
 			}
 			if err != nil {
 				problems = append(problems, err)
