@@ -270,12 +270,15 @@ func followSync(ctx context.Context, syncer PolicySyncer, readiness *Readiness) 
 
 // followPolicy re-decides every known pod whenever the policy changes.
 func followPolicy(ctx context.Context, log *zap.Logger, w PolicyWatcher, svc *Service) {
+	changed := w.Changed()
 	for {
 		select {
 		case <-ctx.Done():
 			return
-		case <-w.Changed():
+		case <-changed:
 		}
+		// Taken before re-deciding: a change during Reevaluate closes it.
+		changed = w.Changed()
 		enrolled, released, err := svc.Reevaluate(ctx)
 		fields := []zap.Field{zap.Int("enrolled", enrolled), zap.Int("released", released)}
 		if err != nil {

@@ -95,7 +95,7 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 		s.metrics.enrollFailed("policy")
 		s.report(ctx, req.GetPod(), outcomeFailed, err)
 		s.log.Error("enrollment policy failed", append(fields, zap.Error(err))...)
-		return nil, status.Errorf(codes.Unavailable, "enrollment policy could not decide for pod %s/%s: %v", req.GetPod().GetNamespace(), req.GetPod().GetName(), err)
+		return nil, status.Errorf(codes.Aborted, "enrollment policy could not decide for pod %s/%s: %v", req.GetPod().GetNamespace(), req.GetPod().GetName(), err)
 	}
 	rec := podstore.Record{
 		Key:         key,

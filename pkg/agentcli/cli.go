@@ -70,7 +70,8 @@ type options struct {
 	pluginLogLevel    string
 	pluginLogFile     string
 
-	entry entryOptions
+	entry  entryOptions
+	enroll enrollOptions
 }
 
 // flagSet declares every flag of `mesh-agent run`; the configuration reference in
@@ -119,6 +120,7 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.StringVar(&opts.pluginLogLevel, "plugin-log-level", "info", "the chain entry's logLevel")
 	fs.StringVar(&opts.pluginLogFile, "plugin-log-file", "", "the chain entry's logFile (default: the plugin logs to the runtime's stderr)")
 	opts.entry.register(fs)
+	opts.enroll.register(fs)
 	return fs
 }
 
@@ -201,6 +203,10 @@ func runCommand(ctx context.Context, args []string, stderr io.Writer) int {
 
 	cfg, err := agentConfig(opts, log)
 	if err != nil {
+		log.Error("invalid configuration", zap.Error(err))
+		return 2
+	}
+	if cfg.Policy, err = opts.enroll.policy(ctx, log); err != nil {
 		log.Error("invalid configuration", zap.Error(err))
 		return 2
 	}

@@ -31,9 +31,11 @@ func gateError(op, socket string, timeout time.Duration, err error) *types.Error
 	st, _ := status.FromError(err)
 	switch {
 	case st.Code() == codes.Aborted:
+		// The agent answered: it cannot admit the pod yet (enrollment source
+		// unreachable, node proxy missing). Its reason is the message.
 		return types.NewError(types.ErrTryAgainLater,
-			fmt.Sprintf("mesh-cni: %s: the node proxy did not take the pod over ZDS, so the pod must not start yet; the runtime retries (is the node proxy running and connected to the agent?)", op),
-			st.Message())
+			fmt.Sprintf("mesh-cni: %s: the mesh agent cannot admit the pod yet, so it must not start; the runtime retries: %s", op, st.Message()),
+			"")
 	case errors.Is(err, context.DeadlineExceeded) || st.Code() == codes.DeadlineExceeded || st.Code() == codes.Unavailable:
 		return types.NewError(types.ErrTryAgainLater,
 			fmt.Sprintf("mesh-cni: %s: mesh-agent is not ready: no answer on gate socket %s within %s; the pod waits for the mesh agent on this node (is the mesh-agent DaemonSet running?)", op, socket, timeout),

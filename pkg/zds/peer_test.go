@@ -31,11 +31,11 @@ func TestNonRootProxyRejected(t *testing.T) {
 import socket, sys
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 s.connect(sys.argv[1])
-s.send(b"\x08\x01")
 try:
+    s.send(b"\x08\x01")
     data, anc, flags, addr = s.recvmsg(2048, socket.CMSG_SPACE(64))
-except ConnectionResetError:
-    data, anc = b"", []
+except (ConnectionResetError, BrokenPipeError):
+    data, anc = b"", []  # closed by the agent: what must happen
 print("got %d bytes %d fds" % (len(data), len(anc)))
 `
 	cmd := exec.Command("/usr/bin/python3", "-c", script, socket)

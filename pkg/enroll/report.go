@@ -1,0 +1,292 @@
+package enroll
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/util/workqueue"
+)
+
+const (
+	// reportRetries bounds how often one pod's write is retried after an
+	// error from the API server that is not transient (e.g. forbidden), before
+	// the outcome is logged and dropped. Transient errors (no answer, timeouts,
+	// 5xx, 429) are retried until the API server answers. Back-off is
+	// exponential from reportBaseDelay up to reportMaxDelay.
+	reportRetries   = 10
+	reportBaseDelay = 200 * time.Millisecond
+	reportMaxDelay  = 30 * time.Second
+	reportTimeout   = 10 * time.Second
+	// maxQueuedEvents bounds the failure Events kept per pod while the API
+	// server is unreachable; older ones are dropped first.
+	maxQueuedEvents = 5
+	// maxEventMessage is the API server's limit for an Event's message.
+	maxEventMessage = 1024
+	// eventReportingController names the agent in Events (a qualified name).
+	eventReportingController = "mesh-cni.io/mesh-agent"
+)
+
+type podKey struct{ namespace, name string }
+
+// pendingReport is what is still to be written for one pod.
+type pendingReport struct {
+	uid     string
+	outcome string         // wanted value of the annotation
+	events  []pendingEvent // failures not yet sent as Events
+}
+
+// writtenOutcome is the annotation value this reporter last wrote for a pod.
+type writtenOutcome struct {
+	uid, outcome string
+}
+
+// pendingEvent is one failure, with the uid of the pod it happened to: a later
+// report for a re-created pod of the same name must not lose it.
+type pendingEvent struct {
+	uid, message string
+}
+
+// reporter writes enrollment outcomes back to the API server in the background:
+// the annotation by a merge patch carrying the pod's uid (so a re-created pod of
+// the same name is never marked), and a Warning Event per failure.
+type reporter struct {
+	log    *zap.Logger
+	client kubernetes.Interface
+	node   string
+	cached func(namespace, name string) *corev1.Pod
+	queue  workqueue.TypedRateLimitingInterface[podKey]
+	done   chan struct{}
+
+	mu      sync.Mutex
+	pending map[podKey]*pendingReport
+	// written spares patches that would change nothing. It is this process's
+	// own record, not the cache's: the cache can lag behind a write made a
+	// moment ago, and a quick enabled→disabled→enabled must end as enabled.
+	written map[podKey]writtenOutcome
+}
+
+func startReporter(ctx context.Context, log *zap.Logger, client kubernetes.Interface, node string, cached func(string, string) *corev1.Pod) *reporter {
+	r := &reporter{
+		log:    log,
+		client: client,
+		node:   node,
+		cached: cached,
+		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
+			workqueue.NewTypedItemExponentialFailureRateLimiter[podKey](reportBaseDelay, reportMaxDelay),
+			workqueue.TypedRateLimitingQueueConfig[podKey]{Name: "mesh-enrollment-outcomes"}),
+		done:    make(chan struct{}),
+		pending: map[podKey]*pendingReport{},
+		written: map[podKey]writtenOutcome{},
+	}
+	go func() {
+		<-ctx.Done()
+		r.queue.ShutDown()
+	}()
+	go r.work(ctx)
+	return r
+}
+
+func (r *reporter) wait() { <-r.done }
+
+func (r *reporter) report(namespace, name, uid, outcome string, err error) {
+	if namespace == "" || name == "" {
+		return
+	}
+	key := podKey{namespace, name}
+	r.mu.Lock()
+	p := r.pending[key]
+	if p == nil {
+		p = &pendingReport{}
+		r.pending[key] = p
+	}
+	p.uid, p.outcome = uid, outcome
+	if outcome == OutcomeFailed {
+		msg := "mesh enrollment failed"
+		if err != nil {
+			msg = "mesh enrollment failed: " + err.Error()
+		}
+		p.events = append(p.events, pendingEvent{uid: uid, message: msg})
+		if len(p.events) > maxQueuedEvents {
+			p.events = p.events[len(p.events)-maxQueuedEvents:]
+		}
+	}
+	r.mu.Unlock()
+	r.queue.Add(key)
+}
+
+func (r *reporter) work(ctx context.Context) {
+	defer close(r.done)
+	for {
+		key, quit := r.queue.Get()
+		if quit {
+			return
+		}
+		r.process(ctx, key)
+		r.queue.Done(key)
+	}
+}
+
+func (r *reporter) process(ctx context.Context, key podKey) {
+	err := r.write(ctx, key)
+	log := r.log.With(zap.String("namespace", key.namespace), zap.String("pod", key.name))
+	switch {
+	case err == nil:
+		r.queue.Forget(key)
+	case apierrors.IsNotFound(err) || apierrors.IsConflict(err) || apierrors.IsInvalid(err):
+		// The pod is gone, or its name now belongs to another pod.
+		log.Debug("enrollment outcome not written: the pod is gone", zap.Error(err))
+		r.drop(key)
+	case ctx.Err() != nil:
+		r.drop(key)
+	case transient(err):
+		// The API server is away or overloaded: keep trying (at most every
+		// reportMaxDelay) for as long as it takes; an outage must not lose the
+		// record of what happened meanwhile.
+		log.Debug("writing enrollment outcome failed, retrying", zap.Error(err))
+		r.queue.AddRateLimited(key)
+	case r.queue.NumRequeues(key) < reportRetries:
+		log.Debug("writing enrollment outcome failed, retrying", zap.Error(err))
+		r.queue.AddRateLimited(key)
+	default:
+		log.Error("enrollment outcome not written to the pod after retries", zap.Error(err))
+		r.drop(key)
+	}
+}
+
+// transient reports errors that say nothing about the request itself: no
+// answer, a timeout, an overloaded or failing server.
+func transient(err error) bool {
+	var status apierrors.APIStatus
+	if !errors.As(err, &status) {
+		return true // no answer from the API server at all
+	}
+	return apierrors.IsServerTimeout(err) || apierrors.IsTimeout(err) || apierrors.IsTooManyRequests(err) ||
+		apierrors.IsServiceUnavailable(err) || apierrors.IsInternalError(err) || apierrors.IsUnexpectedServerError(err)
+}
+
+func (r *reporter) drop(key podKey) {
+	r.queue.Forget(key)
+	r.mu.Lock()
+	delete(r.pending, key)
+	delete(r.written, key)
+	r.mu.Unlock()
+}
+
+// write sends the pod's queued Events, then its annotation; each step that
+// succeeds is taken off the pending record, so a retry repeats only what failed.
+func (r *reporter) write(ctx context.Context, key podKey) error {
+	r.mu.Lock()
+	p := r.pending[key]
+	if p == nil {
+		r.mu.Unlock()
+		return nil
+	}
+	uid, outcome := p.uid, p.outcome
+	last, known := r.written[key]
+	events := append([]pendingEvent(nil), p.events...)
+	r.mu.Unlock()
+
+	for _, ev := range events {
+		if err := r.event(ctx, key, ev.uid, ev.message); err != nil {
+			return fmt.Errorf("event for pod %s/%s: %w", key.namespace, key.name, err)
+		}
+		r.mu.Lock()
+		if cur := r.pending[key]; cur == p && len(p.events) > 0 && p.events[0] == ev {
+			p.events = p.events[1:]
+		}
+		r.mu.Unlock()
+	}
+	want := writtenOutcome{uid: uid, outcome: outcome}
+	skip := last == want
+	if !known {
+		// Nothing written by this process yet (e.g. after a restart): the
+		// cache showing the value is good enough.
+		c := r.cached(key.namespace, key.name)
+		skip = c != nil && (uid == "" || string(c.UID) == uid) && c.Annotations[AnnotationRedirection] == outcome
+	}
+	if !skip {
+		if err := r.annotate(ctx, key, uid, outcome); err != nil {
+			return fmt.Errorf("annotate pod %s/%s: %w", key.namespace, key.name, err)
+		}
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.written[key] = want
+	// Done unless a newer report came in meanwhile (it queued the key again).
+	if cur := r.pending[key]; cur == p && p.outcome == outcome && p.uid == uid && len(p.events) == 0 {
+		delete(r.pending, key)
+	}
+	return nil
+}
+
+// forget drops what is remembered of a pod that was deleted.
+func (r *reporter) forget(namespace, name string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	delete(r.written, podKey{namespace, name})
+}
+
+func (r *reporter) annotate(ctx context.Context, key podKey, uid, outcome string) error {
+	meta := map[string]any{"annotations": map[string]string{AnnotationRedirection: outcome}}
+	if uid != "" {
+		// The API server refuses a patch whose uid differs from the stored
+		// pod's: the outcome never lands on a re-created pod of the same name.
+		meta["uid"] = uid
+	}
+	body, err := json.Marshal(map[string]any{"metadata": meta})
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(ctx, reportTimeout)
+	defer cancel()
+	_, err = r.client.CoreV1().Pods(key.namespace).Patch(ctx, key.name, types.MergePatchType, body, metav1.PatchOptions{FieldManager: "mesh-agent"})
+	return err
+}
+
+func (r *reporter) event(ctx context.Context, key podKey, uid, msg string) error {
+	if len(msg) > maxEventMessage {
+		msg = msg[:maxEventMessage-3] + "..."
+	}
+	now := metav1.Now()
+	ev := &corev1.Event{
+		ObjectMeta: metav1.ObjectMeta{
+			// kubelet's convention: the object's name and a unique suffix.
+			Name:      fmt.Sprintf("%s.%x", key.name, time.Now().UnixNano()),
+			Namespace: key.namespace,
+		},
+		InvolvedObject: corev1.ObjectReference{
+			Kind: "Pod", APIVersion: "v1", Namespace: key.namespace, Name: key.name, UID: types.UID(uid),
+		},
+		Reason:              EventReasonEnrollFailed,
+		Message:             msg,
+		Type:                corev1.EventTypeWarning,
+		Source:              corev1.EventSource{Component: eventSourceComponent, Host: r.node},
+		FirstTimestamp:      now,
+		LastTimestamp:       now,
+		Count:               1,
+		ReportingController: eventReportingController,
+		ReportingInstance:   eventSourceComponent + "-" + r.node,
+	}
+	ctx, cancel := context.WithTimeout(ctx, reportTimeout)
+	defer cancel()
+	_, err := r.client.CoreV1().Events(key.namespace).Create(ctx, ev, metav1.CreateOptions{})
+	switch {
+	case apierrors.IsAlreadyExists(err):
+		return nil
+	case apierrors.IsInvalid(err):
+		// Retrying cannot help, and the annotation must still be written.
+		r.log.Error("enrollment failure Event refused by the API server", zap.String("namespace", key.namespace), zap.String("pod", key.name), zap.Error(err))
+		return nil
+	}
+	return err
+}

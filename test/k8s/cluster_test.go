@@ -1,0 +1,154 @@
+package k8s
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
+)
+
+// cluster is what the tests share: one etcd and one API server (tests that stop
+// an API server start their own on the same etcd).
+type cluster struct {
+	bins  kubeenv.Binaries
+	etcd  *kubeenv.Etcd
+	api   *kubeenv.APIServer
+	admin kubernetes.Interface
+}
+
+// TestKubernetes starts the shared cluster once and runs every test against it
+// as parallel subtests; it is torn down when the last one finished.
+func TestKubernetes(t *testing.T) {
+	bins, err := kubeenv.FromEnv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	etcd := kubeenv.StartEtcd(t, bins)
+	api := kubeenv.StartAPIServer(t, bins, etcd, "shared-"+randomHex(t, 3))
+	api.GrantAgent(t)
+	c := &cluster{bins: bins, etcd: etcd, api: api, admin: api.Client(t, kubeenv.AdminUser)}
+
+	for _, tc := range []struct {
+		name string
+		fn   func(*testing.T, *cluster)
+	}{
+		{"SourceFollowsLabels", testSourceFollowsLabels},
+		{"SourceIstioProfile", testSourceIstioProfile},
+		{"SourceDirectGet", testSourceDirectGet},
+		{"SourceReportsOutcome", testSourceReportsOutcome},
+		{"SourceAPIServerDown", testSourceAPIServerDown},
+		{"SourceLeastPrivilege", testSourceLeastPrivilege},
+		{"AgentEnrollmentFollowsLabels", testAgentEnrollmentFollowsLabels},
+		{"AgentPluginGetsNoCredential", testAgentPluginGetsNoCredential},
+		{"AgentAddWithAPIServerDown", testAgentAddWithAPIServerDown},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			tc.fn(t, c)
+		})
+	}
+}
+
+// Label sets used throughout.
+var (
+	enabled  = map[string]string{"mesh-cni.io/dataplane-mode": "enabled"}
+	disabled = map[string]string{"mesh-cni.io/dataplane-mode": "disabled"}
+)
+
+func randomHex(tb testing.TB, n int) string {
+	tb.Helper()
+	b := make([]byte, n)
+	if _, err := rand.Read(b); err != nil {
+		tb.Fatal(err)
+	}
+	return hex.EncodeToString(b)
+}
+
+func apiContext(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// namespace creates a namespace with a unique name and labels. Without a
+// namespace controller a deleted namespace would stay Terminating, so it is
+// left for the cluster's teardown.
+func (c *cluster) namespace(t *testing.T, prefix string, labels map[string]string) string {
+	t.Helper()
+	ns, err := c.admin.CoreV1().Namespaces().Create(apiContext(t), &corev1.Namespace{
+		ObjectMeta: metav1.ObjectMeta{Name: prefix + "-" + randomHex(t, 3), Labels: labels},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("create namespace: %v", err)
+	}
+	return ns.Name
+}
+
+// pod creates a pod bound to node, the way the scheduler leaves it for the
+// kubelet (which never comes: the test drives CNI itself).
+func (c *cluster) pod(t *testing.T, namespace, name, node string, labels, annotations map[string]string) *corev1.Pod {
+	t.Helper()
+	p, err := c.admin.CoreV1().Pods(namespace).Create(apiContext(t), &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: namespace, Labels: labels, Annotations: annotations},
+		Spec: corev1.PodSpec{
+			NodeName:                      node,
+			Containers:                    []corev1.Container{{Name: "app", Image: "registry.invalid/app:never-pulled"}},
+			TerminationGracePeriodSeconds: new(int64),
+		},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("create pod %s/%s: %v", namespace, name, err)
+	}
+	return p
+}
+
+// setLabel sets (value != "") or removes (value == "") one label with a merge
+// patch, on a namespace (podName "") or a pod.
+func (c *cluster) setLabel(t *testing.T, namespace, podName, key, value string) {
+	t.Helper()
+	var v any = value
+	if value == "" {
+		v = nil
+	}
+	body, err := json.Marshal(map[string]any{"metadata": map[string]any{"labels": map[string]any{key: v}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := apiContext(t)
+	if podName == "" {
+		_, err = c.admin.CoreV1().Namespaces().Patch(ctx, namespace, types.MergePatchType, body, metav1.PatchOptions{})
+	} else {
+		_, err = c.admin.CoreV1().Pods(namespace).Patch(ctx, podName, types.MergePatchType, body, metav1.PatchOptions{})
+	}
+	if err != nil {
+		t.Fatalf("label %s/%s %s=%q: %v", namespace, podName, key, value, err)
+	}
+}
+
+// waitFor polls cond every 10 ms until it holds or limit passes.
+func waitFor(t *testing.T, limit time.Duration, what string, cond func() bool) {
+	t.Helper()
+	if !poll(limit, cond) {
+		t.Fatalf("timed out after %s waiting for %s", limit, what)
+	}
+}
+
+func poll(limit time.Duration, cond func() bool) bool {
+	deadline := time.Now().Add(limit)
+	for !cond() {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return true
+}

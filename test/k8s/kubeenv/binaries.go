@@ -1,0 +1,99 @@
+package kubeenv
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/mesh-cni/mesh-cni/test/harness"
+)
+
+// EnvBinDir names the environment variable holding a directory with prebuilt
+// kube-apiserver and etcd binaries. When it is unset, EnsureBinaries runs
+// hack/build-kube.sh, which builds them from the Go module proxy into its cache
+// (outside the repository) or finds them there.
+const EnvBinDir = "MESH_CNI_KUBE_BIN_DIR"
+
+// BuildTimeout bounds a cold build of kube-apiserver and etcd (about seven
+// minutes on two cores, downloads included).
+const BuildTimeout = 30 * time.Minute
+
+// Binaries are the kube-apiserver and etcd executables.
+type Binaries struct {
+	Dir string
+}
+
+// APIServer is the kube-apiserver binary's path.
+func (b Binaries) APIServer() string { return filepath.Join(b.Dir, "kube-apiserver") }
+
+// Etcd is the etcd binary's path.
+func (b Binaries) Etcd() string { return filepath.Join(b.Dir, "etcd") }
+
+func (b Binaries) check() error {
+	var errs []error
+	for _, p := range []string{b.APIServer(), b.Etcd()} {
+		st, err := os.Stat(p)
+		switch {
+		case err != nil:
+			errs = append(errs, err)
+		case st.Mode().Perm()&0o111 == 0:
+			errs = append(errs, fmt.Errorf("%s is not executable", p))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// EnsureBinaries returns the binaries from $MESH_CNI_KUBE_BIN_DIR, or builds
+// (or finds cached) ones with hack/build-kube.sh and sets the variable, so
+// later calls and child test processes find them at once. Call it from
+// TestMain, before m.Run: a cold build then does not count against the test
+// timeout.
+func EnsureBinaries(ctx context.Context) (Binaries, error) {
+	if dir := os.Getenv(EnvBinDir); dir != "" {
+		b := Binaries{Dir: dir}
+		if err := b.check(); err != nil {
+			return b, fmt.Errorf("$%s=%s: %w", EnvBinDir, dir, err)
+		}
+		return b, nil
+	}
+	root, err := harness.ModuleRoot(ctx)
+	if err != nil {
+		return Binaries{}, err
+	}
+	script := filepath.Join(root, "hack", "build-kube.sh")
+	ctx, cancel := context.WithTimeout(ctx, BuildTimeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, "bash", script)
+	cmd.Dir = root
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout = &stdout
+	cmd.Stderr = &stderr
+	if err := cmd.Run(); err != nil {
+		return Binaries{}, fmt.Errorf("%s: %w\n%s", script, err, stderr.String())
+	}
+	lines := strings.Split(strings.TrimSpace(stdout.String()), "\n")
+	b := Binaries{Dir: strings.TrimSpace(lines[len(lines)-1])}
+	if err := b.check(); err != nil {
+		return b, fmt.Errorf("%s printed %q: %w", script, b.Dir, err)
+	}
+	if err := os.Setenv(EnvBinDir, b.Dir); err != nil {
+		return b, err
+	}
+	return b, nil
+}
+
+// FromEnv returns the binaries EnsureBinaries found, for tests.
+func FromEnv() (Binaries, error) {
+	dir := os.Getenv(EnvBinDir)
+	if dir == "" {
+		return Binaries{}, fmt.Errorf("$%s is not set: call kubeenv.EnsureBinaries from TestMain", EnvBinDir)
+	}
+	b := Binaries{Dir: dir}
+	return b, b.check()
+}

@@ -1,0 +1,24 @@
+package k8s
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"os"
+	"testing"
+
+	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
+)
+
+func TestMain(m *testing.M) {
+	// Before m.Run, so a cold build of kube-apiserver and etcd (minutes) does
+	// not count against the test timeout; a cached one is found at once.
+	if _, err := kubeenv.EnsureBinaries(context.Background()); err != nil {
+		fmt.Fprintf(os.Stderr, "k8s: kube-apiserver and etcd: %v\n", err)
+		os.Exit(1)
+	}
+	pkgs := harness.ReferencePlugins()
+	maps.Copy(pkgs, harness.ProductBinaries())
+	harness.Main(m, harness.Options{Packages: pkgs})
+}
