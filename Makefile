@@ -69,11 +69,11 @@ bench: build
 # Every fuzz target for FUZZTIME each (11 targets: 5m each is about an hour);
 # `make test` already replays the committed seeds and crashers.
 FUZZTIME ?= 5m
-fuzz:
+fuzz: build
 	hack/fuzz.sh $(FUZZTIME)
 
 # The short run CI does.
-fuzz-short:
+fuzz-short: build
 	hack/fuzz.sh 10s
 
 clean:

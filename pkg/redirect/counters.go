@@ -40,8 +40,8 @@ type Counters struct {
 
 // Counters reads the per-CPU counters.
 func (d *Datapath) Counters() (Counters, error) {
-	d.mu.Lock()
-	defer d.mu.Unlock()
+	d.mu.RLock()
+	defer d.mu.RUnlock()
 	if d.closed {
 		return Counters{}, ErrClosed
 	}

@@ -88,10 +88,54 @@ type Datapath struct {
 	pins   layout
 	cgroup string
 
-	mu      sync.Mutex // serializes changes to maps and pins; guards the fields below
+	// mu guards the fields below: held for reading while the objects are in
+	// use, for writing only to load and close them. Per-pod work runs in
+	// parallel: attaching TCX waits for an RCU grace period in the kernel, and
+	// pods enrolled at once share one grace period instead of queueing for it.
+	mu      sync.RWMutex
 	closed  bool
 	objs    redirectObjects
 	cgLinks map[string]link.Link
+
+	// mapMu serializes the multi-step map updates (CIDR tries, then the
+	// settings entry) so that iterating readers see whole enrollments.
+	mapMu sync.Mutex
+	// pods serializes Enroll, Release and Check of one netns cookie (its pins).
+	pods cookieLocks
+}
+
+// cookieLocks is a mutex per netns cookie, dropped when unused.
+type cookieLocks struct {
+	mu    sync.Mutex
+	locks map[uint64]*cookieLock
+}
+
+type cookieLock struct {
+	mu   sync.Mutex
+	refs int
+}
+
+func (c *cookieLocks) lock(cookie uint64) func() {
+	c.mu.Lock()
+	if c.locks == nil {
+		c.locks = map[uint64]*cookieLock{}
+	}
+	l := c.locks[cookie]
+	if l == nil {
+		l = &cookieLock{}
+		c.locks[cookie] = l
+	}
+	l.refs++
+	c.mu.Unlock()
+	l.mu.Lock()
+	return func() {
+		l.mu.Unlock()
+		c.mu.Lock()
+		if l.refs--; l.refs == 0 {
+			delete(c.locks, cookie)
+		}
+		c.mu.Unlock()
+	}
 }
 
 // Open loads the data path, or adopts the one pinned under cfg.PinRoot by an earlier

@@ -75,11 +75,12 @@ func (d *Datapath) Enroll(ctx context.Context, t Target) (Enrollment, error) {
 	}
 	log := d.log.With(zap.Uint64("cookie", cookie), zap.String("netns", t.NetnsPath))
 
-	d.mu.Lock()
-	defer d.mu.Unlock()
+	d.mu.RLock()
+	defer d.mu.RUnlock()
 	if d.closed {
 		return Enrollment{}, ErrClosed
 	}
+	defer d.pods.lock(cookie)()
 	if err := ctx.Err(); err != nil {
 		return Enrollment{}, err
 	}
@@ -155,6 +156,8 @@ func (d *Datapath) Enroll(ctx context.Context, t Target) (Enrollment, error) {
 		return Enrollment{}, fmt.Errorf("enroll %s: %w", t.NetnsPath, err)
 	}
 
+	d.mapMu.Lock()
+	defer d.mapMu.Unlock()
 	oldExcluded, oldProbes, err := d.podCIDRs(cookie)
 	if err != nil {
 		rollback()
@@ -229,22 +232,32 @@ func (d *Datapath) ingressID() (ebpf.ProgramID, error) {
 // stops acting on the netns at once), then its CIDR entries, links and pins. It needs
 // only the cookie, so it works after the netns is gone, and it is idempotent.
 func (d *Datapath) Release(ctx context.Context, cookie uint64) error {
-	d.mu.Lock()
-	defer d.mu.Unlock()
+	d.mu.RLock()
+	defer d.mu.RUnlock()
 	if d.closed {
 		return ErrClosed
 	}
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	if err := d.objs.Settings.Delete(cookie); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-		return fmt.Errorf("release %d: delete settings entry: %w", cookie, err)
-	}
+	defer d.pods.lock(cookie)()
 	var errs []error
-	excluded, probes, err := d.podCIDRs(cookie)
-	errs = append(errs, err)
-	deleteCIDRs(d.objs.ExcludedDsts, cookie, excluded)
-	deleteCIDRs(d.objs.ProbeSrcs, cookie, probes)
+	func() {
+		d.mapMu.Lock()
+		defer d.mapMu.Unlock()
+		if err := d.objs.Settings.Delete(cookie); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			errs = append(errs, fmt.Errorf("delete settings entry: %w", err))
+			return
+		}
+		excluded, probes, err := d.podCIDRs(cookie)
+		errs = append(errs, err)
+		deleteCIDRs(d.objs.ExcludedDsts, cookie, excluded)
+		deleteCIDRs(d.objs.ProbeSrcs, cookie, probes)
+	}()
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("release %d: %w", cookie, err)
+	}
+	// Outside mapMu: detaching waits for an RCU grace period.
 	errs = append(errs, d.removePodLinks(cookie))
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("release %d: %w", cookie, err)
@@ -262,11 +275,12 @@ func (d *Datapath) removePodLinks(cookie uint64) error {
 // path's program; interfaces, when not nil, must all have a link. The error says
 // everything that is missing.
 func (d *Datapath) Check(ctx context.Context, cookie uint64, interfaces []string) error {
-	d.mu.Lock()
-	defer d.mu.Unlock()
+	d.mu.RLock()
+	defer d.mu.RUnlock()
 	if d.closed {
 		return ErrClosed
 	}
+	defer d.pods.lock(cookie)()
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -354,11 +368,13 @@ func (d *Datapath) checkCgroupLinks() error {
 // List returns every enrolled pod, read back from the pinned maps and pins, so an
 // agent that restarted sees what its predecessor enrolled. Sorted by cookie.
 func (d *Datapath) List(ctx context.Context) ([]Enrollment, error) {
-	d.mu.Lock()
-	defer d.mu.Unlock()
+	d.mu.RLock()
+	defer d.mu.RUnlock()
 	if d.closed {
 		return nil, ErrClosed
 	}
+	d.mapMu.Lock()
+	defer d.mapMu.Unlock()
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
