@@ -64,6 +64,10 @@ type Config struct {
 	// upper limit for benchmarks. It echoes whether or not the original destination
 	// is known, so it also serves a client that dials the proxy directly.
 	Echo bool
+	// ForwardTo, when valid, sends every accepted connection there instead of to
+	// its original destination, with no lookup and no loop check: two proxies
+	// chained explicitly, the "no capture at all" limit in benchmarks.
+	ForwardTo netip.AddrPort
 	// DialTimeout bounds each onward connect; 0 means DefaultDialTimeout.
 	DialTimeout time.Duration
 	// NetNS, when set, is the network namespace the proxy listens and dials in,
@@ -342,6 +346,10 @@ func (p *Proxy) handle(client *net.TCPConn, ln *listener) {
 
 // proxy serves one accepted connection and fills in rec; it returns the first error.
 func (p *Proxy) proxy(client *net.TCPConn, ln *listener, rec *Record) error {
+	if p.cfg.ForwardTo.IsValid() {
+		rec.OriginalDst, rec.DstSource = p.cfg.ForwardTo, SourceForwarded
+		return p.forward(client, p.cfg.ForwardTo, rec)
+	}
 	// Best effort: an onward connect completes at about the time its looped copy is
 	// accepted, so the first hop of a loop may slip through; the next one is caught.
 	if p.isOnward(rec.Client) {
@@ -371,6 +379,11 @@ func (p *Proxy) proxy(client *net.TCPConn, ln *listener, rec *Record) error {
 	if dst.Port() == ln.port && (dst.Addr() == rec.Local.Addr() || dst.Addr().IsLoopback() || dst.Addr().IsUnspecified()) {
 		return fmt.Errorf("%s: %w", dst, ErrLoop)
 	}
+	return p.forward(client, dst, rec)
+}
+
+// forward dials dst with the mark and copies both ways.
+func (p *Proxy) forward(client *net.TCPConn, dst netip.AddrPort, rec *Record) error {
 	upstream, err := p.dial(dst)
 	if err != nil {
 		return fmt.Errorf("dial original destination %s: %w", dst, err)

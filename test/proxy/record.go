@@ -34,6 +34,9 @@ const (
 	SourceLocalAddr DstSource = "local-addr"
 	// SourceNone means no destination is known (only an error or echo mode).
 	SourceNone DstSource = ""
+	// SourceForwarded means the proxy was told where to send everything
+	// (Config.ForwardTo); no original destination was looked up.
+	SourceForwarded DstSource = "forwarded"
 )
 
 // Record describes one proxied connection, written when the connection ends.

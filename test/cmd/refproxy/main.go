@@ -20,6 +20,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net/netip"
 	"os"
 	"os/signal"
 	"strconv"
@@ -49,6 +50,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	mark := fs.String("mark", fmt.Sprintf("%#x", proxy.DefaultMark), "SO_MARK set on onward connections (decimal or 0x hex)")
 	record := fs.String("record", "", "append a JSON line per finished connection to this file")
 	echo := fs.Bool("echo", false, "answer connections by echoing instead of dialing the original destination")
+	forwardTo := fs.String("forward-to", "", "send every accepted connection to this HOST:PORT instead of its original destination (chaining proxies explicitly, with no capture)")
 	zdsPath := fs.String("zds", "", "run as a node proxy: take pods from the agent's ZDS socket at this path (e.g. "+zds.DefaultSocketPath+")")
 	level := zapcore.InfoLevel
 	fs.Var(&level, "log-level", "log level (debug, info, warn, error)")
@@ -64,6 +66,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	cfg := proxy.Config{RecordPath: *record, Echo: *echo}
 	var err error
+	if *forwardTo != "" {
+		if cfg.ForwardTo, err = netip.ParseAddrPort(*forwardTo); err != nil {
+			fmt.Fprintf(stderr, "refproxy: -forward-to: %v\n", err)
+			return 2
+		}
+	}
 	if cfg.OutboundPort, err = port(*outbound); err != nil {
 		fmt.Fprintf(stderr, "refproxy: -outbound-port: %v\n", err)
 		return 2
