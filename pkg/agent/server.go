@@ -66,15 +66,5 @@ func (g *GateServer) Serve() error {
 // cut off mid-Add retry against the next agent: their pods were not admitted.
 func (g *GateServer) Stop(grace time.Duration) {
 	g.health.Shutdown()
-	done := make(chan struct{})
-	go func() {
-		g.grpc.GracefulStop()
-		close(done)
-	}()
-	select {
-	case <-done:
-	case <-time.After(grace):
-		g.grpc.Stop()
-		<-done
-	}
+	gate.Stop(g.grpc, grace)
 }

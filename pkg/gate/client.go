@@ -18,10 +18,10 @@ func Dial(socketPath string) (*grpc.ClientConn, error) {
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithConnectParams(grpc.ConnectParams{
 			Backoff: backoff.Config{
-				BaseDelay:  20 * time.Millisecond,
+				BaseDelay:  10 * time.Millisecond,
 				Multiplier: 1.5,
 				Jitter:     0.2,
-				MaxDelay:   200 * time.Millisecond,
+				MaxDelay:   50 * time.Millisecond,
 			},
 			MinConnectTimeout: time.Second,
 		}),

@@ -173,6 +173,38 @@ func validateNetwork(name string) error {
 	return nil
 }
 
+// ValidateIfname applies the kernel's rules for interface names.
+func ValidateIfname(name string) error { return validateIfname(name) }
+
+// MaxAddresses is the limit of addresses per interface in a request.
+const MaxAddresses = maxAddresses
+
+// ToPrefixes turns addresses as network runtimes and plugins report them, bare
+// ("10.1.0.5") or in CIDR notation ("10.1.0.5/24"), into the CIDR notation the
+// gate takes. A bare address becomes a host prefix; zones are dropped.
+func ToPrefixes(ips []string) ([]string, error) {
+	if len(ips) > maxAddresses {
+		return nil, invalid("%d addresses, more than the limit of %d", len(ips), maxAddresses)
+	}
+	out := make([]string, 0, len(ips))
+	for _, s := range ips {
+		if p, err := netip.ParsePrefix(s); err == nil {
+			out = append(out, p.String())
+			continue
+		}
+		a, err := netip.ParseAddr(s)
+		if err != nil {
+			return nil, invalid("address %.60q is neither an IP address nor in CIDR notation", s)
+		}
+		a = a.WithZone("")
+		out = append(out, netip.PrefixFrom(a, a.BitLen()).String())
+	}
+	return out, nil
+}
+
+// Invalid returns an error wrapping ErrInvalidRequest.
+func Invalid(format string, args ...any) error { return invalid(format, args...) }
+
 // validateIfname applies the kernel's rules for interface names.
 func validateIfname(name string) error {
 	if len(name) == 0 || len(name) > maxIfnameLen || name == "." || name == ".." {

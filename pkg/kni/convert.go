@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"maps"
 	"net"
-	"net/netip"
 	"regexp"
 	"slices"
 
@@ -37,7 +36,6 @@ var uidExtradataKeys = []string{"pod_uid", "uid"}
 // would refuse fails here with a message about the KNI field it came from.
 const (
 	maxInterfaces = 16
-	maxIfnameLen  = 15
 	maxUIDLen     = 128
 )
 
@@ -69,7 +67,7 @@ func AttachToGate(req *knipb.AttachInterfaceRequest, resp *knipb.AttachInterface
 		netnsPath = resp.GetExtradata()[ExtradataNetns]
 	}
 	if netnsPath == "" {
-		return nil, invalid("attach of sandbox %.80q carries no network namespace (isolation.path and extradata[%q] are empty)", req.GetId(), ExtradataNetns)
+		return nil, gate.Invalid("attach of sandbox %.80q carries no network namespace (isolation.path and extradata[%q] are empty)", req.GetId(), ExtradataNetns)
 	}
 	ifs, err := interfacesOf(resp.GetIpconfigs())
 	if err != nil {
@@ -166,7 +164,7 @@ func validUID(u string) bool {
 // by name, so the attachment's ifname does not depend on map order.
 func interfacesOf(ipconfigs map[string]*knipb.IPConfig) ([]*gatepb.Interface, error) {
 	if len(ipconfigs) > maxInterfaces {
-		return nil, invalid("the network runtime reported %d interfaces, more than the limit of %d", len(ipconfigs), maxInterfaces)
+		return nil, gate.Invalid("the network runtime reported %d interfaces, more than the limit of %d", len(ipconfigs), maxInterfaces)
 	}
 	names := slices.Sorted(maps.Keys(ipconfigs))
 	if i := slices.Index(names, DefaultIfname); i > 0 {
@@ -174,62 +172,23 @@ func interfacesOf(ipconfigs map[string]*knipb.IPConfig) ([]*gatepb.Interface, er
 	}
 	out := make([]*gatepb.Interface, 0, len(names))
 	for _, name := range names {
-		if err := checkIfname(name); err != nil {
+		if err := gate.ValidateIfname(name); err != nil {
 			return nil, err
 		}
 		cfg := ipconfigs[name]
 		mac := cfg.GetMac()
 		if mac != "" {
 			if _, err := net.ParseMAC(mac); err != nil {
-				return nil, invalid("interface %s: MAC %.40q: %v", name, mac, err)
+				return nil, gate.Invalid("interface %s: MAC %.40q: %v", name, mac, err)
 			}
 		}
-		addrs, err := toPrefixes(cfg.GetIp())
+		addrs, err := gate.ToPrefixes(cfg.GetIp())
 		if err != nil {
 			return nil, fmt.Errorf("interface %s: %w", name, err)
 		}
 		out = append(out, &gatepb.Interface{Name: name, Mac: mac, Addresses: addrs})
 	}
 	return out, nil
-}
-
-// maxAddresses is the gate's limit of addresses per interface.
-const maxAddresses = 32
-
-// toPrefixes turns addresses as network runtimes report them, bare ("10.1.0.5")
-// or in CIDR notation ("10.1.0.5/24"), into the CIDR notation the gate records.
-// A bare address becomes a host prefix. Zones are dropped.
-func toPrefixes(ips []string) ([]string, error) {
-	if len(ips) > maxAddresses {
-		return nil, invalid("%d addresses, more than the limit of %d", len(ips), maxAddresses)
-	}
-	out := make([]string, 0, len(ips))
-	for _, s := range ips {
-		if p, err := netip.ParsePrefix(s); err == nil {
-			out = append(out, p.String())
-			continue
-		}
-		a, err := netip.ParseAddr(s)
-		if err != nil {
-			return nil, invalid("address %.60q is neither an IP address nor in CIDR notation", s)
-		}
-		a = a.WithZone("")
-		out = append(out, netip.PrefixFrom(a, a.BitLen()).String())
-	}
-	return out, nil
-}
-
-// checkIfname applies the kernel's rules for interface names, as the gate does.
-func checkIfname(name string) error {
-	if len(name) == 0 || len(name) > maxIfnameLen || name == "." || name == ".." {
-		return invalid("interface name %.80q must be 1-%d characters and not . or ..", name, maxIfnameLen)
-	}
-	for _, r := range name {
-		if r == '/' || r == ':' || r <= ' ' || r == 0x7f {
-			return invalid("interface name %.80q contains %q", name, r)
-		}
-	}
-	return nil
 }
 
 func firstNonEmpty(vals ...string) string {
@@ -239,8 +198,4 @@ func firstNonEmpty(vals ...string) string {
 		}
 	}
 	return ""
-}
-
-func invalid(format string, args ...any) error {
-	return fmt.Errorf("%w: %s", gate.ErrInvalidRequest, fmt.Sprintf(format, args...))
 }

@@ -198,19 +198,7 @@ func (s *Server) Serve() error {
 // the upstream connection. An attach cut off before its enrollment returned has
 // failed for kubelet, which retries it.
 func (s *Server) Stop(grace time.Duration) {
-	done := make(chan struct{})
-	go func() {
-		s.grpc.GracefulStop()
-		close(done)
-	}()
-	t := time.NewTimer(grace)
-	defer t.Stop()
-	select {
-	case <-done:
-	case <-t.C:
-		s.grpc.Stop()
-		<-done
-	}
+	gate.Stop(s.grpc, grace)
 	if err := s.upstream.Close(); err != nil {
 		s.log.Warn("closing the network runtime connection", zap.Error(err))
 	}

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"maps"
 	"net"
-	"net/netip"
 	"slices"
 
 	"github.com/mesh-cni/mesh-cni/pkg/gate"
@@ -20,8 +19,6 @@ const DefaultIfname = "eth0"
 // would refuse fails here with a message about the hook field it came from.
 const (
 	maxInterfaces = 16
-	maxAddresses  = 32
-	maxIfnameLen  = 15
 )
 
 // SetupToGate turns a SetupPodNetwork call into the gate Add that enrolls the
@@ -49,7 +46,7 @@ func SetupToGate(req *nethookpb.SetupPodNetworkRequest, network string) (*gatepb
 	}
 	att := &gatepb.Attachment{ContainerId: req.GetSandboxId(), Ifname: DefaultIfname, Network: network}
 	if req.GetNetnsPath() == "" {
-		return nil, invalid("setup of sandbox %.80q carries no netns_path", req.GetSandboxId())
+		return nil, gate.Invalid("setup of sandbox %.80q carries no netns_path", req.GetSandboxId())
 	}
 	ifs, err := interfacesOf(req.GetPrevResult().GetInterfaces())
 	if err != nil {
@@ -102,16 +99,16 @@ func interfacesOf(in []*nethookpb.NetworkInterface) ([]*gatepb.Interface, error)
 			continue
 		}
 		name := ni.GetName()
-		if err := checkIfname(name); err != nil {
+		if err := gate.ValidateIfname(name); err != nil {
 			return nil, err
 		}
 		mac := ni.GetMacAddress()
 		if mac != "" {
 			if _, err := net.ParseMAC(mac); err != nil {
-				return nil, invalid("interface %s: MAC %.40q: %v", name, mac, err)
+				return nil, gate.Invalid("interface %s: MAC %.40q: %v", name, mac, err)
 			}
 		}
-		addrs, err := toPrefixes(ni.GetAddresses())
+		addrs, err := gate.ToPrefixes(ni.GetAddresses())
 		if err != nil {
 			return nil, fmt.Errorf("interface %s: %w", name, err)
 		}
@@ -121,8 +118,8 @@ func interfacesOf(in []*nethookpb.NetworkInterface) ([]*gatepb.Interface, error)
 					prev.Addresses = append(prev.Addresses, a)
 				}
 			}
-			if len(prev.Addresses) > maxAddresses {
-				return nil, invalid("interface %s has more than %d addresses", name, maxAddresses)
+			if len(prev.Addresses) > gate.MaxAddresses {
+				return nil, gate.Invalid("interface %s has more than %d addresses", name, gate.MaxAddresses)
 			}
 			if prev.Mac == "" {
 				prev.Mac = mac
@@ -130,7 +127,7 @@ func interfacesOf(in []*nethookpb.NetworkInterface) ([]*gatepb.Interface, error)
 			continue
 		}
 		if len(out) == maxInterfaces {
-			return nil, invalid("more than %d pod interfaces", maxInterfaces)
+			return nil, gate.Invalid("more than %d pod interfaces", maxInterfaces)
 		}
 		gi := &gatepb.Interface{Name: name, Mac: mac, Addresses: addrs}
 		byName[name] = gi
@@ -141,44 +138,4 @@ func interfacesOf(in []*nethookpb.NetworkInterface) ([]*gatepb.Interface, error)
 		out = slices.Insert(slices.Delete(out, i, i+1), 0, eth0)
 	}
 	return out, nil
-}
-
-// toPrefixes turns addresses as plugins report them, bare ("10.1.0.5") or in
-// CIDR notation ("10.1.0.5/24"), into the CIDR notation the gate records. A
-// bare address becomes a host prefix. Zones are dropped.
-func toPrefixes(ips []string) ([]string, error) {
-	if len(ips) > maxAddresses {
-		return nil, invalid("%d addresses, more than the limit of %d", len(ips), maxAddresses)
-	}
-	out := make([]string, 0, len(ips))
-	for _, s := range ips {
-		if p, err := netip.ParsePrefix(s); err == nil {
-			out = append(out, p.String())
-			continue
-		}
-		a, err := netip.ParseAddr(s)
-		if err != nil {
-			return nil, invalid("address %.60q is neither an IP address nor in CIDR notation", s)
-		}
-		a = a.WithZone("")
-		out = append(out, netip.PrefixFrom(a, a.BitLen()).String())
-	}
-	return out, nil
-}
-
-// checkIfname applies the kernel's rules for interface names, as the gate does.
-func checkIfname(name string) error {
-	if len(name) == 0 || len(name) > maxIfnameLen || name == "." || name == ".." {
-		return invalid("interface name %.80q must be 1-%d characters and not . or ..", name, maxIfnameLen)
-	}
-	for _, r := range name {
-		if r == '/' || r == ':' || r <= ' ' || r == 0x7f {
-			return invalid("interface name %.80q contains %q", name, r)
-		}
-	}
-	return nil
-}
-
-func invalid(format string, args ...any) error {
-	return fmt.Errorf("%w: %s", gate.ErrInvalidRequest, fmt.Sprintf(format, args...))
 }

@@ -138,19 +138,7 @@ func (s *Server) Serve() error {
 // Stop lets in-flight calls finish for up to grace, then cuts the rest. A setup
 // cut off before its enrollment returned has failed for the runtime.
 func (s *Server) Stop(grace time.Duration) {
-	done := make(chan struct{})
-	go func() {
-		s.grpc.GracefulStop()
-		close(done)
-	}()
-	t := time.NewTimer(grace)
-	defer t.Stop()
-	select {
-	case <-done:
-	case <-t.C:
-		s.grpc.Stop()
-		<-done
-	}
+	gate.Stop(s.grpc, grace)
 }
 
 type hook struct {
