@@ -40,17 +40,25 @@ trap 'rm -f "$out"' EXIT
 # fuzz_once runs one target. The Go fuzzing coordinator can itself fail with
 # "context deadline exceeded" when a worker answers late at the end of its
 # budget on a loaded machine; that is not a finding (no input is written), so
-# such a run is repeated once.
+# such a run is repeated (at most twice).
 fuzz_once() {
 	"$GO" test -run '^$' -fuzz "^$2\$" -fuzztime "$budget" "./$1" 2>&1 | tee "$out"
 	return "${PIPESTATUS[0]}"
 }
 while read -r dir name; do
 	echo "== ${dir} ${name}"
-	if fuzz_once "$dir" "$name"; then
-		passed=$((passed + 1))
-	elif grep -q 'context deadline exceeded' "$out" && ! grep -q 'Failing input written' "$out" &&
-		echo "fuzz: ${name}: coordinator timeout without a finding, running it again" && fuzz_once "$dir" "$name"; then
+	ok=0
+	for attempt in 1 2 3; do
+		if fuzz_once "$dir" "$name"; then
+			ok=1
+			break
+		fi
+		if ! grep -q 'context deadline exceeded' "$out" || grep -q 'Failing input written' "$out"; then
+			break # a real finding, or another failure: no retry
+		fi
+		echo "fuzz: ${name}: coordinator timeout without a finding (attempt ${attempt}), running it again"
+	done
+	if [ "$ok" = 1 ]; then
 		passed=$((passed + 1))
 	else
 		failed+=("${dir} ${name}")
