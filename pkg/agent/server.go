@@ -30,12 +30,7 @@ func NewGateServer(ctx context.Context, log *zap.Logger, socketPath string, allo
 	if err != nil {
 		return nil, err
 	}
-	auth := gate.NewAuthorizer(allowedUIDs)
-	srv := grpc.NewServer(
-		grpc.Creds(gate.ServerCredentials()),
-		grpc.ChainUnaryInterceptor(auth.UnaryInterceptor, metrics.UnaryInterceptor),
-		grpc.ChainStreamInterceptor(auth.StreamInterceptor),
-	)
+	srv := gate.NewServer(allowedUIDs, grpc.ChainUnaryInterceptor(metrics.UnaryInterceptor))
 	gatepb.RegisterGateServer(srv, svc)
 	hs := health.NewServer()
 	healthpb.RegisterHealthServer(srv, hs)

@@ -89,6 +89,17 @@ func (p Plugin) logger(conf *NetConf, args *skel.CmdArgs, cmd string) (*zap.Logg
 	return log, func() { _ = log.Sync(); closeFn() }
 }
 
+// connect prepares the gate client and a context bounded by timeout; done
+// releases both.
+func (p Plugin) connect(conf *NetConf, timeout time.Duration) (*grpc.ClientConn, context.Context, func(), error) {
+	conn, err := p.dial(conf)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	return conn, ctx, func() { cancel(); conn.Close() }, nil
+}
+
 func (p Plugin) dial(conf *NetConf) (*grpc.ClientConn, error) {
 	// A socket that exists but that this process may not open would otherwise
 	// look like an agent that never answers; say what it is at once.
@@ -138,14 +149,12 @@ func (p Plugin) Add(args *skel.CmdArgs) error {
 	}
 	parsed := time.Now()
 
-	conn, err := p.dial(conf)
+	timeout := time.Duration(conf.GateTimeout)
+	conn, ctx, done, err := p.connect(conf, timeout)
 	if err != nil {
 		return err
 	}
-	defer conn.Close()
-	timeout := time.Duration(conf.GateTimeout)
-	ctx, cancel := context.WithTimeout(context.Background(), timeout)
-	defer cancel()
+	defer done()
 	resp, err := gatepb.NewGateClient(conn).Add(ctx, &gatepb.AddRequest{
 		Pod:        &gatepb.PodIdentity{Namespace: pod.Namespace, Name: pod.Name, Uid: pod.UID},
 		Attachment: &gatepb.Attachment{ContainerId: args.ContainerID, Ifname: args.IfName, Network: conf.Name},
@@ -222,13 +231,11 @@ func (p Plugin) Del(args *skel.CmdArgs) error {
 	if pod.HasIdentity && conf.Excluded(pod.Namespace) {
 		return nil
 	}
-	conn, err := p.dial(conf)
+	conn, ctx, done, err := p.connect(conf, time.Duration(conf.DelTimeout))
 	if err != nil {
 		return err
 	}
-	defer conn.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(conf.DelTimeout))
-	defer cancel()
+	defer done()
 	req := &gatepb.DelRequest{
 		Attachment: &gatepb.Attachment{ContainerId: args.ContainerID, Ifname: args.IfName, Network: conf.Name},
 		NetnsPath:  args.Netns,
@@ -277,13 +284,11 @@ func (p Plugin) Check(args *skel.CmdArgs) error {
 	if err != nil {
 		return err
 	}
-	conn, err := p.dial(conf)
+	conn, ctx, done, err := p.connect(conf, time.Duration(conf.DelTimeout))
 	if err != nil {
 		return err
 	}
-	defer conn.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(conf.DelTimeout))
-	defer cancel()
+	defer done()
 	_, err = gatepb.NewGateClient(conn).Check(ctx, &gatepb.CheckRequest{
 		Pod:        &gatepb.PodIdentity{Namespace: pod.Namespace, Name: pod.Name, Uid: pod.UID},
 		Attachment: &gatepb.Attachment{ContainerId: args.ContainerID, Ifname: args.IfName, Network: conf.Name},
@@ -310,13 +315,11 @@ func (p Plugin) GC(args *skel.CmdArgs) error {
 	for _, a := range valid {
 		req.Valid = append(req.Valid, &gatepb.Attachment{ContainerId: a.ContainerID, Ifname: a.IfName, Network: conf.Name})
 	}
-	conn, err := p.dial(conf)
+	conn, ctx, done, err := p.connect(conf, time.Duration(conf.DelTimeout))
 	if err != nil {
 		return err
 	}
-	defer conn.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(conf.DelTimeout))
-	defer cancel()
+	defer done()
 	resp, err := gatepb.NewGateClient(conn).GC(ctx, req)
 	if err != nil {
 		return gateError("GC", conf.SocketPath, time.Duration(conf.DelTimeout), err)
@@ -331,13 +334,11 @@ func (p Plugin) Status(args *skel.CmdArgs) error {
 	if err != nil {
 		return err
 	}
-	conn, err := p.dial(conf)
+	conn, ctx, done, err := p.connect(conf, time.Duration(conf.DelTimeout))
 	if err != nil {
 		return err
 	}
-	defer conn.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(conf.DelTimeout))
-	defer cancel()
+	defer done()
 	resp, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{})
 	if err != nil {
 		return types.NewError(ErrPluginNotAvailable,

@@ -131,3 +131,15 @@ func (a Authorizer) StreamInterceptor(srv any, ss grpc.ServerStream, _ *grpc.Str
 	}
 	return handler(srv, ss)
 }
+
+// NewServer is a gRPC server for one of the agent's Unix sockets: it learns each
+// peer's SO_PEERCRED and refuses calls from users not in allowedUIDs (root only
+// when empty) before any other interceptor or handler runs.
+func NewServer(allowedUIDs []int, opts ...grpc.ServerOption) *grpc.Server {
+	auth := NewAuthorizer(allowedUIDs)
+	return grpc.NewServer(append([]grpc.ServerOption{
+		grpc.Creds(ServerCredentials()),
+		grpc.ChainUnaryInterceptor(auth.UnaryInterceptor),
+		grpc.ChainStreamInterceptor(auth.StreamInterceptor),
+	}, opts...)...)
+}

@@ -8,8 +8,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/proto"
 
+	"github.com/mesh-cni/mesh-cni/pkg/gate"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 	"github.com/mesh-cni/mesh-cni/pkg/kni/knipb"
 )
@@ -143,7 +143,7 @@ func (i *interposer) undo(ctx context.Context, log *zap.Logger, req *knipb.Attac
 	defer cancel()
 	dreq := detachRequestFor(req)
 	if del, err := DetachToGate(dreq, i.cfg.Network); err == nil {
-		i.release(undoCtx, log, del)
+		gate.ReleaseSandbox(undoCtx, log, i.gate, del)
 	}
 	if _, err := detach(undoCtx, dreq); err != nil {
 		log.Error("undoing the attach failed; the network runtime may still hold the pod's network", zap.Error(err))
@@ -177,37 +177,8 @@ func (i *interposer) detach(ctx context.Context, method string, req *knipb.Detac
 		log.Warn("cannot release the pod from the mesh; forwarding the detach anyway", zap.Error(err))
 	} else {
 		relCtx, cancel := context.WithTimeout(ctx, i.cfg.ReleaseTimeout)
-		i.release(relCtx, log, del)
+		gate.ReleaseSandbox(relCtx, log, i.gate, del)
 		cancel()
 	}
 	return forward(ctx, fwd, req)
-}
-
-// release deletes every attachment the agent holds for the sandbox in this
-// network. A detach does not say which interfaces the attach reported, so the
-// agent's records are the authority; del's own attachment is used when they
-// cannot be listed.
-func (i *interposer) release(ctx context.Context, log *zap.Logger, del *gatepb.DelRequest) {
-	atts := []*gatepb.Attachment{del.GetAttachment()}
-	if list, err := i.gate.List(ctx, &gatepb.ListRequest{}); err != nil {
-		log.Warn("listing the agent's enrollments failed; releasing the default interface only", zap.Error(err))
-	} else {
-		atts = atts[:0]
-		for _, e := range list.GetEnrollments() {
-			a := e.GetAttachment()
-			if a.GetNetwork() == del.GetAttachment().GetNetwork() && a.GetContainerId() == del.GetAttachment().GetContainerId() {
-				atts = append(atts, a)
-			}
-		}
-	}
-	for _, a := range atts {
-		d := proto.Clone(del).(*gatepb.DelRequest)
-		d.Attachment = a
-		resp, err := i.gate.Del(ctx, d)
-		if err != nil {
-			log.Warn("release from the mesh failed", zap.String("ifname", a.GetIfname()), zap.Error(err))
-			continue
-		}
-		log.Info("released from the mesh", zap.String("ifname", a.GetIfname()), zap.Bool("held", resp.GetReleased()))
-	}
 }

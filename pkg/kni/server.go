@@ -142,11 +142,7 @@ func New(ctx context.Context, log *zap.Logger, cfg Config) (*Server, error) {
 	}
 	log = log.With(zap.String("entry", "kni"))
 	codec := newRawCodec()
-	auth := gate.NewAuthorizer(cfg.AllowedUIDs)
-	srv := grpc.NewServer(
-		grpc.Creds(gate.ServerCredentials()),
-		grpc.ChainUnaryInterceptor(auth.UnaryInterceptor),
-		grpc.ChainStreamInterceptor(auth.StreamInterceptor),
+	srv := gate.NewServer(cfg.AllowedUIDs,
 		grpc.ForceServerCodecV2(codec),
 		grpc.UnknownServiceHandler(forwardUnknown(conn, codec)),
 	)

@@ -26,7 +26,6 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/proto"
 
 	"github.com/mesh-cni/mesh-cni/pkg/gate"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
@@ -113,12 +112,7 @@ func New(ctx context.Context, log *zap.Logger, cfg Config) (*Server, error) {
 		return nil, fmt.Errorf("network-plugin hook: %w", err)
 	}
 	log = log.With(zap.String("entry", "nethook"))
-	auth := gate.NewAuthorizer(cfg.AllowedUIDs)
-	srv := grpc.NewServer(
-		grpc.Creds(gate.ServerCredentials()),
-		grpc.ChainUnaryInterceptor(auth.UnaryInterceptor),
-		grpc.ChainStreamInterceptor(auth.StreamInterceptor),
-	)
+	srv := gate.NewServer(cfg.AllowedUIDs)
 	nethookpb.RegisterPodNetworkLifecycleServer(srv, &hook{log: log, cfg: cfg})
 	return &Server{log: log, grpc: srv, listener: l}, nil
 }
@@ -175,7 +169,7 @@ func (h *hook) SetupPodNetwork(ctx context.Context, req *nethookpb.SetupPodNetwo
 		// Nothing should be held after a failed Add; release anyway, so the
 		// runtime's retry starts clean.
 		relCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.cfg.ReleaseTimeout)
-		h.release(relCtx, log, &gatepb.DelRequest{Attachment: add.GetAttachment(), NetnsPath: add.GetNetnsPath(), Source: gatepb.Source_SOURCE_HOOK})
+		gate.ReleaseSandbox(relCtx, log, h.cfg.Gate, &gatepb.DelRequest{Attachment: add.GetAttachment(), NetnsPath: add.GetNetnsPath(), Source: gatepb.Source_SOURCE_HOOK})
 		cancel()
 		code := st.Code()
 		if code == codes.OK || code == codes.Unknown {
@@ -200,7 +194,7 @@ func (h *hook) TeardownPodNetwork(ctx context.Context, req *nethookpb.TeardownPo
 	}
 	relCtx, cancel := context.WithTimeout(ctx, h.cfg.ReleaseTimeout)
 	defer cancel()
-	h.release(relCtx, log, del)
+	gate.ReleaseSandbox(relCtx, log, h.cfg.Gate, del)
 	return &nethookpb.TeardownPodNetworkResponse{}, nil
 }
 
@@ -211,32 +205,4 @@ func (h *hook) CheckHealth(context.Context, *nethookpb.CheckHealthRequest) (*net
 		return &nethookpb.CheckHealthResponse{Ready: false, Message: "mesh-agent is not ready: " + why}, nil
 	}
 	return &nethookpb.CheckHealthResponse{Ready: true, Message: "mesh-agent is ready"}, nil
-}
-
-// release deletes every attachment the agent holds for the sandbox in this
-// network: the agent's records are the authority on which interfaces were
-// enrolled. del's own attachment is used when they cannot be listed.
-func (h *hook) release(ctx context.Context, log *zap.Logger, del *gatepb.DelRequest) {
-	atts := []*gatepb.Attachment{del.GetAttachment()}
-	if list, err := h.cfg.Gate.List(ctx, &gatepb.ListRequest{}); err != nil {
-		log.Warn("listing the agent's enrollments failed; releasing the default interface only", zap.Error(err))
-	} else {
-		atts = atts[:0]
-		for _, e := range list.GetEnrollments() {
-			a := e.GetAttachment()
-			if a.GetNetwork() == del.GetAttachment().GetNetwork() && a.GetContainerId() == del.GetAttachment().GetContainerId() {
-				atts = append(atts, a)
-			}
-		}
-	}
-	for _, a := range atts {
-		d := proto.Clone(del).(*gatepb.DelRequest)
-		d.Attachment = a
-		resp, err := h.cfg.Gate.Del(ctx, d)
-		if err != nil {
-			log.Warn("release from the mesh failed", zap.String("ifname", a.GetIfname()), zap.Error(err))
-			continue
-		}
-		log.Info("released from the mesh", zap.String("ifname", a.GetIfname()), zap.Bool("held", resp.GetReleased()))
-	}
 }

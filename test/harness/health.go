@@ -7,11 +7,11 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
+
+	"github.com/mesh-cni/mesh-cni/pkg/gate"
 )
 
 // healthPoll is the pause between health checks that reached a server that is not
@@ -27,17 +27,9 @@ func WaitForHealthy(ctx context.Context, socketPath string) error {
 	if err != nil {
 		return fmt.Errorf("health check socket %q: %w", socketPath, err)
 	}
-	conn, err := grpc.NewClient("unix://"+abs,
-		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithConnectParams(grpc.ConnectParams{
-			Backoff: backoff.Config{
-				BaseDelay:  20 * time.Millisecond,
-				Multiplier: 1.6,
-				Jitter:     0.2,
-				MaxDelay:   500 * time.Millisecond,
-			},
-			MinConnectTimeout: time.Second,
-		}))
+	// The gate client the plugin uses: its short reconnect back-off finds a
+	// socket that appears late within a fraction of a second.
+	conn, err := gate.Dial(abs)
 	if err != nil {
 		return fmt.Errorf("health client for %s: %w", socketPath, err)
 	}
