@@ -158,10 +158,15 @@ func (d *Datapath) Enroll(ctx context.Context, t Target) (Enrollment, error) {
 
 	d.mapMu.Lock()
 	defer d.mapMu.Unlock()
-	oldExcluded, oldProbes, err := d.podCIDRs(cookie)
-	if err != nil {
-		rollback()
-		return Enrollment{}, fmt.Errorf("enroll: %w", err)
+	// Reading a pod's CIDRs walks both tries whole; a first enrollment (every
+	// ADD) has none: netns cookies are never reused within a boot, and Release
+	// and Open remove the entries of cookies without settings.
+	var oldExcluded, oldProbes []netip.Prefix
+	if wasEnrolled {
+		if oldExcluded, oldProbes, err = d.podCIDRs(cookie); err != nil {
+			rollback()
+			return Enrollment{}, fmt.Errorf("enroll: %w", err)
+		}
 	}
 	addedExcluded, err := putCIDRs(d.objs.ExcludedDsts, cookie, s.ExcludedCIDRs, oldExcluded)
 	if err == nil {
