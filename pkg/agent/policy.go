@@ -10,6 +10,17 @@ import (
 type Decision struct {
 	Enroll bool
 	Reason string
+	// ServiceAccount is the pod's Kubernetes service account when the policy
+	// read the pod from the API server; empty when it cannot know it. It is
+	// stored in the pod's record and handed to the node proxy over ZDS.
+	ServiceAccount string
+}
+
+// ServiceAccountSource is a policy that reads each pod's service account
+// (the Kubernetes source). A node proxy that derives identities from it
+// (ztunnel) can only be served when the policy is one.
+type ServiceAccountSource interface {
+	KnowsServiceAccounts() bool
 }
 
 // Policy decides which pods join the mesh. Decide runs inside gate Add, bounded

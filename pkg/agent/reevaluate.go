@@ -55,6 +55,7 @@ func (s *Service) reevaluateOne(ctx context.Context, key podstore.Key) (changed,
 	}
 	switch {
 	case decision.Enroll && rec.Skipped:
+		rec.ServiceAccount = decision.ServiceAccount
 		if _, reason, err := s.enroll(ctx, rec); err != nil {
 			s.metrics.enrollFailed(reason)
 			s.report(ctx, pod, outcomeFailed, err)
@@ -70,6 +71,13 @@ func (s *Service) reevaluateOne(ctx context.Context, key podstore.Key) (changed,
 		s.report(ctx, pod, outcomeDisabled, nil)
 		s.log.Info("pod released after a policy change", append(fields, zap.String("reason", decision.Reason))...)
 		return true, false, nil
+	case decision.Enroll && rec.ServiceAccount == "" && decision.ServiceAccount != "":
+		// A record written before the agent stored service accounts: keep the
+		// answer, so the node proxy's next snapshot carries it.
+		rec.ServiceAccount = decision.ServiceAccount
+		if err := s.store.Put(rec); err != nil {
+			return false, true, fmt.Errorf("record the service account of %s: %w", key, err)
+		}
 	}
 	return false, decision.Enroll, nil
 }

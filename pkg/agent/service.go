@@ -98,15 +98,16 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 		return nil, status.Errorf(codes.Aborted, "enrollment policy could not decide for pod %s/%s: %v", req.GetPod().GetNamespace(), req.GetPod().GetName(), err)
 	}
 	rec := podstore.Record{
-		Key:         key,
-		Namespace:   req.GetPod().GetNamespace(),
-		Name:        req.GetPod().GetName(),
-		UID:         req.GetPod().GetUid(),
-		NetnsPath:   req.GetNetnsPath(),
-		Interfaces:  toRecordInterfaces(req.GetInterfaces()),
-		Source:      req.GetSource().String(),
-		Labels:      req.GetPod().GetLabels(),
-		Annotations: req.GetPod().GetAnnotations(),
+		Key:            key,
+		Namespace:      req.GetPod().GetNamespace(),
+		Name:           req.GetPod().GetName(),
+		UID:            req.GetPod().GetUid(),
+		NetnsPath:      req.GetNetnsPath(),
+		ServiceAccount: decision.ServiceAccount,
+		Interfaces:     toRecordInterfaces(req.GetInterfaces()),
+		Source:         req.GetSource().String(),
+		Labels:         req.GetPod().GetLabels(),
+		Annotations:    req.GetPod().GetAnnotations(),
 	}
 	if !decision.Enroll {
 		if err := s.skip(ctx, rec); err != nil {

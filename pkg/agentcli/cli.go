@@ -48,6 +48,7 @@ type options struct {
 	zdsSocket         string
 	zdsWait           string
 	zdsAllowedUIDs    intList
+	zdsNoServiceAcct  bool
 
 	// Redirection settings for every enrolled pod.
 	outboundPort  uint
@@ -96,6 +97,7 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.StringVar(&opts.zdsSocket, "zds-socket", zds.DefaultSocketPath, "serve the ZDS proxy handoff (what ztunnel connects to) on this SOCK_SEQPACKET socket; empty: off")
 	opts.zdsAllowedUIDs = intList{0}
 	fs.Var(&opts.zdsAllowedUIDs, "zds-allowed-uids", "comma-separated user ids a node proxy may connect to the ZDS socket as (checked with SO_PEERCRED)")
+	fs.BoolVar(&opts.zdsNoServiceAcct, "zds-without-service-accounts", false, "serve ZDS although --enrollment cannot know pods' service accounts (file, all): every pod is handed over with an empty service_account, which ztunnel cannot serve (it finds the workload and its SPIFFE identity by it); only for a node proxy that does not use it")
 	fs.StringVar(&opts.zdsWait, "zds-wait", string(agent.WaitAuto), "when a pod's ADD waits for the node proxy's ack: auto (once a proxy has ever connected), always or never")
 	fs.DurationVar(&opts.reconcileInterval, "reconcile-interval", 30*time.Second, "period of the reconcile pass that releases pods whose namespace is gone and repairs broken redirection")
 
@@ -209,6 +211,10 @@ func runCommand(ctx context.Context, args []string, stderr io.Writer) int {
 		log.Error("invalid configuration", zap.Error(err))
 		return 2
 	}
+	if err := checkZDSServiceAccounts(opts); err != nil {
+		log.Error("invalid configuration", zap.Error(err))
+		return 2
+	}
 	if cfg.Policy, err = opts.enroll.policy(ctx, log); err != nil {
 		log.Error("invalid configuration", zap.Error(err))
 		return 2
@@ -225,6 +231,20 @@ func runCommand(ctx context.Context, args []string, stderr io.Writer) int {
 		return 1
 	}
 	return 0
+}
+
+// checkZDSServiceAccounts refuses a ZDS server whose pods would reach the node
+// proxy without a service account. ztunnel acks such a pod and then cannot
+// serve it: it looks the workload up by name, namespace and service account
+// and fetches the certificate of spiffe://<trust domain>/ns/<ns>/sa/<sa>.
+// Only the Kubernetes source reads spec.serviceAccountName; a CNI request
+// never carries it and a policy file cannot know it.
+func checkZDSServiceAccounts(opts options) error {
+	if opts.zdsSocket == "" || opts.enroll.mode == EnrollmentKubernetes || opts.zdsNoServiceAcct {
+		return nil
+	}
+	return fmt.Errorf("--zds-socket=%s serves a node proxy such as ztunnel, which needs each pod's service account, and --enrollment=%s cannot know it (only --enrollment=kubernetes reads spec.serviceAccountName): use --enrollment=kubernetes, turn ZDS off with --zds-socket=, or pass --zds-without-service-accounts for a node proxy that does not use service accounts",
+		opts.zdsSocket, opts.enroll.mode)
 }
 
 func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {

@@ -76,6 +76,8 @@ var (
 	_ agent.PolicyWatcher   = (*KubeSource)(nil)
 	_ agent.PolicySyncer    = (*KubeSource)(nil)
 	_ agent.OutcomeReporter = (*KubeSource)(nil)
+
+	_ agent.ServiceAccountSource = (*KubeSource)(nil)
 )
 
 // StartKubeSource starts the informers; they run until ctx is cancelled or
@@ -297,8 +299,20 @@ func (k *KubeSource) Decide(ctx context.Context, pod *gatepb.PodIdentity) (agent
 	if err != nil {
 		return agent.Decision{}, err
 	}
-	return k.cfg.Selectors.Decide(ns, nsObj.Labels, p.Labels, p.Annotations), nil
+	d := k.cfg.Selectors.Decide(ns, nsObj.Labels, p.Labels, p.Annotations)
+	d.ServiceAccount = serviceAccountOf(p)
+	return d, nil
 }
+
+// serviceAccountOf is the pod's service account as the API server admitted it:
+// its ServiceAccount admission sets "default" when the pod names none, so an
+// empty name means an object that did not pass admission.
+func serviceAccountOf(p *corev1.Pod) string {
+	return p.Spec.ServiceAccountName
+}
+
+// KnowsServiceAccounts implements agent.ServiceAccountSource.
+func (k *KubeSource) KnowsServiceAccounts() bool { return true }
 
 func (k *KubeSource) cachedPod(ns, name string) *corev1.Pod {
 	p, err := k.pods.Pods(ns).Get(name)
@@ -412,7 +426,7 @@ func (k *KubeSource) Report(_ context.Context, pod *gatepb.PodIdentity, outcome 
 	k.reporter.report(pod.GetNamespace(), pod.GetName(), pod.GetUid(), outcome, err)
 }
 
-// trimPod keeps what decisions need: the cache then holds a small fraction of
+// trimPod keeps what decisions and the proxy handoff need: the cache then holds a small fraction of
 // each pod (no spec, status or managed fields).
 func trimPod(obj any) (any, error) {
 	p, ok := obj.(*corev1.Pod)
@@ -422,7 +436,8 @@ func trimPod(obj any) (any, error) {
 	return &corev1.Pod{
 		TypeMeta:   p.TypeMeta,
 		ObjectMeta: trimMeta(p.ObjectMeta),
-		Spec:       corev1.PodSpec{NodeName: p.Spec.NodeName},
+		// The service account goes to the node proxy with the pod (ZDS).
+		Spec: corev1.PodSpec{NodeName: p.Spec.NodeName, ServiceAccountName: p.Spec.ServiceAccountName},
 	}, nil
 }
 

@@ -46,15 +46,20 @@ type Interface struct {
 
 // Record is what the agent knows about one enrolled attachment.
 type Record struct {
-	Key         Key         `json:"key"`
-	Namespace   string      `json:"namespace"`
-	Name        string      `json:"name"`
-	UID         string      `json:"uid,omitempty"`
-	NetnsPath   string      `json:"netnsPath"`
-	NetnsCookie uint64      `json:"netnsCookie"`
-	Interfaces  []Interface `json:"interfaces,omitempty"`
-	Source      string      `json:"source"`
-	EnrolledAt  time.Time   `json:"enrolledAt"`
+	Key       Key    `json:"key"`
+	Namespace string `json:"namespace"`
+	Name      string `json:"name"`
+	UID       string `json:"uid,omitempty"`
+	// ServiceAccount is the pod's Kubernetes service account, as the
+	// enrollment source read it (spec.serviceAccountName); empty when the
+	// source cannot know it. A node proxy such as ztunnel derives the pod's
+	// identity from it.
+	ServiceAccount string      `json:"serviceAccount,omitempty"`
+	NetnsPath      string      `json:"netnsPath"`
+	NetnsCookie    uint64      `json:"netnsCookie"`
+	Interfaces     []Interface `json:"interfaces,omitempty"`
+	Source         string      `json:"source"`
+	EnrolledAt     time.Time   `json:"enrolledAt"`
 	// Skipped: the pod reached the agent but the policy keeps it out of the mesh.
 	// It is recorded so that a later policy or label change can enroll it.
 	Skipped bool `json:"skipped,omitempty"`

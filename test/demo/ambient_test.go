@@ -62,7 +62,7 @@ func TestDemoAmbient(t *testing.T) {
 	say.step("The mesh agent installs itself into the CNI chain and opens its ZDS socket")
 	agentArgs := append(append([]string{"run", "--socket", socket, "--state-dir", filepath.Join(dir, "pods"), "--bpffs-root", bpffs},
 		install...), "--plugin-binary", bins.Path("mesh-cni"), "--gate-timeout", "1m", "--metrics-addr=",
-		"--zds-socket", zdsSocket, "--log-level", "warn")
+		"--zds-socket", zdsSocket, "--zds-without-service-accounts", "--log-level", "warn")
 	harness.StartProcess(t, harness.ProcessOptions{Path: bins.Path("mesh-agent"), Args: agentArgs, Name: "mesh-agent"})
 	readyCtx, cancelReady := context.WithTimeout(ctx, time.Minute)
 	err = harness.WaitForHealthy(readyCtx, socket)

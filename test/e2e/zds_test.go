@@ -137,7 +137,9 @@ func TestZDSNodeProxy(t *testing.T) {
 	ctx := testContext(t)
 	a := newAgent(t)
 	zdsSocket := a.agentPath("zds", "ztunnel.sock")
-	a.Args = append(a.Args, "--zds-socket", zdsSocket)
+	// The reference node proxy does not use service accounts; enrollment=all
+	// cannot know them.
+	a.Args = append(a.Args, "--zds-socket", zdsSocket, "--zds-without-service-accounts")
 	a.start(ctx)
 	np := startNodeProxy(ctx, t, zdsSocket, "node-proxy-1")
 
@@ -234,7 +236,9 @@ func TestZDSProxyNeverAcks(t *testing.T) {
 	ctx := testContext(t)
 	a := newAgent(t, "--zds-wait=always")
 	zdsSocket := a.agentPath("zds", "ztunnel.sock")
-	a.Args = append(a.Args, "--zds-socket", zdsSocket)
+	// The reference node proxy does not use service accounts; enrollment=all
+	// cannot know them.
+	a.Args = append(a.Args, "--zds-socket", zdsSocket, "--zds-without-service-accounts")
 	a.start(ctx)
 
 	pc, err := zds.Dial(ctx, zdsSocket)
