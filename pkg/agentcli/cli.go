@@ -16,6 +16,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/mesh-cni/mesh-cni/pkg/agent"
+	"github.com/mesh-cni/mesh-cni/pkg/cniplugin"
 	"github.com/mesh-cni/mesh-cni/pkg/redirect"
 	"github.com/mesh-cni/mesh-cni/pkg/zds"
 )
@@ -259,6 +260,11 @@ func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {
 		ZDSWait:           agent.WaitMode(opts.zdsWait),
 		ZDSAllowedUIDs:    opts.zdsAllowedUIDs,
 		DatapathName:      opts.datapath,
+	}
+	// The plugin refuses a longer gateTimeout, so an entry with one would fail
+	// every ADD on the node.
+	if opts.gateTimeout <= 0 || opts.gateTimeout > cniplugin.MaxGateTimeout {
+		return cfg, fmt.Errorf("--gate-timeout %s: want more than 0 and at most %s", opts.gateTimeout, cniplugin.MaxGateTimeout)
 	}
 	switch opts.datapath {
 	case "none":

@@ -2,6 +2,7 @@ package cniplugin
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"path/filepath"
 	"slices"
@@ -19,6 +20,18 @@ const (
 	DefaultGateTimeout = 30 * time.Second
 	DefaultDelTimeout  = 2 * time.Second
 	DefaultLogLevel    = "info"
+	// MaxGateTimeout bounds gateTimeout: a pod's sandbox is held for at most
+	// this long. Runtimes give up on a sandbox well before (kubelet's runtime
+	// request timeout is 2 minutes by default), so a longer value would only
+	// keep a plugin process and its socket around after the runtime left.
+	MaxGateTimeout = 5 * time.Minute
+	// MaxDelTimeout bounds delTimeout: DEL, CHECK, GC and STATUS hold a pod's
+	// teardown or a runtime's status poll, and DEL succeeds without the agent.
+	MaxDelTimeout = time.Minute
+	// MaxStdin bounds the network configuration the plugin reads. A conflist
+	// entry with its prevResult and a GC list for a full node is a few
+	// hundred KiB at most.
+	MaxStdin = 4 << 20
 )
 
 // DefaultExcludeNamespaces keeps the cluster's own system pods out of the mesh,
@@ -51,18 +64,23 @@ type NetConf struct {
 // Duration is a time.Duration written as a Go duration string ("30s").
 type Duration time.Duration
 
+// errBadDuration marks a duration field that decodes as JSON but is not a
+// valid duration: an invalid network configuration (code 7), not a decoding
+// failure (code 6).
+var errBadDuration = errors.New("invalid duration")
+
 // UnmarshalJSON implements json.Unmarshaler.
 func (d *Duration) UnmarshalJSON(b []byte) error {
 	var s string
 	if err := json.Unmarshal(b, &s); err != nil {
-		return fmt.Errorf("want a duration string such as \"30s\", got %s", truncate(string(b), 40))
+		return fmt.Errorf("%w: want a duration string such as \"30s\", got %s", errBadDuration, truncate(string(b), 40))
 	}
 	v, err := time.ParseDuration(s)
 	if err != nil {
-		return fmt.Errorf("duration %q: %w", truncate(s, 40), err)
+		return fmt.Errorf("%w %q: %v", errBadDuration, truncate(s, 40), err)
 	}
 	if v <= 0 {
-		return fmt.Errorf("duration %q must be positive", s)
+		return fmt.Errorf("%w %q: must be positive", errBadDuration, truncate(s, 40))
 	}
 	*d = Duration(v)
 	return nil
@@ -86,8 +104,27 @@ func (c *NetConf) Excluded(namespace string) bool {
 // parseConfig decodes stdin, applies defaults, parses prevResult and validates.
 // Its errors are CNI errors with the code the spec assigns.
 func parseConfig(stdin []byte) (*NetConf, error) {
+	conf, err := parseConfigOnly(stdin)
+	if err != nil {
+		return nil, err
+	}
+	if conf.RawPrevResult != nil {
+		if err := version.ParsePrevResult(&conf.NetConf); err != nil {
+			return nil, types.NewError(types.ErrDecodingFailure, "mesh-cni: cannot parse prevResult", err.Error())
+		}
+	}
+	return conf, nil
+}
+
+// parseConfigOnly is parseConfig without prevResult, for the commands that do
+// not read it (DEL, GC, STATUS): a prevResult they cannot parse must not fail
+// them.
+func parseConfigOnly(stdin []byte) (*NetConf, error) {
 	conf := &NetConf{}
 	if err := json.Unmarshal(stdin, conf); err != nil {
+		if errors.Is(err, errBadDuration) {
+			return nil, types.NewError(types.ErrInvalidNetworkConfig, "mesh-cni: gateTimeout and delTimeout must be durations such as \"30s\"", err.Error())
+		}
 		return nil, types.NewError(types.ErrDecodingFailure, "mesh-cni: cannot decode the network configuration", err.Error())
 	}
 	if conf.SocketPath == "" {
@@ -106,6 +143,14 @@ func parseConfig(stdin []byte) (*NetConf, error) {
 	if conf.LogLevel == "" {
 		conf.LogLevel = DefaultLogLevel
 	}
+	if time.Duration(conf.GateTimeout) > MaxGateTimeout {
+		return nil, types.NewError(types.ErrInvalidNetworkConfig,
+			fmt.Sprintf("mesh-cni: gateTimeout %s is longer than the limit of %s", time.Duration(conf.GateTimeout), MaxGateTimeout), "")
+	}
+	if time.Duration(conf.DelTimeout) > MaxDelTimeout {
+		return nil, types.NewError(types.ErrInvalidNetworkConfig,
+			fmt.Sprintf("mesh-cni: delTimeout %s is longer than the limit of %s", time.Duration(conf.DelTimeout), MaxDelTimeout), "")
+	}
 	if !filepath.IsAbs(conf.SocketPath) {
 		return nil, types.NewError(types.ErrInvalidNetworkConfig, "mesh-cni: socketPath must be an absolute path", conf.SocketPath)
 	}
@@ -118,11 +163,6 @@ func parseConfig(stdin []byte) (*NetConf, error) {
 	for _, ns := range *conf.ExcludeNamespaces {
 		if strings.TrimSpace(ns) == "" {
 			return nil, types.NewError(types.ErrInvalidNetworkConfig, "mesh-cni: excludeNamespaces contains an empty name", "")
-		}
-	}
-	if conf.RawPrevResult != nil {
-		if err := version.ParsePrevResult(&conf.NetConf); err != nil {
-			return nil, types.NewError(types.ErrDecodingFailure, "mesh-cni: cannot parse prevResult", err.Error())
 		}
 	}
 	return conf, nil

@@ -49,9 +49,11 @@ func TestParseConfigErrors(t *testing.T) {
 		msg        string
 	}{
 		{"not json", `{"cniVersion":`, types.ErrDecodingFailure, "decode"},
-		{"timeout number", `{"cniVersion":"1.1.0","name":"n","gateTimeout":30}`, types.ErrDecodingFailure, "duration"},
-		{"timeout garbage", `{"cniVersion":"1.1.0","name":"n","gateTimeout":"soon"}`, types.ErrDecodingFailure, "duration"},
-		{"timeout negative", `{"cniVersion":"1.1.0","name":"n","gateTimeout":"-1s"}`, types.ErrDecodingFailure, "positive"},
+		{"timeout number", `{"cniVersion":"1.1.0","name":"n","gateTimeout":30}`, types.ErrInvalidNetworkConfig, "duration"},
+		{"timeout garbage", `{"cniVersion":"1.1.0","name":"n","gateTimeout":"soon"}`, types.ErrInvalidNetworkConfig, "duration"},
+		{"timeout negative", `{"cniVersion":"1.1.0","name":"n","gateTimeout":"-1s"}`, types.ErrInvalidNetworkConfig, "positive"},
+		{"timeout over the limit", `{"cniVersion":"1.1.0","name":"n","gateTimeout":"6m"}`, types.ErrInvalidNetworkConfig, "limit"},
+		{"del timeout over the limit", `{"cniVersion":"1.1.0","name":"n","delTimeout":"2m"}`, types.ErrInvalidNetworkConfig, "limit"},
 		{"relative socket", `{"cniVersion":"1.1.0","name":"n","socketPath":"gate.sock"}`, types.ErrInvalidNetworkConfig, "absolute"},
 		{"bad level", `{"cniVersion":"1.1.0","name":"n","logLevel":"loud"}`, types.ErrInvalidNetworkConfig, "logLevel"},
 		{"empty excluded", `{"cniVersion":"1.1.0","name":"n","excludeNamespaces":[""]}`, types.ErrInvalidNetworkConfig, "empty"},

@@ -52,6 +52,12 @@ func (p Plugin) Funcs() skel.CNIFuncs {
 // Main is the plugin's entry point.
 func Main() {
 	p := Plugin{Stdout: os.Stdout, Stderr: os.Stderr}
+	if err := capStdin(os.Getenv("CNI_COMMAND"), MaxStdin); err != nil {
+		if perr := err.Print(); perr != nil {
+			fmt.Fprintf(os.Stderr, "mesh-cni: %v (and writing the error failed: %v)\n", err, perr)
+		}
+		os.Exit(1)
+	}
 	skel.PluginMainFuncs(p.Funcs(), supportedVersions, "mesh-cni: holds pod start until the mesh agent has enrolled the pod")
 }
 
@@ -71,11 +77,16 @@ func (p Plugin) logger(conf *NetConf, args *skel.CmdArgs, cmd string) (*zap.Logg
 	lvl, _ := zapcore.ParseLevel(conf.LogLevel) // validated in parseConfig
 	out := zapcore.AddSync(p.Stderr)
 	closeFn := func() {}
+	var openErr error
 	if conf.LogFile != "" {
-		f, err := os.OpenFile(conf.LogFile, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+		// O_NOFOLLOW: the plugin runs as root, and a symlink planted at the
+		// log path must not make it append to (or create) another file.
+		f, err := os.OpenFile(conf.LogFile, os.O_CREATE|os.O_WRONLY|os.O_APPEND|unix.O_NOFOLLOW, 0o600)
 		if err == nil {
 			out = zapcore.AddSync(f)
 			closeFn = func() { f.Close() }
+		} else {
+			openErr = err
 		}
 	}
 	enc := zap.NewProductionEncoderConfig()
@@ -86,6 +97,9 @@ func (p Plugin) logger(conf *NetConf, args *skel.CmdArgs, cmd string) (*zap.Logg
 		zap.String("ifname", args.IfName),
 		zap.String("network", conf.Name),
 	)
+	if openErr != nil {
+		log.Warn("cannot open logFile; logging to stderr", zap.String("logFile", conf.LogFile), zap.Error(openErr))
+	}
 	return log, func() { _ = log.Sync(); closeFn() }
 }
 
@@ -214,19 +228,32 @@ func podInterfaces(res *types100.Result, ifname string) []*gatepb.Interface {
 	return out
 }
 
-// Del implements CNI DEL. It succeeds when the agent is away: the agent releases
-// what it holds by GC and reconcile, and a failing DEL would only leave the pod
-// stuck terminating.
+// Del implements CNI DEL. It is best effort: whatever the agent answers, or
+// when it cannot be reached, DEL logs and succeeds. A failing DEL makes the
+// runtime stop before the primary plugin's DEL (the pod's address leaks and the
+// pod sticks in Terminating); the agent releases what it still holds by GC and
+// reconcile. prevResult is not parsed: DEL does not use it, and one the plugin
+// cannot read must not fail the teardown. Only a configuration that cannot be
+// decoded at all is an error.
 func (p Plugin) Del(args *skel.CmdArgs) error {
-	conf, err := parseConfig(args.StdinData)
+	conf, err := parseConfigOnly(args.StdinData)
 	if err != nil {
 		return err
 	}
 	log, done := p.logger(conf, args, "DEL")
 	defer done()
+	if err := p.del(conf, args, log); err != nil {
+		log.Warn("DEL not passed on to mesh-agent; it releases the pod by GC or reconcile", zap.Error(err))
+	}
+	return nil
+}
+
+func (p Plugin) del(conf *NetConf, args *skel.CmdArgs, log *zap.Logger) error {
 	pod, err := parseArgs(args.Args)
 	if err != nil {
-		return err
+		// The attachment alone names what to release.
+		log.Warn("ignoring CNI_ARGS on DEL", zap.Error(err))
+		pod = PodArgs{}
 	}
 	if pod.HasIdentity && conf.Excluded(pod.Namespace) {
 		return nil
@@ -246,8 +273,7 @@ func (p Plugin) Del(args *skel.CmdArgs) error {
 	}
 	resp, err := gatepb.NewGateClient(conn).Del(ctx, req)
 	if isAgentAway(err) {
-		log.Warn("mesh-agent unreachable during DEL; it will release the pod when it runs again", zap.Error(err))
-		return nil
+		return fmt.Errorf("mesh-agent unreachable on %s: %w", conf.SocketPath, err)
 	}
 	if err != nil {
 		return gateError("DEL", conf.SocketPath, time.Duration(conf.DelTimeout), err)
@@ -304,7 +330,7 @@ func (p Plugin) Check(args *skel.CmdArgs) error {
 // GC implements CNI GC: the agent releases every attachment of this network that
 // the runtime does not list as valid.
 func (p Plugin) GC(args *skel.CmdArgs) error {
-	conf, err := parseConfig(args.StdinData)
+	conf, err := parseConfigOnly(args.StdinData)
 	if err != nil {
 		return err
 	}
@@ -330,7 +356,7 @@ func (p Plugin) GC(args *skel.CmdArgs) error {
 
 // Status implements CNI STATUS: available only when the agent reports ready.
 func (p Plugin) Status(args *skel.CmdArgs) error {
-	conf, err := parseConfig(args.StdinData)
+	conf, err := parseConfigOnly(args.StdinData)
 	if err != nil {
 		return err
 	}

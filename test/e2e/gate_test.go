@@ -389,7 +389,10 @@ func TestBadInput(t *testing.T) {
 		msg  string
 	}{
 		{"malformed json", pluginCall{Stdin: []byte(`{"cniVersion":"1.1.0","name":`)}, types.ErrDecodingFailure, "network config"},
-		{"bad gateTimeout", pluginCall{Stdin: conf(map[string]any{"gateTimeout": "forever"})}, types.ErrDecodingFailure, "duration"},
+		{"bad gateTimeout", pluginCall{Stdin: conf(map[string]any{"gateTimeout": "forever"})}, types.ErrInvalidNetworkConfig, "duration"},
+		{"gateTimeout not a string", pluginCall{Stdin: conf(map[string]any{"gateTimeout": 30})}, types.ErrInvalidNetworkConfig, "duration"},
+		{"gateTimeout over the limit", pluginCall{Stdin: conf(map[string]any{"gateTimeout": "1000h"})}, types.ErrInvalidNetworkConfig, "longer than the limit"},
+		{"delTimeout over the limit", pluginCall{Stdin: conf(map[string]any{"delTimeout": "1h"})}, types.ErrInvalidNetworkConfig, "longer than the limit"},
 		{"missing CNI_ARGS", pluginCall{Args: "-"}, types.ErrInvalidEnvironmentVariables, "K8S_POD_NAMESPACE"},
 		{"garbage CNI_ARGS", pluginCall{Args: "this is not;key=value"}, types.ErrInvalidEnvironmentVariables, "KEY=VALUE"},
 		{"missing netns", pluginCall{Netns: "/run/netns/mesh-e2e-does-not-exist"}, types.ErrInvalidNetNS, "not a network namespace"},

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"io"
 	"os/exec"
 	"syscall"
 	"testing"
@@ -22,8 +23,13 @@ type pluginCall struct {
 	IfName      string
 	Args        string
 	Stdin       []byte
+	// StdinReader, when set, is stdin instead of Stdin (a stream too large to
+	// hold in the test).
+	StdinReader io.Reader
 	// Credential runs the plugin as another user.
 	Credential *syscall.Credential
+	// Usage, when set, receives the plugin process's resource usage.
+	Usage *syscall.Rusage
 }
 
 // run executes the plugin and returns its stdout, and the CNI error it printed
@@ -41,6 +47,9 @@ func (c pluginCall) run(ctx context.Context, t testing.TB) ([]byte, *types.Error
 		"CNI_PATH=/nonexistent",
 	}
 	cmd.Stdin = bytes.NewReader(c.Stdin)
+	if c.StdinReader != nil {
+		cmd.Stdin = c.StdinReader
+	}
 	cmd.Dir = "/"
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
@@ -48,6 +57,11 @@ func (c pluginCall) run(ctx context.Context, t testing.TB) ([]byte, *types.Error
 		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: c.Credential}
 	}
 	err := cmd.Run()
+	if c.Usage != nil && cmd.ProcessState != nil {
+		if ru, ok := cmd.ProcessState.SysUsage().(*syscall.Rusage); ok {
+			*c.Usage = *ru
+		}
+	}
 	if err == nil {
 		return stdout.Bytes(), nil
 	}
