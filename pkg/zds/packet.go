@@ -91,7 +91,7 @@ func writeRaw(c *net.UnixConn, b []byte, fd int, deadline time.Time) error {
 }
 
 // plainNetErr drops the addresses from a *net.OpError. The server's socket was
-// bound under a temporary name and renamed into place (see listenSocket), and the
+// bound under a temporary name and renamed into place (see unixsock.Listen), and the
 // kernel keeps reporting the temporary name as the local address, which would only
 // confuse whoever reads the logs.
 func plainNetErr(err error) error {

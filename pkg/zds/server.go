@@ -25,6 +25,7 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/mesh-cni/mesh-cni/pkg/unixsock"
 	"github.com/mesh-cni/mesh-cni/pkg/zds/zdspb"
 )
 
@@ -112,7 +113,7 @@ type Server struct {
 	cfg    Config
 	log    *zap.Logger
 	ln     *net.UnixListener
-	sockID fileID
+	sockID unixsock.ID
 
 	// ctx ends with Close and bounds every connection's work.
 	ctx    context.Context
@@ -150,7 +151,7 @@ func NewServer(ctx context.Context, cfg Config) (*Server, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
 	}
-	ln, id, err := listenSocket(ctx, cfg.SocketPath)
+	ln, id, err := unixsock.Listen(ctx, "unixpacket", cfg.SocketPath)
 	if err != nil {
 		return nil, err
 	}
@@ -234,7 +235,7 @@ func (s *Server) Close() error {
 			c.close()
 		}
 		s.wg.Wait()
-		errs = append(errs, removeIfOurs(s.cfg.SocketPath, s.sockID))
+		errs = append(errs, unixsock.RemoveIfOurs(s.cfg.SocketPath, s.sockID))
 		s.closeErr = errors.Join(errs...)
 	})
 	return s.closeErr
