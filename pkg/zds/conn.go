@@ -126,18 +126,22 @@ func (c *conn) tryAcquire() bool {
 
 func (c *conn) release() { <-c.sem }
 
-// readHello reads and checks the proxy's first packet.
-func (c *conn) readHello() error {
+// readHello reads and checks the proxy's first packet and returns the version
+// it announced.
+func (c *conn) readHello() (zdspb.Version, error) {
 	if err := c.uc.SetReadDeadline(time.Now().Add(c.timeout)); err != nil {
-		return fmt.Errorf("set hello deadline: %w", err)
+		return 0, fmt.Errorf("set hello deadline: %w", err)
 	}
 	pkt, err := readPacket(c.uc, c.buf, c.oob)
 	if err != nil {
-		return fmt.Errorf("read hello: %w", err)
+		return 0, fmt.Errorf("read hello: %w", err)
 	}
 	_, fds, err := handlePacket(expectHello, pkt.data, pkt.oob, pkt.flags)
 	closeFds(fds)
-	return err
+	if err != nil {
+		return 0, err
+	}
+	return decodeHello(pkt.data)
 }
 
 // request sends req (with fd when fd >= 0) and waits for its ack; the caller holds

@@ -173,8 +173,20 @@ func (s stage) String() string {
 	return "ack"
 }
 
+// decodeHello returns the version a proxy announced. Any version is accepted,
+// as Istio's node agent does (it logs the version and serves V1): V1 is the
+// only version there is, and refusing a proxy over the number would only make
+// a newer ztunnel retry forever against an agent that could serve it.
+func decodeHello(data []byte) (zdspb.Version, error) {
+	var hello zdspb.ZdsHello
+	if err := proto.Unmarshal(data, &hello); err != nil {
+		return 0, protocolErrorf("decode hello: %v", err)
+	}
+	return hello.GetVersion(), nil
+}
+
 // handlePacket interprets one packet a proxy sent to the server. For expectHello
-// it succeeds only for a ZdsHello with version V1; for expectAck only for a
+// it succeeds for any ZdsHello (see decodeHello); for expectAck only for a
 // WorkloadResponse holding an Ack, whose error text it returns (empty: success).
 // A proxy never sends fds: any fds in oob are returned for the caller to close, and
 // the packet is rejected.
@@ -191,12 +203,8 @@ func handlePacket(st stage, data, oob []byte, flags int) (ackErr string, fds []i
 	}
 	switch st {
 	case expectHello:
-		var hello zdspb.ZdsHello
-		if err := proto.Unmarshal(data, &hello); err != nil {
-			return "", nil, protocolErrorf("decode hello: %v", err)
-		}
-		if v := hello.GetVersion(); v != zdspb.Version_V1 {
-			return "", nil, protocolErrorf("unsupported version %s (%d), want %s", v, int32(v), zdspb.Version_V1)
+		if _, err := decodeHello(data); err != nil {
+			return "", nil, err
 		}
 		return "", nil, nil
 	default:

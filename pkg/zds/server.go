@@ -8,7 +8,7 @@
 // after that, new pods go to the newest connection (the proxy that replaced an
 // older one during an upgrade) and deletions to every connection that has the
 // pod. Every request waits for the proxy's ack under a deadline. A connection
-// that misbehaves (wrong version, garbage, fds where none belong, a missed
+// that misbehaves (garbage, fds where none belong, a missed
 // deadline, an early close) is closed on its own; the others carry on.
 package zds
 
@@ -151,6 +151,10 @@ func NewServer(ctx context.Context, cfg Config) (*Server, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
 	}
+	// Socket 0600 and directory 0700 (or as found), both root's: ztunnel as
+	// Istio's chart runs it is uid 0 with only NET_ADMIN, SYS_ADMIN and
+	// NET_RAW (no CAP_DAC_OVERRIDE), so it connects as their owner
+	// (test/ztunnel checks an agent-made and a kubelet-made directory).
 	ln, id, err := unixsock.Listen(ctx, "unixpacket", cfg.SocketPath)
 	if err != nil {
 		return nil, err
@@ -439,9 +443,15 @@ func (s *Server) handle(id uint64, uc *net.UnixConn) {
 		log.Warn("rejected proxy connection: peer uid is not allowed", zap.Ints("allowedUIDs", s.allowedUIDs()))
 		return
 	}
-	if err := c.readHello(); err != nil {
+	version, err := c.readHello()
+	if err != nil {
 		log.Warn("rejected proxy connection", zap.Error(err))
 		return
+	}
+	log = log.With(zap.Stringer("version", version))
+	c.log = log
+	if version != zdspb.Version_V1 {
+		log.Info("proxy announced a ZDS version other than V1; serving it V1, as Istio's node agent does")
 	}
 	log.Info("proxy connected")
 	if !s.register(c) {

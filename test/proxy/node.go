@@ -14,7 +14,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/mesh-cni/mesh-cni/pkg/zds"
-	"github.com/mesh-cni/mesh-cni/pkg/zds/zdspb"
+	"github.com/mesh-cni/mesh-cni/test/ztunnel"
 )
 
 // Node-mode defaults (ztunnel's reconnect backoff starts small and caps at 15 s;
@@ -35,6 +35,10 @@ type NodeConfig struct {
 	// ReconnectMin and ReconnectMax bound the wait before connecting again, which
 	// doubles after every attempt that fails; 0 means the defaults.
 	ReconnectMin, ReconnectMax time.Duration
+	// RequireServiceAccount refuses (and hangs up on) an AddWorkload without a
+	// service account, as a conformance check: ztunnel would take it and then
+	// fail to serve it.
+	RequireServiceAccount bool
 }
 
 // PodInfo is a pod a node proxy serves.
@@ -60,7 +64,8 @@ type NodeStatus struct {
 // node. It connects to the agent's ZDS socket, says hello and serves each pod it
 // is handed by opening that pod's listeners inside the pod's network namespace
 // (from the fd that came with the pod) and dialing onward from there with its
-// mark. It follows ztunnel's rules: a pod re-added with the same namespace is
+// mark. Its ZDS side is test/ztunnel, the client written from ztunnel's
+// source, so it follows ztunnel's rules: a pod re-added with the same namespace is
 // kept, with a new one replaced; after SnapshotSent every pod the snapshot did
 // not name is dropped; a pod it cannot start is refused (the connection stays);
 // a packet it cannot make sense of is refused and the connection dropped. When
@@ -226,107 +231,39 @@ func (n *Node) run() {
 	}
 }
 
-// connectOnce runs one connection. synced reports whether a snapshot completed.
+// connectOnce runs one connection through the ztunnel-behaving ZDS client, so
+// the node proxy takes pods exactly as ztunnel would (and refuses what ztunnel
+// would refuse). synced reports whether a snapshot completed.
 func (n *Node) connectOnce() (synced bool, err error) {
-	pc, err := zds.Dial(n.ctx, n.cfg.ZDSPath)
+	c, err := ztunnel.Dial(n.ctx, n.cfg.ZDSPath)
 	if err != nil {
 		return false, err
 	}
-	defer pc.Close()
-	if err := pc.Hello(zdspb.Version_V1); err != nil {
-		return false, err
-	}
+	defer c.Close()
 	n.setConnected(true)
 	defer n.setConnected(false)
 	n.log.Info("connected to the agent")
-	s := &session{node: n, inSnapshot: map[string]bool{}}
-	for {
-		req, err := pc.Recv(n.ctx)
-		if err != nil {
-			if errors.Is(err, zds.ErrProtocol) {
-				// Tell the agent why before hanging up, as ztunnel does.
-				return s.synced, errors.Join(err, pc.Ack("failure to read message: "+err.Error()))
-			}
-			return s.synced, err
-		}
-		msg, fatal := s.handle(req)
-		if msg != "" {
-			n.log.Warn("refusing request", zap.String("request", req.String()), zap.String("error", msg))
-		}
-		if err := pc.Ack(msg); err != nil {
-			return s.synced, err
-		}
-		if fatal != nil {
-			return s.synced, fatal
-		}
+	s := ztunnel.NewSession(nodeHandler{n}, ztunnel.Options{RequireServiceAccount: n.cfg.RequireServiceAccount})
+	err = s.Serve(n.ctx, c)
+	if err != nil {
+		n.log.Warn("connection to the agent ended", zap.Error(err))
 	}
+	return s.Synced(), err
 }
 
-// session is the state of one agent connection.
-type session struct {
-	node       *Node
-	synced     bool            // SnapshotSent handled
-	inSnapshot map[string]bool // pods named before SnapshotSent
+// nodeHandler is what the ZDS client does with each workload.
+type nodeHandler struct{ n *Node }
+
+func (h nodeHandler) Start(uid string, info ztunnel.WorkloadInfo, netns *os.File) error {
+	return h.n.addPod(uid, info, netns)
 }
 
-// handle serves one request and returns the ack's error text; a non-nil fatal
-// error ends the connection after the ack (a protocol error: ztunnel reconnects).
-func (s *session) handle(req *zds.Request) (ackMsg string, fatal error) {
-	if req.Netns != nil && req.GetAdd() == nil {
-		req.Netns.Close()
-		return nackFatal(fmt.Errorf("%w: unexpected fd with %s", zds.ErrProtocol, req.String()))
-	}
-	switch {
-	case req.GetAdd() != nil:
-		add := req.GetAdd()
-		if req.Netns == nil {
-			return nackFatal(fmt.Errorf("%w: AddWorkload %s without a netns fd", zds.ErrProtocol, add.GetUid()))
-		}
-		if add.GetWorkloadInfo() == nil {
-			req.Netns.Close()
-			return nackFatal(fmt.Errorf("%w: AddWorkload %s without workload_info", zds.ErrProtocol, add.GetUid()))
-		}
-		if !s.synced {
-			s.inSnapshot[add.GetUid()] = true
-		}
-		if err := s.node.addPod(add, req.Netns); err != nil {
-			return "failure to start proxy: " + err.Error(), nil
-		}
-		return "", nil
-	case req.GetKeep() != nil:
-		if s.synced {
-			return nackFatal(fmt.Errorf("%w: KeepWorkload after the snapshot", zds.ErrProtocol))
-		}
-		s.inSnapshot[req.GetKeep().GetUid()] = true
-		return "", nil
-	case req.GetDel() != nil:
-		uid := req.GetDel().GetUid()
-		if !s.synced {
-			// Started pods not in the snapshot are dropped when it ends.
-			delete(s.inSnapshot, uid)
-			return "", nil
-		}
-		s.node.delPod(uid)
-		return "", nil
-	case req.GetSnapshotSent() != nil:
-		if s.synced {
-			return nackFatal(fmt.Errorf("%w: second SnapshotSent", zds.ErrProtocol))
-		}
-		s.node.reconcile(s.inSnapshot)
-		s.synced = true
-		return "", nil
-	default:
-		return nackFatal(fmt.Errorf("%w: unknown request %s", zds.ErrProtocol, req.String()))
-	}
-}
+func (h nodeHandler) Stop(uid string) { h.n.delPod(uid) }
 
-func nackFatal(err error) (string, error) {
-	return err.Error(), err
-}
+func (h nodeHandler) Reconcile(keep map[string]bool) { h.n.reconcile(keep) }
 
 // addPod starts the pod's listeners in the namespace nsFile, which it takes over.
-func (n *Node) addPod(add *zdspb.AddWorkload, nsFile *os.File) error {
-	uid := add.GetUid()
+func (n *Node) addPod(uid string, info ztunnel.WorkloadInfo, nsFile *os.File) error {
 	id, err := zds.FdNetnsID(int(nsFile.Fd()))
 	if err != nil {
 		nsFile.Close()
@@ -345,18 +282,19 @@ func (n *Node) addPod(add *zdspb.AddWorkload, nsFile *os.File) error {
 		n.log.Info("pod has a new network namespace, replacing its listeners", zap.String("pod", uid))
 		n.delPod(uid)
 	}
-	p, err := start(n.ctx, n.cfg.Proxy, nsFile, n.rec, false, uid)
+	cfg := n.cfg.Proxy
+	cfg.Logger = cfg.Logger.With(zap.String("workload", info.Namespace+"/"+info.Name), zap.String("serviceAccount", info.ServiceAccount))
+	p, err := start(n.ctx, cfg, nsFile, n.rec, false, uid)
 	if err != nil {
 		return err
 	}
-	info := add.GetWorkloadInfo()
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	n.pods[uid] = &nodePod{proxy: p, info: PodInfo{
 		UID:            uid,
-		Name:           info.GetName(),
-		Namespace:      info.GetNamespace(),
-		ServiceAccount: info.GetServiceAccount(),
+		Name:           info.Name,
+		Namespace:      info.Namespace,
+		ServiceAccount: info.ServiceAccount,
 		Netns:          id,
 		Addrs:          p.Addrs(),
 	}}

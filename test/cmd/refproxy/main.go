@@ -52,6 +52,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	echo := fs.Bool("echo", false, "answer connections by echoing instead of dialing the original destination")
 	forwardTo := fs.String("forward-to", "", "send every accepted connection to this HOST:PORT instead of its original destination (chaining proxies explicitly, with no capture)")
 	zdsPath := fs.String("zds", "", "run as a node proxy: take pods from the agent's ZDS socket at this path (e.g. "+zds.DefaultSocketPath+")")
+	requireSA := fs.Bool("require-service-account", false, "with -zds: refuse (and hang up on) a pod handed over without a service account, which ztunnel could not serve")
 	level := zapcore.InfoLevel
 	fs.Var(&level, "log-level", "log level (debug, info, warn, error)")
 	if err := fs.Parse(args); err != nil {
@@ -96,7 +97,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	cfg.Logger = log
 
 	if *zdsPath != "" {
-		return runNode(ctx, proxy.NodeConfig{Proxy: cfg, ZDSPath: *zdsPath}, stdout, log)
+		return runNode(ctx, proxy.NodeConfig{Proxy: cfg, ZDSPath: *zdsPath, RequireServiceAccount: *requireSA}, stdout, log)
 	}
 	p, err := proxy.Start(ctx, cfg)
 	if err != nil {

@@ -1,0 +1,411 @@
+package ztunnel_test
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"go.uber.org/zap/zaptest"
+	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/encoding/protowire"
+
+	"github.com/mesh-cni/mesh-cni/pkg/netns"
+	"github.com/mesh-cni/mesh-cni/pkg/zds"
+	"github.com/mesh-cni/mesh-cni/test/ztunnel"
+)
+
+func requireRoot(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Fatal("these tests need root (network namespaces)")
+	}
+}
+
+func testCtx(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func suffix(t *testing.T) string {
+	var b [4]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		t.Fatal(err)
+	}
+	return hex.EncodeToString(b[:])
+}
+
+func newNetns(t *testing.T) string {
+	t.Helper()
+	path := filepath.Join("/run/netns", fmt.Sprintf("ztunnel-%d-%s", os.Getpid(), suffix(t)))
+	if err := netns.Create(path); err != nil {
+		t.Fatalf("create netns: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := netns.Remove(path); err != nil {
+			t.Errorf("remove netns: %v", err)
+		}
+	})
+	return path
+}
+
+// pods is the agent's list of enrolled pods.
+type pods struct {
+	mu   sync.Mutex
+	list []zds.Pod
+}
+
+func (p *pods) EnrolledPods(context.Context) ([]zds.Pod, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]zds.Pod(nil), p.list...), nil
+}
+
+func (p *pods) set(list ...zds.Pod) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.list = list
+}
+
+// workloads is a Handler that records what the client started and stopped.
+type workloads struct {
+	mu       sync.Mutex
+	running  map[string]ztunnel.WorkloadInfo
+	synced   int
+	changed  chan struct{}
+	startErr error
+}
+
+func newWorkloads() *workloads {
+	return &workloads{running: map[string]ztunnel.WorkloadInfo{}, changed: make(chan struct{})}
+}
+
+func (w *workloads) notifyLocked() {
+	close(w.changed)
+	w.changed = make(chan struct{})
+}
+
+func (w *workloads) Start(uid string, info ztunnel.WorkloadInfo, ns *os.File) error {
+	defer ns.Close()
+	if _, err := zds.FdNetnsID(int(ns.Fd())); err != nil {
+		return err
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.running[uid] = info
+	w.notifyLocked()
+	return nil
+}
+
+func (w *workloads) Stop(uid string) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	delete(w.running, uid)
+	w.notifyLocked()
+}
+
+func (w *workloads) Reconcile(keep map[string]bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for uid := range w.running {
+		if !keep[uid] {
+			delete(w.running, uid)
+		}
+	}
+	w.synced++
+	w.notifyLocked()
+}
+
+// wait waits until cond holds over the running workloads and the number of
+// snapshots taken.
+func (w *workloads) wait(t *testing.T, ctx context.Context, what string, cond func(map[string]ztunnel.WorkloadInfo, int) bool) {
+	t.Helper()
+	for {
+		w.mu.Lock()
+		ok := cond(w.running, w.synced)
+		state := fmt.Sprintf("%d snapshots, running %+v", w.synced, w.running)
+		ch := w.changed
+		w.mu.Unlock()
+		if ok {
+			return
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			t.Fatalf("waiting for %s: %v (%s)", what, ctx.Err(), state)
+		}
+	}
+}
+
+func startServer(t *testing.T, snap zds.Snapshotter, path string) *zds.Server {
+	t.Helper()
+	if path == "" {
+		path = filepath.Join(t.TempDir(), "ztunnel.sock")
+	}
+	srv, err := zds.NewServer(context.Background(), zds.Config{SocketPath: path, Snapshot: snap, Logger: zaptest.NewLogger(t).Named("agent")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(context.Background()) }()
+	t.Cleanup(func() {
+		srv.Close()
+		<-done
+	})
+	return srv
+}
+
+// serve runs the ztunnel-behaving client on path and returns what Serve
+// returned, once it does.
+func serve(t *testing.T, ctx context.Context, path string, h ztunnel.Handler, opts ztunnel.Options) <-chan error {
+	t.Helper()
+	c, err := ztunnel.Dial(ctx, path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- ztunnel.NewSession(h, opts).Serve(ctx, c) }()
+	t.Cleanup(func() {
+		cancel()
+		c.Close()
+	})
+	return done
+}
+
+func zdsPod(t *testing.T, name string) zds.Pod {
+	return zds.Pod{UID: name + "-" + suffix(t), Name: name, Namespace: "shop", ServiceAccount: "sa-" + name, NetnsPath: newNetns(t)}
+}
+
+// TestConformance runs the agent's ZDS server against the client that behaves
+// as ztunnel's inpod module (ztunnel commit 62d826530e5ce85764e309170205b293efcbc80b):
+// the snapshot (with a KeepWorkload for a pod whose namespace cannot be
+// opened), an add and a delete after it, each with the pod's service account.
+// Any deviation ztunnel would refuse fails the client's Serve.
+func TestConformance(t *testing.T) {
+	requireRoot(t)
+	ctx := testCtx(t)
+	a, b, c := zdsPod(t, "a"), zdsPod(t, "b"), zdsPod(t, "c")
+	gone := zds.Pod{UID: "gone-" + suffix(t), Name: "gone", Namespace: "shop", ServiceAccount: "sa-gone", NetnsPath: "/run/netns/ztunnel-no-such-" + suffix(t)}
+	snap := &pods{}
+	snap.set(a, b, gone)
+	path := filepath.Join(t.TempDir(), "ztunnel.sock")
+	srv := startServer(t, snap, path)
+
+	w := newWorkloads()
+	// A workload this ztunnel still runs from an earlier agent: not in the
+	// snapshot, so it is dropped when the snapshot ends.
+	w.running["stale"] = ztunnel.WorkloadInfo{Name: "stale"}
+	done := serve(t, ctx, path, w, ztunnel.Options{RequireServiceAccount: true})
+	w.wait(t, ctx, "the snapshot", func(r map[string]ztunnel.WorkloadInfo, synced int) bool { return synced == 1 })
+	w.wait(t, ctx, "a and b running with their service accounts", func(r map[string]ztunnel.WorkloadInfo, _ int) bool {
+		return len(r) == 2 && r[a.UID].ServiceAccount == a.ServiceAccount && r[b.UID] == ztunnel.WorkloadInfo{Name: "b", Namespace: "shop", ServiceAccount: "sa-b"}
+	})
+
+	snap.set(a, b, c)
+	if err := srv.AddPod(ctx, c); err != nil {
+		t.Fatalf("add c: %v", err)
+	}
+	w.wait(t, ctx, "c running", func(r map[string]ztunnel.WorkloadInfo, _ int) bool { return r[c.UID].ServiceAccount == "sa-c" })
+	snap.set(b, c)
+	if err := srv.DelPod(ctx, a.UID); err != nil {
+		t.Fatalf("delete a: %v", err)
+	}
+	w.wait(t, ctx, "a stopped", func(r map[string]ztunnel.WorkloadInfo, _ int) bool { _, ok := r[a.UID]; return !ok })
+
+	srv.Close()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("the ztunnel-behaving client found a deviation: %v", err)
+		}
+	case <-ctx.Done():
+		t.Fatal("client still serving after the agent closed")
+	}
+}
+
+// TestConformanceEmptyServiceAccount: the client refuses a pod handed over
+// without a service account (ztunnel would ack it and never serve it), so the
+// conformance tests fail on it.
+func TestConformanceEmptyServiceAccount(t *testing.T) {
+	requireRoot(t)
+	ctx := testCtx(t)
+	p := zdsPod(t, "nosa")
+	p.ServiceAccount = ""
+	snap := &pods{}
+	snap.set(p)
+	path := filepath.Join(t.TempDir(), "ztunnel.sock")
+	startServer(t, snap, path)
+	w := newWorkloads()
+	select {
+	case err := <-serve(t, ctx, path, w, ztunnel.Options{RequireServiceAccount: true}):
+		if !errors.Is(err, ztunnel.ErrDeviation) || !strings.Contains(err.Error(), "service_account") {
+			t.Fatalf("Serve = %v, want a deviation about the service account", err)
+		}
+	case <-ctx.Done():
+		t.Fatal("the client took a pod without a service account")
+	}
+}
+
+// encodedAddSize is the size of the AddWorkload WorkloadRequest for p, encoded
+// from zds.proto's field numbers (independent of the agent's generated code).
+func encodedAddSize(p zds.Pod) int {
+	str := func(b []byte, num protowire.Number, s string) []byte {
+		if s == "" {
+			return b
+		}
+		return protowire.AppendString(protowire.AppendTag(b, num, protowire.BytesType), s)
+	}
+	info := str(str(str(nil, 1, p.Name), 2, p.Namespace), 3, p.ServiceAccount)
+	add := str(nil, 1, p.UID)
+	add = protowire.AppendBytes(protowire.AppendTag(add, 2, protowire.BytesType), info)
+	return len(protowire.AppendBytes(protowire.AppendTag(nil, 1, protowire.BytesType), add))
+}
+
+// TestConformanceRequestCap: ztunnel reads each request into 1,024 bytes and
+// refuses a truncated one. An AddWorkload of exactly 1,024 bytes arrives whole;
+// one byte more is refused by the agent before anything is sent, and the
+// connection carries on.
+func TestConformanceRequestCap(t *testing.T) {
+	requireRoot(t)
+	ctx := testCtx(t)
+	snap := &pods{}
+	path := filepath.Join(t.TempDir(), "ztunnel.sock")
+	srv := startServer(t, snap, path)
+	w := newWorkloads()
+	done := serve(t, ctx, path, w, ztunnel.Options{RequireServiceAccount: true})
+	w.wait(t, ctx, "the snapshot", func(_ map[string]ztunnel.WorkloadInfo, synced int) bool { return synced == 1 })
+
+	fit := zdsPod(t, "fit")
+	for encodedAddSize(fit) < ztunnel.ReadBuffer {
+		fit.Name += "n"
+	}
+	if got := encodedAddSize(fit); got != ztunnel.ReadBuffer {
+		t.Fatalf("could not size a pod to %d bytes (got %d)", ztunnel.ReadBuffer, got)
+	}
+	over := zdsPod(t, "over")
+	over.Name = strings.Repeat("o", len(fit.Name)+1)
+	for encodedAddSize(over) <= ztunnel.ReadBuffer {
+		over.Name += "o"
+	}
+	if err := srv.AddPod(ctx, over); err == nil || errors.Is(err, zds.ErrNoProxy) {
+		t.Fatalf("AddPod of a %d-byte AddWorkload = %v, want refused", encodedAddSize(over), err)
+	}
+	snap.set(fit)
+	if err := srv.AddPod(ctx, fit); err != nil {
+		t.Fatalf("AddPod of a %d-byte AddWorkload: %v", encodedAddSize(fit), err)
+	}
+	w.wait(t, ctx, "the 1,024-byte pod running", func(r map[string]ztunnel.WorkloadInfo, _ int) bool {
+		return r[fit.UID].Name == fit.Name
+	})
+	select {
+	case err := <-done:
+		t.Fatalf("client ended: %v", err)
+	default:
+	}
+}
+
+// Capabilities of ztunnel's container as Istio's chart runs it (istio/istio
+// commit 86c9f01fd735fb01d8192f5bcaf0d424afb7f14c,
+// manifests/charts/ztunnel/templates/daemonset.yaml): runAsUser 0,
+// runAsGroup 1337, capabilities drop ALL, add NET_ADMIN, SYS_ADMIN, NET_RAW.
+// Without CAP_DAC_OVERRIDE, root too needs the permission bits: write on the
+// socket, search on its directory.
+var ztunnelCaps = []uint{unix.CAP_NET_ADMIN, unix.CAP_SYS_ADMIN, unix.CAP_NET_RAW}
+
+// dialAs connects to path from a thread with only caps effective and file
+// system uid fsuid, the way a process with that identity would. The thread is
+// discarded afterwards (never unlocked), so nothing else runs with it.
+func dialAs(ctx context.Context, path string, fsuid int, caps []uint) (*ztunnel.Conn, error) {
+	type result struct {
+		c   *ztunnel.Conn
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		runtime.LockOSThread() // no unlock: the thread dies with this goroutine
+		if fsuid != 0 {
+			// This thread only; before the capabilities go (it needs CAP_SETUID).
+			unix.Setfsuid(fsuid)
+			if got, _ := unix.SetfsuidRetUid(-1); got != fsuid {
+				ch <- result{err: fmt.Errorf("setfsuid(%d) left fsuid %d", fsuid, got)}
+				return
+			}
+		}
+		hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+		var data [2]unix.CapUserData
+		if err := unix.Capget(&hdr, &data[0]); err != nil {
+			ch <- result{err: fmt.Errorf("capget: %w", err)}
+			return
+		}
+		data[0].Effective, data[1].Effective = 0, 0
+		for _, c := range caps {
+			data[c/32].Effective |= 1 << (c % 32)
+		}
+		if err := unix.Capset(&hdr, &data[0]); err != nil {
+			ch <- result{err: fmt.Errorf("capset: %w", err)}
+			return
+		}
+		c, err := ztunnel.Dial(ctx, path)
+		ch <- result{c, err}
+	}()
+	r := <-ch
+	return r.c, r.err
+}
+
+// TestZtunnelAsIstioRunsItConnects: with the agent's socket defaults (socket
+// 0600 root, a missing directory made 0700) and with the directory kubelet
+// makes for the hostPath of both DaemonSets (DirectoryOrCreate: 0755 root),
+// a process with ztunnel's identity (uid 0, only NET_ADMIN, SYS_ADMIN and
+// NET_RAW) connects and takes its snapshot. A process with another file
+// system uid (1337) is refused by the file modes, so the check is real.
+func TestZtunnelAsIstioRunsItConnects(t *testing.T) {
+	requireRoot(t)
+	ctx := testCtx(t)
+	kubeletDir := filepath.Join(t.TempDir(), "kubelet-made")
+	if err := os.Mkdir(kubeletDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for name, path := range map[string]string{
+		"directory made by the agent": filepath.Join(t.TempDir(), "ztunnel", "ztunnel.sock"),
+		"directory made by kubelet":   filepath.Join(kubeletDir, "ztunnel.sock"),
+	} {
+		t.Run(name, func(t *testing.T) {
+			p := zdsPod(t, "p")
+			snap := &pods{}
+			snap.set(p)
+			startServer(t, snap, path)
+			c, err := dialAs(ctx, path, 0, ztunnelCaps)
+			if err != nil {
+				t.Fatalf("ztunnel's identity cannot connect: %v", err)
+			}
+			w := newWorkloads()
+			sctx, cancel := context.WithCancel(ctx)
+			defer cancel()
+			done := make(chan error, 1)
+			go func() { done <- ztunnel.NewSession(w, ztunnel.Options{RequireServiceAccount: true}).Serve(sctx, c) }()
+			w.wait(t, ctx, "the snapshot", func(r map[string]ztunnel.WorkloadInfo, synced int) bool {
+				return synced == 1 && r[p.UID].ServiceAccount == p.ServiceAccount
+			})
+			cancel()
+			c.Close()
+			<-done
+
+			if c, err := dialAs(ctx, path, 1337, nil); !errors.Is(err, unix.EACCES) {
+				if c != nil {
+					c.Close()
+				}
+				t.Fatalf("a process with file system uid 1337 connecting: %v, want EACCES", err)
+			}
+		})
+	}
+}
