@@ -11,14 +11,14 @@ export MESH_CNI_BIN_DIR := $(BIN)
 all: build
 
 # The product binaries, the reference proxy, and the reference CNI plugins the
-# tests and the demo use as the node's primary network (versions from go.mod).
+# tests and the demo use as the node's primary network and chain after mesh-cni
+# (versions from go.mod; test/harness's ReferencePlugins is the same list).
+CNI_PLUGINS := main/bridge main/ptp main/ipvlan main/macvlan ipam/host-local main/loopback \
+	meta/portmap meta/bandwidth meta/tuning
 build:
 	@mkdir -p $(BIN)
 	$(GO) build -o $(BIN)/ ./cmd/mesh-cni ./cmd/mesh-agent ./test/cmd/refproxy
-	$(GO) build -o $(BIN)/ github.com/containernetworking/plugins/plugins/main/bridge \
-		github.com/containernetworking/plugins/plugins/ipam/host-local \
-		github.com/containernetworking/plugins/plugins/main/loopback \
-		github.com/containernetworking/plugins/plugins/meta/portmap
+	$(GO) build -o $(BIN)/ $(addprefix github.com/containernetworking/plugins/plugins/,$(CNI_PLUGINS))
 
 # OCI images, built without a container daemon or a registry (hack/image, with
 # go-containerregistry) from static builds of the binaries: the agent image

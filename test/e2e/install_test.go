@@ -242,7 +242,7 @@ func waitEntry(path string, gen int, start time.Time, limit time.Duration) (time
 // from then on only mesh-cni holds its ADD.
 func waitPodInterface(t testing.TB, pod *harness.Pod) {
 	t.Helper()
-	waitFor(t, 30*time.Second, "the bridge plugin to create eth0 in pod "+pod.Name, func() bool {
+	waitFor(t, 30*time.Second, "the primary plugin to create eth0 in pod "+pod.Name, func() bool {
 		return netns.Do(pod.NetNSPath, func() error { _, err := net.InterfaceByName("eth0"); return err }) == nil
 	})
 }

@@ -20,14 +20,22 @@ import (
 const EnvBinDir = "MESH_CNI_BIN_DIR"
 
 // ReferencePlugins returns the reference CNI plugins that make up a node's primary
-// network in the tests, by binary name -> import path. They are built at the version
-// pinned in go.mod (as `tool` entries).
+// network in the tests (every Primary's plugin, host-local, loopback) and the
+// meta plugins chained after mesh-cni (portmap, bandwidth, tuning), by binary name
+// -> import path. They are built at the version pinned in go.mod (as `tool`
+// entries); the Makefile's build target builds the same list.
 func ReferencePlugins() map[string]string {
+	const base = "github.com/containernetworking/plugins/plugins/"
 	return map[string]string{
-		"bridge":     "github.com/containernetworking/plugins/plugins/main/bridge",
-		"host-local": "github.com/containernetworking/plugins/plugins/ipam/host-local",
-		"loopback":   "github.com/containernetworking/plugins/plugins/main/loopback",
-		"portmap":    "github.com/containernetworking/plugins/plugins/meta/portmap",
+		"bridge":     base + "main/bridge",
+		"ptp":        base + "main/ptp",
+		"ipvlan":     base + "main/ipvlan",
+		"macvlan":    base + "main/macvlan",
+		"host-local": base + "ipam/host-local",
+		"loopback":   base + "main/loopback",
+		"portmap":    base + "meta/portmap",
+		"bandwidth":  base + "meta/bandwidth",
+		"tuning":     base + "meta/tuning",
 	}
 }
 

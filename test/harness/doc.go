@@ -17,10 +17,11 @@
 //	pod := node.NewPod(t, "default", "client")
 //	result, err := node.Add(ctx, pod, list)
 //
-// and drive the primary network with node.Del, Check, GC and Status, reach pods with
-// pod.Listen, pod.Dial, pod.Exec and pod.Start, and run daemons with StartProcess
-// (WaitForLine for a readiness line, WaitForHealthy for a gRPC health service on a
-// Unix socket).
+// (NodeOptions.Primary and Families pick the primary network: bridge, ptp, ipvlan
+// L2/L3 or macvlan, over IPv4, IPv6 or both) and drive it with node.Del, Check, GC
+// and Status, reach pods with pod.Listen, pod.Dial, pod.Exec and pod.Start, and run
+// daemons with StartProcess (WaitForLine for a readiness line, WaitForHealthy for a
+// gRPC health service on a Unix socket).
 //
 // Everything a test makes (namespaces, attachments, processes, listeners) is removed in
 // t.Cleanup, also when the test fails.

@@ -10,6 +10,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"testing"
@@ -40,12 +41,16 @@ type NodeOptions struct {
 	// node's state beyond the test that made it (e.g. to inspect it after a
 	// subtest's cleanup ran).
 	Dir string
-	// BridgeName of the primary network; default DefaultBridge.
+	// Primary is the node's primary network; default PrimaryBridge.
+	Primary Primary
+	// Families are the IP families pods get addresses in; default DualStack.
+	Families Families
+	// BridgeName of the primary network (PrimaryBridge); default DefaultBridge.
 	BridgeName string
 	// IPv4Range and IPv6Range are the pod ranges; default a random 10.x.y.0/24 and
 	// fd00:x:y::/64.
 	IPv4Range, IPv6Range netip.Prefix
-	// PluginCreatesBridge leaves the bridge to the bridge plugin instead of making
+	// PluginCreatesBridge (PrimaryBridge) leaves the bridge to the bridge plugin instead of making
 	// it with a fixed MAC address in NewNode. A bridge the plugin makes takes the
 	// lowest MAC of its ports, so it changes as pods come and go, and the bridge
 	// plugin's CHECK then fails for pods added earlier ("Bridge interface cni0 Mac
@@ -53,8 +58,9 @@ type NodeOptions struct {
 	PluginCreatesBridge bool
 }
 
-// Node is a test "node": a network namespace that holds the primary network's bridge
-// and the hosts-side veths, plus the directories a container runtime and the CNI
+// Node is a test "node": a network namespace that holds the primary network's
+// node side (the bridge and host-side veths, the routes, or the parent interface),
+// plus the directories a container runtime and the CNI
 // plugins use on a node. It is removed in the test's cleanup.
 type Node struct {
 	// NetNSPath is the node's network namespace; CNI plugins run inside it.
@@ -70,7 +76,10 @@ type Node struct {
 	// PluginLog collects what plugins write to stderr on successful calls (failed
 	// calls carry it in their error); it is logged when the test fails.
 	PluginLog string
-	// BridgeName, IPv4Range, IPv6Range describe the primary network.
+	// Primary, Families, BridgeName, IPv4Range, IPv6Range describe the primary
+	// network.
+	Primary              Primary
+	Families             Families
 	BridgeName           string
 	IPv4Range, IPv6Range netip.Prefix
 	// CNI is the libcni handle the node's calls go through.
@@ -99,9 +108,17 @@ func NewNode(tb testing.TB, opts NodeOptions) *Node {
 		DataDir:    filepath.Join(dir, "host-local"),
 		CacheDir:   filepath.Join(dir, "cache"),
 		PluginLog:  filepath.Join(dir, "plugin-stderr.log"),
+		Primary:    opts.Primary,
+		Families:   opts.Families,
 		BridgeName: opts.BridgeName,
 		IPv4Range:  opts.IPv4Range,
 		IPv6Range:  opts.IPv6Range,
+	}
+	if n.Primary == "" {
+		n.Primary = PrimaryBridge
+	}
+	if !slices.Contains(Primaries(), n.Primary) {
+		tb.Fatalf("unknown primary %q (known: %v)", n.Primary, Primaries())
 	}
 	if n.BridgeName == "" {
 		n.BridgeName = DefaultBridge
@@ -153,8 +170,13 @@ func NewNode(tb testing.TB, opts NodeOptions) *Node {
 			}
 		}
 	})
-	if !opts.PluginCreatesBridge {
+	switch {
+	case n.Primary == PrimaryBridge && !opts.PluginCreatesBridge:
 		if err := n.createBridge(tb); err != nil {
+			tb.Fatal(err)
+		}
+	case n.Primary.needsParent():
+		if err := n.createParent(); err != nil {
 			tb.Fatal(err)
 		}
 	}
@@ -185,29 +207,16 @@ func (n *Node) Do(fn func() error) error {
 	return netns.Do(n.NetNSPath, fn)
 }
 
-// ConflistJSON returns a conflist for this node's primary network:
-// [bridge (isGateway, no masquerade, host-local with both ranges), extra...]. Each
-// extra entry is a plugin config appended after the bridge, such as the mesh-cni entry.
+// ConflistJSON returns a conflist for this node's primary network: [primary
+// (host-local over the node's ranges for its families, default routes; the bridge
+// as gateway without masquerade for PrimaryBridge), extra...]. Each extra entry is a
+// plugin config appended after the primary, such as the mesh-cni entry.
 func (n *Node) ConflistJSON(name string, extra ...map[string]any) ([]byte, error) {
-	bridge := map[string]any{
-		"type":      "bridge",
-		"bridge":    n.BridgeName,
-		"isGateway": true,
-		"ipMasq":    false,
-		"ipam": map[string]any{
-			"type":    "host-local",
-			"dataDir": n.DataDir,
-			"ranges": []any{
-				[]any{map[string]any{"subnet": n.IPv4Range.String()}},
-				[]any{map[string]any{"subnet": n.IPv6Range.String()}},
-			},
-			"routes": []any{
-				map[string]any{"dst": "0.0.0.0/0"},
-				map[string]any{"dst": "::/0"},
-			},
-		},
+	primary, err := n.primaryEntry()
+	if err != nil {
+		return nil, err
 	}
-	plugins := []any{bridge}
+	plugins := []any{primary}
 	for _, e := range extra {
 		plugins = append(plugins, e)
 	}
