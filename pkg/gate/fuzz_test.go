@@ -2,6 +2,7 @@ package gate
 
 import (
 	"errors"
+	"fmt"
 	"net"
 	"net/netip"
 	"path/filepath"
@@ -137,5 +138,51 @@ func FuzzValidateRequests(f *testing.F) {
 			return
 		}
 		accepted(t)
+	})
+}
+
+// FuzzFitPodMetadata: whatever labels and annotations a runtime sends, the
+// fitted pod passes the gate's validation of its metadata, every entry that
+// already fitted is passed on unchanged (within the entry limit), and a key is
+// only ever dropped, never invented.
+func FuzzFitPodMetadata(f *testing.F) {
+	f.Add("app", "web", "kubectl.kubernetes.io/last-applied-configuration", 70000, 3)
+	f.Add("", "x", "a", 4097, 300)
+	f.Add("k", "", "b", 0, 0)
+	f.Fuzz(func(t *testing.T, lk, lv, ak string, bigLen, many int) {
+		if bigLen < 0 || bigLen > 1<<17 || many < 0 || many > 600 {
+			return
+		}
+		labels := map[string]string{lk: lv}
+		annotations := map[string]string{ak: strings.Repeat("x", bigLen)}
+		for i := range many {
+			annotations[fmt.Sprintf("n%03d", i)] = "v"
+		}
+		pod := &gatepb.PodIdentity{Namespace: "ns", Name: "p", Labels: labels, Annotations: annotations}
+		fitted, _ := FitPodMetadata(pod)
+		if err := validateMetadata("label", fitted.GetLabels()); err != nil {
+			t.Fatalf("fitted labels refused: %v", err)
+		}
+		if err := validateMetadata("annotation", fitted.GetAnnotations()); err != nil {
+			t.Fatalf("fitted annotations refused: %v", err)
+		}
+		for _, pair := range []struct{ in, out map[string]string }{{labels, fitted.GetLabels()}, {annotations, fitted.GetAnnotations()}} {
+			for k, v := range pair.out {
+				orig, ok := pair.in[k]
+				if !ok {
+					t.Fatalf("key %q invented", k)
+				}
+				if len(orig) <= maxMetaValueLen && v != orig {
+					t.Fatalf("value of %q changed although it fitted", k)
+				}
+			}
+			if len(pair.in) <= maxMetadata {
+				for k, v := range pair.in {
+					if k != "" && len(k) <= maxMetaKeyLen && len(v) <= maxMetaValueLen && pair.out[k] != v {
+						t.Fatalf("entry %q that fitted was not passed on", k)
+					}
+				}
+			}
+		}
 	})
 }

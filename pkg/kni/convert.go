@@ -47,7 +47,8 @@ var uidPattern = regexp.MustCompile(`^[A-Za-z0-9-]+$`)
 //   - pod: name and namespace from the request, else from the sandbox labels
 //     LabelPodName/LabelPodNamespace; uid from extradata "pod_uid" or "uid", else
 //     the LabelPodUID label (a value that is not uid-shaped is ignored: the uid is
-//     informational); labels and annotations copied.
+//     informational); labels and annotations copied, fitted to the gate's bounds
+//     (gate.FitPodMetadata: an oversized entry never refuses the pod).
 //   - attachment: container id = the request id (the sandbox id); ifname = the
 //     first interface (see below), DefaultIfname when the runtime reported none;
 //     network = the network argument.
@@ -123,13 +124,13 @@ func DetachToGate(req *knipb.DetachInterfaceRequest, network string) (*gatepb.De
 // runtime sets anything up.
 func attachIdentity(req *knipb.AttachInterfaceRequest, network string) (*gatepb.PodIdentity, *gatepb.Attachment, error) {
 	labels := req.GetLabels()
-	pod := &gatepb.PodIdentity{
+	pod, _ := gate.FitPodMetadata(&gatepb.PodIdentity{
 		Namespace:   firstNonEmpty(req.GetNamespace(), labels[LabelPodNamespace]),
 		Name:        firstNonEmpty(req.GetName(), labels[LabelPodName]),
 		Uid:         uidOf(req.GetExtradata(), labels),
-		Labels:      maps.Clone(labels),
-		Annotations: maps.Clone(req.GetAnnotations()),
-	}
+		Labels:      labels,
+		Annotations: req.GetAnnotations(),
+	})
 	att := &gatepb.Attachment{ContainerId: req.GetId(), Ifname: DefaultIfname, Network: network}
 	if err := gate.ValidateDel(&gatepb.DelRequest{Pod: pod, Attachment: att}); err != nil {
 		return nil, nil, fmt.Errorf("attach of sandbox %.80q: %w", req.GetId(), err)

@@ -95,6 +95,7 @@ func (i *interposer) attach(ctx context.Context, method string, req *knipb.Attac
 		zap.String("pod", req.GetNamespace()+"/"+req.GetName()))
 	excluded := i.excluded(firstNonEmpty(req.GetNamespace(), req.GetLabels()[LabelPodNamespace]))
 	if !excluded {
+		gate.LogFittedMetadata(log, req.GetLabels(), req.GetAnnotations())
 		if _, _, err := attachIdentity(req, i.cfg.Network); err != nil {
 			log.Warn("refused attach: the pod could not be enrolled", zap.Error(err))
 			return nil, status.Errorf(codes.InvalidArgument, "mesh-cni: cannot enroll this pod in the mesh, so the attach was not forwarded to the network runtime: %v", err)

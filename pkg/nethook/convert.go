@@ -2,7 +2,6 @@ package nethook
 
 import (
 	"fmt"
-	"maps"
 	"net"
 	"slices"
 
@@ -24,7 +23,9 @@ const (
 // SetupToGate turns a SetupPodNetwork call into the gate Add that enrolls the
 // pod.
 //
-//   - pod: pod_namespace, pod_name, pod_uid; labels and annotations copied.
+//   - pod: pod_namespace, pod_name, pod_uid; labels and annotations copied,
+//     fitted to the gate's bounds (gate.FitPodMetadata: an oversized entry
+//     never refuses the pod).
 //   - attachment: container id = sandbox_id; ifname = the first pod interface
 //     (see below), DefaultIfname when there is none; network = the argument.
 //   - netns: netns_path (required).
@@ -37,13 +38,13 @@ const (
 //
 // An error wraps gate.ErrInvalidRequest and says which field is wrong.
 func SetupToGate(req *nethookpb.SetupPodNetworkRequest, network string) (*gatepb.AddRequest, error) {
-	pod := &gatepb.PodIdentity{
+	pod, _ := gate.FitPodMetadata(&gatepb.PodIdentity{
 		Namespace:   req.GetPodNamespace(),
 		Name:        req.GetPodName(),
 		Uid:         req.GetPodUid(),
-		Labels:      maps.Clone(req.GetLabels()),
-		Annotations: maps.Clone(req.GetAnnotations()),
-	}
+		Labels:      req.GetLabels(),
+		Annotations: req.GetAnnotations(),
+	})
 	att := &gatepb.Attachment{ContainerId: req.GetSandboxId(), Ifname: DefaultIfname, Network: network}
 	if req.GetNetnsPath() == "" {
 		return nil, gate.Invalid("setup of sandbox %.80q carries no netns_path", req.GetSandboxId())

@@ -152,6 +152,7 @@ func (h *hook) SetupPodNetwork(ctx context.Context, req *nethookpb.SetupPodNetwo
 		log.Info("namespace is excluded from the mesh; setup passed through")
 		return result, nil
 	}
+	gate.LogFittedMetadata(log, req.GetLabels(), req.GetAnnotations())
 	add, err := SetupToGate(req, h.cfg.Network)
 	if err != nil {
 		log.Warn("refused setup: the pod could not be enrolled", zap.Error(err))
