@@ -220,7 +220,9 @@ func (e *env) enrollments(t *testing.T) []*gatepb.Enrollment {
 	return list.GetEnrollments()
 }
 
-func TestSetupEnrollsAndPassesPrevResultThrough(t *testing.T) {
+// TestSetupEnrollsAndAnswersEmpty: the setup enrolls the pod and answers with
+// an empty response (the runtime appends it to the primary's result).
+func TestSetupEnrollsAndAnswersEmpty(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, false, nethook.Config{})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -236,8 +238,8 @@ func TestSetupEnrollsAndPassesPrevResultThrough(t *testing.T) {
 	if err != nil {
 		t.Fatalf("setup: %v", err)
 	}
-	if !proto.Equal(resp, prev) {
-		t.Fatalf("setup answered\n%v\nwant prev_result unchanged\n%v", resp, prev)
+	if !proto.Equal(resp, &nethookpb.SetupPodNetworkResponse{}) {
+		t.Fatalf("setup answered\n%v\nwant an empty response (the mesh adds no interface)", resp)
 	}
 
 	var eth0 *nethookpb.NetworkInterface
@@ -286,25 +288,28 @@ func TestSetupEnrollsAndPassesPrevResultThrough(t *testing.T) {
 	}
 }
 
-func TestCheckHealthFollowsReadiness(t *testing.T) {
+// TestCheckHealthReadyWhileAgentStarts: the hook answers ready while the agent
+// is not ready yet (the message says what it waits for) and after; it never
+// answers not-ready, which would make kubelet mark the node NotReady.
+func TestCheckHealthReadyWhileAgentStarts(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, true, nethook.Config{})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 
 	h, err := e.client.CheckHealth(ctx, &nethookpb.CheckHealthRequest{})
-	if err != nil || h.GetReady() || !strings.Contains(h.GetMessage(), condTest) {
-		t.Fatalf("CheckHealth before ready = %v, %v; want not ready naming %q", h, err, condTest)
+	if err != nil || !h.GetReady() || !strings.Contains(h.GetMessage(), condTest) {
+		t.Fatalf("CheckHealth while the agent starts = %v, %v; want ready, naming %q", h, err, condTest)
 	}
 	e.readiness.Set(condTest, true, "")
 	h, err = e.client.CheckHealth(ctx, &nethookpb.CheckHealthRequest{})
-	if err != nil || !h.GetReady() {
+	if err != nil || !h.GetReady() || !strings.Contains(h.GetMessage(), "ready") {
 		t.Fatalf("CheckHealth after ready = %v, %v", h, err)
 	}
 	e.readiness.Set(condTest, false, "data path lost")
 	h, err = e.client.CheckHealth(ctx, &nethookpb.CheckHealthRequest{})
-	if err != nil || h.GetReady() || !strings.Contains(h.GetMessage(), "data path lost") {
-		t.Fatalf("CheckHealth after readiness was lost = %v, %v", h, err)
+	if err != nil || !h.GetReady() || !strings.Contains(h.GetMessage(), "data path lost") {
+		t.Fatalf("CheckHealth after readiness was lost = %v, %v; want ready, naming what is missing", h, err)
 	}
 }
 

@@ -6,12 +6,23 @@
 //
 //   - SetupPodNetwork enrolls the pod through gate Add (which waits until the
 //     agent is ready, bounded by the caller's deadline and
-//     Config.EnrollTimeout) and answers with prev_result unchanged: the mesh
-//     adds no interfaces, routes or DNS. If the pod cannot be enrolled the
-//     setup fails, and the runtime tears down the plugins that already ran.
+//     Config.EnrollTimeout) and answers with an empty SetupPodNetworkResponse,
+//     also for an excluded namespace: the mesh adds no interfaces, routes or
+//     DNS. The runtime appends each plugin's interfaces and routes to what came
+//     before and takes every address as a pod IP, so echoing prev_result
+//     would list each pod IP twice. If the pod cannot be enrolled the setup
+//     fails, and the runtime tears down the plugins that already ran.
 //   - TeardownPodNetwork releases the pod through gate Del; errors are logged
 //     and never fail the teardown.
-//   - CheckHealth reports the agent's readiness, and what is missing.
+//   - CheckHealth answers ready whenever the hook is serving, also while the
+//     agent is still starting (the message then says what it waits for). The
+//     runtime reports the hooks' health as its NetworkReady condition, and a
+//     node whose runtime is not network-ready is marked NotReady by kubelet:
+//     no pod is scheduled there and, after the taint's toleration, its pods
+//     are evicted. Holding each pod's setup at the gate until the agent is
+//     ready is the product; turning an agent restart into a node outage is
+//     not. A hook that does not answer at all (agent stopped) still fails the
+//     runtime's check: that is the runtime's rule, not the hook's answer.
 package nethook
 
 import (
@@ -143,11 +154,9 @@ type hook struct {
 
 func (h *hook) SetupPodNetwork(ctx context.Context, req *nethookpb.SetupPodNetworkRequest) (*nethookpb.SetupPodNetworkResponse, error) {
 	log := h.log.With(zap.String("sandbox", req.GetSandboxId()), zap.String("pod", req.GetPodNamespace()+"/"+req.GetPodName()))
-	// The answer is what came before, untouched: the mesh sets up no network.
-	result := req.GetPrevResult()
-	if result == nil {
-		result = &nethookpb.SetupPodNetworkResponse{}
-	}
+	// The mesh sets up no network: nothing to add to the runtime's result,
+	// which already holds the primary's interfaces (see the package doc).
+	result := &nethookpb.SetupPodNetworkResponse{}
 	if slices.Contains(h.cfg.ExcludeNamespaces, req.GetPodNamespace()) {
 		log.Info("namespace is excluded from the mesh; setup passed through")
 		return result, nil
@@ -199,11 +208,12 @@ func (h *hook) TeardownPodNetwork(ctx context.Context, req *nethookpb.TeardownPo
 	return &nethookpb.TeardownPodNetworkResponse{}, nil
 }
 
-// CheckHealth reports the agent's readiness; the runtime wants every plugin
-// ready, so pods are held at the runtime until the agent is.
+// CheckHealth is ready while the hook serves, the agent ready or not: pods
+// wait at the gate for a starting agent, and a not-ready answer would make
+// kubelet mark the whole node NotReady (see the package doc).
 func (h *hook) CheckHealth(context.Context, *nethookpb.CheckHealthRequest) (*nethookpb.CheckHealthResponse, error) {
 	if ready, why := h.cfg.Ready(); !ready {
-		return &nethookpb.CheckHealthResponse{Ready: false, Message: "mesh-agent is not ready: " + why}, nil
+		return &nethookpb.CheckHealthResponse{Ready: true, Message: "mesh-agent is starting (" + why + "); pod setups wait for it"}, nil
 	}
 	return &nethookpb.CheckHealthResponse{Ready: true, Message: "mesh-agent is ready"}, nil
 }

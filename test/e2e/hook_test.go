@@ -3,43 +3,41 @@ package e2e
 import (
 	"context"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	types100 "github.com/containernetworking/cni/pkg/types/100"
-	"google.golang.org/protobuf/proto"
 
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 	"github.com/mesh-cni/mesh-cni/pkg/nethook"
-	"github.com/mesh-cni/mesh-cni/pkg/nethook/nethookpb"
+	"github.com/mesh-cni/mesh-cni/test/containerdhook"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
-// hookPrevResult is what a runtime hands a non-primary plugin after the primary
-// ran: the primary's CNI result in the hook's terms.
-func hookPrevResult(t *testing.T, res *types100.Result) *nethookpb.SetupPodNetworkResponse {
+// primaryResult is the primary network's result as the runtime holds it after
+// the primary plugin ran: the CNI result in PodNetworkLifecycle's terms.
+func primaryResult(t *testing.T, res *types100.Result) *containerdhook.Result {
 	t.Helper()
 	if res == nil {
 		t.Fatal("the primary ADD left no result")
 	}
-	out := &nethookpb.SetupPodNetworkResponse{Dns: &nethookpb.DNSConfig{
+	out := &containerdhook.Result{DNS: &containerdhook.DNS{
 		Servers: res.DNS.Nameservers, Searches: res.DNS.Search, Options: res.DNS.Options,
 	}}
 	for _, i := range res.Interfaces {
-		out.Interfaces = append(out.Interfaces, &nethookpb.NetworkInterface{
-			Name: i.Name, MacAddress: i.Mac, Type: nethookpb.DeviceType_NETDEV, Mtu: uint32(i.Mtu), State: "up",
-		})
+		out.Interfaces = append(out.Interfaces, containerdhook.Interface{Name: i.Name, MAC: i.Mac, MTU: uint32(i.Mtu), State: "up"})
 	}
 	for _, ip := range res.IPs {
 		if ip.Interface == nil || *ip.Interface < 0 || *ip.Interface >= len(out.Interfaces) {
 			t.Fatalf("CNI result IP %v names no interface", ip)
 		}
-		ni := out.Interfaces[*ip.Interface]
+		ni := &out.Interfaces[*ip.Interface]
 		ni.Addresses = append(ni.Addresses, ip.Address.String())
 	}
 	for _, r := range res.Routes {
-		re := &nethookpb.RouteEntry{Destination: r.Dst.String(), Metric: uint32(r.Priority)}
+		re := containerdhook.Route{Destination: r.Dst.String(), Metric: uint32(r.Priority)}
 		if r.GW != nil {
 			re.Gateway = r.GW.String()
 		}
@@ -48,26 +46,47 @@ func hookPrevResult(t *testing.T, res *types100.Result) *nethookpb.SetupPodNetwo
 	return out
 }
 
-func hookSetupRequest(p *harness.Pod, prev *nethookpb.SetupPodNetworkResponse) *nethookpb.SetupPodNetworkRequest {
-	return &nethookpb.SetupPodNetworkRequest{
-		SandboxId:    p.ContainerID,
+func hookPod(p *harness.Pod) containerdhook.Pod {
+	return containerdhook.Pod{
+		SandboxID:    p.ContainerID,
 		NetnsPath:    p.NetNSPath,
-		PodName:      p.Name,
-		PodNamespace: p.Namespace,
-		PodUid:       p.UID,
+		Name:         p.Name,
+		Namespace:    p.Namespace,
+		UID:          p.UID,
 		Labels:       map[string]string{"app": p.Name},
 		CgroupParent: "/kubepods/besteffort/pod" + p.UID,
-		PrevResult:   prev,
 	}
 }
 
-// TestHookEntryPoint plays containerd against the agent's network-plugin hook:
-// it finds the hook through its registration file, runs the primary network
-// (a real [bridge] ADD) itself, then calls SetupPodNetwork with the primary's
-// result, which comes back unchanged with the pod enrolled; traffic between two
-// such pods goes through their sidecar proxies; TeardownPodNetwork releases;
-// CheckHealth says ready while the agent runs and fails once it is stopped, its
-// registration staying in place.
+// checkPodIPs: the sandbox IPs the runtime derives from the merged result are
+// the pod's addresses, each once.
+func checkPodIPs(t *testing.T, p *harness.Pod, merged *containerdhook.Result) {
+	t.Helper()
+	ip, more, err := containerdhook.PodIPs(merged)
+	if err != nil {
+		t.Fatalf("pod IPs of %s: %v", p.Name, err)
+	}
+	got := append([]string{ip}, more...)
+	var want []string
+	for _, a := range p.Addrs() {
+		want = append(want, a.String())
+	}
+	slices.Sort(got)
+	slices.Sort(want)
+	if !slices.Equal(got, want) {
+		t.Fatalf("the runtime would give %s the IPs %v, want its addresses %v, each once", p.Name, got, want)
+	}
+}
+
+// TestHookEntryPoint plays containerd against the agent's network-plugin hook,
+// through test/containerdhook (the runtime's chain written from the fork's
+// source): it finds the hook through its registration file, runs the primary
+// network (a real [bridge] ADD) itself, then runs the chain [primary, hook];
+// the hook answers empty with the pod enrolled, and the pod IPs the runtime
+// derives from the merged result are the pod's addresses, each once; traffic
+// between two such pods goes through their sidecar proxies; teardown
+// releases; the runtime's NetworkReady holds while the agent runs and fails
+// once it is stopped, the registration staying in place.
 func TestHookEntryPoint(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
@@ -87,28 +106,40 @@ func TestHookEntryPoint(t *testing.T) {
 	if reg.Name != "mesh-cni" || reg.Primary || reg.Priority != nethook.DefaultPriority || reg.Address != a.agentPath("hook", "hook.sock") {
 		t.Fatalf("registration %+v, want mesh-cni, not primary, priority %d, address the hook socket", reg, nethook.DefaultPriority)
 	}
-	hook := nethookpb.NewPodNetworkLifecycleClient(dialUnixGRPC(t, strings.TrimPrefix(reg.Address, "unix://")))
-
-	health, err := hook.CheckHealth(ctx, &nethookpb.CheckHealthRequest{})
-	if err != nil || !health.GetReady() {
-		t.Fatalf("CheckHealth with the agent ready = %v, %v; want ready", health, err)
+	hook, err := containerdhook.Dial(strings.TrimPrefix(reg.Address, "unix://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hook.Close()
+	chainFor := func(p *harness.Pod) *containerdhook.Chain {
+		return &containerdhook.Chain{
+			Plugins: []containerdhook.Plugin{containerdhook.Done{Result: primaryResult(t, p.Result())}, hook},
+			Names:   []string{"bridge", reg.Name},
+		}
+	}
+	if err := (&containerdhook.Chain{Plugins: []containerdhook.Plugin{hook}, Names: []string{reg.Name}}).NetworkReady(ctx); err != nil {
+		t.Fatalf("NetworkReady with the agent ready: %v", err)
 	}
 
-	setup := func(p *harness.Pod) *nethookpb.SetupPodNetworkResponse {
+	setup := func(p *harness.Pod) *containerdhook.Result {
 		t.Helper()
 		if _, err := node.Add(ctx, p, primary); err != nil {
 			t.Fatalf("primary network for %s: %v", p.Name, err)
 		}
-		prev := hookPrevResult(t, p.Result())
 		callCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
 		defer cancel()
-		resp, err := hook.SetupPodNetwork(callCtx, hookSetupRequest(p, prev))
+		own, err := hook.Setup(callCtx, hookPod(p), primaryResult(t, p.Result()))
 		if err != nil {
 			t.Fatalf("SetupPodNetwork %s: %v", p.Name, err)
 		}
-		if !proto.Equal(resp, prev) {
-			t.Fatalf("SetupPodNetwork answered\n%v\nwant prev_result unchanged\n%v", resp, prev)
+		if len(own.Interfaces) != 0 || len(own.Routes) != 0 || own.DNS != nil {
+			t.Fatalf("the hook answered %+v for %s, want an empty response (the mesh adds no interface)", own, p.Name)
 		}
+		merged, err := chainFor(p).Setup(callCtx, hookPod(p))
+		if err != nil {
+			t.Fatalf("the runtime's chain for %s: %v", p.Name, err)
+		}
+		checkPodIPs(t, p, merged)
 		e := enrollmentOf(ctx, a, p.ContainerID)
 		if e == nil {
 			t.Fatalf("the agent does not list %s after its setup returned", p.Name)
@@ -120,7 +151,7 @@ func TestHookEntryPoint(t *testing.T) {
 		if !settingsEntryExists(t, a, e.GetNetnsCookie()) {
 			t.Fatalf("%s is listed but has no entry in the pinned settings map", p.Name)
 		}
-		return prev
+		return merged
 	}
 
 	pa := &meshPod{Pod: node.NewPod(t, "shop", "hook-client")}
@@ -128,19 +159,17 @@ func TestHookEntryPoint(t *testing.T) {
 	prevA, prevB := setup(pa.Pod), setup(pb.Pod)
 	checkThroughSidecars(ctx, t, pa, pb, pa.Addrs(), pb.Addrs())
 
-	// Teardown releases, before the runtime tears the primary down.
+	// Teardown (reverse order: the hook first) releases, before the runtime
+	// tears the primary down.
 	var cookies []uint64
 	for _, x := range []struct {
-		p    *meshPod
-		prev *nethookpb.SetupPodNetworkResponse
+		p      *meshPod
+		merged *containerdhook.Result
 	}{{pa, prevA}, {pb, prevB}} {
 		_, cookie := podPinDir(t, a, x.p.Pod)
 		cookies = append(cookies, cookie)
-		if _, err := hook.TeardownPodNetwork(ctx, &nethookpb.TeardownPodNetworkRequest{
-			SandboxId: x.p.ContainerID, NetnsPath: x.p.NetNSPath, PodName: x.p.Name, PodNamespace: x.p.Namespace,
-			PodUid: x.p.UID, PrevResult: x.prev,
-		}); err != nil {
-			t.Fatalf("TeardownPodNetwork %s: %v", x.p.Name, err)
+		if err := chainFor(x.p.Pod).Teardown(ctx, hookPod(x.p.Pod), x.merged); err != nil {
+			t.Fatalf("teardown %s: %v", x.p.Name, err)
 		}
 		if err := node.Del(ctx, x.p.Pod, primary); err != nil {
 			t.Fatal(err)
@@ -160,11 +189,11 @@ func TestHookEntryPoint(t *testing.T) {
 	a.stop(ctx)
 	callCtx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	health, err = hook.CheckHealth(callCtx, &nethookpb.CheckHealthRequest{})
-	if err == nil && health.GetReady() {
-		t.Fatal("CheckHealth says ready with the agent stopped")
+	err = (&containerdhook.Chain{Plugins: []containerdhook.Plugin{hook}, Names: []string{reg.Name}}).NetworkReady(callCtx)
+	if err == nil {
+		t.Fatal("NetworkReady holds with the agent stopped")
 	}
-	t.Logf("CheckHealth with the agent stopped: %v, %v", health, err)
+	t.Logf("NetworkReady with the agent stopped: %v", err)
 	if _, err := os.Stat(regPath); err != nil {
 		t.Fatalf("the registration is gone after a plain stop: %v", err)
 	}

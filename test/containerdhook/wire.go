@@ -1,0 +1,247 @@
+package containerdhook
+
+import (
+	"fmt"
+	"sort"
+
+	"google.golang.org/protobuf/encoding/protowire"
+)
+
+// Field numbers of networking.proto (package containerd.services.networking.v1).
+const (
+	setupSandboxID, setupNetns, setupName, setupNamespace, setupUID = 1, 2, 3, 4, 5
+	setupAnnotations, setupLabels, setupCgroupParent, setupPrev     = 6, 7, 10, 11
+
+	teardownCgroupParent, teardownPrev = 9, 10 // fields 1-7 as in the setup
+
+	resultInterfaces, resultRoutes, resultDNS = 1, 2, 3
+
+	ifName, ifMAC, ifType, ifMTU, ifState, ifAddresses = 1, 2, 3, 4, 5, 6
+	rtDest, rtGW, rtIface, rtMetric, rtScope           = 1, 2, 3, 4, 5
+	dnsServers, dnsSearches, dnsOptions                = 1, 2, 3
+
+	healthReady, healthMessage = 1, 2
+
+	deviceRDMA = 1
+)
+
+func appendString(b []byte, num protowire.Number, s string) []byte {
+	if s == "" {
+		return b
+	}
+	return protowire.AppendString(protowire.AppendTag(b, num, protowire.BytesType), s)
+}
+
+func appendMessage(b []byte, num protowire.Number, m []byte) []byte {
+	return protowire.AppendBytes(protowire.AppendTag(b, num, protowire.BytesType), m)
+}
+
+func appendVarint(b []byte, num protowire.Number, v uint64) []byte {
+	if v == 0 {
+		return b
+	}
+	return protowire.AppendVarint(protowire.AppendTag(b, num, protowire.VarintType), v)
+}
+
+func appendMap(b []byte, num protowire.Number, m map[string]string) []byte {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		entry := appendString(appendString(nil, 1, k), 2, m[k])
+		b = appendMessage(b, num, entry)
+	}
+	return b
+}
+
+func encodePod(pod Pod) []byte {
+	b := appendString(nil, setupSandboxID, pod.SandboxID)
+	b = appendString(b, setupNetns, pod.NetnsPath)
+	b = appendString(b, setupName, pod.Name)
+	b = appendString(b, setupNamespace, pod.Namespace)
+	b = appendString(b, setupUID, pod.UID)
+	b = appendMap(b, setupAnnotations, pod.Annotations)
+	return appendMap(b, setupLabels, pod.Labels)
+}
+
+func encodeSetup(pod Pod, prev *Result) []byte {
+	b := appendString(encodePod(pod), setupCgroupParent, pod.CgroupParent)
+	if prev != nil {
+		b = appendMessage(b, setupPrev, encodeResult(prev))
+	}
+	return b
+}
+
+func encodeTeardown(pod Pod, prev *Result) []byte {
+	b := appendString(encodePod(pod), teardownCgroupParent, pod.CgroupParent)
+	if prev != nil {
+		b = appendMessage(b, teardownPrev, encodeResult(prev))
+	}
+	return b
+}
+
+func encodeResult(r *Result) []byte {
+	var b []byte
+	for _, i := range r.Interfaces {
+		m := appendString(nil, ifName, i.Name)
+		m = appendString(m, ifMAC, i.MAC)
+		if i.RDMA {
+			m = appendVarint(m, ifType, deviceRDMA)
+		}
+		m = appendVarint(m, ifMTU, uint64(i.MTU))
+		m = appendString(m, ifState, i.State)
+		for _, a := range i.Addresses {
+			m = protowire.AppendString(protowire.AppendTag(m, ifAddresses, protowire.BytesType), a)
+		}
+		b = appendMessage(b, resultInterfaces, m)
+	}
+	for _, r := range r.Routes {
+		m := appendString(nil, rtDest, r.Destination)
+		m = appendString(m, rtGW, r.Gateway)
+		m = appendString(m, rtIface, r.InterfaceName)
+		m = appendVarint(m, rtMetric, uint64(r.Metric))
+		m = appendString(m, rtScope, r.Scope)
+		b = appendMessage(b, resultRoutes, m)
+	}
+	if r.DNS != nil {
+		var m []byte
+		for _, f := range []struct {
+			num protowire.Number
+			v   []string
+		}{{dnsServers, r.DNS.Servers}, {dnsSearches, r.DNS.Searches}, {dnsOptions, r.DNS.Options}} {
+			for _, s := range f.v {
+				m = protowire.AppendString(protowire.AppendTag(m, f.num, protowire.BytesType), s)
+			}
+		}
+		b = appendMessage(b, resultDNS, m)
+	}
+	return b
+}
+
+// walk calls fn for every field of the message b with its raw value: the bytes
+// of a length-delimited field, the number of a varint.
+func walk(b []byte, fn func(num protowire.Number, typ protowire.Type, v []byte, n uint64) error) error {
+	for len(b) > 0 {
+		num, typ, n := protowire.ConsumeTag(b)
+		if n < 0 {
+			return protowire.ParseError(n)
+		}
+		b = b[n:]
+		switch typ {
+		case protowire.BytesType:
+			v, m := protowire.ConsumeBytes(b)
+			if m < 0 {
+				return protowire.ParseError(m)
+			}
+			b = b[m:]
+			if err := fn(num, typ, v, 0); err != nil {
+				return err
+			}
+		case protowire.VarintType:
+			v, m := protowire.ConsumeVarint(b)
+			if m < 0 {
+				return protowire.ParseError(m)
+			}
+			b = b[m:]
+			if err := fn(num, typ, nil, v); err != nil {
+				return err
+			}
+		default:
+			m := protowire.ConsumeFieldValue(num, typ, b)
+			if m < 0 {
+				return protowire.ParseError(m)
+			}
+			b = b[m:]
+		}
+	}
+	return nil
+}
+
+func decodeResult(b []byte) (*Result, error) {
+	r := &Result{}
+	err := walk(b, func(num protowire.Number, _ protowire.Type, v []byte, _ uint64) error {
+		switch num {
+		case resultInterfaces:
+			var i Interface
+			if err := walk(v, func(num protowire.Number, _ protowire.Type, v []byte, n uint64) error {
+				switch num {
+				case ifName:
+					i.Name = string(v)
+				case ifMAC:
+					i.MAC = string(v)
+				case ifType:
+					i.RDMA = n == deviceRDMA
+				case ifMTU:
+					i.MTU = uint32(n)
+				case ifState:
+					i.State = string(v)
+				case ifAddresses:
+					i.Addresses = append(i.Addresses, string(v))
+				}
+				return nil
+			}); err != nil {
+				return err
+			}
+			r.Interfaces = append(r.Interfaces, i)
+		case resultRoutes:
+			var rt Route
+			if err := walk(v, func(num protowire.Number, _ protowire.Type, v []byte, n uint64) error {
+				switch num {
+				case rtDest:
+					rt.Destination = string(v)
+				case rtGW:
+					rt.Gateway = string(v)
+				case rtIface:
+					rt.InterfaceName = string(v)
+				case rtMetric:
+					rt.Metric = uint32(n)
+				case rtScope:
+					rt.Scope = string(v)
+				}
+				return nil
+			}); err != nil {
+				return err
+			}
+			r.Routes = append(r.Routes, rt)
+		case resultDNS:
+			d := &DNS{}
+			if err := walk(v, func(num protowire.Number, _ protowire.Type, v []byte, _ uint64) error {
+				switch num {
+				case dnsServers:
+					d.Servers = append(d.Servers, string(v))
+				case dnsSearches:
+					d.Searches = append(d.Searches, string(v))
+				case dnsOptions:
+					d.Options = append(d.Options, string(v))
+				}
+				return nil
+			}); err != nil {
+				return err
+			}
+			r.DNS = d
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("decode SetupPodNetworkResponse: %w", err)
+	}
+	return r, nil
+}
+
+func decodeHealth(b []byte) (ready bool, message string, err error) {
+	err = walk(b, func(num protowire.Number, _ protowire.Type, v []byte, n uint64) error {
+		switch num {
+		case healthReady:
+			ready = n != 0
+		case healthMessage:
+			message = string(v)
+		}
+		return nil
+	})
+	if err != nil {
+		return false, "", fmt.Errorf("decode CheckHealthResponse: %w", err)
+	}
+	return ready, message, nil
+}
