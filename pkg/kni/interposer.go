@@ -30,23 +30,51 @@ type interposer struct {
 	upstream knipb.KNIClient
 }
 
+// The attach and detach pairs have two names for wire-identical calls: the
+// kubelet fork calls AttachNetwork/DetachNetwork, the published reference
+// runtime (libkni v0.3.0, on kni-api v0.0.8) serves only
+// AttachInterface/DetachInterface, and older runtimes only the former. Each
+// call goes to the runtime under the name the caller used and, if the runtime
+// answers Unimplemented, once more under the other name, so the interposer
+// joins any of them unchanged.
+
 func (i *interposer) AttachInterface(ctx context.Context, req *knipb.AttachInterfaceRequest) (*knipb.AttachInterfaceResponse, error) {
-	return i.attach(ctx, "AttachInterface", req, i.upstream.AttachInterface, i.upstream.DetachInterface)
+	return i.attach(ctx, "AttachInterface", req,
+		orOther(i.log, "AttachInterface", "AttachNetwork", i.upstream.AttachInterface, i.upstream.AttachNetwork),
+		orOther(i.log, "DetachInterface", "DetachNetwork", i.upstream.DetachInterface, i.upstream.DetachNetwork))
 }
 
 // AttachNetwork is the older name of AttachInterface. A failed one is undone
-// with DetachNetwork: a runtime old enough to know only these names may not
-// know DetachInterface.
+// with DetachNetwork (or DetachInterface, for a runtime that knows only that).
 func (i *interposer) AttachNetwork(ctx context.Context, req *knipb.AttachInterfaceRequest) (*knipb.AttachInterfaceResponse, error) {
-	return i.attach(ctx, "AttachNetwork", req, i.upstream.AttachNetwork, i.upstream.DetachNetwork)
+	return i.attach(ctx, "AttachNetwork", req,
+		orOther(i.log, "AttachNetwork", "AttachInterface", i.upstream.AttachNetwork, i.upstream.AttachInterface),
+		orOther(i.log, "DetachNetwork", "DetachInterface", i.upstream.DetachNetwork, i.upstream.DetachInterface))
 }
 
 func (i *interposer) DetachInterface(ctx context.Context, req *knipb.DetachInterfaceRequest) (*knipb.DetachInterfaceResponse, error) {
-	return i.detach(ctx, "DetachInterface", req, i.upstream.DetachInterface)
+	return i.detach(ctx, "DetachInterface", req,
+		orOther(i.log, "DetachInterface", "DetachNetwork", i.upstream.DetachInterface, i.upstream.DetachNetwork))
 }
 
 func (i *interposer) DetachNetwork(ctx context.Context, req *knipb.DetachInterfaceRequest) (*knipb.DetachInterfaceResponse, error) {
-	return i.detach(ctx, "DetachNetwork", req, i.upstream.DetachNetwork)
+	return i.detach(ctx, "DetachNetwork", req,
+		orOther(i.log, "DetachNetwork", "DetachInterface", i.upstream.DetachNetwork, i.upstream.DetachInterface))
+}
+
+// orOther calls first and, when the runtime answers Unimplemented, other: the
+// same request under the pair's other method name.
+func orOther[Req, Resp any](log *zap.Logger, firstName, otherName string,
+	first, other func(context.Context, Req, ...grpc.CallOption) (Resp, error)) func(context.Context, Req, ...grpc.CallOption) (Resp, error) {
+	return func(ctx context.Context, req Req, opts ...grpc.CallOption) (Resp, error) {
+		resp, err := first(ctx, req, opts...)
+		if status.Code(err) != codes.Unimplemented {
+			return resp, err
+		}
+		log.Debug("network runtime does not implement the method; calling it under its other name",
+			zap.String("method", firstName), zap.String("as", otherName))
+		return other(ctx, req, opts...)
+	}
 }
 
 func (i *interposer) CreateNetwork(ctx context.Context, req *knipb.CreateNetworkRequest) (*knipb.CreateNetworkResponse, error) {

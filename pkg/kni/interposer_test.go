@@ -54,6 +54,7 @@ type env struct {
 
 type envOptions struct {
 	notReady    bool // start with an unmet readiness condition
+	libkni      bool // the runtime serves only libkni's method names
 	cfg         kni.Config
 	allowedUIDs []int
 }
@@ -65,7 +66,11 @@ func newEnv(t *testing.T, opts envOptions) *env {
 	log := zaptest.NewLogger(t)
 	node := harness.NewNode(t, harness.NodeOptions{})
 	list := node.Conflist(t, "kninet")
-	e := &env{node: node, network: list.Name, runtime: kniruntime.Start(t, node, list), readyAsked: make(chan struct{}, 16)}
+	startRuntime := kniruntime.Start
+	if opts.libkni {
+		startRuntime = kniruntime.StartLibkni
+	}
+	e := &env{node: node, network: list.Name, runtime: startRuntime(t, node, list), readyAsked: make(chan struct{}, 16)}
 
 	if opts.notReady {
 		e.readiness = agent.NewReadiness(condTest)
@@ -368,6 +373,70 @@ func TestAttachNetworkOldNames(t *testing.T) {
 	}
 	if enr := e.enrollments(t); len(enr) != 0 {
 		t.Fatalf("enrollments after DetachNetwork = %v", enr)
+	}
+}
+
+// TestLibkniUpstream: in front of a runtime that serves only libkni's names
+// (AttachInterface/DetachInterface; see kniruntime.StartLibkni), kubelet's
+// AttachNetwork/DetachNetwork work: the runtime's Unimplemented is retried under
+// the other name. An attach that cannot be enrolled is undone the same way.
+func TestLibkniUpstream(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{libkni: true})
+	pod := e.node.NewPod(t, "shop", "kubelet-fork")
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+
+	// The runtime really knows only the new names.
+	up, err := grpc.NewClient("unix://"+e.runtime.Socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer up.Close()
+	if _, err := knipb.NewKNIClient(up).AttachNetwork(ctx, attachRequest(pod)); status.Code(err) != codes.Unimplemented {
+		t.Fatalf("AttachNetwork straight to the libkni-named runtime = %v, want Unimplemented", err)
+	}
+
+	resp, err := e.client.AttachNetwork(ctx, attachRequest(pod))
+	if err != nil || len(resp.GetIpconfigs()["eth0"].GetIp()) != 2 {
+		t.Fatalf("AttachNetwork through the interposer = %v, %v", resp, err)
+	}
+	if n := len(e.runtime.CallsOf("AttachInterface")); n != 1 {
+		t.Fatalf("runtime got %d AttachInterface calls, want 1", n)
+	}
+	if enr := e.enrollments(t); len(enr) != 1 || enr[0].GetNetnsPath() != pod.NetNSPath {
+		t.Fatalf("enrollments = %v, want the pod", enr)
+	}
+	if _, err := e.client.DetachNetwork(ctx, detachRequest(pod)); err != nil {
+		t.Fatalf("DetachNetwork through the interposer: %v", err)
+	}
+	if n := len(e.runtime.CallsOf("DetachInterface")); n != 1 {
+		t.Fatalf("runtime got %d DetachInterface calls, want 1", n)
+	}
+	if enr := e.enrollments(t); len(enr) != 0 {
+		t.Fatalf("enrollments after DetachNetwork = %v", enr)
+	}
+	if a := e.runtime.Attached(); len(a) != 0 {
+		t.Fatalf("runtime still holds %v", a)
+	}
+}
+
+// TestLibkniUpstreamUndo: an AttachNetwork whose pod cannot be enrolled is
+// undone with DetachInterface on a libkni-named runtime.
+func TestLibkniUpstreamUndo(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envOptions{libkni: true, notReady: true, cfg: kni.Config{EnrollTimeout: time.Second}})
+	pod := e.node.NewPod(t, "shop", "undo")
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if _, err := e.client.AttachNetwork(ctx, attachRequest(pod)); status.Code(err) != codes.Unavailable {
+		t.Fatalf("AttachNetwork with the agent never ready = %v, want Unavailable", err)
+	}
+	if n := len(e.runtime.CallsOf("DetachInterface")); n != 1 {
+		t.Fatalf("runtime got %d DetachInterface calls, want 1 (the undo)", n)
+	}
+	if a := e.runtime.Attached(); len(a) != 0 {
+		t.Fatalf("runtime still holds %v", a)
 	}
 }
 

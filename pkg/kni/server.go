@@ -16,6 +16,12 @@
 //     first (errors are logged, a detach is never blocked by the mesh), then
 //     the detach is forwarded.
 //
+// The two names of each pair are the same call (wire-identical messages): the
+// kubelet fork calls AttachNetwork/DetachNetwork, the reference runtime libkni
+// serves only AttachInterface/DetachInterface. A call the runtime answers
+// Unimplemented is sent once more under the other name, so the interposer sits
+// between any of them unchanged.
+//
 // Everything else, including methods this build does not know, is forwarded as
 // it is: metadata and deadlines go up, headers, trailers and the runtime's
 // errors (same code and message) come back.

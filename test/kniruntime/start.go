@@ -26,6 +26,18 @@ type Started struct {
 // server stopped.
 func Start(tb testing.TB, node *harness.Node, list *libcni.NetworkConfigList) *Started {
 	tb.Helper()
+	return start(tb, node, list, (*Runtime).Serve)
+}
+
+// StartLibkni is Start for a runtime that serves only the method names of
+// libkni, the published reference runtime (see libkniService).
+func StartLibkni(tb testing.TB, node *harness.Node, list *libcni.NetworkConfigList) *Started {
+	tb.Helper()
+	return start(tb, node, list, (*Runtime).ServeLibkni)
+}
+
+func start(tb testing.TB, node *harness.Node, list *libcni.NetworkConfigList, serve func(*Runtime, net.Listener) func()) *Started {
+	tb.Helper()
 	// Not tb.TempDir(): its paths grow with the test name and a Unix socket
 	// path must stay under 108 bytes.
 	dir, err := os.MkdirTemp("", "kniruntime-")
@@ -39,7 +51,7 @@ func Start(tb testing.TB, node *harness.Node, list *libcni.NetworkConfigList) *S
 		tb.Fatalf("kniruntime listen: %v", err)
 	}
 	r := New(Config{CNI: node.CNI, Network: list, PluginNetns: node.NetNSPath, Log: zaptest.NewLogger(tb).Named("kniruntime")})
-	stop := r.Serve(l)
+	stop := serve(r, l)
 	tb.Cleanup(func() {
 		stop()
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
