@@ -39,7 +39,10 @@ var matrixFamilies = []harness.Families{harness.IPv4Only, harness.IPv6Only, harn
 var kernelOptional = map[string]string{"ipvlan": "CONFIG_IPVLAN"}
 
 // primaryMatrix is every primary and family TestPrimaries runs, and so exactly
-// what the README's compatibility section lists (TestReadmeCompatibility).
+// what the README's compatibility section lists (TestReadmePrimaryCNIs). flannel's
+// CNI plugin and Calico's are not in it: the Go module proxy this project builds
+// its plugins from does not serve github.com/flannel-io/cni-plugin, nor
+// github.com/projectcalico/api, which Calico's plugin needs.
 func primaryMatrix() []primaryCase {
 	var out []primaryCase
 	for _, p := range harness.Primaries() {
@@ -298,6 +301,10 @@ func linkNames(t *testing.T, node *harness.Node) []string {
 // way kubeadm-style and Calico-style conflists chain them after the primary.
 var chainedAfterMesh = []string{"portmap", "bandwidth", "tuning"}
 
+// chainPrimaries are the primaries TestChainAfterMeshCNI runs over: those with a
+// host-side veth, which bandwidth shapes.
+var chainPrimaries = []harness.Primary{harness.PrimaryBridge, harness.PrimaryPTP}
+
 // TestChainAfterMeshCNI: plugins chained after mesh-cni get the primary's result
 // intact from it and do their work with it, over the primaries with a host-side
 // veth (bandwidth shapes that veth). portmap needs the pod's addresses (a host port
@@ -308,7 +315,7 @@ var chainedAfterMesh = []string{"portmap", "bandwidth", "tuning"}
 // undoes all of it.
 func TestChainAfterMeshCNI(t *testing.T) {
 	t.Parallel()
-	for _, p := range []harness.Primary{harness.PrimaryBridge, harness.PrimaryPTP} {
+	for _, p := range chainPrimaries {
 		t.Run(string(p), func(t *testing.T) {
 			t.Parallel()
 			runChainAfterMesh(t, p)
