@@ -16,34 +16,14 @@ import (
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
-// primaryResult is the primary network's result as the runtime holds it after
-// the primary plugin ran: the CNI result in PodNetworkLifecycle's terms.
+// primaryResult is the primary network's result as the runtime holds it.
 func primaryResult(t *testing.T, res *types100.Result) *containerdhook.Result {
 	t.Helper()
-	if res == nil {
-		t.Fatal("the primary ADD left no result")
+	r, err := containerdhook.FromCNI(res)
+	if err != nil {
+		t.Fatal(err)
 	}
-	out := &containerdhook.Result{DNS: &containerdhook.DNS{
-		Servers: res.DNS.Nameservers, Searches: res.DNS.Search, Options: res.DNS.Options,
-	}}
-	for _, i := range res.Interfaces {
-		out.Interfaces = append(out.Interfaces, containerdhook.Interface{Name: i.Name, MAC: i.Mac, MTU: uint32(i.Mtu), State: "up"})
-	}
-	for _, ip := range res.IPs {
-		if ip.Interface == nil || *ip.Interface < 0 || *ip.Interface >= len(out.Interfaces) {
-			t.Fatalf("CNI result IP %v names no interface", ip)
-		}
-		ni := &out.Interfaces[*ip.Interface]
-		ni.Addresses = append(ni.Addresses, ip.Address.String())
-	}
-	for _, r := range res.Routes {
-		re := containerdhook.Route{Destination: r.Dst.String(), Metric: uint32(r.Priority)}
-		if r.GW != nil {
-			re.Gateway = r.GW.String()
-		}
-		out.Routes = append(out.Routes, re)
-	}
-	return out
+	return r
 }
 
 func hookPod(p *harness.Pod) containerdhook.Pod {

@@ -10,7 +10,7 @@ import (
 	"time"
 
 	"github.com/mesh-cni/mesh-cni/pkg/nethook"
-	"github.com/mesh-cni/mesh-cni/pkg/nethook/nethookpb"
+	"github.com/mesh-cni/mesh-cni/test/containerdhook"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -40,7 +40,11 @@ func TestLargeAnnotation(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	hook := nethookpb.NewPodNetworkLifecycleClient(dialUnixGRPC(t, strings.TrimPrefix(reg.Address, "unix://")))
+	hook, err := containerdhook.Dial(strings.TrimPrefix(reg.Address, "unix://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hook.Close()
 
 	big := strings.Repeat("x", 64<<10)
 	many := map[string]string{}
@@ -60,11 +64,11 @@ func TestLargeAnnotation(t *testing.T) {
 		if _, err := node.Add(ctx, p, primary); err != nil {
 			t.Fatalf("primary network for %s: %v", p.Name, err)
 		}
-		req := hookSetupRequest(p, hookPrevResult(t, p.Result()))
-		req.Labels = map[string]string{"mesh-cni.io/dataplane-mode": "enabled"}
-		req.Annotations = tc.annotations
+		pod := hookPod(p)
+		pod.Labels = map[string]string{"mesh-cni.io/dataplane-mode": "enabled"}
+		pod.Annotations = tc.annotations
 		callCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		_, err := hook.SetupPodNetwork(callCtx, req)
+		_, err := hook.Setup(callCtx, pod, primaryResult(t, p.Result()))
 		cancel()
 		if err != nil {
 			t.Fatalf("SetupPodNetwork %s: %v", tc.name, err)
