@@ -50,6 +50,7 @@ func TestKubernetes(t *testing.T) {
 		{"AgentEnrollmentFollowsLabels", testAgentEnrollmentFollowsLabels},
 		{"AgentPluginGetsNoCredential", testAgentPluginGetsNoCredential},
 		{"AgentAddWithAPIServerDown", testAgentAddWithAPIServerDown},
+		{"AgentZDSEntryPoints", testAgentZDSEntryPoints},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
