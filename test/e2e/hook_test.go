@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -176,5 +177,103 @@ func TestHookEntryPoint(t *testing.T) {
 	t.Logf("NetworkReady with the agent stopped: %v", err)
 	if _, err := os.Stat(regPath); err != nil {
 		t.Fatalf("the registration is gone after a plain stop: %v", err)
+	}
+}
+
+// TestHookHealthWhileAgentStarts: the real agent, its hook serving but the agent
+// not ready (its policy file does not exist yet, so the enrollment source has
+// not synced). containerd's NetworkReady holds, the hook's answer says what the
+// agent waits for, and a pod's setup issued then waits at the gate and
+// completes, enrolled, once the agent is ready: the node is never made
+// NotReady by a starting agent.
+func TestHookHealthWhileAgentStarts(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	node := harness.NewNode(t, harness.NodeOptions{})
+	primary := node.Conflist(t, "hooknet")
+	a := newAgent(t)
+	policy := a.agentPath("policy", "enrollment.yaml")
+	if err := os.MkdirAll(filepath.Dir(policy), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	pluginDir := a.agentPath("containerd", "net.d")
+	a.Args = append(a.Args, "--enrollment=file", "--policy-file", policy,
+		"--hook-socket", a.agentPath("hook", "hook.sock"), "--hook-plugin-dir", pluginDir)
+	a.Proc = harness.StartProcess(t, harness.ProcessOptions{Path: harness.Bins(t).Path("mesh-agent"), Args: a.Args, Name: "mesh-agent"})
+
+	// The registration is written once the hook serves.
+	regPath := nethook.RegistrationPath(pluginDir, "mesh-cni")
+	lineCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	_, err := a.Proc.WaitForLine(lineCtx, "network-plugin hook serving")
+	cancel()
+	if err != nil {
+		t.Fatalf("the hook never served: %v\n%s", err, a.Proc.Output())
+	}
+	var reg nethook.Registration
+	waitFor(t, 30*time.Second, "the hook's registration", func() bool {
+		r, err := nethook.ReadRegistration(regPath)
+		if err == nil {
+			reg = r
+		}
+		return err == nil
+	})
+	hook, err := containerdhook.Dial(strings.TrimPrefix(reg.Address, "unix://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hook.Close()
+	if a.list(ctx).GetReady() {
+		t.Fatal("the agent is ready without its policy file")
+	}
+	chain := &containerdhook.Chain{Plugins: []containerdhook.Plugin{hook}, Names: []string{reg.Name}}
+	if err := chain.NetworkReady(ctx); err != nil {
+		t.Fatalf("NetworkReady while the agent starts: %v (a not-ready hook makes kubelet mark the node NotReady)", err)
+	}
+	if ready, msg, err := hook.Health(ctx); err != nil || !ready || !strings.Contains(msg, "starting") || !strings.Contains(msg, "enrollment") {
+		t.Fatalf("CheckHealth while the agent starts = %v %q %v; want ready, saying what it waits for", ready, msg, err)
+	}
+
+	p := node.NewPod(t, "shop", "early")
+	if _, err := node.Add(ctx, p, primary); err != nil {
+		t.Fatal(err)
+	}
+	full := &containerdhook.Chain{
+		Plugins: []containerdhook.Plugin{containerdhook.Done{Result: primaryResult(t, p.Result())}, hook},
+		Names:   []string{"bridge", reg.Name},
+	}
+	type result struct {
+		merged *containerdhook.Result
+		err    error
+	}
+	done := make(chan result, 1)
+	go func() {
+		callCtx, cancel := context.WithTimeout(ctx, time.Minute)
+		defer cancel()
+		m, err := full.Setup(callCtx, hookPod(p))
+		done <- result{m, err}
+	}()
+	// The setup reached the hook and waits for the agent.
+	lineCtx, cancel = context.WithTimeout(ctx, 30*time.Second)
+	_, err = a.Proc.WaitForLine(lineCtx, "the setup waits for it")
+	cancel()
+	if err != nil {
+		t.Fatalf("the setup did not wait at the gate: %v\n%s", err, a.Proc.Output())
+	}
+	if err := os.WriteFile(policy, []byte("namespaces: [shop]\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r := <-done
+	if r.err != nil {
+		t.Fatalf("setup issued while the agent started: %v", r.err)
+	}
+	checkPodIPs(t, p, r.merged)
+	if e := enrollmentOf(ctx, a, p.ContainerID); e == nil {
+		t.Fatal("the pod whose setup waited is not enrolled")
+	}
+	if err := full.Teardown(ctx, hookPod(p), r.merged); err != nil {
+		t.Fatal(err)
+	}
+	if err := node.Del(ctx, p, primary); err != nil {
+		t.Fatal(err)
 	}
 }

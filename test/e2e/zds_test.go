@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -298,4 +299,31 @@ func TestZDSProxyNeverAcks(t *testing.T) {
 	if e := enrollmentOf(ctx, a, pod.ContainerID); e != nil {
 		t.Fatalf("a pod whose handoff failed is enrolled: %v", e)
 	}
+}
+
+// TestZDSRefusedWithoutServiceAccounts: the real agent binary with ZDS on and an
+// enrollment source that cannot know service accounts exits 2 at start, saying
+// why and what to do, and leaves no ZDS socket behind; with
+// --zds-without-service-accounts it starts.
+func TestZDSRefusedWithoutServiceAccounts(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	a := newAgent(t)
+	zdsSocket := a.agentPath("zds", "ztunnel.sock")
+	args := append(append([]string(nil), a.Args...), "--zds-socket", zdsSocket)
+	out, err := exec.CommandContext(ctx, harness.Bins(t).Path("mesh-agent"), args...).CombinedOutput()
+	var exit *exec.ExitError
+	if !errors.As(err, &exit) || exit.ExitCode() != 2 {
+		t.Fatalf("mesh-agent with ZDS and --enrollment=all: %v, want exit 2\n%s", err, out)
+	}
+	for _, want := range []string{"service account", "--enrollment=all", "--zds-without-service-accounts"} {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("the refusal does not mention %q:\n%s", want, out)
+		}
+	}
+	if _, err := os.Stat(zdsSocket); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("a refused agent left its ZDS socket: %v", err)
+	}
+	a.Args = append(args, "--zds-without-service-accounts")
+	a.start(ctx)
 }
