@@ -377,7 +377,10 @@ func TestAttachNetworkOldNames(t *testing.T) {
 }
 
 // TestLibkniUpstream: in front of a runtime that serves only libkni's names
-// (AttachInterface/DetachInterface; see kniruntime.StartLibkni), kubelet's
+// (AttachInterface/DetachInterface, as kni-api v0.0.8 = commit
+// b7b61d2d455d1c08c9d712d14a2f2e515b723025 declares them and libkni v0.3.0 =
+// commit 81fe78d04cf748697e9cf8adf5461cbea9386d4b serves them; see
+// kniruntime.StartLibkni), kubelet's
 // AttachNetwork/DetachNetwork work: the runtime's Unimplemented is retried under
 // the other name. An attach that cannot be enrolled is undone the same way.
 func TestLibkniUpstream(t *testing.T) {

@@ -16,6 +16,9 @@
 //     the first being the pod IP and the rest additional IPs;
 //   - internal/cri/server/status.go: a failed CheckHealth makes the runtime's
 //     NetworkReady condition false.
+//
+// The fork itself cannot be used from Go modules here (the module proxy does not
+// serve its commits), so the runtime's side is this double.
 package containerdhook
 
 import (

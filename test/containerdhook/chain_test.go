@@ -6,7 +6,9 @@ import (
 	"testing"
 )
 
-// TestChainMergesAndDerivesIPs: the chain's merge and IP derivation, on the two
+// TestChainMergesAndDerivesIPs (containerd fork commit
+// b5dc60445dc9537d5e473bec6b1aef9b3c487be1: mergeResults, setupPodNetworkGRPC):
+// the chain's merge and IP derivation, on the two
 // answers a non-primary hook can give. Echoing prev_result lists each pod IP
 // twice (the bug the empty answer avoids); an empty answer lists each once.
 func TestChainMergesAndDerivesIPs(t *testing.T) {

@@ -61,7 +61,8 @@ func checkPodIPs(t *testing.T, p *harness.Pod, merged *containerdhook.Result) {
 
 // TestHookEntryPoint plays containerd against the agent's network-plugin hook,
 // through test/containerdhook (the runtime's chain written from the fork's
-// source): it finds the hook through its registration file, runs the primary
+// source, github.com/MikeZappa87/containerd branch mzappa/podapi at commit
+// b5dc60445dc9537d5e473bec6b1aef9b3c487be1): it finds the hook through its registration file, runs the primary
 // network (a real [bridge] ADD) itself, then runs the chain [primary, hook];
 // the hook answers empty with the pod enrolled, and the pod IPs the runtime
 // derives from the merged result are the pod's addresses, each once; traffic
@@ -180,7 +181,9 @@ func TestHookEntryPoint(t *testing.T) {
 	}
 }
 
-// TestHookHealthWhileAgentStarts: the real agent, its hook serving but the agent
+// TestHookHealthWhileAgentStarts (containerd's health rule from the fork at
+// commit b5dc60445dc9537d5e473bec6b1aef9b3c487be1, internal/cri/server/status.go):
+// the real agent, its hook serving but the agent
 // not ready (its policy file does not exist yet, so the enrollment source has
 // not synced). containerd's NetworkReady holds, the hook's answer says what the
 // agent waits for, and a pod's setup issued then waits at the gate and

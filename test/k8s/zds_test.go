@@ -53,7 +53,11 @@ type nodeProxyLine struct {
 	Addrs          []string `json:"addrs"`
 }
 
-// testAgentZDSEntryPoints: with the Kubernetes source, a pod enrolled through
+// testAgentZDSEntryPoints (peers as read: ztunnel commit
+// 62d826530e5ce85764e309170205b293efcbc80b through test/ztunnel; libkni v0.3.0
+// commit 81fe78d04cf748697e9cf8adf5461cbea9386d4b through kniruntime.StartLibkni;
+// the containerd fork at commit b5dc60445dc9537d5e473bec6b1aef9b3c487be1 through
+// test/containerdhook): with the Kubernetes source, a pod enrolled through
 // each entry point (the CNI chain, the KNI interposer in front of a runtime
 // that serves only libkni's method names, the containerd network-plugin hook
 // called as containerd's chain calls it) is handed over ZDS with the service

@@ -233,7 +233,9 @@ func TestConformance(t *testing.T) {
 	}
 }
 
-// TestConformanceEmptyServiceAccount: the client refuses a pod handed over
+// TestConformanceEmptyServiceAccount (ztunnel commit
+// 62d826530e5ce85764e309170205b293efcbc80b, src/identity/manager.rs builds
+// spiffe://<td>/ns/<ns>/sa/<sa>): the client refuses a pod handed over
 // without a service account (ztunnel would ack it and never serve it), so the
 // conformance tests fail on it.
 func TestConformanceEmptyServiceAccount(t *testing.T) {
@@ -271,7 +273,9 @@ func encodedAddSize(p zds.Pod) int {
 	return len(protowire.AppendBytes(protowire.AppendTag(nil, 1, protowire.BytesType), add))
 }
 
-// TestConformanceRequestCap: ztunnel reads each request into 1,024 bytes and
+// TestConformanceRequestCap (ztunnel commit
+// 62d826530e5ce85764e309170205b293efcbc80b, src/inpod/protocol.rs
+// read_message): ztunnel reads each request into 1,024 bytes and
 // refuses a truncated one. An AddWorkload of exactly 1,024 bytes arrives whole;
 // one byte more is refused by the agent before anything is sent, and the
 // connection carries on.
@@ -362,7 +366,10 @@ func dialAs(ctx context.Context, path string, fsuid int, caps []uint) (*ztunnel.
 	return r.c, r.err
 }
 
-// TestZtunnelAsIstioRunsItConnects: with the agent's socket defaults (socket
+// TestZtunnelAsIstioRunsItConnects (istio/istio commit
+// 86c9f01fd735fb01d8192f5bcaf0d424afb7f14c: the ztunnel and istio-cni charts,
+// both mounting /var/run/ztunnel as a DirectoryOrCreate hostPath): with the
+// agent's socket defaults (socket
 // 0600 root, a missing directory made 0700) and with the directory kubelet
 // makes for the hostPath of both DaemonSets (DirectoryOrCreate: 0755 root),
 // a process with ztunnel's identity (uid 0, only NET_ADMIN, SYS_ADMIN and
