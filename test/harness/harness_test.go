@@ -485,3 +485,93 @@ func requireBridge(t *testing.T, node *harness.Node) harness.Link {
 	t.Fatalf("no bridge %s in node netns (links %v)", node.BridgeName, links)
 	return harness.Link{}
 }
+
+// TestPrimaryOption: every primary the harness offers, in every family, gives
+// pods exactly the addresses of the node's families from its ranges, real TCP
+// between two pods on each address, a passing CHECK, and a DEL that leaves the
+// node's interfaces as they were. A kernel without the primary's driver (ipvlan
+// here) skips its rows.
+func TestPrimaryOption(t *testing.T) {
+	requireRoot(t)
+	t.Parallel()
+	for _, primary := range harness.Primaries() {
+		for _, families := range []harness.Families{harness.IPv4Only, harness.IPv6Only, harness.DualStack} {
+			t.Run(string(primary)+"/"+families.String(), func(t *testing.T) {
+				t.Parallel()
+				ctx := testCtx(t)
+				node := harness.NewNode(t, harness.NodeOptions{Primary: primary, Families: families})
+				if err := node.ProbePrimary(); err != nil {
+					if primary.Plugin() != "ipvlan" {
+						t.Fatal(err)
+					}
+					t.Skip(err)
+				}
+				list := node.Conflist(t, "primary")
+				if got := list.Plugins[0].Network.Type; got != primary.Plugin() {
+					t.Fatalf("conflist starts with %s, want %s", got, primary.Plugin())
+				}
+				before, err := node.Links()
+				if err != nil {
+					t.Fatal(err)
+				}
+				client, server := node.NewPod(t, "default", "client"), node.NewPod(t, "default", "server")
+				for _, pod := range []*harness.Pod{client, server} {
+					if _, err := node.Add(ctx, pod, list); err != nil {
+						t.Fatalf("ADD: %v", err)
+					}
+					var v4, v6 int
+					for _, a := range pod.Addrs() {
+						switch {
+						case a.Is4() && node.IPv4Range.Contains(a):
+							v4++
+						case a.Is6() && node.IPv6Range.Contains(a):
+							v6++
+						default:
+							t.Fatalf("pod %s got %s, outside the node's ranges", pod.Name, a)
+						}
+					}
+					if (v4 == 1) != families.HasIPv4() || (v6 == 1) != families.HasIPv6() || v4 > 1 || v6 > 1 {
+						t.Fatalf("pod %s got %v, want one address per family of %s", pod.Name, pod.Addrs(), families)
+					}
+				}
+				for _, dst := range server.Addrs() {
+					ln := server.Listen(t, "tcp", net.JoinHostPort(dst.String(), "0"))
+					harness.ServeEcho(t, ln)
+					conn, err := client.Dial(ctx, "tcp", ln.Addr().String())
+					if err != nil {
+						t.Fatal(err)
+					}
+					if err := harness.EchoRoundTrip(ctx, conn, []byte("hello")); err != nil {
+						t.Fatalf("echo to %s: %v", dst, err)
+					}
+					conn.Close()
+				}
+				for _, pod := range []*harness.Pod{client, server} {
+					if err := node.Check(ctx, pod, list); err != nil {
+						t.Fatalf("CHECK: %v", err)
+					}
+					if err := node.Del(ctx, pod, list); err != nil {
+						t.Fatalf("DEL: %v", err)
+					}
+				}
+				after, err := node.Links()
+				if err != nil {
+					t.Fatal(err)
+				}
+				name := func(l harness.Link) string { return l.Name + "/" + l.Type }
+				if !slices.Equal(sortedNames(before, name), sortedNames(after, name)) {
+					t.Fatalf("node interfaces after DEL %v, before ADD %v", after, before)
+				}
+			})
+		}
+	}
+}
+
+func sortedNames[T any](items []T, name func(T) string) []string {
+	out := make([]string, 0, len(items))
+	for _, it := range items {
+		out = append(out, name(it))
+	}
+	slices.Sort(out)
+	return out
+}
