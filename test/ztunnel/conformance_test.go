@@ -78,11 +78,10 @@ func (p *pods) set(list ...zds.Pod) {
 
 // workloads is a Handler that records what the client started and stopped.
 type workloads struct {
-	mu       sync.Mutex
-	running  map[string]ztunnel.WorkloadInfo
-	synced   int
-	changed  chan struct{}
-	startErr error
+	mu      sync.Mutex
+	running map[string]ztunnel.WorkloadInfo
+	synced  int
+	changed chan struct{}
 }
 
 func newWorkloads() *workloads {
