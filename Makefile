@@ -25,14 +25,15 @@ build:
 # (mesh-agent with mesh-cni inside) and the node tests' images (reference proxy,
 # echo client and server, pause). Each is an OCI layout tar in bin/image that
 # `ctr images import` accepts, with its manifest digest in <name>.tar.digest.
-# Reproducible: the same commit gives the same digests.
+# Reproducible: the same sources and Go toolchain give the same digests
+# (-trimpath, no VCS stamp: a commit that changes no source keeps them).
 AGENT_IMAGE ?= ghcr.io/mesh-cni/mesh-agent
 TEST_IMAGE_REPO ?= mesh-cni.test
 IMAGE_TAG ?= dev
 IMG := cd hack/image && $(GO) run . -arch $$($(GO) env GOARCH)
 image:
 	@mkdir -p $(BIN)/static $(BIN)/image
-	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN)/static/ ./cmd/mesh-cni ./cmd/mesh-agent \
+	CGO_ENABLED=0 $(GO) build -trimpath -buildvcs=false -o $(BIN)/static/ ./cmd/mesh-cni ./cmd/mesh-agent \
 		./test/cmd/refproxy ./test/cmd/echoserver ./test/cmd/echoclient ./test/cmd/pause
 	$(IMG) -out $(BIN)/image/mesh-agent.tar -ref $(AGENT_IMAGE):$(IMAGE_TAG) -entrypoint /usr/local/bin/mesh-agent \
 		-add $(BIN)/static/mesh-agent=/usr/local/bin/mesh-agent -add $(BIN)/static/mesh-cni=/usr/local/bin/mesh-cni

@@ -43,6 +43,10 @@ type Spec struct {
 	Files      []File
 	Entrypoint []string
 	Arch       string
+	// Labels go into the image config (org.opencontainers.image.version and
+	// the like). They change the digest, so two builds of the same binaries
+	// with different versions are different images.
+	Labels map[string]string
 }
 
 // Build writes the image of spec as an OCI layout tar at out and returns its
@@ -65,12 +69,22 @@ func Build(ctx context.Context, spec Spec, out string) (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("OCI layout: %w", err)
 	}
-	anns := map[string]string{
-		"org.opencontainers.image.ref.name": spec.Ref,
-		"io.containerd.image.name":          spec.Ref,
+	// Two names for the one manifest: the tag, and repository@digest. A pod
+	// spec pins the image by digest, and the CRI resolves only names an image
+	// record carries: an image imported under its tag alone would be looked
+	// for in a registry when referenced by digest.
+	digestRef, err := DigestRef(spec.Ref, digest.String())
+	if err != nil {
+		return "", err
 	}
-	if err := p.AppendImage(img, layout.WithAnnotations(anns)); err != nil {
-		return "", fmt.Errorf("OCI layout: %w", err)
+	for _, name := range []string{spec.Ref, digestRef} {
+		anns := map[string]string{
+			"org.opencontainers.image.ref.name": name,
+			"io.containerd.image.name":          name,
+		}
+		if err := p.AppendImage(img, layout.WithAnnotations(anns)); err != nil {
+			return "", fmt.Errorf("OCI layout: %w", err)
+		}
 	}
 	if err := ctx.Err(); err != nil {
 		return "", err
@@ -79,6 +93,24 @@ func Build(ctx context.Context, spec Spec, out string) (string, error) {
 		return "", err
 	}
 	return digest.String(), nil
+}
+
+// DigestRef returns the repository of ref (a name with a tag) joined to digest:
+// the name that pins the image.
+func DigestRef(ref, digest string) (string, error) {
+	repo := ref
+	// A tag follows the last colon after the last slash (a colon before it
+	// belongs to a registry port).
+	if i := strings.LastIndexByte(ref, ':'); i > strings.LastIndexByte(ref, '/') {
+		repo = ref[:i]
+	}
+	if strings.Contains(repo, "@") {
+		return "", fmt.Errorf("image name %q: want repository:tag, not a digest", ref)
+	}
+	if repo == "" || !strings.HasPrefix(digest, "sha256:") {
+		return "", fmt.Errorf("image name %q, digest %q: want repository:tag and sha256:...", ref, digest)
+	}
+	return repo + "@" + digest, nil
 }
 
 // Image returns the image of spec: one layer with the files and their parent
@@ -115,6 +147,7 @@ func Image(spec Spec) (v1.Image, error) {
 		Entrypoint: spec.Entrypoint,
 		Env:        []string{"PATH=/usr/local/bin:/usr/bin:/bin"},
 		WorkingDir: "/",
+		Labels:     spec.Labels,
 	}
 	img, err = mutate.ConfigFile(img, cf)
 	if err != nil {

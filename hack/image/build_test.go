@@ -71,16 +71,48 @@ func TestBuildReproducible(t *testing.T) {
 	if err := json.Unmarshal(index, &idx); err != nil {
 		t.Fatal(err)
 	}
-	if len(idx.Manifests) != 1 {
-		t.Fatalf("index has %d manifests, want 1", len(idx.Manifests))
+	// Both names point at the one manifest: the tag and repository@digest.
+	wantNames := []string{spec.Ref, "example.test/agent@" + d1}
+	if len(idx.Manifests) != len(wantNames) {
+		t.Fatalf("index has %d manifests, want %d", len(idx.Manifests), len(wantNames))
 	}
-	m := idx.Manifests[0]
-	if m.Digest != d1 || m.MediaType != "application/vnd.oci.image.manifest.v1+json" ||
-		m.Annotations["io.containerd.image.name"] != spec.Ref || m.Annotations["org.opencontainers.image.ref.name"] != spec.Ref {
-		t.Fatalf("index entry %+v, want digest %s and name %s", m, d1, spec.Ref)
+	for i, m := range idx.Manifests {
+		if m.Digest != d1 || m.MediaType != "application/vnd.oci.image.manifest.v1+json" ||
+			m.Annotations["io.containerd.image.name"] != wantNames[i] || m.Annotations["org.opencontainers.image.ref.name"] != wantNames[i] {
+			t.Fatalf("index entry %d %+v, want digest %s and name %s", i, m, d1, wantNames[i])
+		}
+	}
+	// A label changes the config and so the digest.
+	spec.Labels = map[string]string{"org.opencontainers.image.version": "v2"}
+	if d4, _ := build("four.tar", spec); d4 == d1 {
+		t.Fatalf("a label kept digest %s", d1)
 	}
 	if len(tarMember(t, tar1, "oci-layout")) == 0 {
 		t.Fatal("oci-layout is empty")
+	}
+}
+
+func TestDigestRef(t *testing.T) {
+	const d = "sha256:0123"
+	for ref, want := range map[string]string{
+		"ghcr.io/mesh-cni/mesh-agent:dev": "ghcr.io/mesh-cni/mesh-agent@" + d,
+		"localhost:5000/agent:v1":         "localhost:5000/agent@" + d,
+		"localhost:5000/agent":            "localhost:5000/agent@" + d,
+		"mesh-cni.test/pause":             "mesh-cni.test/pause@" + d,
+		"ghcr.io/x@sha256:ab":             "",
+		"ghcr.io/x@sha256:ab:tag":         "",
+		":tag":                            "",
+	} {
+		got, err := DigestRef(ref, d)
+		if want == "" {
+			if err == nil {
+				t.Errorf("DigestRef(%q) = %q, want an error", ref, got)
+			}
+			continue
+		}
+		if err != nil || got != want {
+			t.Errorf("DigestRef(%q) = %q, %v; want %q", ref, got, err, want)
+		}
 	}
 }
 

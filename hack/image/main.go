@@ -10,7 +10,9 @@
 //		-entrypoint /usr/local/bin/mesh-agent
 //
 // It prints the manifest digest (sha256:...) on stdout and writes it next to
-// the tar as <out>.digest, for manifests that pin the image by digest.
+// the tar as <out>.digest, for manifests that pin the image by digest. The
+// layout names the image twice, by -ref and by repository@digest, so that
+// `ctr images import` makes it resolvable by the digest a pod spec pins.
 //
 // It is a module of its own so that go-containerregistry stays out of the
 // product's module graph.
@@ -50,6 +52,23 @@ func (l *fileList) Set(v string) error {
 	return nil
 }
 
+// labelMap collects repeated -label KEY=VALUE flags.
+type labelMap map[string]string
+
+func (m labelMap) String() string { return fmt.Sprint(map[string]string(m)) }
+
+func (m labelMap) Set(v string) error {
+	k, val, ok := strings.Cut(v, "=")
+	if !ok || k == "" {
+		return fmt.Errorf("want KEY=VALUE, got %q", v)
+	}
+	if _, dup := m[k]; dup {
+		return fmt.Errorf("label %q given twice", k)
+	}
+	m[k] = val
+	return nil
+}
+
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("image", flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -58,6 +77,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	out := fs.String("out", "", "the OCI layout tar to write")
 	fs.StringVar(&spec.Ref, "ref", "", "image name the tar carries (what `ctr images import` names it)")
 	fs.Var(&files, "add", "SRC=DST: put file SRC at absolute path DST in the image, mode 0755 (repeatable)")
+	labels := labelMap{}
+	fs.Var(labels, "label", "KEY=VALUE: a label of the image config, e.g. org.opencontainers.image.version=v0.1.0 (repeatable)")
 	entrypoint := fs.String("entrypoint", "", "entrypoint, space separated")
 	fs.StringVar(&spec.Arch, "arch", runtime.GOARCH, "the image's architecture (the binaries' GOARCH)")
 	if err := fs.Parse(args); err != nil {
@@ -71,6 +92,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	spec.Files = files
+	if len(labels) > 0 {
+		spec.Labels = labels
+	}
 	spec.Entrypoint = strings.Fields(*entrypoint)
 	digest, err := Build(ctx, spec, *out)
 	if err != nil {
