@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Builds kube-apiserver and etcd from the Go module proxy (no other download) into a
-# cache directory outside the repository, for the tests in test/k8s. A second run
-# finds them there and builds nothing. Prints the directory holding both binaries
-# as its last line.
+# Builds Kubernetes binaries from the Go module proxy (no other download) into a
+# cache directory outside the repository. A second run finds them there and
+# builds nothing. Prints the directory holding the binaries as its last line.
 #
-#   hack/build-kube.sh            # build if missing, print the directory
+#   hack/build-kube.sh            # kube-apiserver and etcd, for test/k8s
+#   hack/build-kube.sh node       # kubelet, kube-scheduler, kube-controller-manager,
+#                                 # kube-proxy and kubectl: the rest of a one-node cluster, for test/node
 #   MESH_CNI_KUBE_CACHE=/some/dir hack/build-kube.sh
 #
 # Why a throwaway module: k8s.io/kubernetes replaces its k8s.io/* staging modules
@@ -12,17 +13,38 @@
 # it. A module that requires k8s.io/kubernetes and points each staging module at
 # its published v0.x release builds the same sources. Replace directives of
 # dependencies are ignored, so etcd's own main package builds the same way.
-# A cold build takes several minutes on two cores; the Go build cache makes a
-# rebuild after a version change cheaper.
+# A cold build of either set takes several minutes on two cores; the Go build
+# cache makes the second set and a rebuild after a version change cheaper.
 set -euo pipefail
 
 KUBE_VERSION="${KUBE_VERSION:-v1.37.2}"
 # The etcd release k8s.io/kubernetes $KUBE_VERSION requires.
 ETCD_VERSION="${ETCD_VERSION:-v3.7.0}"
 CACHE_ROOT="${MESH_CNI_KUBE_CACHE:-/var/cache/mesh-cni/kube}"
-OUT="$CACHE_ROOT/kube-$KUBE_VERSION-etcd-$ETCD_VERSION"
 
-have() { [[ -x "$OUT/kube-apiserver" && -x "$OUT/etcd" && -f "$OUT/.complete" ]]; }
+set_name="${1:-apiserver}"
+case "$set_name" in
+apiserver)
+	OUT="$CACHE_ROOT/kube-$KUBE_VERSION-etcd-$ETCD_VERSION"
+	KUBE_CMDS=(kube-apiserver)
+	BINS=(kube-apiserver etcd)
+	;;
+node)
+	OUT="$CACHE_ROOT/kube-node-$KUBE_VERSION"
+	KUBE_CMDS=(kubelet kube-proxy kube-scheduler kube-controller-manager kubectl)
+	BINS=("${KUBE_CMDS[@]}")
+	;;
+*)
+	echo "usage: $0 [apiserver|node]" >&2
+	exit 2
+	;;
+esac
+
+have() {
+	[[ -f "$OUT/.complete" ]] || return 1
+	local b
+	for b in "${BINS[@]}"; do [[ -x "$OUT/$b" ]] || return 1; done
+}
 
 if have; then
 	echo "$OUT"
@@ -46,7 +68,7 @@ trap 'rm -rf "$work"' EXIT
 cd "$work"
 
 start=$(date +%s)
-echo "building kube-apiserver $KUBE_VERSION and etcd $ETCD_VERSION into $OUT" >&2
+echo "building ${BINS[*]} ($KUBE_VERSION) into $OUT" >&2
 go mod init mesh-cni.local/kube-build >/dev/null 2>&1
 
 # Staging modules are published as v0.<minor>.<patch> for v1.<minor>.<patch>.
@@ -63,21 +85,28 @@ fi
 	echo ")"
 } >>go.mod
 
-go get "k8s.io/kubernetes/cmd/kube-apiserver@$KUBE_VERSION" "go.etcd.io/etcd/server/v3@$ETCD_VERSION" >&2
+pkgs=()
+for c in "${KUBE_CMDS[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$c@$KUBE_VERSION"); done
+if [[ "$set_name" == apiserver ]]; then pkgs+=("go.etcd.io/etcd/server/v3@$ETCD_VERSION"); fi
+go get "${pkgs[@]}" >&2
 
 ver="k8s.io/component-base/version"
 minor="${KUBE_VERSION#v1.}"
 minor="${minor%%.*}"
 ldflags="-s -w -X $ver.gitVersion=$KUBE_VERSION -X $ver.gitMajor=1 -X $ver.gitMinor=$minor -X $ver.gitTreeState=clean"
 mkdir -p bin
-go build -trimpath -ldflags "$ldflags" -o bin/kube-apiserver k8s.io/kubernetes/cmd/kube-apiserver >&2
-go build -trimpath -ldflags "-s -w" -o bin/etcd go.etcd.io/etcd/server/v3 >&2
+for c in "${KUBE_CMDS[@]}"; do
+	go build -trimpath -ldflags "$ldflags" -o "bin/$c" "k8s.io/kubernetes/cmd/$c" >&2
+done
+if [[ "$set_name" == apiserver ]]; then
+	go build -trimpath -ldflags "-s -w" -o bin/etcd go.etcd.io/etcd/server/v3 >&2
+fi
 
 # Move into place whole: a half-written cache is never taken for a built one.
 tmp_out="$(mktemp -d "$CACHE_ROOT/.partial.XXXXXX")"
-mv bin/kube-apiserver bin/etcd "$tmp_out/"
-chmod 0755 "$tmp_out" "$tmp_out/kube-apiserver" "$tmp_out/etcd"
-echo "built $(date -u +%FT%TZ) in $(($(date +%s) - start))s: kube-apiserver $KUBE_VERSION, etcd $ETCD_VERSION" >"$tmp_out/.complete"
+for b in "${BINS[@]}"; do mv "bin/$b" "$tmp_out/"; chmod 0755 "$tmp_out/$b"; done
+chmod 0755 "$tmp_out"
+echo "built $(date -u +%FT%TZ) in $(($(date +%s) - start))s: ${BINS[*]} ($KUBE_VERSION)" >"$tmp_out/.complete"
 rm -rf "$OUT"
 mv "$tmp_out" "$OUT"
 cat "$OUT/.complete" >&2
