@@ -55,10 +55,11 @@ func runChecks(ctx context.Context, opts options) []checkResult {
 	add := func(name, problem string) { out = append(out, checkResult{name, problem}) }
 
 	if opts.datapath == "ebpf" {
-		cg := opts.cgroupRoot
+		cg, err := cgroupRoot(opts.cgroupRoot)
 		problem := ""
-		if cg == "" {
-			var err error
+		if err != nil {
+			cg, problem = opts.cgroupRoot, err.Error()
+		} else if cg == "" {
 			if cg, err = redirect.FindCgroup2(); err != nil {
 				problem = err.Error()
 			}

@@ -90,7 +90,7 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.Var(&opts.allowedUIDs, "allowed-uids", "comma-separated user ids allowed to call the gate socket (checked with SO_PEERCRED)")
 	fs.StringVar(&opts.datapath, "datapath", "ebpf", "redirection data path: ebpf, or none to run the gate without redirection")
 	fs.StringVar(&opts.bpffsRoot, "bpffs-root", DefaultBPFFSRoot, "bpffs directory where maps and links are pinned (a bpffs is mounted there if needed)")
-	fs.StringVar(&opts.cgroupRoot, "cgroup-root", "", "cgroup v2 directory where the socket programs attach (default: the cgroup2 mount found in /proc/self/mountinfo)")
+	fs.StringVar(&opts.cgroupRoot, "cgroup-root", "", "cgroup v2 directory where the socket programs attach, or a hybrid-cgroup node's /sys/fs/cgroup (its unified/ is used) (default: the cgroup2 mount found in /proc/self/mountinfo)")
 	fs.StringVar(&opts.logLevel, "log-level", "info", "log level: debug, info, warn or error")
 	fs.DurationVar(&opts.shutdownGrace, "shutdown-grace", 5*time.Second, "how long in-flight gate calls may run after SIGTERM")
 	fs.StringVar(&opts.metricsAddr, "metrics-addr", DefaultMetricsAddr, "address for /metrics, /healthz and /readyz (empty: off); loopback unless you need scraping from off the node")
@@ -277,7 +277,14 @@ func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {
 		if err != nil {
 			return cfg, err
 		}
-		rcfg := redirect.Config{PinRoot: opts.bpffsRoot, CgroupRoot: opts.cgroupRoot, Logger: log.Named("datapath")}
+		cg, err := cgroupRoot(opts.cgroupRoot)
+		if err != nil {
+			return cfg, err
+		}
+		if cg != opts.cgroupRoot {
+			log.Info("hybrid cgroups: attaching to the cgroup v2 hierarchy inside --cgroup-root", zap.String("cgroupRoot", cg))
+		}
+		rcfg := redirect.Config{PinRoot: opts.bpffsRoot, CgroupRoot: cg, Logger: log.Named("datapath")}
 		cfg.OpenDatapath = func(ctx context.Context) (agent.Datapath, func() error, error) {
 			dp, err := redirect.Open(ctx, rcfg)
 			if err != nil {

@@ -88,6 +88,16 @@ func uninstallCommand(ctx context.Context, args []string, stderr io.Writer) int 
 		fmt.Fprintf(stderr, "mesh-agent: %v\n", err)
 		return 2
 	}
+	// A running agent keeps its chain entry in place and would write it back
+	// at once, leaving new pods waiting for an agent that is about to go.
+	if running, err := agentListening(opts.socketPath); err != nil {
+		log.Error("cannot tell whether mesh-agent still runs on this node", zap.Error(err))
+		return 1
+	} else if running {
+		log.Error("mesh-agent is still running on this node and would put the chain entry back: stop it first (delete its DaemonSet), then uninstall",
+			zap.String("socket", opts.socketPath))
+		return 1
+	}
 	failed := false
 	if opts.cniInstall {
 		in, err := install.New(opts.installerConfig(log.Named("cni-install"), nil))
@@ -110,7 +120,11 @@ func uninstallCommand(ctx context.Context, args []string, stderr io.Writer) int 
 		}
 	}
 	if opts.datapath == "ebpf" {
-		if err := redirect.Uninstall(ctx, redirect.Config{PinRoot: opts.bpffsRoot, CgroupRoot: opts.cgroupRoot, Logger: log.Named("datapath")}); err != nil {
+		cg, err := cgroupRoot(opts.cgroupRoot)
+		if err == nil {
+			err = redirect.Uninstall(ctx, redirect.Config{PinRoot: opts.bpffsRoot, CgroupRoot: cg, Logger: log.Named("datapath")})
+		}
+		if err != nil {
 			log.Error("removing the data path failed", zap.Error(err))
 			failed = true
 		}
