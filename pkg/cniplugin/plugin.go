@@ -100,6 +100,9 @@ func (p Plugin) logger(conf *NetConf, args *skel.CmdArgs, cmd string) (*zap.Logg
 	if openErr != nil {
 		log.Warn("cannot open logFile; logging to stderr", zap.String("logFile", conf.LogFile), zap.Error(openErr))
 	}
+	// One line per call at debug, whatever the verb: which commands a runtime
+	// sends (and how often it polls STATUS) is then in the log.
+	log.Debug("cni call")
 	return log, func() { _ = log.Sync(); closeFn() }
 }
 
@@ -360,6 +363,8 @@ func (p Plugin) Status(args *skel.CmdArgs) error {
 	if err != nil {
 		return err
 	}
+	_, logDone := p.logger(conf, args, "STATUS")
+	defer logDone()
 	conn, ctx, done, err := p.connect(conf, time.Duration(conf.DelTimeout))
 	if err != nil {
 		return err
