@@ -4,22 +4,34 @@
 //
 // Outbound: cgroup/connect4 + cgroup/connect6 rewrite TCP connects from enrolled
 // network namespaces to the pod's outbound proxy port on loopback and remember the
-// original destination in the socket's local storage. sockops copies it to a key the
-// proxy's accepted socket can find (netns cookie + 4-tuple) once the connection is
-// established, and cgroup/getsockopt answers SO_ORIGINAL_DST from that key.
+// original destination in the socket's local storage. sockops hands it over to the
+// proxy's accepted socket (through orig_dsts, keyed by netns cookie + 4-tuple, for the
+// microseconds between the client's and the proxy's side of the handshake), and
+// cgroup/getsockopt answers SO_ORIGINAL_DST from the accepted socket's storage.
 // cgroup/getpeername4/6 restore the original peer for the redirected client socket.
 //
-// Inbound: a TCX ingress program inside each pod netns assigns new TCP connections to
-// the inbound proxy listener with bpf_sk_assign (packets are never modified) and
-// records the original destination under the key the proxy's accepted socket has.
+// Inbound: an sk_lookup program attached to each pod's network namespace runs when
+// the kernel looks for a listening socket for a new connection (after IP reassembly,
+// never for established traffic) and hands the connection to the inbound proxy's
+// listener with bpf_sk_assign. The proxy's listeners are collected into a SOCKHASH by
+// sockops when they start listening. Packets are never modified: the accepted
+// socket's local address is the original destination.
 //
-// Enrollment is one entry in `settings`, keyed by the pod's netns cookie. Every program
-// looks that entry up first and does nothing for namespaces it does not know, which is
-// what lets several independent copies of this data path share the cgroup root.
+// Enrollment is one entry in `pods`, keyed by the pod's netns cookie, plus the pod's
+// sk_lookup link. Every cgroup program looks that entry up first and does nothing for
+// namespaces it does not know, which is what lets several independent copies of this
+// data path share the cgroup root.
+//
+// Only UAPI context structures are read directly (their layout is stable, so the
+// programs carry no CO-RE relocations and load in well under a millisecond); the one
+// program that reads kernel structures, the listener iterator, does so with
+// BPF_CORE_READ.
 
+#define BPF_NO_PRESERVE_ACCESS_INDEX
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
+#include <bpf/bpf_core_read.h>
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -30,48 +42,80 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 #define SOL_IPV6 41
 #define SO_ORIGINAL_DST 80      // linux/netfilter_ipv4.h
 #define IP6T_SO_ORIGINAL_DST 80 // linux/netfilter_ipv6/ip6_tables.h
-#define ETH_P_IP 0x0800
-#define ETH_P_IPV6 0x86DD
-#define IP_MF_OFFSET 0x3fff // IP_MF | IP_OFFSET
-#define TCP_FLAG_SYN 0x02
-#define TCP_FLAG_RST 0x04
-#define TCP_FLAG_ACK 0x10
-#define NEXTHDR_HOP 0
-#define NEXTHDR_ROUTING 43
-#define NEXTHDR_DEST 60
-#define MAX_IPV6_EXT_HEADERS 4
+#define EEXIST 17
+#define TCP_LISTEN_STATE 10 // TCP_LISTEN in include/net/tcp_states.h
 
 // Limits shared with the Go side (pkg/redirect reads them from the generated types).
-#define MAX_EXCLUDED_PORTS 32
+#define MAX_PROXY_CGROUPS 8
+// Listeners of one pod's inbound port and family that the data path holds at once:
+// proxies with one SO_REUSEPORT listener per worker put each in its own slot (the
+// kernel then picks within the whole group), so capture keeps working while any of
+// them is open. Each slot costs the per-pod program's verification time.
+#define LISTENER_SLOTS 8
 
-// settings.flags
+// The per-pod sk_lookup program carries its pod's netns cookie as an immediate: the
+// loader replaces this marker (the program's context has no netns identity, and the
+// program type cannot call bpf_get_netns_cookie).
+#define POD_COOKIE_MARKER 0x6d6573682d636e69ULL
+
+// pod_settings.flags
 enum setting_flags {
 	SETTING_PROXY_UID = 1 << 0,      // proxy_uid is set
 	SETTING_FAIL_OPEN = 1 << 1,      // no proxy listening: pass instead of fail
-	SETTING_EXCLUDED_CIDRS = 1 << 2, // excluded_dsts has entries for this pod
-	SETTING_PROBE_SOURCES = 1 << 3,  // probe_srcs has entries for this pod
+	SETTING_EXCLUDED_CIDRS = 1 << 2, // excluded_set names a set in excluded_dsts
+	SETTING_PROBE_SOURCES = 1 << 3,  // probe_set names a set in probe_srcs
+	SETTING_PROXY_MARK = 1 << 4,     // sockets carrying proxy_mark are the proxy's
+	SETTING_INBOUND_PORTS = 1 << 5,  // inbound_port_set names a set in excluded_ports
+	SETTING_OUTBOUND_PORTS = 1 << 6, // outbound_port_set names a set in excluded_ports
 };
 
 // Per-pod settings, keyed by netns cookie. Ports are in host byte order.
 struct pod_settings {
 	__u16 outbound_port;
 	__u16 inbound_port;
-	__u32 proxy_mark;
-	__u32 proxy_mark_mask; // 0: the mark check is off
-	__u32 proxy_uid;
 	enum setting_flags flags;
-	__u32 nr_excluded_ports;
-	__u16 excluded_ports[MAX_EXCLUDED_PORTS];
+	__u32 proxy_mark;
+	__u32 proxy_mark_mask;
+	__u32 proxy_uid;
+	__u32 excluded_set; // outbound destinations never redirected (excluded_dsts)
+	__u32 probe_set;    // inbound sources never captured (probe_srcs)
+	// Inbound destination ports never captured (the proxy's own ports).
+	__u32 inbound_port_set;
+	// Outbound destination ports never redirected.
+	__u32 outbound_port_set;
 };
 
-// Key of the CIDR tries. The prefix always covers the whole cookie, so one trie holds
-// every pod's prefixes without one pod's entries matching another's. IPv4 prefixes are
-// stored IPv4-mapped (::ffff:a.b.c.d, prefix + 96), so one lookup serves both families
-// and IPv4-mapped destinations of dual-stack sockets.
+// A cgroup whose processes are the proxy: the node proxy's own cgroup (learned from
+// its ZDS connection) or a configured parent of the pods' proxy containers. Matched
+// with bpf_get_current_ancestor_cgroup_id(level), so processes in descendants count.
+struct proxy_cgroup {
+	__u64 id;
+	__u32 level;
+	__u32 pad;
+};
+
+// Node-wide settings: one entry.
+struct node_config {
+	__u32 nr_proxy_cgroups;
+	__u32 pad;
+	struct proxy_cgroup proxy_cgroups[MAX_PROXY_CGROUPS];
+};
+
+// Key of the CIDR tries: a set of prefixes shared by every pod enrolled with the
+// same list. The prefix always covers the whole set id. IPv4 prefixes are stored
+// IPv4-mapped (::ffff:a.b.c.d, prefix + 96), so one lookup serves both families and
+// IPv4-mapped destinations of dual-stack sockets.
 struct lpm_key {
 	__u32 prefixlen;
-	__u32 cookie[2];
+	__u32 set;
 	__u32 addr[4]; // network byte order
+};
+
+// Key of excluded_ports: a port (host byte order) of a set.
+struct port_key {
+	__u32 set;
+	__u16 port;
+	__u16 pad;
 };
 
 // An original destination. addr is IPv4-mapped when family is AF_INET.
@@ -81,8 +125,8 @@ struct orig_dst {
 	__u16 family;
 };
 
-// The connection as the proxy's accepted socket sees it, in the pod's netns. Addresses
-// are IPv4-mapped for IPv4 so AF_INET and dual-stack AF_INET6 sockets give one key.
+// A connection as its server side sees it, in the pod's netns. Addresses are
+// IPv4-mapped for IPv4 so AF_INET and dual-stack AF_INET6 sockets give one key.
 struct tuple_key {
 	__u64 netns;
 	__u32 local[4];
@@ -90,6 +134,21 @@ struct tuple_key {
 	__u16 local_port;  // network byte order
 	__u16 remote_port; // network byte order
 	__u32 pad;
+};
+
+// A slot for one listener of a pod's inbound port. port is in host byte order.
+struct listener_key {
+	__u64 netns;
+	__u16 port;
+	__u8 family;
+	__u8 slot;
+	__u32 pad;
+};
+
+// Why a listener could not be captured, for the agent to report.
+struct listener_refusal {
+	__s32 err;
+	__u32 count;
 };
 
 // Index into `counters`. The Go side mirrors these values (pkg/redirect counters.go).
@@ -100,6 +159,7 @@ enum counter {
 	COUNTER_IN_REDIRECTED,
 	COUNTER_IN_PASSED,
 	COUNTER_IN_DROPPED,
+	COUNTER_LISTENER_REFUSED,
 	COUNTER_MAX,
 };
 
@@ -108,9 +168,16 @@ struct {
 	__uint(max_entries, 4096);
 	__type(key, __u64);
 	__type(value, struct pod_settings);
-} settings SEC(".maps");
+} pods SEC(".maps");
 
-// Outbound destinations never redirected.
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct node_config);
+} node SEC(".maps");
+
+// Outbound destinations never redirected, by set.
 struct {
 	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
 	__uint(max_entries, 16384);
@@ -119,7 +186,7 @@ struct {
 	__type(value, __u8);
 } excluded_dsts SEC(".maps");
 
-// Inbound sources never redirected (kubelet probes).
+// Inbound sources never captured (kubelet probes), by set.
 struct {
 	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
 	__uint(max_entries, 16384);
@@ -127,6 +194,16 @@ struct {
 	__type(key, struct lpm_key);
 	__type(value, __u8);
 } probe_srcs SEC(".maps");
+
+// Destination ports never redirected (outbound) or captured (inbound), by set:
+// a hash lookup instead of a scan keeps the per-pod program small to verify.
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 16384);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct port_key);
+	__type(value, __u8);
+} excluded_ports SEC(".maps");
 
 // Original destination of a redirected client socket. Socket-local storage is freed
 // with the socket, so failed connects leave nothing behind, and it stays readable for
@@ -138,15 +215,70 @@ struct {
 	__type(value, struct orig_dst);
 } sock_orig SEC(".maps");
 
-// Original destination by the proxy-side tuple, for getsockopt(SO_ORIGINAL_DST). LRU:
-// entries are never deleted explicitly (the proxy may ask at any time while the
-// connection lives), the oldest are recycled.
+// A redirected connection's original destination between the client's side of the
+// handshake and the proxy's: entries live until the proxy's side is established
+// (moved into accepted_orig then); LRU so an abandoned handshake cannot pin one.
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 65536);
 	__type(key, struct tuple_key);
 	__type(value, struct orig_dst);
 } orig_dsts SEC(".maps");
+
+// SO_ORIGINAL_DST of an accepted socket in an enrolled netns, freed with it: the
+// handed-over destination of a redirected outbound connection, else (inbound) the
+// socket's own local address, as conntrack answers for a connection it did not NAT.
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct orig_dst);
+} accepted_orig SEC(".maps");
+
+// Sockets the connect hooks found to be the proxy's own.
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, __u8);
+} proxy_socks SEC(".maps");
+
+// Connections the proxy opens from inside the pod (to the application, often with the
+// client's address as source), as their server side sees them: inbound capture
+// leaves them alone, like the `-i lo -j ACCEPT` of iptables-based in-pod capture.
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct tuple_key);
+	__type(value, __u8);
+} proxy_conns SEC(".maps");
+
+// The inbound proxies' listeners.
+struct {
+	__uint(type, BPF_MAP_TYPE_SOCKHASH);
+	__uint(max_entries, 16384);
+	__type(key, struct listener_key);
+	__type(value, __u64);
+} listeners SEC(".maps");
+
+// Ports whose listeners go into `listeners`: the inbound ports of enrolled pods.
+// A listener is collected whether or not its netns is enrolled yet, so a proxy
+// may start listening before its pod is enrolled.
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 64);
+	__type(key, __u16);
+	__type(value, __u8);
+} listen_ports SEC(".maps");
+
+// Listeners that could not be collected, by (netns, port, family): an MPTCP
+// listener (a sockhash refuses it) or every slot taken.
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct listener_key);
+	__type(value, struct listener_refusal);
+} listen_refused SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -155,8 +287,7 @@ struct {
 	__type(value, __u64);
 } counters SEC(".maps");
 
-// sockaddr layouts written into getsockopt's buffer. Defined here (not taken from
-// vmlinux.h) so they carry no CO-RE relocations: they are user ABI, not kernel types.
+// sockaddr layouts written into getsockopt's buffer: user ABI, not kernel types.
 struct mesh_sockaddr_in {
 	__u16 family;
 	__u16 port;
@@ -171,60 +302,6 @@ struct mesh_sockaddr_in6 {
 	__u32 addr[4];
 	__u32 scope_id;
 };
-
-struct ipv4_hdr {
-	__u8 version_ihl;
-	__u8 tos;
-	__u16 tot_len;
-	__u16 id;
-	__u16 frag_off;
-	__u8 ttl;
-	__u8 protocol;
-	__u16 check;
-	__u32 saddr;
-	__u32 daddr;
-};
-
-struct ipv6_hdr {
-	__u32 version_tc_flow;
-	__u16 payload_len;
-	__u8 nexthdr;
-	__u8 hop_limit;
-	__u32 saddr[4];
-	__u32 daddr[4];
-};
-
-struct ipv6_ext_hdr {
-	__u8 nexthdr;
-	__u8 len;
-};
-
-// The first 14 bytes of a TCP header: ports, sequence numbers, offset and flags.
-struct tcp_hdr_start {
-	__u16 sport;
-	__u16 dport;
-	__u32 seq;
-	__u32 ack_seq;
-	__u8 doff;
-	__u8 flags;
-};
-
-// bpf_cast_to_kern_ctx (kernel >= 6.3) gives the struct sk_buff behind a
-// __sk_buff, so the program can read the receiving device's namespace.
-extern void *bpf_cast_to_kern_ctx(void *obj) __ksym;
-
-// ingress_netns_cookie is the cookie of the netns the packet is being received in.
-// bpf_get_netns_cookie(skb) is not that: it prefers skb->sk, and a veth keeps the
-// sending socket on the skb across namespaces, so for pod-to-pod traffic it returns
-// the *sender's* netns.
-static __always_inline __u64 ingress_netns_cookie(struct __sk_buff *skb)
-{
-	struct sk_buff *kskb = bpf_cast_to_kern_ctx(skb);
-	struct net_device *dev = kskb->dev;
-	if (!dev)
-		return 0;
-	return dev->nd_net.net->net_cookie;
-}
 
 static __always_inline void count(__u32 idx)
 {
@@ -246,40 +323,59 @@ static __always_inline bool is_v4_mapped(const __u32 *a)
 	return a[0] == 0 && a[1] == 0 && a[2] == bpf_htonl(0x0000ffff);
 }
 
-// Loopback and unspecified destinations stay inside the pod: never redirected, like
-// the `! -d 127.0.0.1/32` exclusion of iptables-based meshes.
-static __always_inline bool is_local_dst(const struct orig_dst *d)
+// is_loopback_or_any reports 127.0.0.0/8, ::1 and the unspecified addresses (a is
+// IPv4-mapped for IPv4).
+static __always_inline bool is_loopback_or_any(const __u32 *a)
 {
-	if (d->family == AF_INET) {
-		__u32 ip = bpf_ntohl(d->addr[3]);
+	if (is_v4_mapped(a)) {
+		__u32 ip = bpf_ntohl(a[3]);
 		return (ip >> 24) == 127 || ip == 0;
 	}
-	if (d->addr[0] || d->addr[1] || d->addr[2])
+	if (a[0] || a[1] || a[2])
 		return false;
-	return d->addr[3] == 0 || d->addr[3] == bpf_htonl(1);
+	return a[3] == 0 || a[3] == bpf_htonl(1);
 }
 
-static __always_inline bool port_excluded(const struct pod_settings *s, __u16 port)
+static __always_inline bool addr_eq(const __u32 *a, const __u32 *b)
 {
-	__u32 n = s->nr_excluded_ports;
-
-	for (__u32 i = 0; i < MAX_EXCLUDED_PORTS; i++) {
-		if (i >= n)
-			break;
-		if (s->excluded_ports[i] == port)
-			return true;
-	}
-	return false;
+	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3];
 }
 
-static __always_inline bool in_cidrs(void *trie, __u64 netns, const __u32 *addr)
+static __always_inline bool port_in(__u32 set, __u16 port)
+{
+	struct port_key k = {.set = set, .port = port};
+	return bpf_map_lookup_elem(&excluded_ports, &k) != NULL;
+}
+
+static __always_inline bool in_cidrs(void *trie, __u32 set, const __u32 *addr)
 {
 	struct lpm_key key = {
-		.prefixlen = 64 + 128,
-		.cookie = {(__u32)netns, (__u32)(netns >> 32)},
+		.prefixlen = 32 + 128,
+		.set = set,
 		.addr = {addr[0], addr[1], addr[2], addr[3]},
 	};
 	return bpf_map_lookup_elem(trie, &key) != NULL;
+}
+
+// is_proxy_task reports whether the task making the call runs in one of the node's
+// proxy cgroups. A pod cannot move itself into another cgroup, so unlike a socket
+// mark (settable with CAP_NET_RAW, which runtimes grant by default) this cannot be
+// forged from inside a pod.
+static __always_inline bool is_proxy_task(void)
+{
+	__u32 zero = 0;
+	struct node_config *n = bpf_map_lookup_elem(&node, &zero);
+	if (!n)
+		return false;
+	__u32 nr = n->nr_proxy_cgroups;
+	for (__u32 i = 0; i < MAX_PROXY_CGROUPS; i++) {
+		if (i >= nr)
+			break;
+		struct proxy_cgroup *c = &n->proxy_cgroups[i];
+		if (c->id && bpf_get_current_ancestor_cgroup_id(c->level) == c->id)
+			return true;
+	}
+	return false;
 }
 
 // proxy_listening reports whether a TCP listener for the outbound port exists on the
@@ -305,23 +401,14 @@ static __always_inline bool proxy_listening(struct bpf_sock_addr *ctx, bool v4, 
 	return listening;
 }
 
-static __always_inline bool skip_outbound(struct bpf_sock_addr *ctx, const struct pod_settings *s,
-					  __u64 netns, const struct orig_dst *d)
+// is_proxy_socket: the proxy's own connects are never redirected.
+static __always_inline bool is_proxy_socket(struct bpf_sock *sk, const struct pod_settings *s)
 {
-	if (is_local_dst(d))
-		return true;
-	struct bpf_sock *sk = ctx->sk;
-	if (!sk)
-		return true;
-	if (s->proxy_mark_mask && (sk->mark & s->proxy_mark_mask) == s->proxy_mark)
+	if ((s->flags & SETTING_PROXY_MARK) && (sk->mark & s->proxy_mark_mask) == s->proxy_mark)
 		return true;
 	if ((s->flags & SETTING_PROXY_UID) && (__u32)bpf_get_current_uid_gid() == s->proxy_uid)
 		return true;
-	if (port_excluded(s, bpf_ntohs(d->port)))
-		return true;
-	if ((s->flags & SETTING_EXCLUDED_CIDRS) && in_cidrs(&excluded_dsts, netns, d->addr))
-		return true;
-	return false;
+	return is_proxy_task();
 }
 
 static __always_inline int connect_common(struct bpf_sock_addr *ctx, bool v6)
@@ -329,8 +416,11 @@ static __always_inline int connect_common(struct bpf_sock_addr *ctx, bool v6)
 	if (ctx->protocol != IPPROTO_TCP)
 		return 1;
 	__u64 netns = bpf_get_netns_cookie(ctx);
-	struct pod_settings *s = bpf_map_lookup_elem(&settings, &netns);
+	struct pod_settings *s = bpf_map_lookup_elem(&pods, &netns);
 	if (!s)
+		return 1;
+	struct bpf_sock *sk = ctx->sk;
+	if (!sk)
 		return 1;
 
 	struct orig_dst d = {};
@@ -346,12 +436,21 @@ static __always_inline int connect_common(struct bpf_sock_addr *ctx, bool v6)
 	}
 	d.port = (__u16)ctx->user_port;
 
-	struct bpf_sock *sk = ctx->sk;
-	if (!sk)
+	// A socket may connect again after a failed attempt: forget an earlier
+	// redirection so getpeername does not report a stale peer.
+	if (is_proxy_socket(sk, s)) {
+		bpf_sk_storage_delete(&sock_orig, sk);
+		__u8 *p = bpf_sk_storage_get(&proxy_socks, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+		if (p)
+			*p = 1;
+		count(COUNTER_OUT_PASSED);
 		return 1;
-	if (skip_outbound(ctx, s, netns, &d)) {
-		// A socket may connect again after a failed attempt: forget an earlier
-		// redirection so getpeername does not report a stale peer.
+	}
+	// Loopback and unspecified destinations stay inside the pod, like the
+	// `! -d 127.0.0.1/32` exclusion of iptables-based meshes.
+	if (is_loopback_or_any(d.addr) ||
+	    ((s->flags & SETTING_OUTBOUND_PORTS) && port_in(s->outbound_port_set, bpf_ntohs(d.port))) ||
+	    ((s->flags & SETTING_EXCLUDED_CIDRS) && in_cidrs(&excluded_dsts, s->excluded_set, d.addr))) {
 		bpf_sk_storage_delete(&sock_orig, sk);
 		count(COUNTER_OUT_PASSED);
 		return 1;
@@ -408,53 +507,184 @@ int mesh_connect6(struct bpf_sock_addr *ctx)
 	return connect_common(ctx, true);
 }
 
-// mesh_sockops runs for every TCP socket on the host; it acts only on
-// ACTIVE_ESTABLISHED of sockets that connect4/6 redirected (they carry storage). This
-// callback runs before the proxy can accept the connection on loopback.
+// ops_addrs fills the local and remote address of a sockops socket, IPv4-mapped for
+// IPv4 (and as a dual-stack socket sees an IPv4 peer). Returns false for other
+// families.
+static __always_inline bool ops_addrs(struct bpf_sock_ops *ctx, __u32 *local, __u32 *remote)
+{
+	if (ctx->family == AF_INET) {
+		map_v4(local, ctx->local_ip4);
+		map_v4(remote, ctx->remote_ip4);
+		return true;
+	}
+	if (ctx->family == AF_INET6) {
+		local[0] = ctx->local_ip6[0];
+		local[1] = ctx->local_ip6[1];
+		local[2] = ctx->local_ip6[2];
+		local[3] = ctx->local_ip6[3];
+		remote[0] = ctx->remote_ip6[0];
+		remote[1] = ctx->remote_ip6[1];
+		remote[2] = ctx->remote_ip6[2];
+		remote[3] = ctx->remote_ip6[3];
+		return true;
+	}
+	return false;
+}
+
+// peer_key is the key of a connection as its server side sees it, built from the
+// client socket's sockops context.
+static __always_inline bool peer_key(struct bpf_sock_ops *ctx, struct tuple_key *k)
+{
+	k->netns = bpf_get_netns_cookie(ctx);
+	if (!ops_addrs(ctx, k->remote, k->local))
+		return false;
+	// bpf_sock_ops.remote_port holds the network-order port in its upper 16 bits on
+	// little-endian (a long-standing kernel quirk); local_port is in host order.
+	k->local_port = (__u16)(ctx->remote_port >> 16);
+	k->remote_port = bpf_htons((__u16)ctx->local_port);
+	return true;
+}
+
+// own_key is the key of a connection as this (server-side) socket sees it.
+static __always_inline bool own_key(struct bpf_sock_ops *ctx, struct tuple_key *k)
+{
+	k->netns = bpf_get_netns_cookie(ctx);
+	if (!ops_addrs(ctx, k->local, k->remote))
+		return false;
+	k->local_port = bpf_htons((__u16)ctx->local_port);
+	k->remote_port = (__u16)(ctx->remote_port >> 16);
+	return true;
+}
+
+// slot_listener puts the socket into the first free slot of k's port and family.
+static __always_inline long slot_listener(struct bpf_sock_ops *ctx, struct listener_key *k)
+{
+	long err = 0;
+	for (__u32 slot = 0; slot < LISTENER_SLOTS; slot++) {
+		k->slot = slot;
+		err = bpf_sock_hash_update(ctx, &listeners, k, BPF_NOEXIST);
+		if (err != -EEXIST)
+			break;
+	}
+	return err;
+}
+
+static __always_inline void refuse_listener(struct listener_key *k, long err)
+{
+	k->slot = 0;
+	struct listener_refusal r = {.err = (__s32)err, .count = 1};
+	struct listener_refusal *old = bpf_map_lookup_elem(&listen_refused, k);
+	if (old)
+		r.count = old->count + 1;
+	bpf_map_update_elem(&listen_refused, k, &r, BPF_ANY);
+	count(COUNTER_LISTENER_REFUSED);
+}
+
+// collect_listener puts a new listener of an inbound port into a free slot of its
+// family. An IPv6 listener also goes into the IPv4 slots: it may be dual-stack (its
+// IPV6_V6ONLY is not readable here), and bpf_sk_assign refuses it for IPv4 if not,
+// so the lookup of an IPv4 connection needs to search one family only.
+static __always_inline void collect_listener(struct bpf_sock_ops *ctx)
+{
+	__u16 port = (__u16)ctx->local_port;
+	if (!bpf_map_lookup_elem(&listen_ports, &port))
+		return;
+	struct listener_key k = {
+		.netns = bpf_get_netns_cookie(ctx),
+		.port = port,
+		.family = (__u8)ctx->family,
+	};
+	long err = slot_listener(ctx, &k);
+	if (err) {
+		refuse_listener(&k, err);
+		return;
+	}
+	if (ctx->family == AF_INET6) {
+		k.family = AF_INET;
+		slot_listener(ctx, &k);
+	}
+}
+
+// accepted records SO_ORIGINAL_DST for a socket accepted in an enrolled netns.
+static __always_inline void accepted(struct bpf_sock_ops *ctx)
+{
+	struct bpf_sock *sk = ctx->sk;
+	if (!sk)
+		return;
+	struct tuple_key k = {};
+	if (!own_key(ctx, &k))
+		return;
+	if (!bpf_map_lookup_elem(&pods, &k.netns))
+		return;
+	struct orig_dst d = {};
+	struct orig_dst *handed = bpf_map_lookup_elem(&orig_dsts, &k);
+	if (handed) {
+		d = *handed;
+	} else {
+		if (is_loopback_or_any(k.local))
+			return;
+		__builtin_memcpy(d.addr, k.local, sizeof(d.addr));
+		d.port = k.local_port;
+		d.family = is_v4_mapped(k.local) ? AF_INET : AF_INET6;
+	}
+	struct orig_dst *st = bpf_sk_storage_get(&accepted_orig, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!st)
+		return; // getsockopt still finds a handed-over entry in orig_dsts
+	*st = d;
+	if (handed)
+		bpf_map_delete_elem(&orig_dsts, &k);
+}
+
+// mesh_sockops runs for every TCP socket on the host. It acts on:
+//   - ACTIVE_ESTABLISHED of sockets connect4/6 redirected (they carry sock_orig):
+//     hands the original destination over, before the proxy can accept;
+//   - PASSIVE_ESTABLISHED in enrolled netns: the accepted socket's SO_ORIGINAL_DST;
+//   - TCP_LISTEN: collects inbound proxy listeners;
+//   - TCP_CONNECT of the proxy's own sockets: remembers the tuple for inbound capture.
+// None of these callbacks needs a flag set with bpf_sock_ops_cb_flags_set.
 SEC("sockops")
 int mesh_sockops(struct bpf_sock_ops *ctx)
 {
-	if (ctx->op != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB)
-		return 1;
-	struct bpf_sock *sk = ctx->sk;
-	if (!sk)
-		return 1;
-	struct orig_dst *o = bpf_sk_storage_get(&sock_orig, sk, 0, 0);
-	if (!o)
-		return 1;
-
-	struct tuple_key k = {};
-	k.netns = bpf_get_netns_cookie(ctx);
-	// The proxy's local end is this socket's remote end and vice versa.
-	if (ctx->family == AF_INET) {
-		map_v4(k.local, ctx->remote_ip4);
-		map_v4(k.remote, ctx->local_ip4);
-	} else if (ctx->family == AF_INET6) {
-		k.local[0] = ctx->remote_ip6[0];
-		k.local[1] = ctx->remote_ip6[1];
-		k.local[2] = ctx->remote_ip6[2];
-		k.local[3] = ctx->remote_ip6[3];
-		k.remote[0] = ctx->local_ip6[0];
-		k.remote[1] = ctx->local_ip6[1];
-		k.remote[2] = ctx->local_ip6[2];
-		k.remote[3] = ctx->local_ip6[3];
-	} else {
+	switch (ctx->op) {
+	case BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB: {
+		struct bpf_sock *sk = ctx->sk;
+		if (!sk)
+			return 1;
+		struct orig_dst *o = bpf_sk_storage_get(&sock_orig, sk, 0, 0);
+		if (!o)
+			return 1;
+		struct tuple_key k = {};
+		if (!peer_key(ctx, &k))
+			return 1;
+		struct orig_dst v = *o;
+		bpf_map_update_elem(&orig_dsts, &k, &v, BPF_ANY);
 		return 1;
 	}
-	// bpf_sock_ops.remote_port holds the network-order port in its upper 16 bits on
-	// little-endian (a long-standing kernel quirk); local_port is in host order.
-	k.local_port = (__u16)(ctx->remote_port >> 16);
-	k.remote_port = bpf_htons((__u16)ctx->local_port);
-
-	struct orig_dst v = *o;
-	bpf_map_update_elem(&orig_dsts, &k, &v, BPF_ANY);
+	case BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB:
+		accepted(ctx);
+		return 1;
+	case BPF_SOCK_OPS_TCP_LISTEN_CB:
+		collect_listener(ctx);
+		return 1;
+	case BPF_SOCK_OPS_TCP_CONNECT_CB: {
+		struct bpf_sock *sk = ctx->sk;
+		if (!sk || !bpf_sk_storage_get(&proxy_socks, sk, 0, 0))
+			return 1;
+		struct tuple_key k = {};
+		if (!peer_key(ctx, &k))
+			return 1;
+		__u8 one = 1;
+		bpf_map_update_elem(&proxy_conns, &k, &one, BPF_ANY);
+		return 1;
+	}
+	}
 	return 1;
 }
 
-// mesh_getsockopt answers SO_ORIGINAL_DST for proxy sockets of redirected connections.
-// It runs for every getsockopt on the host: the first checks are on scalars in ctx, and
-// it never touches retval or optval for a socket it has no entry for, so other programs
-// attached next to it and the kernel's own answer are left alone.
+// mesh_getsockopt answers SO_ORIGINAL_DST for accepted sockets in enrolled netns.
+// It runs for every getsockopt on the host: the first checks are on scalars in ctx,
+// and it never touches retval or optval for a socket it has no entry for, so other
+// programs attached next to it and the kernel's own answer are left alone.
 SEC("cgroup/getsockopt")
 int mesh_getsockopt(struct bpf_sockopt *ctx)
 {
@@ -467,30 +697,34 @@ int mesh_getsockopt(struct bpf_sockopt *ctx)
 	if (!sk || sk->protocol != IPPROTO_TCP)
 		return 1;
 
-	struct tuple_key k = {};
-	__u32 family = sk->family;
-	if (family == AF_INET) {
-		map_v4(k.local, sk->src_ip4);
-		map_v4(k.remote, sk->dst_ip4);
-	} else if (family == AF_INET6) {
-		k.local[0] = sk->src_ip6[0];
-		k.local[1] = sk->src_ip6[1];
-		k.local[2] = sk->src_ip6[2];
-		k.local[3] = sk->src_ip6[3];
-		k.remote[0] = sk->dst_ip6[0];
-		k.remote[1] = sk->dst_ip6[1];
-		k.remote[2] = sk->dst_ip6[2];
-		k.remote[3] = sk->dst_ip6[3];
-	} else {
-		return 1;
+	struct orig_dst *o = bpf_sk_storage_get(&accepted_orig, sk, 0, 0);
+	if (!o) {
+		// The hand-over entry stays in orig_dsts if the socket's storage could
+		// not be allocated when it was accepted.
+		struct tuple_key k = {};
+		__u32 family = sk->family;
+		if (family == AF_INET) {
+			map_v4(k.local, sk->src_ip4);
+			map_v4(k.remote, sk->dst_ip4);
+		} else if (family == AF_INET6) {
+			k.local[0] = sk->src_ip6[0];
+			k.local[1] = sk->src_ip6[1];
+			k.local[2] = sk->src_ip6[2];
+			k.local[3] = sk->src_ip6[3];
+			k.remote[0] = sk->dst_ip6[0];
+			k.remote[1] = sk->dst_ip6[1];
+			k.remote[2] = sk->dst_ip6[2];
+			k.remote[3] = sk->dst_ip6[3];
+		} else {
+			return 1;
+		}
+		k.local_port = bpf_htons((__u16)sk->src_port);
+		k.remote_port = sk->dst_port;
+		k.netns = bpf_get_netns_cookie(ctx);
+		o = bpf_map_lookup_elem(&orig_dsts, &k);
+		if (!o)
+			return 1;
 	}
-	k.local_port = bpf_htons((__u16)sk->src_port);
-	k.remote_port = sk->dst_port;
-	k.netns = bpf_get_netns_cookie(ctx);
-
-	struct orig_dst *o = bpf_map_lookup_elem(&orig_dsts, &k);
-	if (!o)
-		return 1;
 
 	if (level == SOL_IP) {
 		// sockaddr_in cannot carry an IPv6 destination: leave the kernel's answer.
@@ -557,212 +791,125 @@ int mesh_getpeername6(struct bpf_sock_addr *ctx)
 	return 1;
 }
 
-struct packet {
-	struct bpf_sock_tuple tuple; // as seen by the stack: saddr is the peer
-	__u32 src[4];                // IPv4-mapped for IPv4
-	__u32 dst[4];
-	__u16 family;
-	__u8 flags;
-};
-
-static __always_inline int parse_tcp(struct __sk_buff *skb, __u32 off, struct packet *p)
+// try_slots assigns the first listener of k's port and family that takes the
+// connection. The kernel then picks within the listener's SO_REUSEPORT group, if it
+// has one.
+static __always_inline bool try_slots(struct bpf_sk_lookup *ctx, struct listener_key *k)
 {
-	struct tcp_hdr_start th;
-	if (bpf_skb_load_bytes_relative(skb, off, &th, sizeof(th), BPF_HDR_START_NET))
-		return -1;
-	p->flags = th.flags;
-	if (p->family == AF_INET) {
-		p->tuple.ipv4.sport = th.sport;
-		p->tuple.ipv4.dport = th.dport;
+#pragma unroll
+	for (__u32 slot = 0; slot < LISTENER_SLOTS; slot++) {
+		k->slot = slot;
+		struct bpf_sock *sk = bpf_map_lookup_elem(&listeners, k);
+		if (sk) {
+			long err = bpf_sk_assign(ctx, sk, 0);
+			bpf_sk_release(sk);
+			if (!err)
+				return true;
+		}
+	}
+	return false;
+}
+
+// assign_listener gives the connection to one of the pod's inbound listeners of its
+// family (IPv6 listeners are in the IPv4 slots too).
+static __always_inline bool assign_listener(struct bpf_sk_lookup *ctx, __u64 netns, __u16 port, bool v4)
+{
+	struct listener_key k = {.netns = netns, .port = port, .family = v4 ? AF_INET : AF_INET6};
+	return try_slots(ctx, &k);
+}
+
+// mesh_lookup is loaded once per enrolled netns, with its cookie in place of
+// POD_COOKIE_MARKER, and attached to that netns. It runs when the kernel looks for a
+// listener for a new connection there: after reassembly, whatever the packet's
+// headers, and never for packets of an existing connection.
+SEC("sk_lookup")
+int mesh_lookup(struct bpf_sk_lookup *ctx)
+{
+	if (ctx->protocol != IPPROTO_TCP)
+		return SK_PASS;
+	__u64 netns = POD_COOKIE_MARKER;
+	// Keep the marker a single immediate the loader can find and replace.
+	asm volatile("" : "+r"(netns));
+	struct pod_settings *s = bpf_map_lookup_elem(&pods, &netns);
+	if (!s)
+		return SK_PASS;
+
+	// Every address field is read whatever the family (the ones of the other
+	// family read as zero): clang would otherwise pick a context offset per
+	// branch, and the verifier refuses a context pointer that was moved.
+	__u32 l4 = ctx->local_ip4, r4 = ctx->remote_ip4;
+	__u32 l6[4] = {ctx->local_ip6[0], ctx->local_ip6[1], ctx->local_ip6[2], ctx->local_ip6[3]};
+	__u32 r6[4] = {ctx->remote_ip6[0], ctx->remote_ip6[1], ctx->remote_ip6[2], ctx->remote_ip6[3]};
+	struct tuple_key t = {.netns = netns};
+	bool v4 = ctx->family == AF_INET;
+	if (v4) {
+		map_v4(t.local, l4);
+		map_v4(t.remote, r4);
 	} else {
-		p->tuple.ipv6.sport = th.sport;
-		p->tuple.ipv6.dport = th.dport;
+		__builtin_memcpy(t.local, l6, sizeof(t.local));
+		__builtin_memcpy(t.remote, r6, sizeof(t.remote));
+	}
+	__u16 lport = (__u16)ctx->local_port;
+	t.local_port = bpf_htons(lport);
+	t.remote_port = ctx->remote_port;
+
+	// Pod-local connections (loopback, or the pod dialing its own address) and the
+	// proxy's own connections into the pod are not captured.
+	if (is_loopback_or_any(t.local) || addr_eq(t.local, t.remote) ||
+	    bpf_map_lookup_elem(&proxy_conns, &t))
+		return SK_PASS;
+	if (((s->flags & SETTING_INBOUND_PORTS) && port_in(s->inbound_port_set, lport)) ||
+	    ((s->flags & SETTING_PROBE_SOURCES) && in_cidrs(&probe_srcs, s->probe_set, t.remote))) {
+		count(COUNTER_IN_PASSED);
+		return SK_PASS;
+	}
+	if (assign_listener(ctx, netns, s->inbound_port, v4)) {
+		count(COUNTER_IN_REDIRECTED);
+		return SK_PASS;
+	}
+	if (s->flags & SETTING_FAIL_OPEN) {
+		count(COUNTER_IN_PASSED);
+		return SK_PASS;
+	}
+	// No proxy listening: the client gets a reset, as from a closed port.
+	count(COUNTER_IN_DROPPED);
+	return SK_DROP;
+}
+
+static __always_inline void iter_slot(struct listener_key *k, struct sock_common *skc)
+{
+	for (__u32 slot = 0; slot < LISTENER_SLOTS; slot++) {
+		k->slot = slot;
+		long err = bpf_map_update_elem(&listeners, k, skc, BPF_NOEXIST);
+		if (err != -EEXIST)
+			break;
+	}
+}
+
+// mesh_collect_listeners runs over the TCP sockets of the netns it is created in
+// and collects the listeners of inbound ports, like sockops does for listeners
+// opened later: for proxies that were already listening when their pod was
+// enrolled, or when this data path was installed.
+SEC("iter/tcp")
+int mesh_collect_listeners(struct bpf_iter__tcp *ctx)
+{
+	struct sock_common *skc = ctx->sk_common;
+	if (!skc)
+		return 0;
+	if (BPF_CORE_READ(skc, skc_state) != TCP_LISTEN_STATE)
+		return 0;
+	__u16 port = BPF_CORE_READ(skc, skc_num);
+	if (!bpf_map_lookup_elem(&listen_ports, &port))
+		return 0;
+	struct listener_key k = {
+		.netns = BPF_CORE_READ(skc, skc_net.net, net_cookie),
+		.port = port,
+		.family = (__u8)BPF_CORE_READ(skc, skc_family),
+	};
+	iter_slot(&k, skc);
+	if (k.family == AF_INET6) {
+		k.family = AF_INET;
+		iter_slot(&k, skc);
 	}
 	return 0;
-}
-
-// parse fills p for a TCP packet; any other packet (or a fragment, or IPv6 with
-// extension headers we do not walk) returns -1 and is passed untouched.
-static __always_inline int parse(struct __sk_buff *skb, struct packet *p)
-{
-	if (skb->protocol == bpf_htons(ETH_P_IP)) {
-		struct ipv4_hdr ip;
-		if (bpf_skb_load_bytes_relative(skb, 0, &ip, sizeof(ip), BPF_HDR_START_NET))
-			return -1;
-		if (ip.protocol != IPPROTO_TCP || (ip.frag_off & bpf_htons(IP_MF_OFFSET)))
-			return -1;
-		__u32 ihl = (ip.version_ihl & 0x0f) * 4;
-		if (ihl < sizeof(ip))
-			return -1;
-		p->family = AF_INET;
-		p->tuple.ipv4.saddr = ip.saddr;
-		p->tuple.ipv4.daddr = ip.daddr;
-		map_v4(p->src, ip.saddr);
-		map_v4(p->dst, ip.daddr);
-		return parse_tcp(skb, ihl, p);
-	}
-	if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
-		struct ipv6_hdr ip6;
-		if (bpf_skb_load_bytes_relative(skb, 0, &ip6, sizeof(ip6), BPF_HDR_START_NET))
-			return -1;
-		__u32 off = sizeof(ip6);
-		__u8 nh = ip6.nexthdr;
-		for (int i = 0; i < MAX_IPV6_EXT_HEADERS; i++) {
-			if (nh != NEXTHDR_HOP && nh != NEXTHDR_ROUTING && nh != NEXTHDR_DEST)
-				break;
-			struct ipv6_ext_hdr eh;
-			if (bpf_skb_load_bytes_relative(skb, off, &eh, sizeof(eh), BPF_HDR_START_NET))
-				return -1;
-			off += ((__u32)eh.len + 1) * 8;
-			nh = eh.nexthdr;
-		}
-		if (nh != IPPROTO_TCP)
-			return -1;
-		p->family = AF_INET6;
-		__builtin_memcpy(p->tuple.ipv6.saddr, ip6.saddr, sizeof(ip6.saddr));
-		__builtin_memcpy(p->tuple.ipv6.daddr, ip6.daddr, sizeof(ip6.daddr));
-		__builtin_memcpy(p->src, ip6.saddr, sizeof(ip6.saddr));
-		__builtin_memcpy(p->dst, ip6.daddr, sizeof(ip6.daddr));
-		return parse_tcp(skb, off, p);
-	}
-	return -1;
-}
-
-static __always_inline __u16 packet_dport(const struct packet *p)
-{
-	return p->family == AF_INET ? p->tuple.ipv4.dport : p->tuple.ipv6.dport;
-}
-
-static __always_inline __u16 packet_sport(const struct packet *p)
-{
-	return p->family == AF_INET ? p->tuple.ipv4.sport : p->tuple.ipv6.sport;
-}
-
-// lookup_tcp looks up p's tuple with a size the verifier can see is constant.
-static __always_inline struct bpf_sock *lookup_tcp(struct __sk_buff *skb, struct packet *p)
-{
-	if (p->family == AF_INET)
-		return bpf_skc_lookup_tcp(skb, &p->tuple, sizeof(p->tuple.ipv4), BPF_F_CURRENT_NETNS, 0);
-	return bpf_skc_lookup_tcp(skb, &p->tuple, sizeof(p->tuple.ipv6), BPF_F_CURRENT_NETNS, 0);
-}
-
-static __always_inline void set_tuple_dport(struct packet *p, __u16 port)
-{
-	if (p->family == AF_INET)
-		p->tuple.ipv4.dport = port;
-	else
-		p->tuple.ipv6.dport = port;
-}
-
-// time_wait_syn handles a SYN whose tuple still has a TIME_WAIT socket: the proxy
-// closed an earlier connection from the same client port first. The listener cannot
-// take it (the kernel refuses a request socket that duplicates the TIME_WAIT one),
-// and the kernel's own TIME_WAIT handling looks for a listener on the *original*
-// port. With none there, that handling answers with an ACK, the client resets, the
-// TIME_WAIT socket goes and the client's retransmitted SYN reaches the proxy: let
-// the kernel do that. With an application listening there, the kernel would hand it
-// the connection, bypassing the proxy: drop the SYN instead (fail closed) unless
-// the pod is fail-open.
-static __always_inline int time_wait_syn(struct __sk_buff *skb, struct packet *p,
-					 const struct pod_settings *s)
-{
-	struct packet probe = *p;
-	// Source port 0 matches no connection: the lookup finds only a listener.
-	if (probe.family == AF_INET)
-		probe.tuple.ipv4.sport = 0;
-	else
-		probe.tuple.ipv6.sport = 0;
-	struct bpf_sock *sk = lookup_tcp(skb, &probe);
-	bool app_listening = false;
-	if (sk) {
-		app_listening = sk->state == BPF_TCP_LISTEN;
-		bpf_sk_release(sk);
-	}
-	if (!app_listening)
-		return TCX_NEXT;
-	if (s->flags & SETTING_FAIL_OPEN) {
-		count(COUNTER_IN_PASSED);
-		return TCX_NEXT;
-	}
-	count(COUNTER_IN_DROPPED);
-	return TCX_DROP;
-}
-
-// mesh_ingress runs on the pod's own interfaces, inside its netns. An existing socket
-// for the packet's tuple keeps the packet (so the handshake's last ACK reaches the
-// request socket); a new connection goes to the inbound proxy listener. Packets are
-// never modified: the proxy's accepted socket has the original destination as its
-// local address.
-SEC("tcx/ingress")
-int mesh_ingress(struct __sk_buff *skb)
-{
-	struct packet p = {};
-	if (parse(skb, &p))
-		return TCX_NEXT;
-
-	__u64 netns = ingress_netns_cookie(skb);
-	struct pod_settings *s = bpf_map_lookup_elem(&settings, &netns);
-	if (!s)
-		return TCX_NEXT;
-
-	bool syn = (p.flags & (TCP_FLAG_SYN | TCP_FLAG_ACK | TCP_FLAG_RST)) == TCP_FLAG_SYN;
-	__u16 dport = packet_dport(&p);
-	if (port_excluded(s, bpf_ntohs(dport)) ||
-	    ((s->flags & SETTING_PROBE_SOURCES) && in_cidrs(&probe_srcs, netns, p.src))) {
-		if (syn)
-			count(COUNTER_IN_PASSED);
-		return TCX_NEXT;
-	}
-
-	struct bpf_sock *sk = lookup_tcp(skb, &p);
-	if (sk) {
-		__u32 state = sk->state;
-		if (state == BPF_TCP_TIME_WAIT && syn) {
-			bpf_sk_release(sk);
-			return time_wait_syn(skb, &p, s);
-		}
-		// A listener on the original port is not a match: new connections go to
-		// the proxy.
-		if (state != BPF_TCP_LISTEN) {
-			bpf_sk_assign(skb, sk, 0);
-			bpf_sk_release(sk);
-			return TCX_NEXT;
-		}
-		bpf_sk_release(sk);
-	}
-	if (!syn)
-		return TCX_NEXT; // nothing to keep: the stack answers as it would
-
-	set_tuple_dport(&p, bpf_htons(s->inbound_port));
-	sk = lookup_tcp(skb, &p);
-	if (sk) {
-		long err = -1;
-		if (sk->state == BPF_TCP_LISTEN)
-			err = bpf_sk_assign(skb, sk, 0);
-		bpf_sk_release(sk);
-		if (!err) {
-			// The stack handles the packet after this program returns, so
-			// the entry is in place before the proxy can accept.
-			struct tuple_key k = {};
-			struct orig_dst d = {};
-			k.netns = netns;
-			__builtin_memcpy(k.local, p.dst, sizeof(k.local));
-			__builtin_memcpy(k.remote, p.src, sizeof(k.remote));
-			k.local_port = dport;
-			k.remote_port = packet_sport(&p);
-			__builtin_memcpy(d.addr, p.dst, sizeof(d.addr));
-			d.port = dport;
-			d.family = p.family;
-			bpf_map_update_elem(&orig_dsts, &k, &d, BPF_ANY);
-			count(COUNTER_IN_REDIRECTED);
-			return TCX_NEXT;
-		}
-	}
-
-	if (s->flags & SETTING_FAIL_OPEN) {
-		count(COUNTER_IN_PASSED);
-		return TCX_NEXT;
-	}
-	count(COUNTER_IN_DROPPED);
-	return TCX_DROP;
 }

@@ -15,8 +15,8 @@ type RedirectDatapath struct {
 }
 
 // Enroll implements Datapath.
-func (r RedirectDatapath) Enroll(ctx context.Context, netnsPath string, interfaces []string) (uint64, error) {
-	e, err := r.DP.Enroll(ctx, redirect.Target{NetnsPath: netnsPath, Interfaces: interfaces, Settings: r.Settings})
+func (r RedirectDatapath) Enroll(ctx context.Context, netnsPath string, _ []string) (uint64, error) {
+	e, err := r.DP.Enroll(ctx, redirect.Target{NetnsPath: netnsPath, Settings: r.Settings})
 	if err != nil {
 		return 0, err
 	}

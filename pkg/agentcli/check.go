@@ -65,6 +65,7 @@ func runChecks(ctx context.Context, opts options) []checkResult {
 			}
 		}
 		add("cgroup v2 mounted"+suffix(cg), problem)
+		add("kernel features (Linux "+redirect.KernelFloor+" or newer)", kernelProblems())
 
 		if ok, err := redirect.IsBPFFS(opts.bpffsRoot); err != nil || !ok {
 			add("bpffs at "+opts.bpffsRoot, fmt.Sprintf("not a bpffs (%v)", errOr(err, "wrong filesystem type")))
@@ -83,15 +84,20 @@ func runChecks(ctx context.Context, opts options) []checkResult {
 				}
 			}
 			add("data path programs attached", strings.Join(bad, ", "))
-			var broken []string
+			var broken, uncaptured []string
 			for _, p := range snap.Pods {
-				for _, l := range p.Links {
-					if !l.Attached {
-						broken = append(broken, fmt.Sprintf("netns %d interface %s", p.Cookie, l.Name))
-					}
+				switch {
+				case len(p.LegacyLinks) > 0 && !p.Attached:
+					broken = append(broken, fmt.Sprintf("netns %d (an earlier version's links: the agent enrolls it again at start)", p.Cookie))
+				case !p.Attached:
+					broken = append(broken, fmt.Sprintf("netns %d", p.Cookie))
 				}
 			}
-			add("pod TCX links attached", strings.Join(broken, ", "))
+			for _, r := range snap.Refused {
+				uncaptured = append(uncaptured, fmt.Sprintf("netns %d port %d (%s): %s, %d times", r.Cookie, r.Port, r.Family, r.Reason, r.Count))
+			}
+			add("pod inbound capture attached", strings.Join(broken, ", "))
+			add("proxy listeners captured", strings.Join(uncaptured, ", "))
 		}
 	}
 
@@ -189,4 +195,14 @@ func checkAgentReady(ctx context.Context, socket string) string {
 		return "agent reports " + resp.GetStatus().String()
 	}
 	return ""
+}
+
+// kernelProblems names every kernel feature the data path needs and this kernel
+// lacks, with the release that has it.
+func kernelProblems() string {
+	var out []string
+	for _, err := range redirect.MissingFeatures() {
+		out = append(out, err.Error())
+	}
+	return strings.Join(out, "; ")
 }

@@ -30,7 +30,6 @@ const (
 	DefaultCNIConfDir  = "/etc/cni/net.d"
 	DefaultInstallDir  = "/var/run/mesh-cni/install"
 	DefaultMetricsAddr = "127.0.0.1:15099"
-	rcuExpeditedPath   = "/sys/kernel/rcu_expedited"
 )
 
 // options are the flags of `mesh-agent run` (most are shared by uninstall).
@@ -45,21 +44,21 @@ type options struct {
 	shutdownGrace     time.Duration
 	reconcileInterval time.Duration
 	metricsAddr       string
-	rcuExpedited      bool
 	zdsSocket         string
 	zdsWait           string
 	zdsAllowedUIDs    intList
 	zdsNoServiceAcct  bool
 
 	// Redirection settings for every enrolled pod.
-	outboundPort  uint
-	inboundPort   uint
-	proxyMark     uint
-	proxyUID      int
-	excludedPorts intList
-	excludedCIDRs prefixList
-	probeSources  prefixList
-	failOpen      bool
+	outboundPort          uint
+	inboundPort           uint
+	proxyMark             uint
+	proxyUID              int
+	inboundExcludedPorts  intList
+	outboundExcludedPorts intList
+	excludedCIDRs         prefixList
+	probeSources          prefixList
+	failOpen              bool
 
 	// The CNI chain entry.
 	cniInstall        bool
@@ -94,7 +93,6 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.StringVar(&opts.logLevel, "log-level", "info", "log level: debug, info, warn or error")
 	fs.DurationVar(&opts.shutdownGrace, "shutdown-grace", 5*time.Second, "how long in-flight gate calls may run after SIGTERM")
 	fs.StringVar(&opts.metricsAddr, "metrics-addr", DefaultMetricsAddr, "address for /metrics, /healthz and /readyz (empty: off); loopback unless you need scraping from off the node")
-	fs.BoolVar(&opts.rcuExpedited, "rcu-expedited", false, "set the node's /sys/kernel/rcu_expedited to 1: each pod's TCX attach and detach waits for an RCU grace period under the kernel's rtnl lock, and expedited grace periods make enrollment about 50 times faster, at the cost of IPIs to every CPU on each grace period node-wide")
 	fs.StringVar(&opts.zdsSocket, "zds-socket", zds.DefaultSocketPath, "serve the ZDS proxy handoff (what ztunnel connects to) on this SOCK_SEQPACKET socket; empty: off")
 	opts.zdsAllowedUIDs = intList{0}
 	fs.Var(&opts.zdsAllowedUIDs, "zds-allowed-uids", "comma-separated user ids a node proxy may connect to the ZDS socket as (checked with SO_PEERCRED)")
@@ -106,8 +104,9 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.UintVar(&opts.inboundPort, "inbound-port", uint(defaults.InboundPort), "proxy's inbound listener port inside each pod")
 	fs.UintVar(&opts.proxyMark, "proxy-mark", uint(defaults.ProxyMark), "socket mark (SO_MARK) of the proxy's own connections, never redirected")
 	fs.IntVar(&opts.proxyUID, "proxy-uid", -1, "uid whose connections are never redirected (-1: none)")
-	opts.excludedPorts = toIntList(defaults.ExcludedPorts)
-	fs.Var(&opts.excludedPorts, "excluded-ports", "comma-separated destination ports never redirected (default: the proxy's own ports)")
+	opts.inboundExcludedPorts = toIntList(defaults.InboundExcludedPorts)
+	fs.Var(&opts.inboundExcludedPorts, "inbound-excluded-ports", "comma-separated destination ports of inbound connections never captured (default: the proxy's own ports)")
+	fs.Var(&opts.outboundExcludedPorts, "outbound-excluded-ports", "comma-separated destination ports of outbound connects never redirected, to any host (default: none)")
 	fs.Var(&opts.excludedCIDRs, "excluded-cidrs", "comma-separated outbound destination CIDRs never redirected")
 	fs.Var(&opts.probeSources, "probe-sources", "comma-separated inbound source CIDRs never redirected (the node's addresses, for kubelet probes)")
 	fs.BoolVar(&opts.failOpen, "fail-open", false, "pass traffic through when no proxy listens (default: refuse outbound connects and drop inbound SYNs)")
@@ -148,12 +147,12 @@ func (o options) redirectSettings() (redirect.Settings, error) {
 		uid := uint32(o.proxyUID)
 		s.ProxyUID = &uid
 	}
-	s.ExcludedPorts = s.ExcludedPorts[:0]
-	for _, p := range o.excludedPorts {
-		if p <= 0 || p > 65535 {
-			return s, fmt.Errorf("--excluded-ports: %d is not a port", p)
-		}
-		s.ExcludedPorts = append(s.ExcludedPorts, uint16(p))
+	var err error
+	if s.InboundExcludedPorts, err = portList("inbound-excluded-ports", o.inboundExcludedPorts); err != nil {
+		return s, err
+	}
+	if s.OutboundExcludedPorts, err = portList("outbound-excluded-ports", o.outboundExcludedPorts); err != nil {
+		return s, err
 	}
 	s.ExcludedCIDRs = o.excludedCIDRs
 	s.ProbeSources = o.probeSources
@@ -162,6 +161,17 @@ func (o options) redirectSettings() (redirect.Settings, error) {
 		return s, fmt.Errorf("redirection settings: %w", err)
 	}
 	return s, nil
+}
+
+func portList(flag string, in intList) ([]uint16, error) {
+	var out []uint16
+	for _, p := range in {
+		if p <= 0 || p > 65535 {
+			return nil, fmt.Errorf("--%s: %d is not a port", flag, p)
+		}
+		out = append(out, uint16(p))
+	}
+	return out, nil
 }
 
 // Main runs the mesh-agent command line and returns the process exit code.
@@ -220,13 +230,6 @@ func runCommand(ctx context.Context, args []string, stderr io.Writer) int {
 		log.Error("invalid configuration", zap.Error(err))
 		return 2
 	}
-	if opts.rcuExpedited {
-		if err := os.WriteFile(rcuExpeditedPath, []byte("1\n"), 0o644); err != nil {
-			log.Error("cannot set expedited RCU grace periods", zap.String("path", rcuExpeditedPath), zap.Error(err))
-			return 1
-		}
-		log.Info("expedited RCU grace periods set node-wide (--rcu-expedited)", zap.String("path", rcuExpeditedPath))
-	}
 	if err := agent.Run(ctx, log, cfg); err != nil {
 		log.Error("agent failed", zap.Error(err))
 		return 1
@@ -284,7 +287,7 @@ func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {
 		if cg != opts.cgroupRoot {
 			log.Info("hybrid cgroups: attaching to the cgroup v2 hierarchy inside --cgroup-root", zap.String("cgroupRoot", cg))
 		}
-		rcfg := redirect.Config{PinRoot: opts.bpffsRoot, CgroupRoot: cg, Logger: log.Named("datapath")}
+		rcfg := redirect.Config{PinRoot: opts.bpffsRoot, CgroupRoot: cg, InboundPorts: []uint16{settings.InboundPort}, Logger: log.Named("datapath")}
 		cfg.OpenDatapath = func(ctx context.Context) (agent.Datapath, func() error, error) {
 			dp, err := redirect.Open(ctx, rcfg)
 			if err != nil {

@@ -160,13 +160,8 @@ func podState(datapath string, pinned map[uint64]redirect.PodState, cookie uint6
 	if !ok {
 		return StateMissing
 	}
-	if len(p.Links) == 0 {
+	if !p.Attached {
 		return StateBroken
-	}
-	for _, l := range p.Links {
-		if !l.Attached {
-			return StateBroken
-		}
 	}
 	return StateRedirected
 }

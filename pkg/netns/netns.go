@@ -28,30 +28,61 @@ const nsfsMagic = 0x6e736673
 // filesystem type and then the namespace type, so a regular file, a directory or a
 // mount namespace file are all rejected with an error that says which.
 func Validate(path string) error {
-	if path == "" {
-		return fmt.Errorf("netns path is empty")
+	f, err := Open(path)
+	if err != nil {
+		return err
 	}
+	return f.Close()
+}
+
+// Open opens the network namespace at path and checks that the open file is one
+// (nsfs, namespace type CLONE_NEWNET). Callers use the returned file for every later
+// step, so the path cannot be swapped for another file between the check and the
+// use. It never blocks: a FIFO at path is opened non-blocking and then rejected.
+func Open(path string) (*os.File, error) {
+	if path == "" {
+		return nil, fmt.Errorf("netns path is empty")
+	}
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open netns %q: %w", path, err)
+	}
+	f := os.NewFile(uintptr(fd), path)
+	if err := ValidateFd(fd); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("netns path %q: %w", path, err)
+	}
+	return f, nil
+}
+
+// ValidateFd reports whether fd refers to a network namespace.
+func ValidateFd(fd int) error {
 	var st unix.Statfs_t
-	if err := unix.Statfs(path, &st); err != nil {
-		return fmt.Errorf("netns path %q: %w", path, err)
+	if err := unix.Fstatfs(fd, &st); err != nil {
+		return fmt.Errorf("statfs: %w", err)
 	}
 	if st.Type != nsfsMagic {
-		return fmt.Errorf("netns path %q (filesystem type %#x): %w", path, st.Type, ErrNotNetNS)
+		return fmt.Errorf("filesystem type %#x: %w", st.Type, ErrNotNetNS)
 	}
-	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return fmt.Errorf("open netns %q: %w", path, err)
-	}
-	defer unix.Close(fd)
 	// NS_GET_NSTYPE tells which kind of namespace the file refers to.
 	kind, err := unix.IoctlRetInt(fd, unix.NS_GET_NSTYPE)
 	if err != nil {
-		return fmt.Errorf("query namespace type of %q: %w", path, err)
+		return fmt.Errorf("query namespace type: %w", err)
 	}
 	if kind != unix.CLONE_NEWNET {
-		return fmt.Errorf("netns path %q (namespace type %#x): %w", path, kind, ErrNotNetNS)
+		return fmt.Errorf("namespace type %#x: %w", kind, ErrNotNetNS)
 	}
 	return nil
+}
+
+// InodeFd returns the inode number of the namespace fd refers to: what a netns
+// link reports as the namespace it is attached to.
+func InodeFd(fd int) (uint64, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return 0, fmt.Errorf("stat netns: %w", err)
+	}
+	return st.Ino, nil
 }
 
 // Do runs fn with the calling thread inside the network namespace at path. fn runs on
@@ -198,3 +229,8 @@ func ensureNetNSDir(dir string) error {
 	}
 	return nil
 }
+
+// CurrentCookie returns the cookie of the calling process's own network namespace.
+// Threads of this package that are inside another namespace are never handed back
+// to the Go scheduler, so any other goroutine runs in the process's namespace.
+func CurrentCookie() (uint64, error) { return currentCookie() }

@@ -14,6 +14,7 @@ const (
 	counterInRedirected
 	counterInPassed
 	counterInDropped
+	counterListenerRefused
 	counterMax
 )
 
@@ -25,17 +26,22 @@ type DirectionCounters struct {
 	// probe source, loopback destination) or by fail-open with no proxy listening.
 	Passed uint64 `json:"passed"`
 	// Dropped: no proxy listening and fail-open off. Outbound connects are still
-	// rewritten and get ECONNREFUSED; inbound SYNs are dropped.
+	// rewritten and get ECONNREFUSED; inbound connections are reset.
 	Dropped uint64 `json:"dropped"`
 }
 
 // Counters are the data path's decisions summed over all CPUs and all enrolled
 // pods since the maps were created (they survive agent restarts). Outbound counts
-// TCP connect() calls from enrolled netns; inbound counts new connections (SYNs)
-// arriving on enrolled interfaces. Packets of existing connections are not counted.
+// TCP connect() calls from enrolled netns; inbound counts the kernel's listener
+// lookups for new connections in enrolled netns (one per SYN, and one per stray
+// packet that matches no connection). Packets of existing connections are not
+// counted.
 type Counters struct {
 	Outbound DirectionCounters `json:"outbound"`
 	Inbound  DirectionCounters `json:"inbound"`
+	// ListenersRefused counts inbound proxy listeners that could not be
+	// collected (see Refusal).
+	ListenersRefused uint64 `json:"listenersRefused"`
 }
 
 // Counters reads the per-CPU counters.
@@ -71,5 +77,6 @@ func sumCounters(m *ebpf.Map) (Counters, error) {
 			Passed:     sums[counterInPassed],
 			Dropped:    sums[counterInDropped],
 		},
+		ListenersRefused: sums[counterListenerRefused],
 	}, nil
 }

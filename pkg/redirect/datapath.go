@@ -4,13 +4,17 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"go.uber.org/zap"
+
+	"github.com/mesh-cni/mesh-cni/pkg/netns"
 )
 
 // DefaultPinRoot is where the data path is pinned unless Config.PinRoot says otherwise.
@@ -22,19 +26,28 @@ var (
 	ErrClosed = errors.New("redirect data path is closed")
 	// ErrNotEnrolled: the netns cookie has no settings entry.
 	ErrNotEnrolled = errors.New("netns is not enrolled")
-	// ErrLinkBroken: an interface's TCX link is missing, detached or runs a
-	// program other than this data path's.
-	ErrLinkBroken = errors.New("tcx link is not intact")
+	// ErrLinkBroken: the pod's inbound capture link is missing, detached, attached
+	// to another namespace or runs another program.
+	ErrLinkBroken = errors.New("inbound capture link is not intact")
+	// ErrNodeNamespace: the namespace is the node's own (or the agent's), which
+	// would redirect the connects of every process on the node.
+	ErrNodeNamespace = errors.New("refusing to enroll the node's own network namespace")
 )
 
 // Config says where the data path lives.
 type Config struct {
 	// PinRoot is the bpffs directory holding maps and links (DefaultPinRoot when
-	// empty). When it is not on a bpffs, Open mounts one there.
+	// empty). When it is not on a bpffs, Open mounts one: at /sys/fs/bpf when
+	// PinRoot is below it and nothing is mounted there (other eBPF agents expect
+	// the shared mount), else at PinRoot itself.
 	PinRoot string
 	// CgroupRoot is the cgroup v2 directory the socket programs attach to; empty
 	// means the root of the host's cgroup2 mount, found in /proc/self/mountinfo.
 	CgroupRoot string
+	// InboundPorts are the proxies' inbound listener ports, collected for capture
+	// from the start (every enrolled pod's InboundPort is added as well). Listing
+	// the node's port here lets a proxy start listening before its pod is enrolled.
+	InboundPorts []uint16
 	// Logger receives what the data path does; nil means no logging.
 	Logger *zap.Logger
 }
@@ -52,32 +65,69 @@ func (c Config) withDefaults() Config {
 
 // layout names the pins under a PinRoot:
 //
-//	<root>/maps/<map>                 settings, excluded_dsts, probe_srcs, sock_orig, orig_dsts, counters
-//	<root>/links/<hook>               cgroup links at the cgroup v2 root
-//	<root>/pods/<cookie>/tcx_<ifindex>_<ifname>   a pod interface's TCX ingress link
+//	<root>/maps/<map>                     every map of bpf/redirect.c
+//	<root>/links/<hook>                   cgroup links at the cgroup v2 root
+//	<root>/pods/<cookie>/lookup_<netns inode>   a pod's sk_lookup link
+//	<root>/legacy/<map>                   maps of an earlier layout, while migrating
 type layout string
 
 func (l layout) maps() string             { return filepath.Join(string(l), "maps") }
 func (l layout) links() string            { return filepath.Join(string(l), "links") }
 func (l layout) pods() string             { return filepath.Join(string(l), "pods") }
+func (l layout) legacy() string           { return filepath.Join(string(l), "legacy") }
 func (l layout) pod(cookie uint64) string { return filepath.Join(l.pods(), fmt.Sprint(cookie)) }
 
 // cgroupHook is one socket program attached at the cgroup root.
 type cgroupHook struct {
 	name   string
 	attach ebpf.AttachType
-	prog   func(*redirectPrograms) *ebpf.Program
+	prog   func(*programs) *ebpf.Program
 }
 
 // cgroupHooks in attach order: the programs that answer for redirected sockets go in
 // before the connect programs start redirecting; Uninstall detaches in reverse.
 var cgroupHooks = []cgroupHook{
-	{"sockops", ebpf.AttachCGroupSockOps, func(p *redirectPrograms) *ebpf.Program { return p.MeshSockops }},
-	{"getsockopt", ebpf.AttachCGroupGetsockopt, func(p *redirectPrograms) *ebpf.Program { return p.MeshGetsockopt }},
-	{"getpeername4", ebpf.AttachCgroupInet4GetPeername, func(p *redirectPrograms) *ebpf.Program { return p.MeshGetpeername4 }},
-	{"getpeername6", ebpf.AttachCgroupInet6GetPeername, func(p *redirectPrograms) *ebpf.Program { return p.MeshGetpeername6 }},
-	{"connect4", ebpf.AttachCGroupInet4Connect, func(p *redirectPrograms) *ebpf.Program { return p.MeshConnect4 }},
-	{"connect6", ebpf.AttachCGroupInet6Connect, func(p *redirectPrograms) *ebpf.Program { return p.MeshConnect6 }},
+	{"sockops", ebpf.AttachCGroupSockOps, func(p *programs) *ebpf.Program { return p.MeshSockops }},
+	{"getsockopt", ebpf.AttachCGroupGetsockopt, func(p *programs) *ebpf.Program { return p.MeshGetsockopt }},
+	{"getpeername4", ebpf.AttachCgroupInet4GetPeername, func(p *programs) *ebpf.Program { return p.MeshGetpeername4 }},
+	{"getpeername6", ebpf.AttachCgroupInet6GetPeername, func(p *programs) *ebpf.Program { return p.MeshGetpeername6 }},
+	{"connect4", ebpf.AttachCGroupInet4Connect, func(p *programs) *ebpf.Program { return p.MeshConnect4 }},
+	{"connect6", ebpf.AttachCGroupInet6Connect, func(p *programs) *ebpf.Program { return p.MeshConnect6 }},
+}
+
+// programs are the ones loaded once; the sk_lookup program is loaded per pod from
+// lookupTemplate.
+type programs struct {
+	MeshSockops          *ebpf.Program `ebpf:"mesh_sockops"`
+	MeshGetsockopt       *ebpf.Program `ebpf:"mesh_getsockopt"`
+	MeshGetpeername4     *ebpf.Program `ebpf:"mesh_getpeername4"`
+	MeshGetpeername6     *ebpf.Program `ebpf:"mesh_getpeername6"`
+	MeshConnect4         *ebpf.Program `ebpf:"mesh_connect4"`
+	MeshConnect6         *ebpf.Program `ebpf:"mesh_connect6"`
+	MeshCollectListeners *ebpf.Program `ebpf:"mesh_collect_listeners"`
+}
+
+type objects struct {
+	programs
+	redirectMaps
+}
+
+func (o *objects) Close() error {
+	return errors.Join(
+		closeAll(o.MeshSockops, o.MeshGetsockopt, o.MeshGetpeername4, o.MeshGetpeername6,
+			o.MeshConnect4, o.MeshConnect6, o.MeshCollectListeners),
+		o.redirectMaps.Close(),
+	)
+}
+
+func closeAll(progs ...*ebpf.Program) error {
+	var errs []error
+	for _, p := range progs {
+		if p != nil {
+			errs = append(errs, p.Close())
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // Datapath is a loaded (or adopted) redirection data path. Its methods are safe for
@@ -87,19 +137,25 @@ type Datapath struct {
 	log    *zap.Logger
 	pins   layout
 	cgroup string
+	// nodeCookies are the netns cookies of the node's and this process's own
+	// namespaces, never enrolled.
+	nodeCookies []uint64
 
 	// mu guards the fields below: held for reading while the objects are in
 	// use, for writing only to load and close them. Per-pod work runs in
-	// parallel: attaching TCX waits for an RCU grace period in the kernel, and
-	// pods enrolled at once share one grace period instead of queueing for it.
+	// parallel.
 	mu      sync.RWMutex
 	closed  bool
-	objs    redirectObjects
+	objs    objects
+	lookup  *lookupTemplate
 	cgLinks map[string]link.Link
 
-	// mapMu serializes the multi-step map updates (CIDR tries, then the
-	// settings entry) so that iterating readers see whole enrollments.
-	mapMu sync.Mutex
+	// mapMu serializes the multi-step map updates (CIDR sets, then the pod
+	// entry) so that readers see whole enrollments.
+	mapMu    sync.Mutex
+	excluded *sets[netip.Prefix]
+	probes   *sets[netip.Prefix]
+	ports    *sets[uint16]
 	// pods serializes Enroll, Release and Check of one netns cookie (its pins).
 	pods cookieLocks
 }
@@ -139,24 +195,33 @@ func (c *cookieLocks) lock(cookie uint64) func() {
 }
 
 // Open loads the data path, or adopts the one pinned under cfg.PinRoot by an earlier
-// agent: pinned maps are reused as they are (enrollments survive), pinned cgroup and
-// TCX links are switched to the freshly loaded programs with link.Update, so an agent
-// restart or upgrade never leaves a moment without redirection.
+// agent: pinned maps are reused as they are (enrollments survive), pinned cgroup
+// links are switched to the freshly loaded programs with link.Update and pods'
+// sk_lookup links to freshly built programs, so an agent restart or upgrade never
+// leaves a moment without redirection. Maps of an earlier, incompatible layout are
+// migrated (see migrate.go). It first checks that the kernel has every feature the
+// data path uses and names the first one missing. When it fails, it undoes what it
+// did: a mount it made, pins it created.
 //
 // Several Datapaths with different PinRoots can run on one host at once: each
 // attaches its own programs at the cgroup root (multi-attach) and acts only on the
 // network namespaces enrolled in its own maps.
-func Open(ctx context.Context, cfg Config) (*Datapath, error) {
+func Open(ctx context.Context, cfg Config) (_ *Datapath, err error) {
 	cfg = cfg.withDefaults()
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	mounted, err := ensureBPFFS(cfg.PinRoot)
-	if err != nil {
+	if err := CheckKernel(); err != nil {
 		return nil, err
 	}
-	if mounted {
-		cfg.Logger.Info("mounted bpffs", zap.String("path", cfg.PinRoot))
+	var undo undoStack
+	defer func() {
+		if err != nil {
+			undo.run(cfg.Logger)
+		}
+	}()
+	if err := ensurePinRoot(cfg.PinRoot, cfg.Logger, &undo); err != nil {
+		return nil, err
 	}
 	cgroup := cfg.CgroupRoot
 	if cgroup == "" {
@@ -164,63 +229,152 @@ func Open(ctx context.Context, cfg Config) (*Datapath, error) {
 			return nil, err
 		}
 	}
+	nodeCookies, err := nodeNetnsCookies()
+	if err != nil {
+		return nil, err
+	}
 	d := &Datapath{
-		cfg:     cfg,
-		log:     cfg.Logger.With(zap.String("pinRoot", cfg.PinRoot)),
-		pins:    layout(cfg.PinRoot),
-		cgroup:  cgroup,
-		cgLinks: map[string]link.Link{},
+		cfg:         cfg,
+		log:         cfg.Logger.With(zap.String("pinRoot", cfg.PinRoot)),
+		pins:        layout(cfg.PinRoot),
+		cgroup:      cgroup,
+		nodeCookies: nodeCookies,
+		cgLinks:     map[string]link.Link{},
 	}
-	if err := d.load(); err != nil {
+	legacy, err := d.load(&undo)
+	if err != nil {
 		return nil, err
 	}
-	if err := d.attachCgroup(ctx); err != nil {
-		d.closeAll()
+	undo.push(func() error { return d.closeAll() })
+	if err := d.loadSets(); err != nil {
 		return nil, err
+	}
+	if err := d.addListenPorts(cfg.InboundPorts...); err != nil {
+		return nil, err
+	}
+	if legacy != nil {
+		// Entries first, then the programs: the cgroup links switch to programs
+		// that already know every pod.
+		if err := d.migrate(legacy); err != nil {
+			return nil, fmt.Errorf("migrate pinned maps: %w", err)
+		}
+	}
+	if err := d.attachCgroup(ctx, &undo); err != nil {
+		return nil, err
+	}
+	if legacy != nil {
+		d.finishMigration(legacy)
 	}
 	d.adoptPods(ctx)
 	d.log.Info("redirect data path ready", zap.String("cgroup", cgroup))
 	return d, nil
 }
 
-func (d *Datapath) load() error {
+// undoStack collects what a failing Open must take back, run in reverse.
+type undoStack []func() error
+
+func (u *undoStack) push(f func() error) { *u = append(*u, f) }
+
+func (u undoStack) run(log *zap.Logger) {
+	for i := len(u) - 1; i >= 0; i-- {
+		if err := u[i](); err != nil {
+			log.Warn("undo after a failed start", zap.Error(err))
+		}
+	}
+}
+
+// nodeNetnsCookies returns the cookies of this process's netns and of the init
+// process's (the node's, when the agent runs with the host's PID namespace).
+func nodeNetnsCookies() ([]uint64, error) {
+	own, err := netns.CurrentCookie()
+	if err != nil {
+		return nil, fmt.Errorf("own netns cookie: %w", err)
+	}
+	cookies := []uint64{own}
+	if f, err := netns.Open("/proc/1/ns/net"); err == nil {
+		init, err := netns.CookieFd(int(f.Fd()))
+		f.Close()
+		if err == nil && init != own {
+			cookies = append(cookies, init)
+		}
+	}
+	return cookies, nil
+}
+
+// load creates or adopts the maps and loads the programs. Pinned maps whose layout
+// no longer matches this build are moved under legacy/ first; the returned legacy
+// maps (nil when there were none) are for migrate.
+func (d *Datapath) load(undo *undoStack) (*legacyMaps, error) {
 	for _, dir := range []string{d.pins.maps(), d.pins.links(), d.pins.pods()} {
-		if err := os.MkdirAll(dir, 0o700); err != nil {
-			return fmt.Errorf("create pin dir: %w", err)
+		created, err := mkdirNew(dir)
+		if err != nil {
+			return nil, fmt.Errorf("create pin dir: %w", err)
+		}
+		if created {
+			undo.push(func() error { return removeIfExists(dir) })
 		}
 	}
 	spec, err := loadRedirect()
 	if err != nil {
-		return fmt.Errorf("load BPF spec: %w", err)
+		return nil, fmt.Errorf("load BPF spec: %w", err)
+	}
+	legacy, err := d.setAsideIncompatible(spec)
+	if err != nil {
+		return nil, err
+	}
+	// Pins that did not exist before are this call's to remove if it fails.
+	for name := range spec.Maps {
+		pin := filepath.Join(d.pins.maps(), name)
+		if _, err := os.Stat(pin); errors.Is(err, os.ErrNotExist) {
+			undo.push(func() error { return removeIfExists(pin) })
+		}
 	}
 	for _, m := range spec.Maps {
 		m.Pinning = ebpf.PinByName
 	}
 	opts := &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: d.pins.maps()}}
 	if err := spec.LoadAndAssign(&d.objs, opts); err != nil {
-		if errors.Is(err, ebpf.ErrMapIncompatible) {
-			return fmt.Errorf("pinned maps under %s do not match this version (run uninstall first): %w", d.pins.maps(), err)
+		if legacy != nil {
+			legacy.Close()
 		}
 		var verr *ebpf.VerifierError
 		if errors.As(err, &verr) {
-			return fmt.Errorf("load BPF programs: %+v", verr)
+			return nil, fmt.Errorf("load BPF programs: %+v", verr)
 		}
-		return fmt.Errorf("load BPF objects: %w", err)
+		return nil, fmt.Errorf("load BPF objects: %w", err)
 	}
 	if n := d.objs.Counters.MaxEntries(); n != counterMax {
 		d.objs.Close()
-		return fmt.Errorf("counters map has %d entries, this build expects %d", n, counterMax)
+		return nil, fmt.Errorf("counters map has %d entries, this build expects %d", n, counterMax)
 	}
-	return nil
+	lt, err := newLookupTemplate(spec.Programs["mesh_lookup"], &d.objs.redirectMaps)
+	if err != nil {
+		d.objs.Close()
+		return nil, err
+	}
+	d.lookup = lt
+	return legacy, nil
+}
+
+// mkdirNew creates dir (and its parents) with mode 0700 and reports whether dir
+// itself was created by this call.
+func mkdirNew(dir string) (bool, error) {
+	if _, err := os.Stat(dir); err == nil {
+		return false, nil
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return false, err
+	}
+	return true, nil
 }
 
 // attachCgroup adopts or creates the cgroup links, one per hook.
-func (d *Datapath) attachCgroup(ctx context.Context) error {
+func (d *Datapath) attachCgroup(ctx context.Context, undo *undoStack) error {
 	for _, h := range cgroupHooks {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		prog := h.prog(&d.objs.redirectPrograms)
+		prog := h.prog(&d.objs.programs)
 		pin := filepath.Join(d.pins.links(), h.name)
 		l, err := link.LoadPinnedLink(pin, nil)
 		switch {
@@ -243,6 +397,7 @@ func (d *Datapath) attachCgroup(ctx context.Context) error {
 				l.Close()
 				return fmt.Errorf("pin %s link: %w", h.name, err)
 			}
+			undo.push(func() error { return detachPinned(pin) })
 			d.log.Debug("attached cgroup link", zap.String("hook", h.name))
 		default:
 			return fmt.Errorf("load pinned link %s: %w", pin, err)
@@ -263,9 +418,11 @@ func checkLinkType(l link.Link, want link.Type) error {
 	return nil
 }
 
-// adoptPods switches every pinned pod TCX link to the new ingress program and drops
-// the pins of pods whose settings entry is missing (an Enroll or Release that did not
-// finish: the entry is written last and removed first).
+// adoptPods switches every pinned sk_lookup link to this build's program and drops
+// the pins of pods without a settings entry (an Enroll or Release that did not
+// finish: the entry is written last and removed first). A pod that has only an
+// earlier version's per-interface links keeps them until it is enrolled again
+// (Check reports it, so the agent's reconcile does that at start).
 func (d *Datapath) adoptPods(ctx context.Context) {
 	entries, err := os.ReadDir(d.pins.pods())
 	if err != nil {
@@ -273,46 +430,33 @@ func (d *Datapath) adoptPods(ctx context.Context) {
 		return
 	}
 	for _, e := range entries {
+		if ctx.Err() != nil {
+			return
+		}
 		cookie, ok := parseCookie(e.Name())
 		if !ok {
 			continue
 		}
 		var s redirectPodSettings
-		if err := d.objs.Settings.Lookup(cookie, &s); err != nil {
+		if err := d.objs.Pods.Lookup(cookie, &s); err != nil {
 			d.log.Info("removing pins of a pod that is not enrolled", zap.Uint64("cookie", cookie))
-			if err := d.removePodLinks(cookie); err != nil {
+			if err := removeLinkDir(d.pins.pod(cookie)); err != nil {
 				d.log.Warn("remove pod pins", zap.Uint64("cookie", cookie), zap.Error(err))
 			}
 			continue
 		}
-		pins, err := readPodPins(d.pins.pod(cookie))
+		pp, err := readPodPins(d.pins.pod(cookie))
 		if err != nil {
 			d.log.Warn("list pod pins", zap.Uint64("cookie", cookie), zap.Error(err))
 			continue
 		}
-		for _, p := range pins {
-			if ctx.Err() != nil {
-				return
-			}
-			if err := d.updateTCX(p.path); err != nil {
-				d.log.Warn("pod link not updated", zap.Uint64("cookie", cookie),
-					zap.String("interface", p.name), zap.Error(err))
-			}
+		if pp.lookup == nil {
+			continue
+		}
+		if err := d.refreshLookup(cookie, pp.lookup.path); err != nil {
+			d.log.Warn("pod link not updated", zap.Uint64("cookie", cookie), zap.Error(err))
 		}
 	}
-	d.removeOrphanCIDRs()
-}
-
-func (d *Datapath) updateTCX(pin string) error {
-	l, err := link.LoadPinnedLink(pin, nil)
-	if err != nil {
-		return fmt.Errorf("load pinned link %s: %w", pin, err)
-	}
-	defer l.Close()
-	if err := l.Update(d.objs.MeshIngress); err != nil {
-		return fmt.Errorf("update link %s: %w", pin, err)
-	}
-	return nil
 }
 
 // Close releases this process's handles. Pins stay: the data path keeps redirecting
@@ -342,12 +486,12 @@ func (d *Datapath) closeAll() error {
 }
 
 // Uninstall removes everything Open and Enroll put in place under cfg.PinRoot:
-// it detaches the pods' TCX links and the cgroup links (connect programs first, so
-// no connection is redirected without the programs that answer for it), removes
-// the pins and, when PinRoot is a bpffs mount of its own (Open mounts one when
-// PinRoot is not on a bpffs), unmounts it and removes the directory. A PinRoot
-// inside a shared bpffs (such as /sys/fs/bpf) is removed, the mount left alone.
-// Nothing there is fine. Any open Datapath on this PinRoot stops redirecting.
+// it detaches the pods' links and the cgroup links (connect programs first, so no
+// connection is redirected without the programs that answer for it), removes the
+// pins and, when PinRoot is a bpffs mount of its own, unmounts it and removes the
+// directory. A PinRoot inside a shared bpffs (such as /sys/fs/bpf) is removed, the
+// mount left alone. Nothing there is fine. Any open Datapath on this PinRoot stops
+// redirecting.
 func Uninstall(ctx context.Context, cfg Config) error {
 	cfg = cfg.withDefaults()
 	log := cfg.Logger.With(zap.String("pinRoot", cfg.PinRoot))
@@ -384,14 +528,16 @@ func Uninstall(ctx context.Context, cfg Config) error {
 	for _, dir := range []string{pins.pods(), pins.links()} {
 		errs = append(errs, removeIfExists(dir))
 	}
-	mapPins, err := os.ReadDir(pins.maps())
-	if err != nil && !errors.Is(err, os.ErrNotExist) {
-		errs = append(errs, fmt.Errorf("list maps: %w", err))
+	for _, dir := range []string{pins.maps(), pins.legacy()} {
+		mapPins, err := os.ReadDir(dir)
+		if err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, fmt.Errorf("list %s: %w", dir, err))
+		}
+		for _, e := range mapPins {
+			errs = append(errs, removeIfExists(filepath.Join(dir, e.Name())))
+		}
+		errs = append(errs, removeIfExists(dir))
 	}
-	for _, e := range mapPins {
-		errs = append(errs, removeIfExists(filepath.Join(pins.maps(), e.Name())))
-	}
-	errs = append(errs, removeIfExists(pins.maps()))
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("uninstall %s: %w", cfg.PinRoot, err)
 	}
@@ -425,8 +571,8 @@ func detachPinned(path string) error {
 		return errors.Join(fmt.Errorf("load pinned link %s: %w", path, err), removeIfExists(path))
 	}
 	defer l.Close()
-	// A TCX link whose interface is gone is already detached; unpinning is what
-	// remains, so a failed Detach is not an error when Unpin succeeds.
+	// A link whose interface or namespace is gone is already detached; unpinning
+	// is what remains, so a failed Detach is not an error when Unpin succeeds.
 	detachErr := l.Detach()
 	if err := l.Unpin(); err != nil {
 		return errors.Join(fmt.Errorf("unpin %s: %w", path, err), detachErr)
@@ -456,3 +602,6 @@ func removeIfExists(path string) error {
 	}
 	return nil
 }
+
+// isNodeCookie reports whether cookie is the node's or this process's netns.
+func (d *Datapath) isNodeCookie(cookie uint64) bool { return slices.Contains(d.nodeCookies, cookie) }

@@ -392,9 +392,9 @@ func testDatapath(t testing.TB) (*Datapath, Config) {
 	return d, cfg
 }
 
-func enroll(t testing.TB, d *Datapath, p *pod, s Settings, ifaces ...string) Enrollment {
+func enroll(t testing.TB, d *Datapath, p *pod, s Settings) Enrollment {
 	t.Helper()
-	e, err := d.Enroll(context.Background(), Target{NetnsPath: p.path, Interfaces: ifaces, Settings: s})
+	e, err := d.Enroll(context.Background(), Target{NetnsPath: p.path, Settings: s})
 	if err != nil {
 		t.Fatalf("enroll %s: %v", p.name, err)
 	}

@@ -10,26 +10,60 @@ import (
 	"strconv"
 	"strings"
 
+	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
 )
 
-// ensureBPFFS makes dir exist on a bpffs, mounting a fresh one at dir when it is not
-// on one already. mounted reports whether this call mounted it.
-func ensureBPFFS(dir string) (mounted bool, err error) {
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return false, fmt.Errorf("create pin root %q: %w", dir, err)
+// sharedBPFFS is where a node's bpffs is mounted by convention.
+const sharedBPFFS = "/sys/fs/bpf"
+
+// ensurePinRoot makes dir exist on a bpffs. When dir is below /sys/fs/bpf and nothing
+// is mounted there, it mounts the shared bpffs there first (and leaves it: other
+// eBPF agents expect it); when dir is elsewhere and not on a bpffs, it mounts a bpffs
+// of its own at dir. What it mounted or created is pushed onto undo for a start
+// that fails.
+func ensurePinRoot(dir string, log *zap.Logger, undo *undoStack) error {
+	if rel, err := filepath.Rel(sharedBPFFS, dir); err == nil && rel != ".." && !strings.HasPrefix(rel, "../") {
+		if err := mountSharedBPFFS(log, undo); err != nil {
+			return err
+		}
+	}
+	created, err := mkdirNew(dir)
+	if err != nil {
+		return fmt.Errorf("create pin root %q: %w", dir, err)
+	}
+	if created {
+		undo.push(func() error { return removeIfExists(dir) })
 	}
 	onBPFFS, err := isBPFFS(dir)
 	if err != nil {
-		return false, err
+		return err
 	}
 	if onBPFFS {
-		return false, nil
+		return nil
 	}
 	if err := unix.Mount("bpf", dir, "bpf", 0, "mode=0700"); err != nil {
-		return false, fmt.Errorf("mount bpffs at %q: %w", dir, err)
+		return fmt.Errorf("mount bpffs at %q: %w", dir, err)
 	}
-	return true, nil
+	log.Info("mounted bpffs", zap.String("path", dir))
+	undo.push(func() error { return unmount(dir) })
+	return nil
+}
+
+func mountSharedBPFFS(log *zap.Logger, undo *undoStack) error {
+	on, err := isBPFFS(sharedBPFFS)
+	if err != nil {
+		return err
+	}
+	if on {
+		return nil
+	}
+	if err := unix.Mount("bpf", sharedBPFFS, "bpf", 0, "mode=0700"); err != nil {
+		return fmt.Errorf("mount bpffs at %s (nothing is mounted there): %w", sharedBPFFS, err)
+	}
+	log.Info("mounted bpffs", zap.String("path", sharedBPFFS))
+	undo.push(func() error { return unmount(sharedBPFFS) })
+	return nil
 }
 
 func isBPFFS(dir string) (bool, error) {

@@ -22,17 +22,18 @@ type HookState struct {
 	Problem  string `json:"problem,omitempty"`
 }
 
-// LinkState is one pod interface's pinned TCX link.
-type LinkState struct {
-	Name     string `json:"name"`
-	Index    int    `json:"index"`
-	Attached bool   `json:"attached"`
-}
-
 // PodState is one enrolled network namespace, as pinned.
 type PodState struct {
-	Cookie uint64      `json:"netnsCookie"`
-	Links  []LinkState `json:"links"`
+	Cookie uint64 `json:"netnsCookie"`
+	// Attached: the pod's sk_lookup link is attached to a namespace.
+	Attached bool `json:"attached"`
+	// NetnsInode is the namespace the link is pinned for.
+	NetnsInode uint64 `json:"netnsInode,omitempty"`
+	// Listeners is how many of the inbound proxy's listeners are collected: 0
+	// means connections to the pod fail closed (or pass, fail-open).
+	Listeners int `json:"listeners"`
+	// LegacyLinks are an earlier version's per-interface links still pinned.
+	LegacyLinks []string `json:"legacyLinks,omitempty"`
 }
 
 // Snapshot is the pinned data path as it stands, read without loading programs
@@ -42,6 +43,7 @@ type Snapshot struct {
 	PinRoot  string      `json:"pinRoot"`
 	Hooks    []HookState `json:"hooks"`
 	Pods     []PodState  `json:"pods"`
+	Refused  []Refusal   `json:"refusedListeners,omitempty"`
 	Counters Counters    `json:"counters"`
 }
 
@@ -56,45 +58,57 @@ func Inspect(ctx context.Context, pinRoot string) (Snapshot, error) {
 		return snap, err
 	}
 	readOnly := &ebpf.LoadPinOptions{ReadOnly: true}
-	settings, err := ebpf.LoadPinnedMap(filepath.Join(pins.maps(), "settings"), readOnly)
+	pods, err := ebpf.LoadPinnedMap(filepath.Join(pins.maps(), "pods"), readOnly)
 	if errors.Is(err, os.ErrNotExist) {
 		return snap, fmt.Errorf("%s: %w", pinRoot, ErrNotInstalled)
 	}
 	if err != nil {
-		return snap, fmt.Errorf("open pinned settings map: %w", err)
+		return snap, fmt.Errorf("open pinned pods map: %w", err)
 	}
-	defer settings.Close()
+	defer pods.Close()
+	listeners, err := ebpf.LoadPinnedMap(filepath.Join(pins.maps(), "listeners"), readOnly)
+	if err != nil {
+		return snap, fmt.Errorf("open pinned listeners map: %w", err)
+	}
+	defer listeners.Close()
 
 	for _, h := range cgroupHooks {
 		snap.Hooks = append(snap.Hooks, inspectHook(filepath.Join(pins.links(), h.name), h.name))
 	}
 
-	var cookie uint64
-	value := make([]byte, settings.ValueSize())
-	it := settings.Iterate()
+	var (
+		cookie uint64
+		value  redirectPodSettings
+	)
+	it := pods.Iterate()
 	for it.Next(&cookie, &value) {
-		pod := PodState{Cookie: cookie}
-		podPins, err := readPodPins(pins.pod(cookie))
+		pod := PodState{Cookie: cookie, Listeners: countListeners(listeners, cookie, value.InboundPort)}
+		pp, err := readPodPins(pins.pod(cookie))
 		if err != nil {
 			return snap, err
 		}
-		for _, p := range podPins {
-			pod.Links = append(pod.Links, LinkState{Name: p.name, Index: p.index, Attached: tcxAttached(p.path)})
+		if pp.lookup != nil {
+			pod.NetnsInode = pp.lookup.ino
+			pod.Attached = netnsLinkAttached(pp.lookup.path)
+		}
+		for _, l := range pp.legacy {
+			pod.LegacyLinks = append(pod.LegacyLinks, filepath.Base(l))
 		}
 		snap.Pods = append(snap.Pods, pod)
 	}
 	if err := it.Err(); err != nil {
-		return snap, fmt.Errorf("iterate settings map: %w", err)
+		return snap, fmt.Errorf("iterate pods map: %w", err)
 	}
-	slices.SortFunc(snap.Pods, func(a, b PodState) int {
-		switch {
-		case a.Cookie < b.Cookie:
-			return -1
-		case a.Cookie > b.Cookie:
-			return 1
-		}
-		return 0
-	})
+	slices.SortFunc(snap.Pods, func(a, b PodState) int { return cmpUint64(a.Cookie, b.Cookie) })
+
+	refused, err := ebpf.LoadPinnedMap(filepath.Join(pins.maps(), "listen_refused"), readOnly)
+	if err != nil {
+		return snap, fmt.Errorf("open pinned listen_refused map: %w", err)
+	}
+	defer refused.Close()
+	if snap.Refused, err = readRefusals(refused); err != nil {
+		return snap, err
+	}
 
 	counters, err := ebpf.LoadPinnedMap(filepath.Join(pins.maps(), "counters"), readOnly)
 	if err != nil {
@@ -127,12 +141,12 @@ func inspectHook(path, name string) HookState {
 	return st
 }
 
-func tcxAttached(path string) bool {
+func netnsLinkAttached(path string) bool {
 	l, err := link.LoadPinnedLink(path, nil)
 	if err != nil {
 		return false
 	}
 	defer l.Close()
 	info, err := l.Info()
-	return err == nil && info.TCX() != nil && info.TCX().Ifindex != 0
+	return err == nil && info.NetNs() != nil && info.NetNs().NetnsInode != 0
 }

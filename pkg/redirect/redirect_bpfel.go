@@ -13,11 +13,33 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+type redirectListenerKey struct {
+	_      structs.HostLayout
+	Netns  uint64
+	Port   uint16
+	Family uint8
+	Slot   uint8
+	Pad    uint32
+}
+
+type redirectListenerRefusal struct {
+	_     structs.HostLayout
+	Err   int32
+	Count uint32
+}
+
 type redirectLpmKey struct {
 	_         structs.HostLayout
 	Prefixlen uint32
-	Cookie    [2]uint32
+	Set       uint32
 	Addr      [4]uint32
+}
+
+type redirectNodeConfig struct {
+	_              structs.HostLayout
+	NrProxyCgroups uint32
+	Pad            uint32
+	ProxyCgroups   [8]redirectProxyCgroup
 }
 
 type redirectOrigDst struct {
@@ -31,12 +53,28 @@ type redirectPodSettings struct {
 	_               structs.HostLayout
 	OutboundPort    uint16
 	InboundPort     uint16
+	Flags           redirectSettingFlags
 	ProxyMark       uint32
 	ProxyMarkMask   uint32
 	ProxyUid        uint32
-	Flags           redirectSettingFlags
-	NrExcludedPorts uint32
-	ExcludedPorts   [32]uint16
+	ExcludedSet     uint32
+	ProbeSet        uint32
+	InboundPortSet  uint32
+	OutboundPortSet uint32
+}
+
+type redirectPortKey struct {
+	_    structs.HostLayout
+	Set  uint32
+	Port uint16
+	Pad  uint16
+}
+
+type redirectProxyCgroup struct {
+	_     structs.HostLayout
+	Id    uint64
+	Level uint32
+	Pad   uint32
 }
 
 type redirectSettingFlags uint32
@@ -46,6 +84,9 @@ const (
 	redirectSettingFlagsSETTING_FAIL_OPEN      redirectSettingFlags = 2
 	redirectSettingFlagsSETTING_EXCLUDED_CIDRS redirectSettingFlags = 4
 	redirectSettingFlagsSETTING_PROBE_SOURCES  redirectSettingFlags = 8
+	redirectSettingFlagsSETTING_PROXY_MARK     redirectSettingFlags = 16
+	redirectSettingFlagsSETTING_INBOUND_PORTS  redirectSettingFlags = 32
+	redirectSettingFlagsSETTING_OUTBOUND_PORTS redirectSettingFlags = 64
 )
 
 type redirectTupleKey struct {
@@ -62,19 +103,28 @@ type redirectTupleKey struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	redirectMapCounters          = "counters"
-	redirectMapExcludedDsts      = "excluded_dsts"
-	redirectMapOrigDsts          = "orig_dsts"
-	redirectMapProbeSrcs         = "probe_srcs"
-	redirectMapSettings          = "settings"
-	redirectMapSockOrig          = "sock_orig"
-	redirectProgMeshConnect4     = "mesh_connect4"
-	redirectProgMeshConnect6     = "mesh_connect6"
-	redirectProgMeshGetpeername4 = "mesh_getpeername4"
-	redirectProgMeshGetpeername6 = "mesh_getpeername6"
-	redirectProgMeshGetsockopt   = "mesh_getsockopt"
-	redirectProgMeshIngress      = "mesh_ingress"
-	redirectProgMeshSockops      = "mesh_sockops"
+	redirectMapAcceptedOrig          = "accepted_orig"
+	redirectMapCounters              = "counters"
+	redirectMapExcludedDsts          = "excluded_dsts"
+	redirectMapExcludedPorts         = "excluded_ports"
+	redirectMapListenPorts           = "listen_ports"
+	redirectMapListenRefused         = "listen_refused"
+	redirectMapListeners             = "listeners"
+	redirectMapNode                  = "node"
+	redirectMapOrigDsts              = "orig_dsts"
+	redirectMapPods                  = "pods"
+	redirectMapProbeSrcs             = "probe_srcs"
+	redirectMapProxyConns            = "proxy_conns"
+	redirectMapProxySocks            = "proxy_socks"
+	redirectMapSockOrig              = "sock_orig"
+	redirectProgMeshCollectListeners = "mesh_collect_listeners"
+	redirectProgMeshConnect4         = "mesh_connect4"
+	redirectProgMeshConnect6         = "mesh_connect6"
+	redirectProgMeshGetpeername4     = "mesh_getpeername4"
+	redirectProgMeshGetpeername6     = "mesh_getpeername6"
+	redirectProgMeshGetsockopt       = "mesh_getsockopt"
+	redirectProgMeshLookup           = "mesh_lookup"
+	redirectProgMeshSockops          = "mesh_sockops"
 )
 
 // loadRedirect returns the embedded CollectionSpec for redirect.
@@ -119,25 +169,34 @@ type redirectSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type redirectProgramSpecs struct {
-	MeshConnect4     *ebpf.ProgramSpec `ebpf:"mesh_connect4"`
-	MeshConnect6     *ebpf.ProgramSpec `ebpf:"mesh_connect6"`
-	MeshGetpeername4 *ebpf.ProgramSpec `ebpf:"mesh_getpeername4"`
-	MeshGetpeername6 *ebpf.ProgramSpec `ebpf:"mesh_getpeername6"`
-	MeshGetsockopt   *ebpf.ProgramSpec `ebpf:"mesh_getsockopt"`
-	MeshIngress      *ebpf.ProgramSpec `ebpf:"mesh_ingress"`
-	MeshSockops      *ebpf.ProgramSpec `ebpf:"mesh_sockops"`
+	MeshCollectListeners *ebpf.ProgramSpec `ebpf:"mesh_collect_listeners"`
+	MeshConnect4         *ebpf.ProgramSpec `ebpf:"mesh_connect4"`
+	MeshConnect6         *ebpf.ProgramSpec `ebpf:"mesh_connect6"`
+	MeshGetpeername4     *ebpf.ProgramSpec `ebpf:"mesh_getpeername4"`
+	MeshGetpeername6     *ebpf.ProgramSpec `ebpf:"mesh_getpeername6"`
+	MeshGetsockopt       *ebpf.ProgramSpec `ebpf:"mesh_getsockopt"`
+	MeshLookup           *ebpf.ProgramSpec `ebpf:"mesh_lookup"`
+	MeshSockops          *ebpf.ProgramSpec `ebpf:"mesh_sockops"`
 }
 
 // redirectMapSpecs contains maps before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type redirectMapSpecs struct {
-	Counters     *ebpf.MapSpec `ebpf:"counters"`
-	ExcludedDsts *ebpf.MapSpec `ebpf:"excluded_dsts"`
-	OrigDsts     *ebpf.MapSpec `ebpf:"orig_dsts"`
-	ProbeSrcs    *ebpf.MapSpec `ebpf:"probe_srcs"`
-	Settings     *ebpf.MapSpec `ebpf:"settings"`
-	SockOrig     *ebpf.MapSpec `ebpf:"sock_orig"`
+	AcceptedOrig  *ebpf.MapSpec `ebpf:"accepted_orig"`
+	Counters      *ebpf.MapSpec `ebpf:"counters"`
+	ExcludedDsts  *ebpf.MapSpec `ebpf:"excluded_dsts"`
+	ExcludedPorts *ebpf.MapSpec `ebpf:"excluded_ports"`
+	ListenPorts   *ebpf.MapSpec `ebpf:"listen_ports"`
+	ListenRefused *ebpf.MapSpec `ebpf:"listen_refused"`
+	Listeners     *ebpf.MapSpec `ebpf:"listeners"`
+	Node          *ebpf.MapSpec `ebpf:"node"`
+	OrigDsts      *ebpf.MapSpec `ebpf:"orig_dsts"`
+	Pods          *ebpf.MapSpec `ebpf:"pods"`
+	ProbeSrcs     *ebpf.MapSpec `ebpf:"probe_srcs"`
+	ProxyConns    *ebpf.MapSpec `ebpf:"proxy_conns"`
+	ProxySocks    *ebpf.MapSpec `ebpf:"proxy_socks"`
+	SockOrig      *ebpf.MapSpec `ebpf:"sock_orig"`
 }
 
 // redirectVariableSpecs contains global variables before they are loaded into the kernel.
@@ -166,21 +225,37 @@ func (o *redirectObjects) Close() error {
 //
 // It can be passed to loadRedirectObjects or ebpf.CollectionSpec.LoadAndAssign.
 type redirectMaps struct {
-	Counters     *ebpf.Map `ebpf:"counters"`
-	ExcludedDsts *ebpf.Map `ebpf:"excluded_dsts"`
-	OrigDsts     *ebpf.Map `ebpf:"orig_dsts"`
-	ProbeSrcs    *ebpf.Map `ebpf:"probe_srcs"`
-	Settings     *ebpf.Map `ebpf:"settings"`
-	SockOrig     *ebpf.Map `ebpf:"sock_orig"`
+	AcceptedOrig  *ebpf.Map `ebpf:"accepted_orig"`
+	Counters      *ebpf.Map `ebpf:"counters"`
+	ExcludedDsts  *ebpf.Map `ebpf:"excluded_dsts"`
+	ExcludedPorts *ebpf.Map `ebpf:"excluded_ports"`
+	ListenPorts   *ebpf.Map `ebpf:"listen_ports"`
+	ListenRefused *ebpf.Map `ebpf:"listen_refused"`
+	Listeners     *ebpf.Map `ebpf:"listeners"`
+	Node          *ebpf.Map `ebpf:"node"`
+	OrigDsts      *ebpf.Map `ebpf:"orig_dsts"`
+	Pods          *ebpf.Map `ebpf:"pods"`
+	ProbeSrcs     *ebpf.Map `ebpf:"probe_srcs"`
+	ProxyConns    *ebpf.Map `ebpf:"proxy_conns"`
+	ProxySocks    *ebpf.Map `ebpf:"proxy_socks"`
+	SockOrig      *ebpf.Map `ebpf:"sock_orig"`
 }
 
 func (m *redirectMaps) Close() error {
 	return _RedirectClose(
+		m.AcceptedOrig,
 		m.Counters,
 		m.ExcludedDsts,
+		m.ExcludedPorts,
+		m.ListenPorts,
+		m.ListenRefused,
+		m.Listeners,
+		m.Node,
 		m.OrigDsts,
+		m.Pods,
 		m.ProbeSrcs,
-		m.Settings,
+		m.ProxyConns,
+		m.ProxySocks,
 		m.SockOrig,
 	)
 }
@@ -195,23 +270,25 @@ type redirectVariables struct {
 //
 // It can be passed to loadRedirectObjects or ebpf.CollectionSpec.LoadAndAssign.
 type redirectPrograms struct {
-	MeshConnect4     *ebpf.Program `ebpf:"mesh_connect4"`
-	MeshConnect6     *ebpf.Program `ebpf:"mesh_connect6"`
-	MeshGetpeername4 *ebpf.Program `ebpf:"mesh_getpeername4"`
-	MeshGetpeername6 *ebpf.Program `ebpf:"mesh_getpeername6"`
-	MeshGetsockopt   *ebpf.Program `ebpf:"mesh_getsockopt"`
-	MeshIngress      *ebpf.Program `ebpf:"mesh_ingress"`
-	MeshSockops      *ebpf.Program `ebpf:"mesh_sockops"`
+	MeshCollectListeners *ebpf.Program `ebpf:"mesh_collect_listeners"`
+	MeshConnect4         *ebpf.Program `ebpf:"mesh_connect4"`
+	MeshConnect6         *ebpf.Program `ebpf:"mesh_connect6"`
+	MeshGetpeername4     *ebpf.Program `ebpf:"mesh_getpeername4"`
+	MeshGetpeername6     *ebpf.Program `ebpf:"mesh_getpeername6"`
+	MeshGetsockopt       *ebpf.Program `ebpf:"mesh_getsockopt"`
+	MeshLookup           *ebpf.Program `ebpf:"mesh_lookup"`
+	MeshSockops          *ebpf.Program `ebpf:"mesh_sockops"`
 }
 
 func (p *redirectPrograms) Close() error {
 	return _RedirectClose(
+		p.MeshCollectListeners,
 		p.MeshConnect4,
 		p.MeshConnect6,
 		p.MeshGetpeername4,
 		p.MeshGetpeername6,
 		p.MeshGetsockopt,
-		p.MeshIngress,
+		p.MeshLookup,
 		p.MeshSockops,
 	)
 }

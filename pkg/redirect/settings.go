@@ -9,11 +9,10 @@ import (
 	"slices"
 )
 
-// Limits of one pod's settings. MaxExcludedPorts is the size of the array in the BPF
-// settings value (bpf/redirect.c MAX_EXCLUDED_PORTS); the CIDR lists live in LPM
-// tries shared by all pods, so their limit only keeps one pod from filling them.
+// Limits of one pod's lists. The lists live in maps shared by all pods, one copy per
+// distinct list, so these limits only keep one list from filling them.
 const (
-	MaxExcludedPorts = len(redirectPodSettings{}.ExcludedPorts)
+	MaxExcludedPorts = 256
 	MaxCIDRs         = 256
 )
 
@@ -23,34 +22,48 @@ type Settings struct {
 	// 127.0.0.1 / [::1] (15001). InboundPort is its inbound listener, on the
 	// wildcard or the pod address (15006).
 	OutboundPort, InboundPort uint16
-	// ProxyMark marks the proxy's own sockets (SO_MARK): they are never redirected.
-	// 0 turns the mark check off. Only the bits in ProxyMarkMask are compared;
-	// a zero mask means all bits.
+	// ProxyMark, when not 0, exempts sockets carrying this SO_MARK from
+	// redirection: an opt-in for proxies that cannot be told apart by cgroup.
+	// Setting SO_MARK needs only CAP_NET_RAW, which container runtimes grant by
+	// default, so any pod can forge it. Only the bits in ProxyMarkMask are
+	// compared; a zero mask means all bits.
 	ProxyMark     uint32
 	ProxyMarkMask uint32
 	// ProxyUID, when set, exempts connects made by processes running as this uid
-	// (in the initial user namespace).
+	// (in the initial user namespace): an opt-in like ProxyMark, for a proxy
+	// whose uid no pod can run as.
 	ProxyUID *uint32
-	// ExcludedPorts are never redirected, in either direction (destination port).
-	ExcludedPorts []uint16
+	// InboundExcludedPorts are destination ports of inbound connections that are
+	// never captured: the proxy's own ports (HBONE, health, metrics).
+	InboundExcludedPorts []uint16
+	// OutboundExcludedPorts are destination ports of outbound connects that are
+	// never redirected, to any host.
+	OutboundExcludedPorts []uint16
 	// ExcludedCIDRs are outbound destinations never redirected.
 	ExcludedCIDRs []netip.Prefix
-	// ProbeSources are inbound sources never redirected (the node's addresses, so
+	// ProbeSources are inbound sources never captured (the node's addresses, so
 	// kubelet probes reach the application).
 	ProbeSources []netip.Prefix
 	// FailOpen passes traffic through unredirected while no proxy listens, instead
-	// of refusing outbound connects and dropping inbound SYNs.
+	// of refusing outbound connects and resetting inbound connections.
 	FailOpen bool
 }
 
-// DefaultSettings are ztunnel's in-pod conventions.
+// ProxyPorts are the ports of ztunnel's in-pod listeners (outbound, inbound
+// plaintext, HBONE, readiness, health, DNS, metrics): inbound connections to them
+// reach the proxy itself.
+func ProxyPorts() []uint16 { return []uint16{15001, 15006, 15008, 15020, 15021, 15053, 15090} }
+
+// DefaultSettings are ztunnel's in-pod conventions. They identify the proxy by
+// mark 0x539; a node that can identify it by cgroup (Datapath.SetProxyCgroups)
+// should turn the mark off.
 func DefaultSettings() Settings {
 	return Settings{
-		OutboundPort:  15001,
-		InboundPort:   15006,
-		ProxyMark:     0x539,
-		ProxyMarkMask: 0xfff,
-		ExcludedPorts: []uint16{15001, 15006, 15008, 15020, 15021, 15053, 15090},
+		OutboundPort:         15001,
+		InboundPort:          15006,
+		ProxyMark:            0x539,
+		ProxyMarkMask:        0xfff,
+		InboundExcludedPorts: ProxyPorts(),
 	}
 }
 
@@ -69,18 +82,25 @@ func (s Settings) Validate() error {
 	if s.ProxyMark&^s.markMask() != 0 {
 		errs = append(errs, fmt.Errorf("proxy mark %#x has bits outside mask %#x", s.ProxyMark, s.ProxyMarkMask))
 	}
-	if slices.Contains(s.ExcludedPorts, 0) {
-		errs = append(errs, errors.New("excluded port 0"))
-	}
-	if n := len(normalizePorts(s.ExcludedPorts)); n > MaxExcludedPorts {
-		errs = append(errs, fmt.Errorf("%d excluded ports, at most %d", n, MaxExcludedPorts))
-	}
+	errs = append(errs, validatePorts("inbound", s.InboundExcludedPorts)...)
+	errs = append(errs, validatePorts("outbound", s.OutboundExcludedPorts)...)
 	errs = append(errs, validatePrefixes("excluded CIDR", s.ExcludedCIDRs)...)
 	errs = append(errs, validatePrefixes("probe source", s.ProbeSources)...)
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("invalid redirect settings: %w", err)
 	}
 	return nil
+}
+
+func validatePorts(dir string, ports []uint16) []error {
+	var errs []error
+	if slices.Contains(ports, 0) {
+		errs = append(errs, fmt.Errorf("%s excluded port 0", dir))
+	}
+	if n := len(normalizePorts(ports)); n > MaxExcludedPorts {
+		errs = append(errs, fmt.Errorf("%d %s excluded ports, at most %d", n, dir, MaxExcludedPorts))
+	}
+	return errs
 }
 
 func validatePrefixes(what string, ps []netip.Prefix) []error {
@@ -117,7 +137,8 @@ func (s Settings) normalized() Settings {
 		uid := *s.ProxyUID
 		n.ProxyUID = &uid
 	}
-	n.ExcludedPorts = normalizePorts(s.ExcludedPorts)
+	n.InboundExcludedPorts = normalizePorts(s.InboundExcludedPorts)
+	n.OutboundExcludedPorts = normalizePorts(s.OutboundExcludedPorts)
 	n.ExcludedCIDRs = normalizePrefixes(s.ExcludedCIDRs)
 	n.ProbeSources = normalizePrefixes(s.ProbeSources)
 	return n
@@ -155,62 +176,73 @@ func normalizePrefixes(ps []netip.Prefix) []netip.Prefix {
 	return slices.Compact(out)
 }
 
-// toBPF converts normalized settings to the map value.
-func (s Settings) toBPF() redirectPodSettings {
+// toBPF converts normalized settings to the map value; ps names the pod's lists in
+// the set maps (0: none).
+func (s Settings) toBPF(ps podSets) redirectPodSettings {
 	v := redirectPodSettings{
 		OutboundPort:    s.OutboundPort,
 		InboundPort:     s.InboundPort,
 		ProxyMark:       s.ProxyMark,
 		ProxyMarkMask:   s.ProxyMarkMask,
-		NrExcludedPorts: uint32(len(s.ExcludedPorts)),
+		ExcludedSet:     ps.excluded,
+		ProbeSet:        ps.probes,
+		InboundPortSet:  ps.inPorts,
+		OutboundPortSet: ps.outPorts,
 	}
-	copy(v.ExcludedPorts[:], s.ExcludedPorts)
+	flag := func(on bool, f redirectSettingFlags) {
+		if on {
+			v.Flags |= f
+		}
+	}
+	flag(s.ProxyMark != 0, redirectSettingFlagsSETTING_PROXY_MARK)
+	flag(s.FailOpen, redirectSettingFlagsSETTING_FAIL_OPEN)
+	flag(ps.excluded != 0, redirectSettingFlagsSETTING_EXCLUDED_CIDRS)
+	flag(ps.probes != 0, redirectSettingFlagsSETTING_PROBE_SOURCES)
+	flag(ps.inPorts != 0, redirectSettingFlagsSETTING_INBOUND_PORTS)
+	flag(ps.outPorts != 0, redirectSettingFlagsSETTING_OUTBOUND_PORTS)
 	if s.ProxyUID != nil {
 		v.ProxyUid = *s.ProxyUID
 		v.Flags |= redirectSettingFlagsSETTING_PROXY_UID
 	}
-	if s.FailOpen {
-		v.Flags |= redirectSettingFlagsSETTING_FAIL_OPEN
-	}
-	if len(s.ExcludedCIDRs) > 0 {
-		v.Flags |= redirectSettingFlagsSETTING_EXCLUDED_CIDRS
-	}
-	if len(s.ProbeSources) > 0 {
-		v.Flags |= redirectSettingFlagsSETTING_PROBE_SOURCES
-	}
 	return v
 }
 
-// settingsFromBPF is the inverse of toBPF; the CIDR lists come from the tries.
-func settingsFromBPF(v redirectPodSettings, excluded, probes []netip.Prefix) Settings {
+// settingsFromBPF is the inverse of toBPF; the lists come from the set maps.
+func settingsFromBPF(v redirectPodSettings, excluded, probes []netip.Prefix, inPorts, outPorts []uint16) Settings {
 	s := Settings{
-		OutboundPort:  v.OutboundPort,
-		InboundPort:   v.InboundPort,
-		ProxyMark:     v.ProxyMark,
-		ProxyMarkMask: v.ProxyMarkMask,
-		FailOpen:      v.Flags&redirectSettingFlagsSETTING_FAIL_OPEN != 0,
-		ExcludedCIDRs: normalizePrefixes(excluded),
-		ProbeSources:  normalizePrefixes(probes),
+		OutboundPort:          v.OutboundPort,
+		InboundPort:           v.InboundPort,
+		FailOpen:              v.Flags&redirectSettingFlagsSETTING_FAIL_OPEN != 0,
+		InboundExcludedPorts:  normalizePorts(inPorts),
+		OutboundExcludedPorts: normalizePorts(outPorts),
+		ExcludedCIDRs:         normalizePrefixes(excluded),
+		ProbeSources:          normalizePrefixes(probes),
+	}
+	if v.Flags&redirectSettingFlagsSETTING_PROXY_MARK != 0 {
+		s.ProxyMark, s.ProxyMarkMask = v.ProxyMark, v.ProxyMarkMask
 	}
 	if v.Flags&redirectSettingFlagsSETTING_PROXY_UID != 0 {
 		uid := v.ProxyUid
 		s.ProxyUID = &uid
 	}
-	n := min(int(v.NrExcludedPorts), len(v.ExcludedPorts))
-	if n > 0 {
-		s.ExcludedPorts = slices.Clone(v.ExcludedPorts[:n])
-	}
 	return s
 }
 
-// Prefix lengths in the tries: the cookie (64 bits) is always covered, then the
+func portsFromBPF(ports []uint16, n uint32) []uint16 {
+	if k := min(int(n), len(ports)); k > 0 {
+		return slices.Clone(ports[:k])
+	}
+	return nil
+}
+
+// Prefix lengths in the tries: the set id (32 bits) is always covered, then the
 // address as IPv6, IPv4 as IPv4-mapped (96 bits of ::ffff:0:0/96 before it).
 const (
-	lpmCookieBits = 64
-	lpmV4Offset   = 96
+	lpmSetBits  = 32
+	lpmV4Offset = 96
 )
 
-func lpmKey(cookie uint64, p netip.Prefix) redirectLpmKey {
+func lpmKey(set uint32, p netip.Prefix) redirectLpmKey {
 	bits := p.Bits()
 	a := p.Addr()
 	if a.Is4() {
@@ -218,23 +250,23 @@ func lpmKey(cookie uint64, p netip.Prefix) redirectLpmKey {
 		a = netip.AddrFrom16(a.As16())
 	}
 	return redirectLpmKey{
-		Prefixlen: uint32(lpmCookieBits + bits),
-		Cookie:    cookieWords(cookie),
+		Prefixlen: uint32(lpmSetBits + bits),
+		Set:       set,
 		Addr:      addrWords(a.As16()),
 	}
 }
 
 // prefixFromLPM is the inverse of lpmKey. ok is false for keys no lpmKey makes.
-func prefixFromLPM(k redirectLpmKey) (cookie uint64, p netip.Prefix, ok bool) {
-	bits := int(k.Prefixlen) - lpmCookieBits
+func prefixFromLPM(k redirectLpmKey) (set uint32, p netip.Prefix, ok bool) {
+	bits := int(k.Prefixlen) - lpmSetBits
 	if bits < 0 || bits > 128 {
 		return 0, netip.Prefix{}, false
 	}
 	a := netip.AddrFrom16(wordsAddr(k.Addr))
 	if a.Is4In6() && bits >= lpmV4Offset {
-		return wordsCookie(k.Cookie), netip.PrefixFrom(a.Unmap(), bits-lpmV4Offset), true
+		return k.Set, netip.PrefixFrom(a.Unmap(), bits-lpmV4Offset), true
 	}
-	return wordsCookie(k.Cookie), netip.PrefixFrom(a, bits), true
+	return k.Set, netip.PrefixFrom(a, bits), true
 }
 
 // The BPF side keeps addresses as __u32[4] in network byte order: the bytes in
@@ -255,7 +287,3 @@ func wordsAddr(w [4]uint32) [16]byte {
 	}
 	return b
 }
-
-func cookieWords(c uint64) [2]uint32 { return [2]uint32{uint32(c), uint32(c >> 32)} }
-
-func wordsCookie(w [2]uint32) uint64 { return uint64(w[0]) | uint64(w[1])<<32 }

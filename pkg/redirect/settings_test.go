@@ -24,9 +24,10 @@ func TestSettingsValidate(t *testing.T) {
 		{"zero inbound", func(s *Settings) { s.InboundPort = 0 }, "inbound port is 0"},
 		{"same ports", func(s *Settings) { s.InboundPort = s.OutboundPort }, "both 15001"},
 		{"mark outside mask", func(s *Settings) { s.ProxyMark = 0x1539 }, "outside mask"},
-		{"port 0 excluded", func(s *Settings) { s.ExcludedPorts = append(s.ExcludedPorts, 0) }, "excluded port 0"},
-		{"too many ports", func(s *Settings) { s.ExcludedPorts = many }, "excluded ports, at most"},
-		{"duplicate ports are fine", func(s *Settings) { s.ExcludedPorts = append(s.ExcludedPorts, s.ExcludedPorts...) }, ""},
+		{"port 0 excluded inbound", func(s *Settings) { s.InboundExcludedPorts = append(s.InboundExcludedPorts, 0) }, "inbound excluded port 0"},
+		{"port 0 excluded outbound", func(s *Settings) { s.OutboundExcludedPorts = []uint16{0} }, "outbound excluded port 0"},
+		{"too many ports", func(s *Settings) { s.OutboundExcludedPorts = many }, "outbound excluded ports, at most"},
+		{"duplicate ports are fine", func(s *Settings) { s.InboundExcludedPorts = append(s.InboundExcludedPorts, s.InboundExcludedPorts...) }, ""},
 		{"invalid CIDR", func(s *Settings) { s.ExcludedCIDRs = []netip.Prefix{{}} }, "invalid excluded CIDR"},
 		{"invalid probe source", func(s *Settings) {
 			s.ProbeSources = []netip.Prefix{netip.PrefixFrom(netip.MustParseAddr("10.0.0.1"), 33)}
@@ -49,11 +50,12 @@ func TestSettingsValidate(t *testing.T) {
 func TestSettingsRoundTrip(t *testing.T) {
 	uid := uint32(1337)
 	s := Settings{
-		OutboundPort:  15001,
-		InboundPort:   15006,
-		ProxyMark:     0x539,
-		ProxyUID:      &uid,
-		ExcludedPorts: []uint16{22, 15001, 22},
+		OutboundPort:          15001,
+		InboundPort:           15006,
+		ProxyMark:             0x539,
+		ProxyUID:              &uid,
+		InboundExcludedPorts:  []uint16{22, 15001, 22},
+		OutboundExcludedPorts: []uint16{443},
 		ExcludedCIDRs: []netip.Prefix{
 			netip.MustParsePrefix("10.0.0.7/8"),
 			netip.MustParsePrefix("::ffff:192.168.0.0/112"), // IPv4-mapped: stored as IPv4
@@ -65,12 +67,13 @@ func TestSettingsRoundTrip(t *testing.T) {
 	}
 	n := s.normalized()
 	want := Settings{
-		OutboundPort:  15001,
-		InboundPort:   15006,
-		ProxyMark:     0x539,
-		ProxyMarkMask: 0xffffffff,
-		ProxyUID:      &uid,
-		ExcludedPorts: []uint16{22, 15001},
+		OutboundPort:          15001,
+		InboundPort:           15006,
+		ProxyMark:             0x539,
+		ProxyMarkMask:         0xffffffff,
+		ProxyUID:              &uid,
+		InboundExcludedPorts:  []uint16{22, 15001},
+		OutboundExcludedPorts: []uint16{443},
 		ExcludedCIDRs: []netip.Prefix{
 			netip.MustParsePrefix("10.0.0.0/8"),
 			netip.MustParsePrefix("192.168.0.0/16"),
@@ -83,31 +86,33 @@ func TestSettingsRoundTrip(t *testing.T) {
 		t.Fatalf("normalized:\n%+v\nwant\n%+v", n, want)
 	}
 
-	// Through the map value and the trie keys and back.
-	const cookie = 0x1122334455667788
+	// Through the map value and the set keys and back.
+	const set = 0x11223344
 	var excluded, probes []netip.Prefix
 	for _, p := range n.ExcludedCIDRs {
-		c, back, ok := prefixFromLPM(lpmKey(cookie, p))
-		if !ok || c != cookie || back != p {
-			t.Errorf("trie key of %s read back as %d %s %v", p, c, back, ok)
+		id, back, ok := prefixFromLPM(lpmKey(set, p))
+		if !ok || id != set || back != p {
+			t.Errorf("trie key of %s read back as %d %s %v", p, id, back, ok)
 		}
 		excluded = append(excluded, back)
 	}
 	for _, p := range n.ProbeSources {
-		_, back, _ := prefixFromLPM(lpmKey(cookie, p))
+		_, back, _ := prefixFromLPM(lpmKey(set, p))
 		probes = append(probes, back)
 	}
-	if got := settingsFromBPF(n.toBPF(), excluded, probes); !reflect.DeepEqual(got, n) {
+	v := n.toBPF(podSets{excluded: 1, probes: 2, inPorts: 3, outPorts: 4})
+	if got := settingsFromBPF(v, excluded, probes, n.InboundExcludedPorts, n.OutboundExcludedPorts); !reflect.DeepEqual(got, n) {
 		t.Errorf("map round trip:\n%+v\nwant\n%+v", got, n)
 	}
-	if d := DefaultSettings().normalized(); !reflect.DeepEqual(settingsFromBPF(d.toBPF(), nil, nil), d) {
-		t.Errorf("defaults do not round-trip")
+	d := DefaultSettings().normalized()
+	if got := settingsFromBPF(d.toBPF(podSets{inPorts: 1}), nil, nil, d.InboundExcludedPorts, nil); !reflect.DeepEqual(got, d) {
+		t.Errorf("defaults do not round-trip: %+v", got)
 	}
 }
 
 func TestLPMKeyLayout(t *testing.T) {
 	k := lpmKey(1, netip.MustParsePrefix("10.1.2.0/24"))
-	if k.Prefixlen != 64+96+24 {
+	if k.Prefixlen != 32+96+24 {
 		t.Errorf("IPv4 prefix length %d", k.Prefixlen)
 	}
 	b := wordsAddr(k.Addr)
@@ -115,11 +120,11 @@ func TestLPMKeyLayout(t *testing.T) {
 		t.Errorf("IPv4 key address %v, want IPv4-mapped %v", b, want)
 	}
 	k6 := lpmKey(1, netip.MustParsePrefix("fd00::/8"))
-	if k6.Prefixlen != 64+8 {
+	if k6.Prefixlen != 32+8 {
 		t.Errorf("IPv6 prefix length %d", k6.Prefixlen)
 	}
 	if _, _, ok := prefixFromLPM(redirectLpmKey{Prefixlen: 10}); ok {
-		t.Error("a prefix shorter than the cookie must not parse")
+		t.Error("a prefix shorter than the set id must not parse")
 	}
 }
 
@@ -160,17 +165,5 @@ func TestParseCgroup2Mount(t *testing.T) {
 				t.Errorf("got %q, %v; want %q (error %v)", got, err, tc.want, tc.wantErr)
 			}
 		})
-	}
-}
-
-func TestCheckIfNames(t *testing.T) {
-	got, err := checkIfNames([]string{"eth0", "net1", "eth0"})
-	if err != nil || !reflect.DeepEqual(got, []string{"eth0", "net1"}) {
-		t.Errorf("got %q, %v", got, err)
-	}
-	for _, bad := range []string{"", ".", "..", "a/b", "sixteen-chars-xx", "a b", "x\x00"} {
-		if _, err := checkIfNames([]string{bad}); err == nil {
-			t.Errorf("%q accepted", bad)
-		}
 	}
 }
