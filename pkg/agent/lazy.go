@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"sync/atomic"
+
+	"github.com/mesh-cni/mesh-cni/pkg/redirect"
 )
 
 // lazyDatapath lets the gate start serving before the data path is loaded. Until
@@ -55,4 +57,16 @@ func (l *lazyDatapath) Enrolled(ctx context.Context) ([]uint64, error) {
 		return nil, err
 	}
 	return dp.Enrolled(ctx)
+}
+
+// Refusals implements RefusalReader when the loaded data path does.
+func (l *lazyDatapath) Refusals() ([]redirect.Refusal, error) {
+	dp, err := l.get()
+	if err != nil {
+		return nil, err
+	}
+	if r, ok := dp.(RefusalReader); ok {
+		return r.Refusals()
+	}
+	return nil, nil
 }

@@ -137,7 +137,14 @@ var bpfDecisions = prometheus.NewDesc("meshcni_datapath_decisions_total",
 	"Redirection decisions of the eBPF data path: outbound connects and inbound new connections, by decision.",
 	[]string{"direction", "decision"}, nil)
 
-func (c *datapathCollector) Describe(ch chan<- *prometheus.Desc) { ch <- bpfDecisions }
+var bpfListenersRefused = prometheus.NewDesc("meshcni_datapath_listeners_refused_total",
+	"Inbound proxy listeners the eBPF data path could not capture (an MPTCP listener, or every slot of its port taken): their pods' inbound connections fail closed.",
+	nil, nil)
+
+func (c *datapathCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- bpfDecisions
+	ch <- bpfListenersRefused
+}
 
 func (c *datapathCollector) Collect(ch chan<- prometheus.Metric) {
 	r := c.counters()
@@ -154,4 +161,5 @@ func (c *datapathCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(bpfDecisions, prometheus.CounterValue, float64(d.Passed), dir, "passed")
 		ch <- prometheus.MustNewConstMetric(bpfDecisions, prometheus.CounterValue, float64(d.Dropped), dir, "dropped")
 	}
+	ch <- prometheus.MustNewConstMetric(bpfListenersRefused, prometheus.CounterValue, float64(counts.ListenersRefused))
 }

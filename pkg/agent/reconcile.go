@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/mesh-cni/mesh-cni/pkg/redirect"
 	"slices"
 
 	"go.uber.org/zap"
@@ -68,8 +69,50 @@ func (s *Service) Reconcile(ctx context.Context) (ReconcileResult, error) {
 			s.log.Info("orphan redirection released", zap.Uint64("netnsCookie", c))
 		}
 	}
+	s.reportRefusals()
 	s.metrics.reconciled(res)
 	return res, errors.Join(errs...)
+}
+
+// RefusalReader is a data path that reports proxy listeners it could not capture.
+type RefusalReader interface {
+	Refusals() ([]redirect.Refusal, error)
+}
+
+// reportRefusals logs each proxy listener the data path could not capture once,
+// and again when it is refused again, naming the pod: its inbound connections fail
+// closed until the proxy listens with plain TCP.
+func (s *Service) reportRefusals() {
+	r, ok := s.datapath.(RefusalReader)
+	if !ok {
+		return
+	}
+	refusals, err := r.Refusals()
+	if err != nil {
+		s.log.Warn("read refused proxy listeners", zap.Error(err))
+		return
+	}
+	byCookie := map[uint64]podstore.Record{}
+	for _, rec := range s.store.List() {
+		byCookie[rec.NetnsCookie] = rec
+	}
+	s.refusalsMu.Lock()
+	defer s.refusalsMu.Unlock()
+	if s.refusals == nil {
+		s.refusals = map[redirect.Refusal]bool{}
+	}
+	for _, ref := range refusals {
+		if s.refusals[ref] {
+			continue
+		}
+		s.refusals[ref] = true
+		fields := []zap.Field{zap.Uint64("netnsCookie", ref.Cookie), zap.Uint16("port", ref.Port),
+			zap.String("family", ref.Family), zap.String("reason", ref.Reason), zap.Uint32("times", ref.Count)}
+		if rec, ok := byCookie[ref.Cookie]; ok {
+			fields = append(fields, zap.String("pod", rec.Namespace+"/"+rec.Name), zap.String("podUID", rec.UID))
+		}
+		s.log.Warn("proxy listener not captured: the pod's inbound connections fail closed (an MPTCP listener? the proxy must listen with plain TCP)", fields...)
+	}
 }
 
 // releaseOrphan releases cookie's redirection unless a record claims it. An Add

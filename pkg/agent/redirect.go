@@ -48,3 +48,6 @@ func (r RedirectDatapath) Enrolled(ctx context.Context) ([]uint64, error) {
 
 // Counters implements CounterReader.
 func (r RedirectDatapath) Counters() (redirect.Counters, error) { return r.DP.Counters() }
+
+// Refusals implements RefusalReader.
+func (r RedirectDatapath) Refusals() ([]redirect.Refusal, error) { return r.DP.Refusals() }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/mesh-cni/mesh-cni/pkg/redirect"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -40,6 +41,9 @@ type Service struct {
 	// releases an orphan: a fresh enrollment whose record is still being
 	// written is not an orphan.
 	enrolling sync.RWMutex
+
+	refusalsMu sync.Mutex
+	refusals   map[redirect.Refusal]bool // proxy listeners already reported
 }
 
 // NewService wires the gate to its collaborators.

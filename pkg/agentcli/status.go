@@ -54,7 +54,7 @@ type PodStatus struct {
 
 // Pod states in status output.
 const (
-	StateRedirected = "redirected"     // map entry and every TCX link attached
+	StateRedirected = "redirected"     // map entry and the inbound capture link attached
 	StateBroken     = "broken"         // entry present, a link missing or detached
 	StateMissing    = "not-redirected" // recorded, but no map entry
 	StateRecorded   = "recorded"       // data path none: nothing to check

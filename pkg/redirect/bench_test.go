@@ -6,8 +6,9 @@ import (
 	"testing"
 )
 
-// BenchmarkEnrollRelease is the data path's share of a pod's ADD and DEL: TCX
-// attach inside the pod's netns, pins, map entries; then their removal.
+// BenchmarkEnrollRelease is the data path's share of a pod's ADD and DEL: the pod's
+// sk_lookup program loaded and attached to its netns, pins, map entries; then their
+// removal.
 func BenchmarkEnrollRelease(b *testing.B) {
 	requireRoot(b)
 	ctx := context.Background()
@@ -27,8 +28,7 @@ func BenchmarkEnrollRelease(b *testing.B) {
 }
 
 // BenchmarkEnrollConcurrent16 enrolls and releases 16 pods at once, as 16 pods
-// starting together on a node do: the TCX attaches wait for RCU grace periods in
-// the kernel, which concurrent enrollments share when they run in parallel.
+// starting together on a node do.
 func BenchmarkEnrollConcurrent16(b *testing.B) {
 	requireRoot(b)
 	ctx := context.Background()

@@ -85,12 +85,15 @@ type cgroupHook struct {
 }
 
 // cgroupHooks in attach order: the programs that answer for redirected sockets go in
-// before the connect programs start redirecting; Uninstall detaches in reverse.
+// before the connect programs start redirecting, and getsockopt before sockops: the
+// new sockops moves an accepted socket's original destination out of the hand-over
+// map, where an earlier release's getsockopt would look for it. Uninstall detaches
+// in reverse.
 var cgroupHooks = []cgroupHook{
-	{"sockops", ebpf.AttachCGroupSockOps, func(p *programs) *ebpf.Program { return p.MeshSockops }},
 	{"getsockopt", ebpf.AttachCGroupGetsockopt, func(p *programs) *ebpf.Program { return p.MeshGetsockopt }},
 	{"getpeername4", ebpf.AttachCgroupInet4GetPeername, func(p *programs) *ebpf.Program { return p.MeshGetpeername4 }},
 	{"getpeername6", ebpf.AttachCgroupInet6GetPeername, func(p *programs) *ebpf.Program { return p.MeshGetpeername6 }},
+	{"sockops", ebpf.AttachCGroupSockOps, func(p *programs) *ebpf.Program { return p.MeshSockops }},
 	{"connect4", ebpf.AttachCGroupInet4Connect, func(p *programs) *ebpf.Program { return p.MeshConnect4 }},
 	{"connect6", ebpf.AttachCGroupInet6Connect, func(p *programs) *ebpf.Program { return p.MeshConnect6 }},
 }

@@ -6,6 +6,7 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
+	"github.com/cilium/ebpf/btf"
 	"github.com/cilium/ebpf/features"
 
 	"github.com/mesh-cni/mesh-cni/pkg/netns"
@@ -26,6 +27,8 @@ type Feature struct {
 // trivial program or map, or asks the kernel directly.
 var kernelFeatures = []Feature{
 	{"BPF socket local storage", "5.2", func() error { return features.HaveMapType(ebpf.SkStorage) }},
+	// The listener iterator reads kernel structures through BTF (CO-RE).
+	{"kernel BTF (CONFIG_DEBUG_INFO_BTF)", "5.4", func() error { _, err := btf.LoadKernelSpec(); return err }},
 	{"bpf_get_current_ancestor_cgroup_id in cgroup sock_addr programs", "5.7",
 		func() error { return features.HaveProgramHelper(ebpf.CGroupSockAddr, asm.FnGetCurrentAncestorCgroupId) }},
 	{"sk_lookup programs", "5.9", func() error { return features.HaveProgramType(ebpf.SkLookup) }},

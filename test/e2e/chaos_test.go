@@ -38,11 +38,11 @@ const (
 
 // meshState is what one node holds for the mesh, read from the three places
 // that must agree: the agent's records (through its List API), the pinned
-// settings map every BPF program keys on, and the pinned TCX link dirs.
+// settings map every BPF program keys on, and the pinned link dirs.
 type meshState struct {
 	records  map[string]uint64 // container id -> netns cookie
 	settings map[uint64]bool   // cookies in the settings map
-	pinDirs  map[uint64]int    // cookie -> TCX links pinned there and attached
+	pinDirs  map[uint64]int    // cookie -> inbound capture links pinned there and attached
 }
 
 func (s meshState) String() string {
@@ -59,12 +59,12 @@ func readMeshState(ctx context.Context, t *testing.T, a *agent) meshState {
 	return st
 }
 
-// settingsCookies lists the keys of the agent's pinned settings map.
+// settingsCookies lists the keys of the agent's pinned pods map.
 func settingsCookies(t *testing.T, a *agent) map[uint64]bool {
 	t.Helper()
-	m, err := ebpf.LoadPinnedMap(filepath.Join(a.BPFFS, "maps", "settings"), &ebpf.LoadPinOptions{ReadOnly: true})
+	m, err := ebpf.LoadPinnedMap(filepath.Join(a.BPFFS, "maps", "pods"), &ebpf.LoadPinOptions{ReadOnly: true})
 	if err != nil {
-		t.Fatalf("open pinned settings map: %v", err)
+		t.Fatalf("open pinned pods map: %v", err)
 	}
 	defer m.Close()
 	out := map[uint64]bool{}
@@ -80,9 +80,9 @@ func settingsCookies(t *testing.T, a *agent) map[uint64]bool {
 	return out
 }
 
-// pinnedPods lists <bpffs>/pods/<cookie>/ and counts, per pod, the pinned TCX
-// links that are still attached to an interface. Anything else in that
-// directory fails the test.
+// pinnedPods lists <bpffs>/pods/<cookie>/ and counts, per pod, the pinned
+// inbound capture links that are still attached to a namespace. Anything else in
+// that directory fails the test.
 func pinnedPods(t *testing.T, a *agent) map[uint64]int {
 	t.Helper()
 	dir := filepath.Join(a.BPFFS, "pods")
@@ -108,7 +108,7 @@ func pinnedPods(t *testing.T, a *agent) map[uint64]int {
 			}
 			info, err := l.Info()
 			l.Close()
-			if err == nil && info.TCX() != nil && info.TCX().Ifindex != 0 {
+			if err == nil && info.NetNs() != nil && info.NetNs().NetnsInode != 0 {
 				out[cookie]++
 			}
 		}
@@ -424,7 +424,7 @@ func (r *chaosRun) work(ctx context.Context) {
 // TestChaos drives 200 pods through the real chain with random ADD, DEL, CHECK
 // and GC from 8 workers while the agent is SIGKILLed and restarted at random
 // moments, and enrolled clients keep connecting through their proxies. At the
-// end the agent's records, the pinned settings map and the pinned TCX links are
+// end the agent's records, the pinned pods map and the pinned links are
 // exactly the pods alive and enrolled, no connection bypassed a proxy, and
 // tearing the pods down leaves nothing behind.
 func TestChaos(t *testing.T) {

@@ -131,7 +131,7 @@ func TestHookEntryPoint(t *testing.T) {
 			t.Fatalf("enrollment of %s = %v, want source HOOK, netns %s, uid %s, network %s, ifname %s", p.Name, e, p.NetNSPath, p.UID, nethook.DefaultNetwork, p.IfName)
 		}
 		if !settingsEntryExists(t, a, e.GetNetnsCookie()) {
-			t.Fatalf("%s is listed but has no entry in the pinned settings map", p.Name)
+			t.Fatalf("%s is listed but has no entry in the pinned pods map", p.Name)
 		}
 		return merged
 	}

@@ -753,7 +753,7 @@ func TestAgentRestartInstallKeepsEntry(t *testing.T) {
 		if _, err := os.Stat(binary); err != nil {
 			t.Fatalf("%s: mesh-cni binary: %v", when, err)
 		}
-		for _, pin := range []string{"maps/settings", "links/connect4", "links/connect6"} {
+		for _, pin := range []string{"maps/pods", "links/connect4", "links/connect6"} {
 			if _, err := os.Stat(filepath.Join(a.BPFFS, pin)); err != nil {
 				t.Fatalf("%s: pin %s: %v", when, pin, err)
 			}

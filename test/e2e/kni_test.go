@@ -179,7 +179,7 @@ func TestKNIInterposer(t *testing.T) {
 			t.Fatalf("enrollment of %s = %v, want source KNI, netns %s, uid %s, network %s, ifname eth0", p.Name, e, p.NetNSPath, p.UID, kni.DefaultNetwork)
 		}
 		if !settingsEntryExists(t, a, e.GetNetnsCookie()) {
-			t.Fatalf("%s is listed but has no entry in the pinned settings map", p.Name)
+			t.Fatalf("%s is listed but has no entry in the pinned pods map", p.Name)
 		}
 		return resp
 	}

@@ -229,7 +229,7 @@ func TestReconcileRacingAdd(t *testing.T) {
 	for i := range workers * perWorker {
 		pods = append(pods, node.NewPod(t, "shop", fmt.Sprintf("race-%d", i)))
 	}
-	m, err := ebpf.LoadPinnedMap(filepath.Join(a.BPFFS, "maps", "settings"), &ebpf.LoadPinOptions{ReadOnly: true})
+	m, err := ebpf.LoadPinnedMap(filepath.Join(a.BPFFS, "maps", "pods"), &ebpf.LoadPinOptions{ReadOnly: true})
 	if err != nil {
 		t.Fatal(err)
 	}

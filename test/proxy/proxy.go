@@ -241,9 +241,12 @@ func (p *Proxy) closeListeners() {
 }
 
 // listen binds in the proxy's namespace when it has one, otherwise in the calling
-// thread's.
+// thread's. MPTCP is off: Go listens with MPTCP by default, and the data path can
+// only capture plain TCP listeners (a SOCKHASH refuses MPTCP ones), as the proxy
+// contract says.
 func (p *Proxy) listen(ctx context.Context, network, addr string) (net.Listener, error) {
 	var lc net.ListenConfig
+	lc.SetMultipathTCP(false)
 	if p.ns == nil {
 		return lc.Listen(ctx, network, addr)
 	}
