@@ -54,7 +54,8 @@ const proxySeenFile = "zds-proxy-seen"
 
 // NewZDSHandoff creates the ZDS server; snapshot lists the enrolled pods. It does
 // not serve until Serve.
-func NewZDSHandoff(ctx context.Context, log *zap.Logger, socketPath string, allowedUIDs []int, mode WaitMode, stateDir string, enrolled func() []podstore.Record, metrics *Metrics) (*ZDSHandoff, error) {
+// proxies, when not nil, is told the process ids of the connected node proxies.
+func NewZDSHandoff(ctx context.Context, log *zap.Logger, socketPath string, allowedUIDs []int, mode WaitMode, stateDir string, enrolled func() []podstore.Record, metrics *Metrics, proxies func([]int32) error) (*ZDSHandoff, error) {
 	switch mode {
 	case WaitAuto, WaitAlways, WaitNever:
 	default:
@@ -62,9 +63,10 @@ func NewZDSHandoff(ctx context.Context, log *zap.Logger, socketPath string, allo
 	}
 	h := &ZDSHandoff{log: log, mode: mode, seenFile: filepath.Join(stateDir, proxySeenFile), metrics: metrics}
 	srv, err := zds.NewServer(ctx, zds.Config{
-		SocketPath:  socketPath,
-		AllowedUIDs: allowedUIDs,
-		Logger:      log,
+		SocketPath:     socketPath,
+		AllowedUIDs:    allowedUIDs,
+		Logger:         log,
+		ProxiesChanged: proxies,
 		Snapshot: zds.SnapshotFunc(func(context.Context) ([]zds.Pod, error) {
 			h.markSeen()
 			return zdsPods(enrolled()), nil

@@ -2,7 +2,9 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/mesh-cni/mesh-cni/pkg/redirect"
 )
@@ -12,6 +14,34 @@ import (
 type RedirectDatapath struct {
 	DP       *redirect.Datapath
 	Settings redirect.Settings
+	// ProxyCgroups are the configured cgroups of the proxies (sidecars); the
+	// connected node proxies' own cgroups are added to them.
+	ProxyCgroups []string
+}
+
+// ProxyIdentifier is a data path that can tell the proxy's processes apart from
+// the pods'.
+type ProxyIdentifier interface {
+	// SetProxyProcesses makes the cgroups of these processes, with the
+	// configured ones, the proxy's.
+	SetProxyProcesses(pids []int32) error
+}
+
+// SetProxyProcesses implements ProxyIdentifier.
+func (r RedirectDatapath) SetProxyProcesses(pids []int32) error {
+	cgroups := slices.Clone(r.ProxyCgroups)
+	for _, pid := range pids {
+		if pid <= 0 {
+			// SO_PEERCRED gives 0 for a peer outside the agent's PID namespace.
+			return errors.New("the node proxy's process is not visible to the agent: run the agent in the host's PID namespace (hostPID), or name the proxy's cgroup with --proxy-cgroups")
+		}
+		cg, err := r.DP.ProcessCgroup(int(pid))
+		if err != nil {
+			return err
+		}
+		cgroups = append(cgroups, cg)
+	}
+	return r.DP.SetProxyCgroups(cgroups)
 }
 
 // Enroll implements Datapath.

@@ -157,7 +157,13 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 	// the records and the data path agree on, or a connected proxy would drop
 	// them. It is in place before the agent is ready, so no Add skips it.
 	if cfg.ZDSSocket != "" {
-		h, err := NewZDSHandoff(ctx, log.Named("zds"), cfg.ZDSSocket, cfg.ZDSAllowedUIDs, cfg.ZDSWait, cfg.StateDir, svc.enrolled, metrics)
+		// The node proxy is told apart from the pods by its cgroup, learned
+		// from its connection before it is handed any pod.
+		var proxies func([]int32) error
+		if pi, ok := dp.(ProxyIdentifier); ok {
+			proxies = pi.SetProxyProcesses
+		}
+		h, err := NewZDSHandoff(ctx, log.Named("zds"), cfg.ZDSSocket, cfg.ZDSAllowedUIDs, cfg.ZDSWait, cfg.StateDir, svc.enrolled, metrics, proxies)
 		if err != nil {
 			return err
 		}

@@ -54,6 +54,7 @@ type options struct {
 	inboundPort           uint
 	proxyMark             uint
 	proxyUID              int
+	proxyCgroups          stringList
 	inboundExcludedPorts  intList
 	outboundExcludedPorts intList
 	excludedCIDRs         prefixList
@@ -102,8 +103,9 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 
 	fs.UintVar(&opts.outboundPort, "outbound-port", uint(defaults.OutboundPort), "proxy's outbound listener port inside each pod (127.0.0.1 and ::1)")
 	fs.UintVar(&opts.inboundPort, "inbound-port", uint(defaults.InboundPort), "proxy's inbound listener port inside each pod")
-	fs.UintVar(&opts.proxyMark, "proxy-mark", uint(defaults.ProxyMark), "socket mark (SO_MARK) of the proxy's own connections, never redirected")
-	fs.IntVar(&opts.proxyUID, "proxy-uid", -1, "uid whose connections are never redirected (-1: none)")
+	fs.UintVar(&opts.proxyMark, "proxy-mark", uint(defaults.ProxyMark), "opt-in: sockets carrying this SO_MARK (e.g. 0x539, ztunnel's) are the proxy's, never redirected; any pod can set a mark with CAP_NET_RAW, a default capability, so prefer --proxy-cgroups (0: off)")
+	fs.IntVar(&opts.proxyUID, "proxy-uid", -1, "opt-in: connects by processes of this uid are the proxy's, never redirected; only safe when no pod can run as it (-1: off)")
+	fs.Var(&opts.proxyCgroups, "proxy-cgroups", "comma-separated cgroup v2 paths (below the cgroup v2 root, e.g. /mesh-proxies) whose processes and their descendants' are the proxy: never redirected; a node proxy connected over ZDS is added by its own cgroup")
 	opts.inboundExcludedPorts = toIntList(defaults.InboundExcludedPorts)
 	fs.Var(&opts.inboundExcludedPorts, "inbound-excluded-ports", "comma-separated destination ports of inbound connections never captured (default: the proxy's own ports)")
 	fs.Var(&opts.outboundExcludedPorts, "outbound-excluded-ports", "comma-separated destination ports of outbound connects never redirected, to any host (default: none)")
@@ -139,9 +141,11 @@ func (o options) redirectSettings() (redirect.Settings, error) {
 		return s, fmt.Errorf("--proxy-mark %#x does not fit 32 bits", o.proxyMark)
 	}
 	s.OutboundPort, s.InboundPort = uint16(o.outboundPort), uint16(o.inboundPort)
-	s.ProxyMark = uint32(o.proxyMark)
-	if s.ProxyMark&^s.ProxyMarkMask != 0 {
-		s.ProxyMarkMask = 0 // compare every bit of a mark outside the default mask
+	// A mark inside ztunnel's mask is compared under it (Istio's convention);
+	// one with bits outside it, exactly.
+	s.ProxyMark, s.ProxyMarkMask = uint32(o.proxyMark), 0
+	if s.ProxyMark != 0 && s.ProxyMark&^redirect.ZtunnelMarkMask == 0 {
+		s.ProxyMarkMask = redirect.ZtunnelMarkMask
 	}
 	if o.proxyUID >= 0 {
 		uid := uint32(o.proxyUID)
@@ -293,7 +297,15 @@ func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {
 			if err != nil {
 				return nil, nil, err
 			}
-			return agent.RedirectDatapath{DP: dp, Settings: settings}, dp.Close, nil
+			rd := agent.RedirectDatapath{DP: dp, Settings: settings}
+			for _, p := range opts.proxyCgroups {
+				rd.ProxyCgroups = append(rd.ProxyCgroups, filepath.Join(cg, p))
+			}
+			if err := rd.SetProxyProcesses(nil); err != nil {
+				dp.Close()
+				return nil, nil, fmt.Errorf("--proxy-cgroups: %w", err)
+			}
+			return rd, dp.Close, nil
 		}
 	default:
 		return cfg, fmt.Errorf("--datapath=%q: want ebpf or none", opts.datapath)

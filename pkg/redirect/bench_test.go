@@ -14,7 +14,7 @@ func BenchmarkEnrollRelease(b *testing.B) {
 	ctx := context.Background()
 	d, _ := testDatapath(b)
 	a, _ := newPodPair(b)
-	target := Target{NetnsPath: a.path, Settings: DefaultSettings()}
+	target := Target{NetnsPath: a.path, Settings: testSettings()}
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		e, err := d.Enroll(ctx, target)
@@ -37,7 +37,7 @@ func BenchmarkEnrollConcurrent16(b *testing.B) {
 	for len(targets) < 16 {
 		a, c := newPodPair(b)
 		for _, p := range []*pod{a, c} {
-			targets = append(targets, Target{NetnsPath: p.path, Settings: DefaultSettings()})
+			targets = append(targets, Target{NetnsPath: p.path, Settings: testSettings()})
 		}
 	}
 	b.ResetTimer()

@@ -54,7 +54,7 @@ func TestCraftedSYNsFailClosed(t *testing.T) {
 				if (sh.name[:4] == "IPv4" && fam.dst.Is6()) || (sh.name[:4] == "IPv6" && fam.dst.Is4()) {
 					t.Skip("shape of the other family")
 				}
-				enroll(t, d, b, DefaultSettings())
+				enroll(t, d, b, testSettings())
 				flags, ok := send(t, sh.build, fam.src, fam.dst)
 				if !ok || flags&tcpRST == 0 || flags&tcpSYN != 0 {
 					t.Errorf("enrolled, no inbound proxy: reply flags %#x (seen %v), want a reset", flags, ok)

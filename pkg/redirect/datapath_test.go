@@ -46,7 +46,7 @@ func TestEnrollIdempotentAndUpdate(t *testing.T) {
 	d, _ := testDatapath(t)
 	a, _ := newPodPair(t)
 
-	s := DefaultSettings()
+	s := testSettings()
 	s.ExcludedCIDRs = []netip.Prefix{netip.MustParsePrefix("10.0.0.0/8"), netip.MustParsePrefix("fd00::/8")}
 	first := enroll(t, d, a, s)
 	id := lookupLinkID(t, d, a.cookie)
@@ -63,7 +63,7 @@ func TestEnrollIdempotentAndUpdate(t *testing.T) {
 	}
 
 	// New settings replace the old, lists included; the old lists leave the maps.
-	s2 := DefaultSettings()
+	s2 := testSettings()
 	s2.FailOpen = true
 	s2.ExcludedCIDRs = []netip.Prefix{netip.MustParsePrefix("192.168.0.0/16")}
 	s2.OutboundExcludedPorts = []uint16{22}
@@ -91,7 +91,7 @@ func TestPodsShareLists(t *testing.T) {
 	requireRoot(t)
 	ctx := context.Background()
 	d, _ := testDatapath(t)
-	s := DefaultSettings()
+	s := testSettings()
 	for i := range MaxCIDRs {
 		s.ExcludedCIDRs = append(s.ExcludedCIDRs, netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i), 0, 0}), 16))
 	}
@@ -144,12 +144,12 @@ func TestEnrollRefusesBadTargets(t *testing.T) {
 	a, _ := newPodPair(t)
 
 	for name, target := range map[string]Target{
-		"not a netns":       {NetnsPath: t.TempDir(), Settings: DefaultSettings()},
-		"missing netns":     {NetnsPath: filepath.Join(t.TempDir(), "gone"), Settings: DefaultSettings()},
+		"not a netns":       {NetnsPath: t.TempDir(), Settings: testSettings()},
+		"missing netns":     {NetnsPath: filepath.Join(t.TempDir(), "gone"), Settings: testSettings()},
 		"invalid settings":  {NetnsPath: a.path},
-		"a mount namespace": {NetnsPath: "/proc/self/ns/mnt", Settings: DefaultSettings()},
+		"a mount namespace": {NetnsPath: "/proc/self/ns/mnt", Settings: testSettings()},
 		// Enrolling the node's namespace would redirect every connect on the node.
-		"the agent's own netns": {NetnsPath: ownNetnsPath(t), Settings: DefaultSettings()},
+		"the agent's own netns": {NetnsPath: ownNetnsPath(t), Settings: testSettings()},
 	} {
 		_, err := d.Enroll(ctx, target)
 		if err == nil {
@@ -181,8 +181,8 @@ func TestTwoDatapaths(t *testing.T) {
 		startOutboundProxy(t, p, 15001)
 		startInboundProxy(t, p, 15006)
 	}
-	enroll(t, d1, a, DefaultSettings())
-	enroll(t, d2, b, DefaultSettings())
+	enroll(t, d1, a, testSettings())
+	enroll(t, d2, b, testSettings())
 
 	for _, target := range []string{hostPort(b.addr4, appPort), hostPort(b.addr6, appPort)} {
 		expectLines(t, a, target, dialOpts{}, "OUT "+target, "IN "+target)
@@ -230,7 +230,7 @@ func TestUninstall(t *testing.T) {
 			t.Fatal(err)
 		}
 		a := newNetns(t, "a")
-		enroll(t, d, a, DefaultSettings())
+		enroll(t, d, a, testSettings())
 		if err := d.Close(); err != nil {
 			t.Fatal(err)
 		}

@@ -409,3 +409,11 @@ func joinLines(lines []string) string { return strings.Join(lines, " | ") }
 
 // ip6tSoOriginalDst is IP6T_SO_ORIGINAL_DST (linux/netfilter_ipv6/ip6_tables.h).
 const ip6tSoOriginalDst = 80
+
+// testSettings are the defaults with the proxy known by its mark (an opt-in): the
+// tests' proxies run in the test process, in its cgroup, and mark their connects.
+func testSettings() Settings {
+	s := DefaultSettings()
+	s.ProxyMark, s.ProxyMarkMask = ZtunnelMark, ZtunnelMarkMask
+	return s
+}

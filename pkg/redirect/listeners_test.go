@@ -55,7 +55,7 @@ func TestReusePortListeners(t *testing.T) {
 	requireRoot(t)
 	d, _ := testDatapath(t)
 	a, b := newPodPair(t)
-	enroll(t, d, b, DefaultSettings())
+	enroll(t, d, b, testSettings())
 	var lns []net.Listener
 	for n := range 4 {
 		lns = append(lns, listenReusePort(t, b, 15006, n))
@@ -94,7 +94,7 @@ func TestListenerBeforeEnroll(t *testing.T) {
 	// The data path does not know port 15106 before the pod's enrollment names it.
 	d, _ := testDatapath(t)
 	a, b := newPodPair(t)
-	s := DefaultSettings()
+	s := testSettings()
 	s.InboundPort = 15106
 	startInboundProxy(t, b, s.InboundPort)
 	e := enroll(t, d, b, s)
@@ -115,7 +115,7 @@ func TestMPTCPListenerRefused(t *testing.T) {
 	requireRoot(t)
 	d, _ := testDatapath(t)
 	a, b := newPodPair(t)
-	e := enroll(t, d, b, DefaultSettings())
+	e := enroll(t, d, b, testSettings())
 	var ln net.Listener
 	b.do(t, func() error {
 		var lc net.ListenConfig
@@ -208,7 +208,7 @@ func TestProxyConnectionIntoPod(t *testing.T) {
 		defer up.Close()
 		_, _ = io.Copy(conn, up)
 	})
-	enroll(t, d, b, DefaultSettings())
+	enroll(t, d, b, testSettings())
 	for _, dst := range []netip.Addr{b.addr4, b.addr6} {
 		target := hostPort(dst, appPort)
 		expectLines(t, a, target, dialOpts{mark: testMark}, "IN "+target, "APP "+target)

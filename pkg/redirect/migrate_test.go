@@ -157,7 +157,7 @@ func TestMigrateFromTCXLayout(t *testing.T) {
 	}
 	time.Sleep(200 * time.Millisecond) // traffic through the switched cgroup programs
 	for _, p := range []*pod{a, b} {
-		enroll(t, d, p, DefaultSettings())
+		enroll(t, d, p, testSettings())
 		if err := d.Check(ctx, p.cookie, nil); err != nil {
 			t.Errorf("check %s after it is enrolled again: %v", p.name, err)
 		}

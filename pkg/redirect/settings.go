@@ -54,18 +54,24 @@ type Settings struct {
 // reach the proxy itself.
 func ProxyPorts() []uint16 { return []uint16{15001, 15006, 15008, 15020, 15021, 15053, 15090} }
 
-// DefaultSettings are ztunnel's in-pod conventions. They identify the proxy by
-// mark 0x539; a node that can identify it by cgroup (Datapath.SetProxyCgroups)
-// should turn the mark off.
+// DefaultSettings are ztunnel's in-pod conventions for ports. The proxy is told
+// apart by its cgroup (Datapath.SetProxyCgroups); the mark and uid exemptions are
+// off, as a pod can forge a mark with a default capability.
 func DefaultSettings() Settings {
 	return Settings{
 		OutboundPort:         15001,
 		InboundPort:          15006,
-		ProxyMark:            0x539,
-		ProxyMarkMask:        0xfff,
 		InboundExcludedPorts: ProxyPorts(),
 	}
 }
+
+// ZtunnelMark is the SO_MARK ztunnel and Istio's sidecars set on their own sockets
+// (0x539 under mask 0xfff), for Settings.ProxyMark when a proxy is to be known by
+// it (an opt-in).
+const (
+	ZtunnelMark     = 0x539
+	ZtunnelMarkMask = 0xfff
+)
 
 // Validate reports what is wrong with s, all problems at once.
 func (s Settings) Validate() error {

@@ -34,7 +34,7 @@ func TestSettingsValidate(t *testing.T) {
 		}, "invalid probe source"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			s := DefaultSettings()
+			s := testSettings()
 			tc.mutate(&s)
 			err := s.Validate()
 			switch {

@@ -56,7 +56,7 @@ func expectLines(t *testing.T, from *pod, addr string, o dialOpts, want ...strin
 
 func TestRedirectBothWays(t *testing.T) {
 	t.Parallel()
-	m := newMeshPair(t, DefaultSettings(), DefaultSettings())
+	m := newMeshPair(t, testSettings(), testSettings())
 	for _, dst := range []netip.Addr{m.b.addr4, m.b.addr6} {
 		t.Run(dst.String(), func(t *testing.T) {
 			target := hostPort(dst, appPort)
@@ -84,7 +84,7 @@ func TestRedirectBothWays(t *testing.T) {
 // only; it must be redirected to ::ffff:127.0.0.1 and keep its IPv4 original.
 func TestRedirectIPv4MappedDestination(t *testing.T) {
 	t.Parallel()
-	m := newMeshPair(t, DefaultSettings(), DefaultSettings())
+	m := newMeshPair(t, testSettings(), testSettings())
 	mapped := netip.AddrFrom16(m.b.addr4.As16())
 	var (
 		lines []string
@@ -126,10 +126,10 @@ func TestRedirectIPv4MappedDestination(t *testing.T) {
 
 func TestNotRedirected(t *testing.T) {
 	t.Parallel()
-	sa := DefaultSettings()
+	sa := testSettings()
 	sa.OutboundExcludedPorts = []uint16{9000}
 	sa.ExcludedCIDRs = []netip.Prefix{netip.MustParsePrefix("10.77.0.2/32"), netip.MustParsePrefix("fd00:77::2/128")}
-	sb := DefaultSettings()
+	sb := testSettings()
 	sb.InboundExcludedPorts = append(sb.InboundExcludedPorts, 9000)
 	m := newMeshPair(t, sa, sb)
 	startApp(t, m.b, 9000)
@@ -204,17 +204,17 @@ func TestNotRedirected(t *testing.T) {
 		expectLines(t, c, target, dialOpts{}, "APP "+target)
 		// Enrolled, the same connect is redirected; the proxy's own connection to
 		// the pod's address (source and destination the same) is not captured.
-		enroll(t, m.d, c, DefaultSettings())
+		enroll(t, m.d, c, testSettings())
 		expectLines(t, c, target, dialOpts{}, "OUT "+target, "APP "+target)
 	})
 }
 
 func TestProxyUID(t *testing.T) {
 	t.Parallel()
-	sa := DefaultSettings()
+	sa := testSettings()
 	uid := uint32(os.Geteuid())
 	sa.ProxyUID = &uid
-	m := newMeshPair(t, sa, DefaultSettings())
+	m := newMeshPair(t, sa, testSettings())
 	// The test runs as the proxy uid: a's connects are never redirected outbound.
 	target := hostPort(m.b.addr4, appPort)
 	expectLines(t, m.a, target, dialOpts{}, "IN "+target)
@@ -222,9 +222,9 @@ func TestProxyUID(t *testing.T) {
 
 func TestProbeSources(t *testing.T) {
 	t.Parallel()
-	sb := DefaultSettings()
+	sb := testSettings()
 	sb.ProbeSources = []netip.Prefix{netip.MustParsePrefix("10.77.0.1/32"), netip.MustParsePrefix("fd00:77::1/128")}
-	m := newMeshPair(t, DefaultSettings(), sb)
+	m := newMeshPair(t, testSettings(), sb)
 	startApp(t, m.b, appPort)
 	for _, dst := range []netip.Addr{m.b.addr4, m.b.addr6} {
 		target := hostPort(dst, appPort)
@@ -243,7 +243,7 @@ func TestNoProxyListening(t *testing.T) {
 	d, _ := testDatapath(t)
 	a, b := newPodPair(t)
 	startApp(t, b, appPort)
-	s := DefaultSettings()
+	s := testSettings()
 	enroll(t, d, a, s)
 	enroll(t, d, b, s)
 
@@ -280,7 +280,7 @@ func TestNoProxyListening(t *testing.T) {
 
 func TestReleaseAndReenroll(t *testing.T) {
 	t.Parallel()
-	m := newMeshPair(t, DefaultSettings(), DefaultSettings())
+	m := newMeshPair(t, testSettings(), testSettings())
 	ctx := context.Background()
 	target := hostPort(m.b.addr4, appPort)
 	expectLines(t, m.a, target, dialOpts{}, "OUT "+target, "IN "+target)
@@ -299,7 +299,7 @@ func TestReleaseAndReenroll(t *testing.T) {
 		t.Errorf("pod pins left after release: %v", err)
 	}
 
-	enroll(t, m.d, m.a, DefaultSettings())
+	enroll(t, m.d, m.a, testSettings())
 	expectLines(t, m.a, target, dialOpts{}, "OUT "+target, "IN "+target)
 
 	// Releasing b stops inbound redirection at once: a's outbound proxy now reaches
@@ -318,7 +318,7 @@ func startsWith(s, prefix string) bool { return len(s) >= len(prefix) && s[:len(
 // An agent restart: Close leaves everything pinned and redirecting; Open adopts it.
 func TestCloseAndAdopt(t *testing.T) {
 	t.Parallel()
-	m := newMeshPair(t, DefaultSettings(), DefaultSettings())
+	m := newMeshPair(t, testSettings(), testSettings())
 	ctx := context.Background()
 	before, err := m.d.List(ctx)
 	if err != nil {
@@ -372,7 +372,7 @@ func TestCheckAndReleaseGoneNetns(t *testing.T) {
 	d, _ := testDatapath(t)
 	a, _ := newPodPair(t)
 	ctx := context.Background()
-	enroll(t, d, a, DefaultSettings())
+	enroll(t, d, a, testSettings())
 	if err := d.Check(ctx, a.cookie, []string{ifName}); err != nil {
 		t.Fatalf("check: %v", err)
 	}
@@ -413,7 +413,7 @@ func equalEnrollments(a, b []Enrollment) bool {
 // connection to the proxy, whether or not the application listens on the port.
 func TestInboundSYNOnTimeWaitTuple(t *testing.T) {
 	t.Parallel()
-	m := newMeshPair(t, DefaultSettings(), DefaultSettings())
+	m := newMeshPair(t, testSettings(), testSettings())
 	const appListening = 9090
 	startApp(t, m.b, appListening)
 	for i, dst := range []netip.Addr{m.b.addr4, m.b.addr6} {

@@ -40,6 +40,7 @@ type sentState struct {
 // conn is the server's side of one proxy connection, past its hello.
 type conn struct {
 	id      uint64
+	pid     int32 // the peer's process (SO_PEERCRED)
 	uc      *net.UnixConn
 	log     *zap.Logger
 	timeout time.Duration

@@ -106,6 +106,12 @@ type Config struct {
 	// SO_PEERCRED before anything is sent): every connection is handed the network
 	// namespace of every enrolled pod. Empty means root only.
 	AllowedUIDs []int
+	// ProxiesChanged, when set, is called with the process ids of the connected
+	// proxies whenever they change: after a proxy is accepted and before it is
+	// sent any pod (so it can be told apart from the pods before it acts in
+	// them), and after one disconnects. It runs on the connection's goroutine;
+	// an error refuses the new proxy.
+	ProxiesChanged func(pids []int32) error
 }
 
 // Server is the agent's ZDS server. Its methods are safe for concurrent use.
@@ -127,6 +133,8 @@ type Server struct {
 	serving bool
 	closed  bool
 	changed chan struct{} // closed and replaced whenever conns or their readiness change
+
+	proxiesMu sync.Mutex // serializes ProxiesChanged calls
 
 	closeOnce sync.Once
 	closeErr  error
@@ -454,10 +462,15 @@ func (s *Server) handle(id uint64, uc *net.UnixConn) {
 		log.Info("proxy announced a ZDS version other than V1; serving it V1, as Istio's node agent does")
 	}
 	log.Info("proxy connected")
+	c.pid = cred.Pid
 	if !s.register(c) {
 		return
 	}
 	defer s.unregister(c)
+	if err := s.proxiesChanged(); err != nil {
+		log.Error("proxy refused: it cannot be told apart from the pods", zap.Error(err))
+		return
+	}
 	if err := s.sendSnapshot(c); err != nil {
 		log.Warn("snapshot to proxy failed, closing its connection", zap.Error(err))
 		return
@@ -484,9 +497,29 @@ func (s *Server) register(c *conn) bool {
 func (s *Server) unregister(c *conn) {
 	c.close()
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	s.conns = slices.DeleteFunc(s.conns, func(x *conn) bool { return x == c })
 	s.notifyLocked()
+	s.mu.Unlock()
+	if err := s.proxiesChanged(); err != nil {
+		s.log.Warn("update the proxies after a disconnect", zap.Error(err))
+	}
+}
+
+// proxiesChanged reports the connected proxies' process ids to ProxiesChanged.
+// Calls are serialized so that the last set reported is the current one.
+func (s *Server) proxiesChanged() error {
+	if s.cfg.ProxiesChanged == nil {
+		return nil
+	}
+	s.proxiesMu.Lock()
+	defer s.proxiesMu.Unlock()
+	s.mu.Lock()
+	pids := make([]int32, 0, len(s.conns))
+	for _, c := range s.conns {
+		pids = append(pids, c.pid)
+	}
+	s.mu.Unlock()
+	return s.cfg.ProxiesChanged(pids)
 }
 
 func (s *Server) markReady(c *conn) {

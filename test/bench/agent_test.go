@@ -82,8 +82,10 @@ func newAgent(tb testing.TB, opts agentOptions) *agent {
 	}
 	// Info level: the agent logs its ready line there. The periodic reconcile
 	// stays at its default; the chain entry is the benchmark's, not installed.
+	// The benchmarks' proxies run in the pods, in the benchmark's cgroup, and are
+	// known by ztunnel's mark (an opt-in).
 	a.args = []string{"run", "--socket", a.Socket, "--state-dir", a.StateDir, "--bpffs-root", a.BPFFS,
-		"--datapath", opts.Datapath, "--cni-install=false", "--log-level", opts.LogLevel}
+		"--datapath", opts.Datapath, "--cni-install=false", "--log-level", opts.LogLevel, "--proxy-mark", "0x539"}
 	// Agents that serve metrics default to a fixed loopback port; several agents
 	// run at once here (and on this machine), so that listener is turned off.
 	// The same for the ZDS handoff socket, whose default is a fixed path: the

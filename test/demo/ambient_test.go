@@ -81,6 +81,9 @@ func TestDemoAmbient(t *testing.T) {
 	records := filepath.Join(t.TempDir(), "node-proxy.jsonl")
 	nodeProxy := harness.StartProcess(t, harness.ProcessOptions{
 		Path: bins.Path("refproxy"), Args: []string{"-zds", zdsSocket, "-record", records}, Name: "node-proxy",
+		// In a cgroup of its own, as ztunnel's container: the agent knows the node
+		// proxy by the cgroup of the process that connected to its ZDS socket.
+		OwnCgroup: true,
 	})
 	readyCtx, cancelReady = context.WithTimeout(ctx, 30*time.Second)
 	_, err = nodeProxy.WaitForLine(readyCtx, "ready")

@@ -84,7 +84,11 @@ func TestDemo(t *testing.T) {
 	agentArgs := []string{"run", "--socket", socket, "--state-dir", filepath.Join(dir, "pods"),
 		"--bpffs-root", bpffs, "--cni-conf-dir", node.ConfDir, "--cni-bin-dir", node.BinDir,
 		"--install-state-dir", filepath.Join(dir, "install"), "--plugin-binary", bins.Path("mesh-cni"),
-		"--gate-timeout", "2m", "--metrics-addr=", "--zds-socket=", "--log-level", "warn"}
+		"--gate-timeout", "2m", "--metrics-addr=", "--zds-socket=", "--log-level", "warn",
+		// The demo's proxies run in each pod, beside the application, and are known
+		// by ztunnel's mark (an opt-in; the ambient demo's node proxy is known by
+		// its cgroup instead).
+		"--proxy-mark", "0x539"}
 	t.Cleanup(func() {
 		out, err := exec.Command(bins.Path("mesh-agent"), "uninstall", "--bpffs-root", bpffs,
 			"--cni-conf-dir", node.ConfDir, "--cni-bin-dir", node.BinDir,

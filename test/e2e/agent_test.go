@@ -47,9 +47,11 @@ func newAgent(t testing.TB, extraArgs ...string) *agent {
 	}
 	a.BPFFS = filepath.Join(dir, "bpf")
 	// The tests drive their own conflists, so the agent installs nothing; its
-	// installer has its own tests.
+	// installer has its own tests. Their sidecar proxies run in the test's cgroup,
+	// like the test's clients, and are known by ztunnel's mark, an opt-in
+	// (TestProxyKnownByCgroup runs without it).
 	a.Args = append([]string{"run", "--socket", a.Socket, "--state-dir", a.StateDir, "--bpffs-root", a.BPFFS,
-		"--cni-install=false", "--metrics-addr=", "--zds-socket=", "--log-level", "debug"}, extraArgs...)
+		"--cni-install=false", "--metrics-addr=", "--zds-socket=", "--log-level", "debug", "--proxy-mark", "0x539"}, extraArgs...)
 	// The data path is pinned on purpose and outlives the agent: a test removes
 	// it with the product's own uninstall, after the agent (registered later, so
 	// stopped earlier) is gone.

@@ -20,6 +20,8 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/containernetworking/cni/libcni"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
@@ -116,11 +118,30 @@ func (s *server) seen() []netip.Addr {
 
 // roundTrip connects from pod to addr, sends payload and checks the echo.
 func roundTrip(ctx context.Context, p *harness.Pod, addr netip.AddrPort, payload []byte) error {
+	return roundTripMarked(ctx, p, addr, payload, 0)
+}
+
+// roundTripMarked is roundTrip with SO_MARK set on the client socket before it
+// connects (0: none).
+func roundTripMarked(ctx context.Context, p *harness.Pod, addr netip.AddrPort, payload []byte, mark int) error {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	c, err := p.Dial(ctx, "tcp", addr.String())
-	if err != nil {
+	var c net.Conn
+	err := p.Do(func() error {
+		d := net.Dialer{}
+		if mark != 0 {
+			d.Control = func(_, _ string, rc syscall.RawConn) error {
+				var serr error
+				err := rc.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, mark) })
+				return errors.Join(err, serr)
+			}
+		}
+		var err error
+		c, err = d.DialContext(ctx, "tcp", addr.String())
 		return err
+	})
+	if err != nil {
+		return fmt.Errorf("dial %s from pod %s: %w", addr, p.Name, err)
 	}
 	defer c.Close()
 	c.SetDeadline(time.Now().Add(5 * time.Second))

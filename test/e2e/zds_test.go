@@ -37,6 +37,9 @@ func startNodeProxy(ctx context.Context, t *testing.T, zdsSocket, name string) *
 		Path: harness.Bins(t).Path("refproxy"),
 		Args: []string{"-zds", zdsSocket, "-record", n.records},
 		Name: name,
+		// In a container of its own, as ztunnel runs: the agent tells it apart
+		// from the pods by its cgroup, learned from its ZDS connection.
+		OwnCgroup: true,
 	})
 	readyCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
@@ -107,12 +110,19 @@ func hops(recs []proxy.Record, from, to *harness.Pod, target netip.AddrPort) (ou
 // its listener in to, each recovering the original destination.
 func (n *nodeProxy) checkPath(ctx context.Context, t *testing.T, from, to *harness.Pod, target netip.AddrPort) {
 	t.Helper()
+	n.checkPathMarked(ctx, t, from, to, target, 0)
+}
+
+// checkPathMarked is checkPath with the client's socket marked (SO_MARK, which a
+// pod's root may set with CAP_NET_RAW); 0 leaves it unmarked.
+func (n *nodeProxy) checkPathMarked(ctx context.Context, t *testing.T, from, to *harness.Pod, target netip.AddrPort, mark int) {
+	t.Helper()
 	before, err := proxy.ReadRecords(n.records)
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		t.Fatal(err)
 	}
 	out0, in0 := hops(before, from, to, target)
-	if err := roundTrip(ctx, from, target, []byte("through the node proxy")); err != nil {
+	if err := roundTripMarked(ctx, from, target, []byte("through the node proxy"), mark); err != nil {
 		t.Fatalf("%s -> %s: %v", from.Name, target, err)
 	}
 	waitCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
@@ -326,4 +336,38 @@ func TestZDSRefusedWithoutServiceAccounts(t *testing.T) {
 	}
 	a.Args = append(args, "--zds-without-service-accounts")
 	a.start(ctx)
+}
+
+// TestProxyKnownByCgroup: with the mark exemption off (the default), the node
+// proxy is known by the cgroup of the process that connected to the ZDS socket. A
+// pod's root that marks its connects with ztunnel's mark 0x539 (CAP_NET_RAW, a
+// default capability) still goes through the node proxy, both ways, while the node
+// proxy's own connections, marked the same, are not redirected again.
+func TestProxyKnownByCgroup(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	a := newAgent(t, "--proxy-mark", "0")
+	zdsSocket := a.agentPath("zds", "ztunnel.sock")
+	a.Args = append(a.Args, "--zds-socket", zdsSocket, "--zds-without-service-accounts")
+	a.start(ctx)
+	np := startNodeProxy(ctx, t, zdsSocket, "node-proxy")
+	node := meshNode(t)
+	list := chain(t, node, a, "30s")
+	client := addMeshPod(ctx, t, node, list, "shop", "cg-client")
+	srv := addMeshPod(ctx, t, node, list, "shop", "cg-server")
+	for _, p := range []*meshPod{client, srv} {
+		np.listening(ctx, t, p.Pod)
+	}
+	var app server
+	app.serve(t, srv.Pod, 8080)
+	for _, dst := range []netip.Addr{srv.IPv4(t), srv.IPv6(t)} {
+		target := netip.AddrPortFrom(dst, 8080)
+		np.checkPath(ctx, t, client.Pod, srv.Pod, target)
+		np.checkPathMarked(ctx, t, client.Pod, srv.Pod, target, 0x539)
+	}
+	for _, c := range app.seen() {
+		if c == client.IPv4(t) || c == client.IPv6(t) {
+			t.Fatalf("the server saw the client %s directly: a marked connect bypassed the node proxy", c)
+		}
+	}
 }

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/mesh-cni/mesh-cni/pkg/netns"
+	"github.com/mesh-cni/mesh-cni/pkg/redirect"
 )
 
 // pipeGrace bounds how long Wait keeps reading output after the process exited, in
@@ -42,6 +43,11 @@ type ProcessOptions struct {
 	NetNSPath string
 	// Name labels the process in logs; default the executable's base name.
 	Name string
+	// OwnCgroup starts the process in a cgroup v2 of its own (made for it,
+	// removed when it is gone), as a process of another container runs: the
+	// data path tells a node proxy apart from the pods by its cgroup, and every
+	// process a test starts otherwise shares the test's.
+	OwnCgroup bool
 }
 
 // Process is a running child process whose stdout and stderr go to a log file (and
@@ -53,7 +59,46 @@ type Process struct {
 	cmd     *exec.Cmd
 	out     *outputLog
 	done    chan struct{}
-	waitErr error // set before done is closed
+	waitErr error  // set before done is closed
+	cgroup  string // OwnCgroup's directory
+}
+
+// Cgroup is the cgroup v2 directory the process was started in with OwnCgroup.
+func (p *Process) Cgroup() string { return p.cgroup }
+
+// newCgroup makes a cgroup for one process below the cgroup v2 root and removes it
+// in cleanup, after the process (whose cleanup is registered later, so runs
+// earlier) is gone.
+func newCgroup(tb testing.TB, name string) (string, *os.File) {
+	tb.Helper()
+	root, err := redirect.FindCgroup2()
+	if err != nil {
+		tb.Fatalf("process %s: %v", name, err)
+	}
+	dir, err := os.MkdirTemp(root, "mesh-test-"+name+"-")
+	if err != nil {
+		tb.Fatalf("process %s: cgroup: %v", name, err)
+	}
+	tb.Cleanup(func() {
+		// A cgroup is removable once its last process has been reaped.
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			err := os.Remove(dir)
+			if err == nil || errors.Is(err, os.ErrNotExist) {
+				return
+			}
+			if time.Now().After(deadline) {
+				tb.Errorf("remove cgroup %s: %v", dir, err)
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	})
+	fd, err := os.Open(dir)
+	if err != nil {
+		tb.Fatalf("process %s: cgroup: %v", name, err)
+	}
+	return dir, fd
 }
 
 // StartProcess starts a process; see ProcessOptions.
@@ -86,6 +131,13 @@ func StartProcess(tb testing.TB, opts ProcessOptions) *Process {
 	// agent were killed at random mid-test. Children are killed in cleanup, and
 	// Run's leak check kills and reports any that survive.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: opts.Credential}
+	var cgroup string
+	if opts.OwnCgroup {
+		dir, fd := newCgroup(tb, name)
+		defer fd.Close()
+		cgroup = dir
+		cmd.SysProcAttr.UseCgroupFD, cmd.SysProcAttr.CgroupFD = true, int(fd.Fd())
+	}
 	if opts.NetNSPath != "" {
 		// The child inherits the namespace of the thread that starts it.
 		err = netns.Do(opts.NetNSPath, cmd.Start)
@@ -96,7 +148,7 @@ func StartProcess(tb testing.TB, opts ProcessOptions) *Process {
 		file.Close()
 		tb.Fatalf("start %s: %v", name, err)
 	}
-	p := &Process{name: name, logPath: logPath, cmd: cmd, out: out, done: make(chan struct{})}
+	p := &Process{name: name, logPath: logPath, cmd: cmd, out: out, done: make(chan struct{}), cgroup: cgroup}
 	go func() {
 		p.waitErr = cmd.Wait()
 		close(p.done)

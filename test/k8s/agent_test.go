@@ -54,7 +54,10 @@ func prepareAgent(t testing.TB, extraArgs ...string) *agent {
 	}
 	a := &agent{t: t, dir: dir, Socket: filepath.Join(dir, "run", "gate.sock"), BPFFS: filepath.Join(dir, "bpf")}
 	a.Args = append([]string{"run", "--socket", a.Socket, "--state-dir", filepath.Join(dir, "pods"), "--bpffs-root", a.BPFFS,
-		"--cni-install=false", "--metrics-addr=", "--zds-socket=", "--log-level", "debug"}, extraArgs...)
+		"--cni-install=false", "--metrics-addr=", "--zds-socket=", "--log-level", "debug",
+		// The sidecar proxies run in the test's cgroup and are known by ztunnel's
+		// mark (an opt-in); the node proxy of the ZDS tests by its own cgroup.
+		"--proxy-mark", "0x539"}, extraArgs...)
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()

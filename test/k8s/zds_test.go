@@ -100,6 +100,8 @@ func testAgentZDSEntryPoints(t *testing.T, c *cluster) {
 		Path: harness.Bins(t).Path("refproxy"),
 		Args: []string{"-zds", zdsSocket, "-require-service-account", "-record", records},
 		Name: "node-proxy",
+		// Its own cgroup, as ztunnel's container: how the agent knows it.
+		OwnCgroup: true,
 	})
 	readyCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	_, err := np.WaitForLine(readyCtx, "ready")

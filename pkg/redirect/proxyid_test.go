@@ -1,0 +1,137 @@
+package redirect
+
+import (
+	"bufio"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// TestHelperDial is not a test: it is the process TestProxyCgroup starts in a
+// cgroup, to connect the way a proxy in another container does. It dials
+// MESH_DIAL_ADDR from inside MESH_DIAL_NETNS with SO_MARK MESH_DIAL_MARK and prints
+// the lines it reads.
+func TestHelperDial(t *testing.T) {
+	netnsPath := os.Getenv("MESH_DIAL_NETNS")
+	if netnsPath == "" {
+		t.Skip("helper process of TestProxyCgroup")
+	}
+	mark, _ := strconv.ParseUint(os.Getenv("MESH_DIAL_MARK"), 0, 32)
+	p := &pod{name: "helper", path: netnsPath}
+	lines, _, err := p.fetch(os.Getenv("MESH_DIAL_ADDR"), dialOpts{mark: uint32(mark)})
+	if err != nil {
+		fmt.Println("ERR", err)
+		return
+	}
+	for _, l := range lines {
+		fmt.Println(l)
+	}
+}
+
+// newCgroup makes a cgroup v2 directory for the test and removes it at the end.
+func newCgroup(t *testing.T, parent, name string) string {
+	t.Helper()
+	dir := filepath.Join(parent, name)
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := os.Remove(dir); err != nil {
+			t.Errorf("remove cgroup %s: %v", dir, err)
+		}
+	})
+	return dir
+}
+
+// dialFromCgroup runs TestHelperDial in cgroup dir and returns its lines.
+func dialFromCgroup(t *testing.T, dir string, p *pod, addr string, mark uint32) []string {
+	t.Helper()
+	cg, err := os.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cg.Close()
+	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperDial$", "-test.v=false")
+	cmd.Env = append(os.Environ(), "MESH_DIAL_NETNS="+p.path, "MESH_DIAL_ADDR="+addr, fmt.Sprintf("MESH_DIAL_MARK=%#x", mark))
+	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: int(cg.Fd())}
+	cmd.WaitDelay = 10 * time.Second
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("helper dial in %s: %v (%s)", dir, err, out)
+	}
+	var lines []string
+	sc := bufio.NewScanner(strings.NewReader(string(out)))
+	for sc.Scan() {
+		if l := sc.Text(); l != "PASS" && l != "" {
+			lines = append(lines, l)
+		}
+	}
+	return lines
+}
+
+// The proxy is known by its cgroup, which a pod cannot change, and not by a socket
+// mark, which a pod's root sets with CAP_NET_RAW (granted by default): a pod
+// process that marks its connects is still redirected, a process of the proxy's
+// cgroup (or of a cgroup below it) is not.
+func TestProxyCgroup(t *testing.T) {
+	t.Parallel()
+	requireRoot(t)
+	d, _ := testDatapath(t)
+	a, b := newPodPair(t)
+	s := DefaultSettings()
+	// The proxies answer without connecting onward: their own connects would be
+	// this process's, which is not in the proxy cgroup.
+	for _, p := range []*pod{a, b} {
+		ln := p.listen(t, fmt.Sprintf("[::]:%d", s.OutboundPort))
+		serve(t, ln, func(conn net.Conn) {
+			orig, err := originalDst(conn)
+			fmt.Fprintf(conn, "OUT %s %v\n", orig, err)
+		})
+		startInboundProxy(t, p, s.InboundPort)
+		enroll(t, d, p, s)
+	}
+	startApp(t, b, 9000)
+	s.InboundExcludedPorts = append(s.InboundExcludedPorts, 9000)
+	enroll(t, d, b, s)
+
+	proxies := newCgroup(t, d.cgroup, fmt.Sprintf("mesh-test-proxies-%d", os.Getpid()))
+	worker := newCgroup(t, proxies, "worker")
+	other := newCgroup(t, d.cgroup, fmt.Sprintf("mesh-test-other-%d", os.Getpid()))
+	if err := d.SetProxyCgroups([]string{proxies}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.SetProxyCgroups(nil) })
+
+	for _, dst := range []netip.Addr{b.addr4, b.addr6} {
+		target := hostPort(dst, 9000)
+		redirected := "OUT " + target + " <nil>"
+		// The forged mark from this (pod-side, root) process: still redirected.
+		expectLines(t, a, target, dialOpts{mark: testMark}, redirected)
+		// Another cgroup, same forged mark: redirected.
+		if got := dialFromCgroup(t, other, a, target, testMark); len(got) != 1 || got[0] != redirected {
+			t.Errorf("from another cgroup with the mark: %q, want redirected", got)
+		}
+		// The proxy's cgroup and one below it: not redirected.
+		for _, cg := range []string{proxies, worker} {
+			if got := dialFromCgroup(t, cg, a, target, 0); len(got) != 1 || got[0] != "APP "+target {
+				t.Errorf("from proxy cgroup %s: %q, want straight to the application", filepath.Base(cg), got)
+			}
+		}
+	}
+	// Cleared, the proxy's cgroup is redirected like any other.
+	if err := d.SetProxyCgroups(nil); err != nil {
+		t.Fatal(err)
+	}
+	target := hostPort(b.addr4, 9000)
+	if got := dialFromCgroup(t, proxies, a, target, 0); len(got) != 1 || got[0] != "OUT "+target+" <nil>" {
+		t.Errorf("from the former proxy cgroup: %q, want redirected", got)
+	}
+}
