@@ -22,6 +22,7 @@ import (
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
+	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -50,7 +51,7 @@ func (o object) String() string { return fmt.Sprintf("%s document %d", o.file, o
 func strictDecoder(t *testing.T) runtime.Decoder {
 	t.Helper()
 	scheme := runtime.NewScheme()
-	for _, add := range []func(*runtime.Scheme) error{corev1.AddToScheme, appsv1.AddToScheme, rbacv1.AddToScheme} {
+	for _, add := range []func(*runtime.Scheme) error{corev1.AddToScheme, appsv1.AddToScheme, rbacv1.AddToScheme, batchv1.AddToScheme} {
 		if err := add(scheme); err != nil {
 			t.Fatalf("build scheme: %v", err)
 		}
@@ -224,28 +225,39 @@ func TestManifestKinds(t *testing.T) {
 	}
 }
 
-func TestKustomizationListsEveryFile(t *testing.T) {
-	data, err := fs.ReadFile(Manifests(), kustomizationFile)
+// kustomization is the part of a kustomization.yaml these manifests use.
+type kustomization struct {
+	APIVersion string   `json:"apiVersion"`
+	Kind       string   `json:"kind"`
+	Resources  []string `json:"resources"`
+	Images     []struct {
+		Name   string `json:"name"`
+		Digest string `json:"digest"`
+	} `json:"images"`
+}
+
+// readKustomization decodes file strictly, so a misspelt field (which
+// kustomize would reject) fails here too; a newTag would fail as well.
+func readKustomization(t *testing.T, file string) kustomization {
+	t.Helper()
+	data, err := fs.ReadFile(Manifests(), file)
 	if err != nil {
 		t.Fatal(err)
 	}
-	// Only the fields this kustomization uses; strict, so a misspelt field
-	// (which kustomize would reject) fails here too.
-	var k struct {
-		APIVersion string   `json:"apiVersion"`
-		Kind       string   `json:"kind"`
-		Resources  []string `json:"resources"`
-		Images     []struct {
-			Name   string `json:"name"`
-			NewTag string `json:"newTag"`
-		} `json:"images"`
-	}
+	var k kustomization
 	if err := yaml.UnmarshalStrict(data, &k); err != nil {
-		t.Fatalf("%s: %v", kustomizationFile, err)
+		t.Fatalf("%s: %v", file, err)
 	}
 	if k.APIVersion != "kustomize.config.k8s.io/v1beta1" || k.Kind != "Kustomization" {
-		t.Errorf("%s: apiVersion %q kind %q", kustomizationFile, k.APIVersion, k.Kind)
+		t.Errorf("%s: apiVersion %q kind %q", file, k.APIVersion, k.Kind)
 	}
+	return k
+}
+
+var digestRE = regexp.MustCompile(`^sha256:[0-9a-f]{64}$`)
+
+func TestKustomizationListsEveryFile(t *testing.T) {
+	k := readKustomization(t, kustomizationFile)
 	files := manifestFiles(t)
 	listed := slices.Clone(k.Resources)
 	slices.Sort(listed)
@@ -255,10 +267,28 @@ func TestKustomizationListsEveryFile(t *testing.T) {
 	if !slices.Equal(slices.Compact(listed), files) {
 		t.Errorf("%s resources %v, want every manifest in the directory: %v", kustomizationFile, k.Resources, files)
 	}
+}
 
-	repo, _, _ := strings.Cut(Image, ":")
-	if len(k.Images) != 1 || k.Images[0].Name != repo {
-		t.Errorf("%s images %+v: want one entry named %q so that overlays can set the agent image", kustomizationFile, k.Images, repo)
+// Both kustomizations pin the agent image by the release's digest, never by
+// a tag (a tag can be moved to other bytes; "latest" always is).
+func TestReleasePinned(t *testing.T) {
+	if !digestRE.MatchString(ReleaseDigest) {
+		t.Errorf("ReleaseDigest %q is not a sha256 digest", ReleaseDigest)
+	}
+	if !regexp.MustCompile(`^[0-9a-f]{40}$`).MatchString(ReleaseCommit) {
+		t.Errorf("ReleaseCommit %q: want the full commit id the image was built from", ReleaseCommit)
+	}
+	if !regexp.MustCompile(`^go1\.[0-9]+(\.[0-9]+)?$`).MatchString(ReleaseGo) {
+		t.Errorf("ReleaseGo %q: want the Go release that built it, e.g. go1.26.8", ReleaseGo)
+	}
+	for _, file := range []string{kustomizationFile, "uninstall/" + kustomizationFile} {
+		k := readKustomization(t, file)
+		if len(k.Images) != 1 || k.Images[0].Name != Image || k.Images[0].Digest != ReleaseDigest {
+			t.Errorf("%s images %+v: want one entry named %q pinning digest %s (release.go)", file, k.Images, Image, ReleaseDigest)
+		}
+	}
+	if strings.ContainsAny(Image, ":@") {
+		t.Errorf("Image %q: want the repository alone; kustomize pins the digest", Image)
 	}
 }
 
@@ -634,9 +664,13 @@ func TestRBACLeastPrivilege(t *testing.T) {
 	}
 }
 
-// TestKustomizeBuild builds the kustomization with kubectl's kustomize, as
-// `kubectl apply -k` does, and through an overlay that pins the image.
-func TestKustomizeBuild(t *testing.T) {
+// kubectlForKustomize finds a kubectl: the one hack/build-kube.sh node builds
+// (the cluster's own version), else one on PATH.
+func kubectlForKustomize(t *testing.T) string {
+	t.Helper()
+	if dir := os.Getenv("MESH_CNI_KUBE_NODE_BIN_DIR"); dir != "" {
+		return filepath.Join(dir, "kubectl")
+	}
 	kubectl, err := exec.LookPath("kubectl")
 	if err != nil {
 		if os.Getenv("CI") != "" {
@@ -644,6 +678,13 @@ func TestKustomizeBuild(t *testing.T) {
 		}
 		t.Skipf("kubectl not found (%v); CI runs this test", err)
 	}
+	return kubectl
+}
+
+// TestKustomizeBuild builds the kustomizations with kubectl's kustomize, as
+// `kubectl apply -k` does, and through an overlay that pins another build.
+func TestKustomizeBuild(t *testing.T) {
+	kubectl := kubectlForKustomize(t)
 	dec := strictDecoder(t)
 	build := func(dir string) []runtime.Object {
 		t.Helper()
@@ -670,9 +711,29 @@ func TestKustomizeBuild(t *testing.T) {
 		}
 		return objs
 	}
+	images := func(objs []runtime.Object) []string {
+		var out []string
+		for _, o := range objs {
+			switch v := o.(type) {
+			case *appsv1.DaemonSet:
+				out = append(out, v.Spec.Template.Spec.Containers[0].Image)
+			case *batchv1.Job:
+				out = append(out, v.Spec.Template.Spec.Containers[0].Image)
+			}
+		}
+		return out
+	}
+	pinned := Image + "@" + ReleaseDigest
 
-	if got, want := len(build(".")), len(loadObjects(t)); got != want {
+	objs := build(".")
+	if got, want := len(objs), len(loadObjects(t)); got != want {
 		t.Errorf("kustomize built %d objects, the files hold %d", got, want)
+	}
+	if got := images(objs); !slices.Equal(got, []string{pinned}) {
+		t.Errorf("the DaemonSet runs %q, want the release %s", got, pinned)
+	}
+	if got := images(build("uninstall")); !slices.Equal(got, []string{pinned}) {
+		t.Errorf("the uninstall Job runs %q, want the release %s", got, pinned)
 	}
 
 	// kustomize takes bases only by relative path.
@@ -685,18 +746,12 @@ func TestKustomizeBuild(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	repo, _, _ := strings.Cut(Image, ":")
-	kust := fmt.Sprintf("resources:\n  - %s\nimages:\n  - name: %s\n    newName: registry.example/mesh-agent\n    newTag: v9.9.9\n", base, repo)
+	other := "sha256:" + strings.Repeat("ab", 32)
+	kust := fmt.Sprintf("resources:\n  - %s\nimages:\n  - name: %s\n    digest: %s\n", base, Image, other)
 	if err := os.WriteFile(path.Join(overlay, kustomizationFile), []byte(kust), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	var image string
-	for _, o := range build(overlay) {
-		if ds, ok := o.(*appsv1.DaemonSet); ok {
-			image = ds.Spec.Template.Spec.Containers[0].Image
-		}
-	}
-	if image != "registry.example/mesh-agent:v9.9.9" {
-		t.Errorf("overlay with images set the agent image to %q", image)
+	if got := images(build(overlay)); !slices.Equal(got, []string{Image + "@" + other}) {
+		t.Errorf("an overlay pinning %s set the agent image to %q", other, got)
 	}
 }

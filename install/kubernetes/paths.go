@@ -9,10 +9,11 @@ import (
 	"io/fs"
 )
 
-//go:embed *.yaml
+//go:embed *.yaml uninstall/*.yaml
 var manifests embed.FS
 
-// Manifests returns the manifest files: kustomization.yaml and the files it lists.
+// Manifests returns the manifest files: kustomization.yaml and the files it
+// lists, and uninstall/ (the uninstall Job's kustomization and Job).
 func Manifests() fs.FS { return manifests }
 
 // Fixed names and values of the DaemonSet that other parts of the manifests (and
@@ -22,8 +23,12 @@ const (
 	ServiceAccount = "mesh-agent"
 	DaemonSet      = "mesh-agent"
 	Container      = "agent"
-	// Image is the placeholder image; pin it with kustomize `images`.
-	Image = "ghcr.io/mesh-cni/mesh-agent:latest"
+	// Image is the agent image's name in daemonset.yaml, without tag or
+	// digest: kustomization.yaml pins ReleaseDigest with `images`.
+	Image = "ghcr.io/mesh-cni/mesh-agent"
+	// UninstallNode is the placeholder for the node's name in the uninstall
+	// Job (uninstall/job.yaml).
+	UninstallNode = "NODE_NAME"
 	// AgentBinary is where the image keeps mesh-agent.
 	AgentBinary = "/usr/local/bin/mesh-agent"
 	// MetricsAddr serves /healthz, /readyz and metrics. Loopback: the kubelet
