@@ -1,0 +1,300 @@
+package helm
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"reflect"
+	"slices"
+	"strings"
+	"testing"
+
+	"helm.sh/helm/v3/pkg/action"
+	"helm.sh/helm/v3/pkg/chart/loader"
+	"helm.sh/helm/v3/pkg/chartutil"
+	kubefake "helm.sh/helm/v3/pkg/kube/fake"
+	"helm.sh/helm/v3/pkg/storage"
+	"helm.sh/helm/v3/pkg/storage/driver"
+	"sigs.k8s.io/kustomize/api/krusty"
+	"sigs.k8s.io/kustomize/kyaml/filesys"
+	"sigs.k8s.io/yaml"
+)
+
+const (
+	chartDir    = "mesh-cni"
+	kustomize   = "../kubernetes"
+	releaseName = "mesh-cni"
+	namespace   = "mesh-system"
+	// uninstallNode is the placeholder install/kubernetes/uninstall uses.
+	uninstallNode = "NODE_NAME"
+)
+
+// object is one rendered manifest, decoded into plain JSON values.
+type object map[string]any
+
+func (o object) key() string {
+	meta, _ := o["metadata"].(map[string]any)
+	return fmt.Sprintf("%v/%v/%v", o["kind"], meta["namespace"], meta["name"])
+}
+
+// decode splits a multi-document YAML stream into objects.
+func decode(t *testing.T, stream []byte) map[string]object {
+	t.Helper()
+	out := map[string]object{}
+	for _, doc := range bytes.Split(stream, []byte("\n---")) {
+		var o object
+		if err := yaml.Unmarshal(doc, &o); err != nil {
+			t.Fatalf("rendered document does not parse: %v\n%s", err, doc)
+		}
+		if len(o) == 0 {
+			continue
+		}
+		if _, dup := out[o.key()]; dup {
+			t.Fatalf("%s rendered twice", o.key())
+		}
+		out[o.key()] = o
+	}
+	return out
+}
+
+// render runs the chart as `helm template` does (the same action, client
+// only) with values set over the defaults.
+func render(t *testing.T, values map[string]any) (map[string]object, error) {
+	t.Helper()
+	chrt, err := loader.Load(chartDir)
+	if err != nil {
+		t.Fatalf("load chart: %v", err)
+	}
+	cfg := &action.Configuration{
+		Releases:     storage.Init(driver.NewMemory()),
+		KubeClient:   &kubefake.PrintingKubeClient{Out: io.Discard},
+		Capabilities: chartutil.DefaultCapabilities,
+		Log:          func(string, ...any) {},
+	}
+	inst := action.NewInstall(cfg)
+	inst.DryRun, inst.ClientOnly, inst.Replace = true, true, true
+	inst.ReleaseName, inst.Namespace = releaseName, namespace
+	rel, err := inst.Run(chrt, values)
+	if err != nil {
+		return nil, err
+	}
+	return decode(t, []byte(rel.Manifest)), nil
+}
+
+func mustRender(t *testing.T, values map[string]any) map[string]object {
+	t.Helper()
+	objs, err := render(t, values)
+	if err != nil {
+		t.Fatalf("render with %v: %v", values, err)
+	}
+	return objs
+}
+
+// build runs kustomize on dir as `kubectl apply -k` does.
+func build(t *testing.T, dir string) map[string]object {
+	t.Helper()
+	k := krusty.MakeKustomizer(krusty.MakeDefaultOptions())
+	res, err := k.Run(filesys.MakeFsOnDisk(), dir)
+	if err != nil {
+		t.Fatalf("kustomize %s: %v", dir, err)
+	}
+	out, err := res.AsYaml()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return decode(t, out)
+}
+
+func keys(m map[string]object) []string {
+	var out []string
+	for k := range m {
+		out = append(out, k)
+	}
+	slices.Sort(out)
+	return out
+}
+
+func diff(t *testing.T, what string, got, want object) {
+	t.Helper()
+	if reflect.DeepEqual(got, want) {
+		return
+	}
+	g, _ := json.MarshalIndent(got, "", "  ")
+	w, _ := json.MarshalIndent(want, "", "  ")
+	t.Errorf("%s differs:\n--- chart\n%s\n--- kustomize\n%s", what, g, w)
+}
+
+// The chart and the kustomization are one install: with the default values
+// the chart renders every object kustomize builds, identically, except the
+// Namespace (the README applies namespace.yaml before `helm install`); and its
+// uninstall Job for a node is the kustomization's.
+func TestDefaultsRenderTheKustomization(t *testing.T) {
+	chart := mustRender(t, nil)
+	kust := build(t, kustomize)
+	nsKey := "Namespace/<nil>/" + namespace
+	if _, ok := kust[nsKey]; !ok {
+		t.Fatalf("kustomize built no namespace %s: %v", namespace, keys(kust))
+	}
+	delete(kust, nsKey)
+	if !slices.Equal(keys(chart), keys(kust)) {
+		t.Fatalf("the chart renders %v, kustomize builds %v (and the namespace)", keys(chart), keys(kust))
+	}
+	for k, want := range kust {
+		diff(t, k, chart[k], want)
+	}
+
+	job := mustRender(t, map[string]any{"uninstall": map[string]any{"node": uninstallNode}})
+	kustJob := build(t, filepath.Join(kustomize, "uninstall"))
+	if len(kustJob) != 1 {
+		t.Fatalf("install/kubernetes/uninstall builds %v, want one Job", keys(kustJob))
+	}
+	for k, want := range kustJob {
+		diff(t, k, job[k], want)
+	}
+}
+
+// agentArgs returns the rendered DaemonSet's agent container.
+func agentContainer(t *testing.T, objs map[string]object) map[string]any {
+	t.Helper()
+	ds, ok := objs["DaemonSet/"+namespace+"/mesh-agent"]
+	if !ok {
+		t.Fatalf("no DaemonSet rendered: %v", keys(objs))
+	}
+	spec := ds["spec"].(map[string]any)["template"].(map[string]any)["spec"].(map[string]any)
+	return spec["containers"].([]any)[0].(map[string]any)
+}
+
+func argsOf(c map[string]any) []string {
+	var out []string
+	for _, a := range c["args"].([]any) {
+		out = append(out, a.(string))
+	}
+	return out
+}
+
+func TestValues(t *testing.T) {
+	const digest = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
+	for _, tc := range []struct {
+		name   string
+		values string
+		check  func(t *testing.T, objs map[string]object, c map[string]any)
+	}{
+		{"image digest", "image: {repository: registry.example/agent, digest: " + digest + "}", func(t *testing.T, _ map[string]object, c map[string]any) {
+			if c["image"] != "registry.example/agent@"+digest {
+				t.Errorf("image %v", c["image"])
+			}
+		}},
+		{"image tag", "image: {digest: '', tag: v9.9.9}", func(t *testing.T, _ map[string]object, c map[string]any) {
+			if c["image"] != "ghcr.io/mesh-cni/mesh-agent:v9.9.9" {
+				t.Errorf("image %v", c["image"])
+			}
+		}},
+		{"selector profile", "selectorProfile: istio", func(t *testing.T, _ map[string]object, c map[string]any) {
+			wantArg(t, c, "--selector-profile=istio")
+		}},
+		{"excluded namespaces", "excludeNamespaces: [kube-system, monitoring]", func(t *testing.T, _ map[string]object, c map[string]any) {
+			wantArg(t, c, "--exclude-namespaces=kube-system,monitoring")
+		}},
+		{"no excluded namespaces", "excludeNamespaces: []", func(t *testing.T, _ map[string]object, c map[string]any) {
+			wantArg(t, c, "--exclude-namespaces=")
+		}},
+		{"enrollment all without ZDS", "{enrollment: all, zds: {enabled: false}}", func(t *testing.T, _ map[string]object, c map[string]any) {
+			wantArg(t, c, "--enrollment=all")
+			wantArg(t, c, "--zds-socket=")
+		}},
+		{"enrollment all, ZDS without service accounts", "{enrollment: all, zds: {withoutServiceAccounts: true}}", func(t *testing.T, _ map[string]object, c map[string]any) {
+			wantArg(t, c, "--zds-without-service-accounts")
+		}},
+		{"enrollment file", "{enrollment: file, zds: {enabled: false}, policy: {namespaces: [shop]}}", func(t *testing.T, objs map[string]object, c map[string]any) {
+			wantArg(t, c, "--enrollment=file")
+			wantArg(t, c, "--policy-file=/etc/mesh-cni/enrollment.yaml")
+			cm, ok := objs["ConfigMap/"+namespace+"/mesh-agent-policy"]
+			if !ok {
+				t.Fatalf("no policy ConfigMap: %v", keys(objs))
+			}
+			var policy map[string]any
+			if err := yaml.Unmarshal([]byte(cm["data"].(map[string]any)["enrollment.yaml"].(string)), &policy); err != nil {
+				t.Fatal(err)
+			}
+			if !reflect.DeepEqual(policy, map[string]any{"namespaces": []any{"shop"}}) {
+				t.Errorf("policy file %v", policy)
+			}
+			mounted := false
+			for _, m := range c["volumeMounts"].([]any) {
+				mounted = mounted || m.(map[string]any)["mountPath"] == "/etc/mesh-cni"
+			}
+			if !mounted {
+				t.Error("the policy is not mounted at /etc/mesh-cni")
+			}
+		}},
+		{"plugin log", "plugin: {logLevel: debug, logFile: /var/run/mesh-cni/plugin.log}", func(t *testing.T, _ map[string]object, c map[string]any) {
+			wantArg(t, c, "--plugin-log-level=debug")
+			wantArg(t, c, "--plugin-log-file=/var/run/mesh-cni/plugin.log")
+		}},
+		{"resources", "resources: {requests: {cpu: 100m, memory: 128Mi}, limits: {memory: 1Gi}}", func(t *testing.T, _ map[string]object, c map[string]any) {
+			want := map[string]any{"requests": map[string]any{"cpu": "100m", "memory": "128Mi"}, "limits": map[string]any{"memory": "1Gi"}}
+			if !reflect.DeepEqual(c["resources"], want) {
+				t.Errorf("resources %v", c["resources"])
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var values map[string]any
+			if err := yaml.Unmarshal([]byte(tc.values), &values); err != nil {
+				t.Fatal(err)
+			}
+			objs := mustRender(t, values)
+			tc.check(t, objs, agentContainer(t, objs))
+		})
+	}
+}
+
+func wantArg(t *testing.T, c map[string]any, arg string) {
+	t.Helper()
+	if !slices.Contains(argsOf(c), arg) {
+		t.Errorf("args %q lack %q", argsOf(c), arg)
+	}
+}
+
+// Values the agent could not run with are refused at render time, saying why.
+func TestRejects(t *testing.T) {
+	for _, tc := range []struct {
+		values string
+		why    string
+	}{
+		{"enrollment: everything", "enrollment"},
+		{"selectorProfile: linkerd", "selectorProfile"},
+		{"enrollment: all", "service accounts"},
+		{"{enrollment: file, zds: {enabled: false}}", "needs a policy"},
+		{"image: {digest: sha256:short}", "digest"},
+		{"image: {digest: ''}", "image.digest (or image.tag)"},
+		{"excludeNamespaces: [Kube_System]", "excludeNamespaces"},
+		{"plugin: {logFile: relative.log}", "logFile"},
+		{"imagee: {tag: x}", "imagee"},
+	} {
+		var values map[string]any
+		if err := yaml.Unmarshal([]byte(tc.values), &values); err != nil {
+			t.Fatal(err)
+		}
+		_, err := render(t, values)
+		if err == nil {
+			t.Errorf("%s: rendered without error", tc.values)
+			continue
+		}
+		if !strings.Contains(err.Error(), tc.why) {
+			t.Errorf("%s: error %q does not say %q", tc.values, err, tc.why)
+		}
+	}
+}
+
+func TestMain(m *testing.M) {
+	// The chart is read from the module's directory.
+	if _, err := os.Stat(filepath.Join(chartDir, "Chart.yaml")); err != nil {
+		fmt.Fprintf(os.Stderr, "run from install/helm: %v\n", err)
+		os.Exit(1)
+	}
+	os.Exit(m.Run())
+}
