@@ -62,30 +62,45 @@ func EnsureBinaries(ctx context.Context) (Binaries, error) {
 		}
 		return b, nil
 	}
-	root, err := harness.ModuleRoot(ctx)
+	dir, err := CachedBuild(ctx, "build-kube.sh")
 	if err != nil {
 		return Binaries{}, err
 	}
-	script := filepath.Join(root, "hack", "build-kube.sh")
-	ctx, cancel := context.WithTimeout(ctx, BuildTimeout)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, "bash", script)
-	cmd.Dir = root
-	var stdout, stderr bytes.Buffer
-	cmd.Stdout = &stdout
-	cmd.Stderr = &stderr
-	if err := cmd.Run(); err != nil {
-		return Binaries{}, fmt.Errorf("%s: %w\n%s", script, err, stderr.String())
-	}
-	lines := strings.Split(strings.TrimSpace(stdout.String()), "\n")
-	b := Binaries{Dir: strings.TrimSpace(lines[len(lines)-1])}
+	b := Binaries{Dir: dir}
 	if err := b.check(); err != nil {
-		return b, fmt.Errorf("%s printed %q: %w", script, b.Dir, err)
+		return b, fmt.Errorf("hack/build-kube.sh printed %q: %w", b.Dir, err)
 	}
 	if err := os.Setenv(EnvBinDir, b.Dir); err != nil {
 		return b, err
 	}
 	return b, nil
+}
+
+// CachedBuild runs one of the repository's hack/ build scripts (which build
+// from the Go module proxy into a cache outside the repository, or find the
+// cache filled) with args, and returns the directory it printed last.
+func CachedBuild(ctx context.Context, script string, args ...string) (string, error) {
+	root, err := harness.ModuleRoot(ctx)
+	if err != nil {
+		return "", err
+	}
+	path := filepath.Join(root, "hack", script)
+	ctx, cancel := context.WithTimeout(ctx, BuildTimeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, "bash", append([]string{path}, args...)...)
+	cmd.Dir = root
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout = &stdout
+	cmd.Stderr = &stderr
+	if err := cmd.Run(); err != nil {
+		return "", fmt.Errorf("%s %s: %w\n%s", path, strings.Join(args, " "), err, stderr.String())
+	}
+	lines := strings.Split(strings.TrimSpace(stdout.String()), "\n")
+	dir := strings.TrimSpace(lines[len(lines)-1])
+	if !filepath.IsAbs(dir) {
+		return "", fmt.Errorf("%s printed %q, not a directory", path, dir)
+	}
+	return dir, nil
 }
 
 // FromEnv returns the binaries EnsureBinaries found, for tests.

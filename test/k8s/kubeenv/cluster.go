@@ -7,7 +7,9 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"sort"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -110,13 +112,52 @@ type APIServer struct {
 	name   string
 }
 
+// APIServerOptions adjust the API server for a cluster that runs pods. The
+// zero value is the enrollment tests' server: on loopback, with no kubelet
+// and no controllers behind it.
+type APIServerOptions struct {
+	// Address is the IP address the server listens on and advertises as the
+	// kubernetes Service's endpoint; default 127.0.0.1.
+	Address string
+	// Cluster turns on what a cluster with kubelets and a controller manager
+	// needs: the ServiceAccount and NodeRestriction admission plugins, Node
+	// and RBAC authorization, privileged containers, the kubernetes Service's
+	// endpoints, and a client certificate for the server's calls to kubelets
+	// (logs, exec), which it reaches at their InternalIP.
+	Cluster bool
+	// Users are further static-token users, name -> groups (the node's
+	// kubelet, the scheduler, the controller manager, kube-proxy).
+	Users map[string][]string
+}
+
+// ServiceCIDR is the cluster's Service range; the kubernetes Service takes
+// its first address.
+const ServiceCIDR = "10.0.0.0/24"
+
 // StartAPIServer runs kube-apiserver on etcd, keeping its objects under a
 // prefix of its own so several API servers can share one etcd. It returns once
 // /readyz answers ok (bootstrap RBAC roles included).
 func StartAPIServer(tb testing.TB, bins Binaries, etcd *Etcd, name string) *APIServer {
 	tb.Helper()
+	return StartAPIServerWith(tb, bins, etcd, name, APIServerOptions{})
+}
+
+// StartAPIServerWith is StartAPIServer with options.
+func StartAPIServerWith(tb testing.TB, bins Binaries, etcd *Etcd, name string, opts APIServerOptions) *APIServer {
+	tb.Helper()
+	address := opts.Address
+	if address == "" {
+		address = "127.0.0.1"
+	}
+	ip := net.ParseIP(address)
+	if ip == nil {
+		tb.Fatalf("API server address %q is not an IP address", address)
+	}
 	dir := tb.TempDir()
-	pki, err := newPKI(dir)
+	// The kubernetes Service's cluster IP and names: in-cluster clients
+	// (the agent) verify the serving certificate against them.
+	pki, err := newPKI(dir, []net.IP{ip, net.IPv4(10, 0, 0, 1)},
+		[]string{"kubernetes", "kubernetes.default", "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"})
 	if err != nil {
 		tb.Fatalf("api server certificates: %v", err)
 	}
@@ -127,41 +168,75 @@ func StartAPIServer(tb testing.TB, bins Binaries, etcd *Etcd, name string) *APIS
 		tokens: map[string]string{AdminUser: randomToken(), AgentUser: randomToken()},
 	}
 	tokenFile := filepath.Join(dir, "tokens.csv")
-	csv := fmt.Sprintf("%s,%s,1,\"system:masters\"\n%s,%s,2\n", s.tokens[AdminUser], AdminUser, s.tokens[AgentUser], AgentUser)
-	if err := os.WriteFile(tokenFile, []byte(csv), 0o600); err != nil {
+	var csv strings.Builder
+	fmt.Fprintf(&csv, "%s,%s,1,\"system:masters\"\n%s,%s,2\n", s.tokens[AdminUser], AdminUser, s.tokens[AgentUser], AgentUser)
+	users := make([]string, 0, len(opts.Users))
+	for u := range opts.Users {
+		users = append(users, u)
+	}
+	sort.Strings(users)
+	for i, u := range users {
+		s.tokens[u] = randomToken()
+		fmt.Fprintf(&csv, "%s,%s,%d,\"%s\"\n", s.tokens[u], u, i+3, strings.Join(opts.Users[u], ","))
+	}
+	if err := os.WriteFile(tokenFile, []byte(csv.String()), 0o600); err != nil {
 		tb.Fatal(err)
 	}
-	port := freePort(tb)
-	s.URL = fmt.Sprintf("https://127.0.0.1:%d", port)
+	port := freePortOn(tb, address)
+	s.URL = "https://" + net.JoinHostPort(address, strconv.Itoa(port))
 	s.args = []string{
 		"--etcd-servers", etcd.URL,
 		"--etcd-prefix", "/registry-" + name,
-		"--bind-address", "127.0.0.1",
-		"--advertise-address", "127.0.0.1",
+		"--bind-address", address,
+		"--advertise-address", address,
 		"--secure-port", strconv.Itoa(port),
 		"--cert-dir", filepath.Join(dir, "certs"),
 		"--tls-cert-file", pki.CertFile,
 		"--tls-private-key-file", pki.KeyFile,
 		"--token-auth-file", tokenFile,
 		"--anonymous-auth=false",
-		"--authorization-mode", "RBAC",
 		"--service-account-issuer", "https://kubernetes.default.svc",
 		"--service-account-key-file", pki.SAKey,
 		"--service-account-signing-key-file", pki.SAKey,
-		"--service-cluster-ip-range", "10.0.0.0/24",
-		// No controller manager makes the default service account, and the
-		// pods are never run by a kubelet.
-		"--disable-admission-plugins", "ServiceAccount",
-		// Nothing routes to the advertised loopback address; the endpoint
-		// reconciler has nothing useful to do.
-		"--endpoint-reconciler-type", "none",
+		"--service-cluster-ip-range", ServiceCIDR,
 		"--enable-priority-and-fairness=false",
 		"--profiling=false",
 		"--v", "1",
 	}
+	if opts.Cluster {
+		kubeletCert, kubeletKey, err := pki.issueClient(dir, "kubelet-client", "kube-apiserver-kubelet-client", []string{"system:masters"})
+		if err != nil {
+			tb.Fatal(err)
+		}
+		s.args = append(s.args,
+			"--authorization-mode", "Node,RBAC",
+			"--enable-admission-plugins", "NodeRestriction",
+			"--allow-privileged=true",
+			"--kubelet-client-certificate", kubeletCert,
+			"--kubelet-client-key", kubeletKey,
+			"--kubelet-preferred-address-types", "InternalIP",
+		)
+	} else {
+		s.args = append(s.args,
+			"--authorization-mode", "RBAC",
+			// No controller manager makes the default service account, and
+			// the pods are never run by a kubelet.
+			"--disable-admission-plugins", "ServiceAccount",
+			// Nothing routes to the advertised loopback address; the
+			// endpoint reconciler has nothing useful to do.
+			"--endpoint-reconciler-type", "none",
+		)
+	}
 	s.Start(tb)
 	return s
 }
+
+// CAFile is the cluster CA's certificate (PEM): what kubelets trust for
+// client certificates and the controller manager publishes to pods.
+func (s *APIServer) CAFile() string { return s.pki.CACertFile }
+
+// ServiceAccountKeyFile is the service-account signing key (PEM).
+func (s *APIServer) ServiceAccountKeyFile() string { return s.pki.SAKey }
 
 // Start runs the API server process (again) and waits until it is ready.
 func (s *APIServer) Start(tb testing.TB) {
@@ -262,36 +337,20 @@ func (s *APIServer) GrantAgent(tb testing.TB) {
 // pollUntil calls probe every 100 ms until it succeeds, the process exits or
 // ctx ends.
 func pollUntil(ctx context.Context, proc *harness.Process, probe func(context.Context) error) error {
-	var last error
-	for {
-		pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		last = probe(pctx)
-		cancel()
-		if last == nil {
-			return nil
-		}
-		select {
-		case <-proc.Done():
-			return fmt.Errorf("the process exited (last probe: %v); output:\n%s", last, tail(proc.Output(), 4000))
-		case <-ctx.Done():
-			return fmt.Errorf("%w (last probe: %v); output:\n%s", ctx.Err(), last, tail(proc.Output(), 4000))
-		case <-time.After(100 * time.Millisecond):
-		}
-	}
-}
-
-func tail(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	return "..." + s[len(s)-n:]
+	return harness.PollUntil(ctx, proc, 100*time.Millisecond, probe)
 }
 
 // freePort asks the kernel for a free loopback TCP port. It is released before
 // the server binds it; the window is small and ports are not reused at once.
 func freePort(tb testing.TB) int {
 	tb.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	return freePortOn(tb, "127.0.0.1")
+}
+
+// freePortOn is freePort on another local address.
+func freePortOn(tb testing.TB, address string) int {
+	tb.Helper()
+	ln, err := net.Listen("tcp", net.JoinHostPort(address, "0"))
 	if err != nil {
 		tb.Fatal(err)
 	}
