@@ -1,13 +1,16 @@
 // Command echoclient is the client of the node tests' images. Started with
 // -idle it only waits for SIGTERM (the container stays up for exec); run with
-// -connect it makes -n connections to an echo server, one round trip each, and
-// prints one line per connection: "ok LOCAL" or "error: ...". It exits 0 only
-// when every round trip succeeded.
+// -connect it makes -n connections to an echo server (-n 0: until SIGTERM,
+// -interval apart), one round trip each, and prints one line per connection:
+// "ok LOCAL" or "error: ...". With -record it also appends one JSON line per
+// connection to a file, for a test that counts them while the client runs. It
+// exits 0 only when every round trip succeeded (with -n 0: on SIGTERM).
 package main
 
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -31,8 +34,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.SetOutput(stderr)
 	idle := fs.Bool("idle", false, "do nothing until SIGTERM")
 	addr := fs.String("connect", "", "HOST:PORT of the echo server")
-	n := fs.Int("n", 1, "number of connections")
+	n := fs.Int("n", 1, "number of connections (0: until SIGTERM)")
+	interval := fs.Duration("interval", 0, "pause between connections")
 	timeout := fs.Duration("timeout", 10*time.Second, "deadline of each connection")
+	record := fs.String("record", "", "append a JSON line per connection to this file")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
@@ -43,24 +48,68 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		<-ctx.Done()
 		return 0
 	}
-	if *addr == "" || *n < 1 {
-		fmt.Fprintln(stderr, "echoclient: -connect HOST:PORT and -n >= 1 are required (or -idle)")
+	if *addr == "" || *n < 0 || *interval < 0 {
+		fmt.Fprintln(stderr, "echoclient: -connect HOST:PORT is required (or -idle), -n and -interval must not be negative")
 		return 2
 	}
-	failed := 0
-	for i := range *n {
-		local, err := roundTrip(ctx, *addr, *timeout, fmt.Appendf(nil, "echoclient %d\n", i))
+	var rec *os.File
+	if *record != "" {
+		f, err := os.OpenFile(*record, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o644)
 		if err != nil {
+			fmt.Fprintf(stderr, "echoclient: %v\n", err)
+			return 1
+		}
+		defer f.Close()
+		rec = f
+	}
+	failed := 0
+	for i := 0; *n == 0 || i < *n; i++ {
+		if i > 0 && *interval > 0 {
+			select {
+			case <-ctx.Done():
+			case <-time.After(*interval):
+			}
+		}
+		if ctx.Err() != nil {
+			if *n == 0 {
+				break
+			}
 			failed++
-			fmt.Fprintf(stdout, "error: %v\n", err)
 			continue
 		}
-		fmt.Fprintf(stdout, "ok %s\n", local)
+		start := time.Now()
+		local, err := roundTrip(ctx, *addr, *timeout, fmt.Appendf(nil, "echoclient %d\n", i))
+		if err != nil && ctx.Err() != nil && *n == 0 {
+			break // stopped mid-connection: not a failure of the path
+		}
+		c := Connection{Time: start.UTC(), Local: local}
+		if err != nil {
+			failed++
+			c.Error = err.Error()
+			fmt.Fprintf(stdout, "error: %v\n", err)
+		} else {
+			fmt.Fprintf(stdout, "ok %s\n", local)
+		}
+		if rec != nil {
+			line, _ := json.Marshal(c)
+			// One write per line on an O_APPEND file: lines never interleave.
+			if _, err := rec.Write(append(line, '\n')); err != nil {
+				fmt.Fprintf(stderr, "echoclient: record: %v\n", err)
+			}
+		}
 	}
-	if failed > 0 {
+	if failed > 0 && *n > 0 {
 		return 1
 	}
 	return 0
+}
+
+// Connection is one line of the record file: a round trip's start, the local
+// address it was made from, and its error ("" when the echo came back whole).
+type Connection struct {
+	Time  time.Time `json:"time"`
+	Local string    `json:"local,omitempty"`
+	Error string    `json:"error,omitempty"`
 }
 
 // roundTrip connects, writes msg, reads it back and returns the local address.
