@@ -67,7 +67,15 @@ enum setting_flags {
 	SETTING_PROXY_MARK = 1 << 4,     // sockets carrying proxy_mark are the proxy's
 	SETTING_INBOUND_PORTS = 1 << 5,  // inbound_port_set names a set in excluded_ports
 	SETTING_OUTBOUND_PORTS = 1 << 6, // outbound_port_set names a set in excluded_ports
+	SETTING_DNS_CAPTURE = 1 << 7,    // DNS (port 53) goes to the proxy's dns_port
+	SETTING_DNS_FAIL_CLOSED = 1 << 8, // ... even when nothing listens there
+	SETTING_PROBE_NODE = 1 << 9,     // the node's addresses (NODE_SET) are probe sources
 };
+
+// The set of probe_srcs holding the node's own addresses, kept current by the agent
+// and shared by every pod with SETTING_PROBE_NODE.
+#define NODE_SET 0xffffffff
+#define DNS_PORT 53
 
 // Per-pod settings, keyed by netns cookie. Ports are in host byte order.
 struct pod_settings {
@@ -83,6 +91,9 @@ struct pod_settings {
 	__u32 inbound_port_set;
 	// Outbound destination ports never redirected.
 	__u32 outbound_port_set;
+	// The proxy's DNS listener (UDP and TCP) on loopback, for SETTING_DNS_CAPTURE.
+	__u16 dns_port;
+	__u16 pad;
 };
 
 // A cgroup whose processes are the proxy: the node proxy's own cgroup (learned from
@@ -160,6 +171,9 @@ enum counter {
 	COUNTER_IN_PASSED,
 	COUNTER_IN_DROPPED,
 	COUNTER_LISTENER_REFUSED,
+	COUNTER_DNS_REDIRECTED,
+	COUNTER_DNS_PASSED,
+	COUNTER_DNS_DROPPED,
 	COUNTER_MAX,
 };
 
@@ -378,27 +392,73 @@ static __always_inline bool is_proxy_task(void)
 	return false;
 }
 
-// proxy_listening reports whether a TCP listener for the outbound port exists on the
-// loopback address the connect is about to be rewritten to, in the socket's netns.
-static __always_inline bool proxy_listening(struct bpf_sock_addr *ctx, bool v4, __u16 port)
+// proxy_listening reports whether the proxy listens on port of the loopback address
+// a connect or datagram is about to be rewritten to, in the socket's netns: a TCP
+// listener, or a bound UDP socket.
+static __always_inline bool proxy_listening(struct bpf_sock_addr *ctx, bool v4, __u16 port, bool udp)
 {
 	struct bpf_sock_tuple t = {};
 	struct bpf_sock *sk;
+	__u32 size;
 
 	if (v4) {
 		t.ipv4.daddr = bpf_htonl(0x7f000001);
 		t.ipv4.dport = bpf_htons(port);
-		sk = bpf_skc_lookup_tcp(ctx, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
+		size = sizeof(t.ipv4);
 	} else {
 		t.ipv6.daddr[3] = bpf_htonl(1);
 		t.ipv6.dport = bpf_htons(port);
-		sk = bpf_skc_lookup_tcp(ctx, &t, sizeof(t.ipv6), BPF_F_CURRENT_NETNS, 0);
+		size = sizeof(t.ipv6);
 	}
+	if (udp) {
+		sk = bpf_sk_lookup_udp(ctx, &t, size, BPF_F_CURRENT_NETNS, 0);
+		if (!sk)
+			return false;
+		bpf_sk_release(sk);
+		return true;
+	}
+	sk = bpf_skc_lookup_tcp(ctx, &t, size, BPF_F_CURRENT_NETNS, 0);
 	if (!sk)
 		return false;
 	bool listening = sk->state == BPF_TCP_LISTEN;
 	bpf_sk_release(sk);
 	return listening;
+}
+
+// rewrite_to_loopback points the connect or datagram at port on loopback, in the
+// form the socket's family and the destination's need.
+static __always_inline void rewrite_to_loopback(struct bpf_sock_addr *ctx, bool v6, bool v4dst, __u16 port)
+{
+	ctx->user_port = bpf_htons(port);
+	if (!v6) {
+		ctx->user_ip4 = bpf_htonl(0x7f000001);
+	} else if (v4dst) {
+		ctx->user_ip6[0] = 0;
+		ctx->user_ip6[1] = 0;
+		ctx->user_ip6[2] = bpf_htonl(0x0000ffff);
+		ctx->user_ip6[3] = bpf_htonl(0x7f000001);
+	} else {
+		ctx->user_ip6[0] = 0;
+		ctx->user_ip6[1] = 0;
+		ctx->user_ip6[2] = 0;
+		ctx->user_ip6[3] = bpf_htonl(1);
+	}
+}
+
+// user_dst reads the connect's or datagram's destination, IPv4-mapped for IPv4.
+static __always_inline void user_dst(struct bpf_sock_addr *ctx, bool v6, struct orig_dst *d)
+{
+	if (v6) {
+		d->addr[0] = ctx->user_ip6[0];
+		d->addr[1] = ctx->user_ip6[1];
+		d->addr[2] = ctx->user_ip6[2];
+		d->addr[3] = ctx->user_ip6[3];
+		d->family = is_v4_mapped(d->addr) ? AF_INET : AF_INET6;
+	} else {
+		map_v4(d->addr, ctx->user_ip4);
+		d->family = AF_INET;
+	}
+	d->port = (__u16)ctx->user_port;
 }
 
 // is_proxy_socket: the proxy's own connects are never redirected.
@@ -411,9 +471,44 @@ static __always_inline bool is_proxy_socket(struct bpf_sock *sk, const struct po
 	return is_proxy_task();
 }
 
-static __always_inline int connect_common(struct bpf_sock_addr *ctx, bool v6)
+// dns_redirect sends a DNS query (UDP datagram or connect, or TCP connect, to port
+// 53) to the proxy's DNS listener on loopback. With nothing listening there it is
+// left alone (a pod must not lose name resolution while its proxy restarts) unless
+// the pod is DNS fail-closed. The original destination is kept in the socket's
+// storage: recvmsg shows answers as coming from it, as resolver libraries require.
+static __always_inline int dns_redirect(struct bpf_sock_addr *ctx, const struct pod_settings *s,
+					struct bpf_sock *sk, struct orig_dst *d, bool v6, bool udp)
 {
-	if (ctx->protocol != IPPROTO_TCP)
+	bool v4 = d->family == AF_INET;
+	if (!proxy_listening(ctx, v4, s->dns_port, udp)) {
+		if (!(s->flags & SETTING_DNS_FAIL_CLOSED)) {
+			bpf_sk_storage_delete(&sock_orig, sk);
+			count(COUNTER_DNS_PASSED);
+			return 1;
+		}
+		count(COUNTER_DNS_DROPPED);
+	} else {
+		count(COUNTER_DNS_REDIRECTED);
+	}
+	struct orig_dst *st = bpf_sk_storage_get(&sock_orig, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!st)
+		return 0;
+	*st = *d;
+	rewrite_to_loopback(ctx, v6, v4, s->dns_port);
+	return 1;
+}
+
+static __always_inline bool is_dns(const struct pod_settings *s, const struct orig_dst *d)
+{
+	return (s->flags & SETTING_DNS_CAPTURE) && d->port == bpf_htons(DNS_PORT) && !is_loopback_or_any(d->addr);
+}
+
+// redirect_common decides a TCP connect, a UDP connect or a UDP datagram (sendmsg)
+// from an enrolled netns.
+static __always_inline int redirect_common(struct bpf_sock_addr *ctx, bool v6, bool datagram)
+{
+	__u32 proto = ctx->protocol;
+	if (proto != IPPROTO_TCP && proto != IPPROTO_UDP)
 		return 1;
 	__u64 netns = bpf_get_netns_cookie(ctx);
 	struct pod_settings *s = bpf_map_lookup_elem(&pods, &netns);
@@ -422,30 +517,26 @@ static __always_inline int connect_common(struct bpf_sock_addr *ctx, bool v6)
 	struct bpf_sock *sk = ctx->sk;
 	if (!sk)
 		return 1;
-
 	struct orig_dst d = {};
-	if (v6) {
-		d.addr[0] = ctx->user_ip6[0];
-		d.addr[1] = ctx->user_ip6[1];
-		d.addr[2] = ctx->user_ip6[2];
-		d.addr[3] = ctx->user_ip6[3];
-		d.family = is_v4_mapped(d.addr) ? AF_INET : AF_INET6;
-	} else {
-		map_v4(d.addr, ctx->user_ip4);
-		d.family = AF_INET;
-	}
-	d.port = (__u16)ctx->user_port;
+	user_dst(ctx, v6, &d);
+	bool udp = proto == IPPROTO_UDP;
 
 	// A socket may connect again after a failed attempt: forget an earlier
 	// redirection so getpeername does not report a stale peer.
 	if (is_proxy_socket(sk, s)) {
 		bpf_sk_storage_delete(&sock_orig, sk);
-		__u8 *p = bpf_sk_storage_get(&proxy_socks, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
-		if (p)
-			*p = 1;
-		count(COUNTER_OUT_PASSED);
+		if (!udp && !datagram) {
+			__u8 *p = bpf_sk_storage_get(&proxy_socks, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+			if (p)
+				*p = 1;
+			count(COUNTER_OUT_PASSED);
+		}
 		return 1;
 	}
+	if (is_dns(s, &d))
+		return dns_redirect(ctx, s, sk, &d, v6, udp);
+	if (udp || datagram)
+		return 1; // only DNS is captured among datagrams
 	// Loopback and unspecified destinations stay inside the pod, like the
 	// `! -d 127.0.0.1/32` exclusion of iptables-based meshes.
 	if (is_loopback_or_any(d.addr) ||
@@ -457,7 +548,7 @@ static __always_inline int connect_common(struct bpf_sock_addr *ctx, bool v6)
 	}
 
 	bool v4 = d.family == AF_INET;
-	if (!proxy_listening(ctx, v4, s->outbound_port)) {
+	if (!proxy_listening(ctx, v4, s->outbound_port, false)) {
 		if (s->flags & SETTING_FAIL_OPEN) {
 			bpf_sk_storage_delete(&sock_orig, sk);
 			count(COUNTER_OUT_PASSED);
@@ -477,34 +568,78 @@ static __always_inline int connect_common(struct bpf_sock_addr *ctx, bool v6)
 		return 0;
 	}
 	*st = d;
-
-	ctx->user_port = bpf_htons(s->outbound_port);
-	if (!v6) {
-		ctx->user_ip4 = bpf_htonl(0x7f000001);
-	} else if (v4) {
-		ctx->user_ip6[0] = 0;
-		ctx->user_ip6[1] = 0;
-		ctx->user_ip6[2] = bpf_htonl(0x0000ffff);
-		ctx->user_ip6[3] = bpf_htonl(0x7f000001);
-	} else {
-		ctx->user_ip6[0] = 0;
-		ctx->user_ip6[1] = 0;
-		ctx->user_ip6[2] = 0;
-		ctx->user_ip6[3] = bpf_htonl(1);
-	}
+	rewrite_to_loopback(ctx, v6, v4, s->outbound_port);
 	return 1;
 }
 
 SEC("cgroup/connect4")
 int mesh_connect4(struct bpf_sock_addr *ctx)
 {
-	return connect_common(ctx, false);
+	return redirect_common(ctx, false, false);
 }
 
 SEC("cgroup/connect6")
 int mesh_connect6(struct bpf_sock_addr *ctx)
 {
-	return connect_common(ctx, true);
+	return redirect_common(ctx, true, false);
+}
+
+// sendmsg4/6 run for datagrams sent with an address (sendto, sendmsg with a name):
+// DNS queries of unconnected UDP sockets.
+SEC("cgroup/sendmsg4")
+int mesh_sendmsg4(struct bpf_sock_addr *ctx)
+{
+	return redirect_common(ctx, false, true);
+}
+
+SEC("cgroup/sendmsg6")
+int mesh_sendmsg6(struct bpf_sock_addr *ctx)
+{
+	return redirect_common(ctx, true, true);
+}
+
+// recvmsg4/6 show a DNS answer from the proxy's listener as coming from the
+// resolver the query was sent to.
+static __always_inline int recvmsg_common(struct bpf_sock_addr *ctx, bool v6)
+{
+	struct bpf_sock *sk = ctx->sk;
+	if (!sk)
+		return 1;
+	struct orig_dst *o = bpf_sk_storage_get(&sock_orig, sk, 0, 0);
+	if (!o)
+		return 1;
+	__u64 netns = bpf_get_netns_cookie(ctx);
+	struct pod_settings *s = bpf_map_lookup_elem(&pods, &netns);
+	if (!s || ctx->user_port != bpf_htons(s->dns_port))
+		return 1;
+	struct orig_dst from = {};
+	user_dst(ctx, v6, &from);
+	if (!is_loopback_or_any(from.addr))
+		return 1;
+	if (!v6) {
+		if (o->family != AF_INET)
+			return 1;
+		ctx->user_ip4 = o->addr[3];
+	} else {
+		ctx->user_ip6[0] = o->addr[0];
+		ctx->user_ip6[1] = o->addr[1];
+		ctx->user_ip6[2] = o->addr[2];
+		ctx->user_ip6[3] = o->addr[3];
+	}
+	ctx->user_port = o->port;
+	return 1;
+}
+
+SEC("cgroup/recvmsg4")
+int mesh_recvmsg4(struct bpf_sock_addr *ctx)
+{
+	return recvmsg_common(ctx, false);
+}
+
+SEC("cgroup/recvmsg6")
+int mesh_recvmsg6(struct bpf_sock_addr *ctx)
+{
+	return recvmsg_common(ctx, true);
 }
 
 // ops_addrs fills the local and remote address of a sockops socket, IPv4-mapped for
@@ -859,7 +994,8 @@ int mesh_lookup(struct bpf_sk_lookup *ctx)
 	    bpf_map_lookup_elem(&proxy_conns, &t))
 		return SK_PASS;
 	if (((s->flags & SETTING_INBOUND_PORTS) && port_in(s->inbound_port_set, lport)) ||
-	    ((s->flags & SETTING_PROBE_SOURCES) && in_cidrs(&probe_srcs, s->probe_set, t.remote))) {
+	    ((s->flags & SETTING_PROBE_SOURCES) && in_cidrs(&probe_srcs, s->probe_set, t.remote)) ||
+	    ((s->flags & SETTING_PROBE_NODE) && in_cidrs(&probe_srcs, NODE_SET, t.remote))) {
 		count(COUNTER_IN_PASSED);
 		return SK_PASS;
 	}

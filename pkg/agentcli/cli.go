@@ -58,7 +58,10 @@ type options struct {
 	inboundExcludedPorts  intList
 	outboundExcludedPorts intList
 	excludedCIDRs         prefixList
-	probeSources          prefixList
+	probeSources          probeSourceList
+	dnsCapture            bool
+	dnsPort               uint
+	dnsFailClosed         bool
 	failOpen              bool
 
 	// The CNI chain entry.
@@ -110,7 +113,11 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.Var(&opts.inboundExcludedPorts, "inbound-excluded-ports", "comma-separated destination ports of inbound connections never captured (default: the proxy's own ports)")
 	fs.Var(&opts.outboundExcludedPorts, "outbound-excluded-ports", "comma-separated destination ports of outbound connects never redirected, to any host (default: none)")
 	fs.Var(&opts.excludedCIDRs, "excluded-cidrs", "comma-separated outbound destination CIDRs never redirected")
-	fs.Var(&opts.probeSources, "probe-sources", "comma-separated inbound source CIDRs never redirected (the node's addresses, for kubelet probes)")
+	opts.probeSources = probeSourceList{node: true}
+	fs.Var(&opts.probeSources, "probe-sources", "inbound sources never captured, so kubelet probes reach the application: comma-separated CIDRs and \"node\" (the node's own addresses, kept current), or \"none\"")
+	fs.BoolVar(&opts.dnsCapture, "dns-capture", false, "send enrolled pods' DNS (UDP and TCP to port 53) to the proxy's DNS listener on loopback (--dns-port); while nothing listens there, queries go to the resolver as sent")
+	fs.UintVar(&opts.dnsPort, "dns-port", uint(defaults.DNSPort), "the proxy's DNS listener port inside each pod (127.0.0.1 and ::1, UDP and TCP)")
+	fs.BoolVar(&opts.dnsFailClosed, "dns-fail-closed", false, "with --dns-capture, send DNS to the proxy's listener even when nothing listens there (queries then fail)")
 	fs.BoolVar(&opts.failOpen, "fail-open", false, "pass traffic through when no proxy listens (default: refuse outbound connects and drop inbound SYNs)")
 
 	fs.BoolVar(&opts.cniInstall, "cni-install", true, "install the plugin binary and the chain entry, and keep the entry in place")
@@ -159,7 +166,12 @@ func (o options) redirectSettings() (redirect.Settings, error) {
 		return s, err
 	}
 	s.ExcludedCIDRs = o.excludedCIDRs
-	s.ProbeSources = o.probeSources
+	s.ProbeSources = o.probeSources.cidrs
+	s.NodeProbeSources = o.probeSources.node
+	if o.dnsPort == 0 || o.dnsPort > 65535 {
+		return s, fmt.Errorf("--dns-port %d is not a port", o.dnsPort)
+	}
+	s.DNSCapture, s.DNSPort, s.DNSFailClosed = o.dnsCapture, uint16(o.dnsPort), o.dnsFailClosed
 	s.FailOpen = o.failOpen
 	if err := s.Validate(); err != nil {
 		return s, fmt.Errorf("redirection settings: %w", err)
@@ -305,7 +317,20 @@ func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {
 				dp.Close()
 				return nil, nil, fmt.Errorf("--proxy-cgroups: %w", err)
 			}
-			return rd, dp.Close, nil
+			if !settings.NodeProbeSources {
+				return rd, dp.Close, nil
+			}
+			// The node's addresses change (DHCP, a new interface): keep the
+			// probe sources current until the data path is closed.
+			stopWatch, err := agent.StartNodeAddressWatch(ctx, log.Named("node-addresses"), dp.SetNodeAddresses)
+			if err != nil {
+				dp.Close()
+				return nil, nil, err
+			}
+			return rd, func() error {
+				stopWatch()
+				return dp.Close()
+			}, nil
 		}
 	default:
 		return cfg, fmt.Errorf("--datapath=%q: want ebpf or none", opts.datapath)

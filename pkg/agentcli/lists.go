@@ -89,3 +89,49 @@ func splitList(s string) []string {
 	}
 	return out
 }
+
+// probeSourceList is --probe-sources: CIDRs, and the word "node" for the node's own
+// addresses (kept current); "none" alone for no probe sources at all.
+type probeSourceList struct {
+	node  bool
+	cidrs prefixList
+}
+
+func (l *probeSourceList) String() string {
+	var parts []string
+	if l.node {
+		parts = append(parts, "node")
+	}
+	if c := l.cidrs.String(); c != "" {
+		parts = append(parts, c)
+	}
+	if len(parts) == 0 {
+		return "none"
+	}
+	return strings.Join(parts, ",")
+}
+
+func (l *probeSourceList) Set(s string) error {
+	var out probeSourceList
+	parts := splitList(s)
+	if len(parts) == 1 && parts[0] == "none" {
+		*l = out
+		return nil
+	}
+	var cidrs []string
+	for _, part := range parts {
+		switch part {
+		case "node":
+			out.node = true
+		case "none":
+			return errors.New(`"none" cannot be combined with other probe sources`)
+		default:
+			cidrs = append(cidrs, part)
+		}
+	}
+	if err := out.cidrs.Set(strings.Join(cidrs, ",")); err != nil {
+		return err
+	}
+	*l = out
+	return nil
+}

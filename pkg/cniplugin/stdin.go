@@ -1,6 +1,7 @@
 package cniplugin
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -18,10 +19,14 @@ func capStdin(command string, limit int) *types.Error {
 	if command == "" || command == "VERSION" {
 		return nil
 	}
-	data, err := io.ReadAll(io.LimitReader(os.Stdin, int64(limit)+1))
-	if err != nil {
+	// One buffer of the limit and a byte: io.ReadAll would grow its buffer by
+	// doubling and leave the garbage of every step to the collector.
+	buf := make([]byte, limit+1)
+	n, err := io.ReadFull(os.Stdin, buf)
+	if err != nil && !errors.Is(err, io.EOF) && !errors.Is(err, io.ErrUnexpectedEOF) {
 		return types.NewError(types.ErrIOFailure, "mesh-cni: cannot read the network configuration from stdin", err.Error())
 	}
+	data := buf[:n]
 	if len(data) > limit {
 		return types.NewError(types.ErrInvalidNetworkConfig,
 			fmt.Sprintf("mesh-cni: the network configuration on stdin is larger than the limit of %d bytes", limit), "")

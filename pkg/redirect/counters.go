@@ -15,6 +15,9 @@ const (
 	counterInPassed
 	counterInDropped
 	counterListenerRefused
+	counterDNSRedirected
+	counterDNSPassed
+	counterDNSDropped
 	counterMax
 )
 
@@ -42,6 +45,11 @@ type Counters struct {
 	// ListenersRefused counts inbound proxy listeners that could not be
 	// collected (see Refusal).
 	ListenersRefused uint64 `json:"listenersRefused"`
+	// DNS counts DNS queries (UDP datagrams, UDP and TCP connects to port 53)
+	// of pods with DNS capture: sent to the proxy's DNS listener, passed to
+	// the resolver because nothing listened there, or sent to the closed port
+	// of a DNS fail-closed pod.
+	DNS DirectionCounters `json:"dns"`
 }
 
 // Counters reads the per-CPU counters.
@@ -78,5 +86,10 @@ func sumCounters(m *ebpf.Map) (Counters, error) {
 			Dropped:    sums[counterInDropped],
 		},
 		ListenersRefused: sums[counterListenerRefused],
+		DNS: DirectionCounters{
+			Redirected: sums[counterDNSRedirected],
+			Passed:     sums[counterDNSPassed],
+			Dropped:    sums[counterDNSDropped],
+		},
 	}, nil
 }

@@ -93,7 +93,11 @@ var cgroupHooks = []cgroupHook{
 	{"getsockopt", ebpf.AttachCGroupGetsockopt, func(p *programs) *ebpf.Program { return p.MeshGetsockopt }},
 	{"getpeername4", ebpf.AttachCgroupInet4GetPeername, func(p *programs) *ebpf.Program { return p.MeshGetpeername4 }},
 	{"getpeername6", ebpf.AttachCgroupInet6GetPeername, func(p *programs) *ebpf.Program { return p.MeshGetpeername6 }},
+	{"recvmsg4", ebpf.AttachCGroupUDP4Recvmsg, func(p *programs) *ebpf.Program { return p.MeshRecvmsg4 }},
+	{"recvmsg6", ebpf.AttachCGroupUDP6Recvmsg, func(p *programs) *ebpf.Program { return p.MeshRecvmsg6 }},
 	{"sockops", ebpf.AttachCGroupSockOps, func(p *programs) *ebpf.Program { return p.MeshSockops }},
+	{"sendmsg4", ebpf.AttachCGroupUDP4Sendmsg, func(p *programs) *ebpf.Program { return p.MeshSendmsg4 }},
+	{"sendmsg6", ebpf.AttachCGroupUDP6Sendmsg, func(p *programs) *ebpf.Program { return p.MeshSendmsg6 }},
 	{"connect4", ebpf.AttachCGroupInet4Connect, func(p *programs) *ebpf.Program { return p.MeshConnect4 }},
 	{"connect6", ebpf.AttachCGroupInet6Connect, func(p *programs) *ebpf.Program { return p.MeshConnect6 }},
 }
@@ -107,6 +111,10 @@ type programs struct {
 	MeshGetpeername6     *ebpf.Program `ebpf:"mesh_getpeername6"`
 	MeshConnect4         *ebpf.Program `ebpf:"mesh_connect4"`
 	MeshConnect6         *ebpf.Program `ebpf:"mesh_connect6"`
+	MeshSendmsg4         *ebpf.Program `ebpf:"mesh_sendmsg4"`
+	MeshSendmsg6         *ebpf.Program `ebpf:"mesh_sendmsg6"`
+	MeshRecvmsg4         *ebpf.Program `ebpf:"mesh_recvmsg4"`
+	MeshRecvmsg6         *ebpf.Program `ebpf:"mesh_recvmsg6"`
 	MeshCollectListeners *ebpf.Program `ebpf:"mesh_collect_listeners"`
 }
 
@@ -118,7 +126,8 @@ type objects struct {
 func (o *objects) Close() error {
 	return errors.Join(
 		closeAll(o.MeshSockops, o.MeshGetsockopt, o.MeshGetpeername4, o.MeshGetpeername6,
-			o.MeshConnect4, o.MeshConnect6, o.MeshCollectListeners),
+			o.MeshConnect4, o.MeshConnect6, o.MeshSendmsg4, o.MeshSendmsg6, o.MeshRecvmsg4, o.MeshRecvmsg6,
+			o.MeshCollectListeners),
 		o.redirectMaps.Close(),
 	)
 }

@@ -2,13 +2,16 @@ package redirect
 
 import (
 	"bufio"
+	"errors"
 	"fmt"
 	"maps"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 
+	"github.com/cilium/ebpf"
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
 )
@@ -99,4 +102,49 @@ func (d *Datapath) ProcessCgroup(pid int) (string, error) {
 		return "", fmt.Errorf("cgroup of process %d: %w", pid, err)
 	}
 	return "", fmt.Errorf("process %d has no cgroup v2 entry", pid)
+}
+
+// SetNodeAddresses replaces the node's own addresses: the probe sources of every
+// pod enrolled with NodeProbeSources (kubelet probes come from them). They are kept
+// once, in a set all those pods share, so a change is one map update per address,
+// whatever the number of pods.
+func (d *Datapath) SetNodeAddresses(addrs []netip.Prefix) error {
+	want := normalizePrefixes(addrs)
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	if d.closed {
+		return ErrClosed
+	}
+	d.mapMu.Lock()
+	defer d.mapMu.Unlock()
+	var (
+		have []netip.Prefix
+		k    redirectLpmKey
+		v    uint8
+	)
+	it := d.objs.ProbeSrcs.Iterate()
+	for it.Next(&k, &v) {
+		if id, p, ok := prefixFromLPM(k); ok && id == nodeSet {
+			have = append(have, p)
+		}
+	}
+	if err := it.Err(); err != nil {
+		return fmt.Errorf("read node addresses: %w", err)
+	}
+	for _, p := range want {
+		if !slices.Contains(have, p) {
+			if err := d.objs.ProbeSrcs.Put(lpmKey(nodeSet, p), uint8(1)); err != nil {
+				return fmt.Errorf("add node address %s: %w", p, err)
+			}
+		}
+	}
+	for _, p := range have {
+		if !slices.Contains(want, p) {
+			if err := d.objs.ProbeSrcs.Delete(lpmKey(nodeSet, p)); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+				return fmt.Errorf("remove node address %s: %w", p, err)
+			}
+		}
+	}
+	d.log.Info("node addresses (probe sources)", zap.Stringers("addresses", want))
+	return nil
 }

@@ -135,3 +135,38 @@ func TestProxyCgroup(t *testing.T) {
 		t.Errorf("from the former proxy cgroup: %q, want redirected", got)
 	}
 }
+
+// The node's addresses as probe sources: kept once for every pod that uses them,
+// and changed in place when the node's addresses change.
+func TestNodeProbeSources(t *testing.T) {
+	t.Parallel()
+	requireRoot(t)
+	d, _ := testDatapath(t)
+	a, b := newPodPair(t)
+	startInboundProxy(t, b, 15006)
+	startApp(t, b, appPort)
+	s := testSettings()
+	s.NodeProbeSources = true
+	enroll(t, d, b, s)
+	// a stands for the node here: a probe from its addresses.
+	if err := d.SetNodeAddresses([]netip.Prefix{netip.PrefixFrom(a.addr4, 32), netip.PrefixFrom(a.addr6, 128)}); err != nil {
+		t.Fatal(err)
+	}
+	for _, dst := range []netip.Addr{b.addr4, b.addr6} {
+		target := hostPort(dst, appPort)
+		expectLines(t, a, target, dialOpts{}, "APP "+target)
+	}
+	// Once they are not the node's any more, the same connection is captured.
+	if err := d.SetNodeAddresses([]netip.Prefix{netip.MustParsePrefix("192.0.2.1/32")}); err != nil {
+		t.Fatal(err)
+	}
+	for _, dst := range []netip.Addr{b.addr4, b.addr6} {
+		target := hostPort(dst, appPort)
+		expectLines(t, a, target, dialOpts{}, "IN "+target)
+	}
+	// The node's addresses are not any pod's own list.
+	list, err := d.List(t.Context())
+	if err != nil || len(list) != 1 || len(list[0].Settings.ProbeSources) != 0 || !list[0].Settings.NodeProbeSources {
+		t.Errorf("list %+v, %v", list, err)
+	}
+}

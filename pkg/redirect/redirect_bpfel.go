@@ -61,6 +61,8 @@ type redirectPodSettings struct {
 	ProbeSet        uint32
 	InboundPortSet  uint32
 	OutboundPortSet uint32
+	DnsPort         uint16
+	Pad             uint16
 }
 
 type redirectPortKey struct {
@@ -80,13 +82,16 @@ type redirectProxyCgroup struct {
 type redirectSettingFlags uint32
 
 const (
-	redirectSettingFlagsSETTING_PROXY_UID      redirectSettingFlags = 1
-	redirectSettingFlagsSETTING_FAIL_OPEN      redirectSettingFlags = 2
-	redirectSettingFlagsSETTING_EXCLUDED_CIDRS redirectSettingFlags = 4
-	redirectSettingFlagsSETTING_PROBE_SOURCES  redirectSettingFlags = 8
-	redirectSettingFlagsSETTING_PROXY_MARK     redirectSettingFlags = 16
-	redirectSettingFlagsSETTING_INBOUND_PORTS  redirectSettingFlags = 32
-	redirectSettingFlagsSETTING_OUTBOUND_PORTS redirectSettingFlags = 64
+	redirectSettingFlagsSETTING_PROXY_UID       redirectSettingFlags = 1
+	redirectSettingFlagsSETTING_FAIL_OPEN       redirectSettingFlags = 2
+	redirectSettingFlagsSETTING_EXCLUDED_CIDRS  redirectSettingFlags = 4
+	redirectSettingFlagsSETTING_PROBE_SOURCES   redirectSettingFlags = 8
+	redirectSettingFlagsSETTING_PROXY_MARK      redirectSettingFlags = 16
+	redirectSettingFlagsSETTING_INBOUND_PORTS   redirectSettingFlags = 32
+	redirectSettingFlagsSETTING_OUTBOUND_PORTS  redirectSettingFlags = 64
+	redirectSettingFlagsSETTING_DNS_CAPTURE     redirectSettingFlags = 128
+	redirectSettingFlagsSETTING_DNS_FAIL_CLOSED redirectSettingFlags = 256
+	redirectSettingFlagsSETTING_PROBE_NODE      redirectSettingFlags = 512
 )
 
 type redirectTupleKey struct {
@@ -124,6 +129,10 @@ const (
 	redirectProgMeshGetpeername6     = "mesh_getpeername6"
 	redirectProgMeshGetsockopt       = "mesh_getsockopt"
 	redirectProgMeshLookup           = "mesh_lookup"
+	redirectProgMeshRecvmsg4         = "mesh_recvmsg4"
+	redirectProgMeshRecvmsg6         = "mesh_recvmsg6"
+	redirectProgMeshSendmsg4         = "mesh_sendmsg4"
+	redirectProgMeshSendmsg6         = "mesh_sendmsg6"
 	redirectProgMeshSockops          = "mesh_sockops"
 )
 
@@ -176,6 +185,10 @@ type redirectProgramSpecs struct {
 	MeshGetpeername6     *ebpf.ProgramSpec `ebpf:"mesh_getpeername6"`
 	MeshGetsockopt       *ebpf.ProgramSpec `ebpf:"mesh_getsockopt"`
 	MeshLookup           *ebpf.ProgramSpec `ebpf:"mesh_lookup"`
+	MeshRecvmsg4         *ebpf.ProgramSpec `ebpf:"mesh_recvmsg4"`
+	MeshRecvmsg6         *ebpf.ProgramSpec `ebpf:"mesh_recvmsg6"`
+	MeshSendmsg4         *ebpf.ProgramSpec `ebpf:"mesh_sendmsg4"`
+	MeshSendmsg6         *ebpf.ProgramSpec `ebpf:"mesh_sendmsg6"`
 	MeshSockops          *ebpf.ProgramSpec `ebpf:"mesh_sockops"`
 }
 
@@ -277,6 +290,10 @@ type redirectPrograms struct {
 	MeshGetpeername6     *ebpf.Program `ebpf:"mesh_getpeername6"`
 	MeshGetsockopt       *ebpf.Program `ebpf:"mesh_getsockopt"`
 	MeshLookup           *ebpf.Program `ebpf:"mesh_lookup"`
+	MeshRecvmsg4         *ebpf.Program `ebpf:"mesh_recvmsg4"`
+	MeshRecvmsg6         *ebpf.Program `ebpf:"mesh_recvmsg6"`
+	MeshSendmsg4         *ebpf.Program `ebpf:"mesh_sendmsg4"`
+	MeshSendmsg6         *ebpf.Program `ebpf:"mesh_sendmsg6"`
 	MeshSockops          *ebpf.Program `ebpf:"mesh_sockops"`
 }
 
@@ -289,6 +306,10 @@ func (p *redirectPrograms) Close() error {
 		p.MeshGetpeername6,
 		p.MeshGetsockopt,
 		p.MeshLookup,
+		p.MeshRecvmsg4,
+		p.MeshRecvmsg6,
+		p.MeshSendmsg4,
+		p.MeshSendmsg6,
 		p.MeshSockops,
 	)
 }

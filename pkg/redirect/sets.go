@@ -10,6 +10,10 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+// nodeSet is NODE_SET of bpf/redirect.c: the node's own addresses in probe_srcs,
+// managed by SetNodeAddresses, not by a pod's list.
+const nodeSet = 0xffffffff
+
 // maxSets bounds the set ids of one map: far more distinct lists than a node has
 // settings profiles.
 const maxSets = 1 << 16
@@ -46,7 +50,7 @@ func listKey[E comparable](es []E) string {
 func newSets[E comparable](m *ebpf.Map, key func(uint32, E) any, read func(func(uint32, E)) error, normalize func([]E) []E) (*sets[E], error) {
 	s := &sets[E]{m: m, key: key, byKey: map[string]*set[E]{}, byID: map[uint32]*set[E]{}}
 	err := read(func(id uint32, e E) {
-		if id == 0 {
+		if id == 0 || id == nodeSet {
 			return
 		}
 		st := s.byID[id]

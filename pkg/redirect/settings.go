@@ -47,6 +47,17 @@ type Settings struct {
 	// FailOpen passes traffic through unredirected while no proxy listens, instead
 	// of refusing outbound connects and resetting inbound connections.
 	FailOpen bool
+	// NodeProbeSources makes the node's own addresses (Datapath.SetNodeAddresses)
+	// probe sources too: kubelet probes come from them.
+	NodeProbeSources bool
+	// DNSCapture sends the pod's DNS (UDP datagrams and connects, and TCP
+	// connects, to port 53 of any address) to the proxy's DNS listener on
+	// loopback, DNSPort (15053). While nothing listens there, queries go to the
+	// resolver as sent (a pod keeps name resolution while its proxy restarts),
+	// unless DNSFailClosed.
+	DNSCapture    bool
+	DNSPort       uint16
+	DNSFailClosed bool
 }
 
 // ProxyPorts are the ports of ztunnel's in-pod listeners (outbound, inbound
@@ -62,6 +73,7 @@ func DefaultSettings() Settings {
 		OutboundPort:         15001,
 		InboundPort:          15006,
 		InboundExcludedPorts: ProxyPorts(),
+		DNSPort:              15053,
 	}
 }
 
@@ -84,6 +96,12 @@ func (s Settings) Validate() error {
 	}
 	if s.OutboundPort != 0 && s.OutboundPort == s.InboundPort {
 		errs = append(errs, fmt.Errorf("outbound and inbound port are both %d", s.OutboundPort))
+	}
+	if s.DNSCapture && s.DNSPort == 0 {
+		errs = append(errs, errors.New("DNS capture with DNS port 0"))
+	}
+	if s.DNSFailClosed && !s.DNSCapture {
+		errs = append(errs, errors.New("DNS fail-closed without DNS capture"))
 	}
 	if s.ProxyMark&^s.markMask() != 0 {
 		errs = append(errs, fmt.Errorf("proxy mark %#x has bits outside mask %#x", s.ProxyMark, s.ProxyMarkMask))
@@ -194,6 +212,7 @@ func (s Settings) toBPF(ps podSets) redirectPodSettings {
 		ProbeSet:        ps.probes,
 		InboundPortSet:  ps.inPorts,
 		OutboundPortSet: ps.outPorts,
+		DnsPort:         s.DNSPort,
 	}
 	flag := func(on bool, f redirectSettingFlags) {
 		if on {
@@ -206,6 +225,9 @@ func (s Settings) toBPF(ps podSets) redirectPodSettings {
 	flag(ps.probes != 0, redirectSettingFlagsSETTING_PROBE_SOURCES)
 	flag(ps.inPorts != 0, redirectSettingFlagsSETTING_INBOUND_PORTS)
 	flag(ps.outPorts != 0, redirectSettingFlagsSETTING_OUTBOUND_PORTS)
+	flag(s.NodeProbeSources, redirectSettingFlagsSETTING_PROBE_NODE)
+	flag(s.DNSCapture, redirectSettingFlagsSETTING_DNS_CAPTURE)
+	flag(s.DNSFailClosed, redirectSettingFlagsSETTING_DNS_FAIL_CLOSED)
 	if s.ProxyUID != nil {
 		v.ProxyUid = *s.ProxyUID
 		v.Flags |= redirectSettingFlagsSETTING_PROXY_UID
@@ -223,6 +245,10 @@ func settingsFromBPF(v redirectPodSettings, excluded, probes []netip.Prefix, inP
 		OutboundExcludedPorts: normalizePorts(outPorts),
 		ExcludedCIDRs:         normalizePrefixes(excluded),
 		ProbeSources:          normalizePrefixes(probes),
+		NodeProbeSources:      v.Flags&redirectSettingFlagsSETTING_PROBE_NODE != 0,
+		DNSCapture:            v.Flags&redirectSettingFlagsSETTING_DNS_CAPTURE != 0,
+		DNSPort:               v.DnsPort,
+		DNSFailClosed:         v.Flags&redirectSettingFlagsSETTING_DNS_FAIL_CLOSED != 0,
 	}
 	if v.Flags&redirectSettingFlagsSETTING_PROXY_MARK != 0 {
 		s.ProxyMark, s.ProxyMarkMask = v.ProxyMark, v.ProxyMarkMask

@@ -29,6 +29,9 @@ type agent struct {
 	BPFFS    string
 	Args     []string
 	Proc     *harness.Process
+	// NetNSPath runs the agent in that network namespace, as the DaemonSet runs
+	// it in the node's (hostNetwork); "" keeps the test's.
+	NetNSPath string
 }
 
 // newAgent prepares (but does not start) an agent with its own socket and state
@@ -76,7 +79,7 @@ var agents sync.Map
 // start runs the agent and waits until it reports ready.
 func (a *agent) start(ctx context.Context) {
 	a.t.Helper()
-	a.Proc = harness.StartProcess(a.t, harness.ProcessOptions{Path: harness.Bins(a.t).Path("mesh-agent"), Args: a.Args, Name: "mesh-agent"})
+	a.Proc = harness.StartProcess(a.t, harness.ProcessOptions{Path: harness.Bins(a.t).Path("mesh-agent"), Args: a.Args, Name: "mesh-agent", NetNSPath: a.NetNSPath})
 	agents.Store(a.Socket, a)
 	a.waitReady(ctx)
 }
