@@ -467,3 +467,21 @@ func fetchFrom(p *pod, local *net.TCPAddr, addr string, timeout time.Duration) (
 		return readLines(conn)
 	}
 }
+
+// The proxy's own ports are excluded inbound only: a pod connecting to another
+// host's 15021 (or any of them) still goes through its outbound proxy, so nobody
+// reaches any host on those ports without it.
+func TestProxyPortsNotExemptOutbound(t *testing.T) {
+	t.Parallel()
+	m := newMeshPair(t, testSettings(), testSettings())
+	for _, port := range ProxyPorts() {
+		if port == 15001 || port == 15006 {
+			continue // b's own proxies listen there
+		}
+		startApp(t, m.b, port)
+		target := hostPort(m.b.addr4, port)
+		// Through a's outbound proxy, then straight to b's application: inbound,
+		// b's proxy ports are its own.
+		expectLines(t, m.a, target, dialOpts{}, "OUT "+target, "APP "+target)
+	}
+}
