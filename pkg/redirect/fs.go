@@ -1,15 +1,14 @@
 package redirect
 
 import (
-	"bufio"
 	"errors"
 	"fmt"
 	"io"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 
+	"github.com/moby/sys/mountinfo"
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
 )
@@ -100,55 +99,19 @@ func findCgroup2() (string, error) {
 }
 
 func parseCgroup2Mount(r io.Reader) (string, error) {
-	var partial string
-	sc := bufio.NewScanner(r)
-	for sc.Scan() {
-		// ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER
-		fields := strings.Fields(sc.Text())
-		sep := -1
-		for i, f := range fields {
-			if f == "-" && i >= 6 {
-				sep = i
-				break
-			}
-		}
-		if sep < 0 || sep+1 >= len(fields) || fields[sep+1] != "cgroup2" {
-			continue
-		}
-		mnt := unescapeMountinfo(fields[4])
-		if fields[3] == "/" {
-			return mnt, nil
-		}
-		if partial == "" {
-			partial = mnt
-		}
-	}
-	if err := sc.Err(); err != nil {
+	mounts, err := mountinfo.GetMountsFromReader(r, mountinfo.FSTypeFilter("cgroup2"))
+	if err != nil {
 		return "", fmt.Errorf("read mountinfo: %w", err)
 	}
-	if partial != "" {
-		return partial, nil
+	for _, m := range mounts {
+		if m.Root == "/" {
+			return m.Mountpoint, nil
+		}
+	}
+	if len(mounts) > 0 {
+		return mounts[0].Mountpoint, nil
 	}
 	return "", errors.New("no cgroup2 filesystem mounted (set Config.CgroupRoot)")
-}
-
-// unescapeMountinfo undoes the octal escapes (\040 for a space) of mountinfo paths.
-func unescapeMountinfo(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(v))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }
 
 // unmount unmounts dir, lazily when something still holds it busy (the pins are
