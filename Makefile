@@ -82,10 +82,11 @@ lint:
 	cd hack/image && $(GO) vet ./... && $(GO) test -count=1 ./...
 	cd install/helm && $(GO) vet ./... && $(GO) test -count=1 ./...
 
-# The performance suite (issue #9), as root, on this one machine: every benchmark
-# in test/bench (about 10 minutes on 2 CPUs; MESH_BENCH_QUICK=1 for a quick check
-# that it all runs), raw samples into bin/bench, then docs/benchmarks.md and its
-# figures in docs/bench from those samples.
+# The performance suite, as root, on this one machine: every benchmark in
+# test/bench, each variant side by side with its baseline (MESH_BENCH_QUICK=1
+# for a quick check that it all runs), raw samples into bin/bench, then
+# docs/benchmarks.md and its figures in docs/bench from those samples; the
+# report gives how long each benchmark took and the machine's load meanwhile.
 bench: build
 	@rm -rf $(BIN)/bench && mkdir -p $(BIN)/bench
 	set -o pipefail; MESH_BENCH_OUT=$(BIN)/bench $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 60m ./test/bench/ 2>&1 | tee $(BIN)/bench/bench.txt

@@ -151,14 +151,27 @@ func (a *agent) launch() time.Time {
 	return started
 }
 
-// waitReady waits for the ready line and returns when it was seen.
+// waitReady waits for the ready line and returns when the agent became
+// ready: the line's own timestamp (what the agent's gate calls waited for),
+// or when the line was seen if it has none. The timestamp has millisecond
+// resolution and is truncated, so it is never later than the moment itself.
 func (a *agent) waitReady(ctx context.Context) (time.Time, error) {
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
-	if _, err := a.proc.WaitForLine(ctx, readyLine); err != nil {
+	line, err := a.proc.WaitForLine(ctx, readyLine)
+	if err != nil {
 		return time.Time{}, fmt.Errorf("agent did not become ready: %w", err)
 	}
-	return time.Now(), nil
+	seen := time.Now()
+	var rec struct {
+		TS string `json:"ts"`
+	}
+	if json.Unmarshal([]byte(line), &rec) == nil {
+		if ts, err := time.Parse("2006-01-02T15:04:05.000Z0700", rec.TS); err == nil && !ts.After(seen) {
+			return ts, nil
+		}
+	}
+	return seen, nil
 }
 
 // stop stops the agent with SIGTERM and waits for it to exit.

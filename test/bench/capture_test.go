@@ -74,7 +74,7 @@ func BenchmarkCapture(b *testing.B) {
 	requireRoot(b)
 	ctx := benchContext(b, 40*time.Minute)
 	env := newCaptureEnv(ctx, b)
-	res := newResult("capture", "Connection capture: eBPF vs iptables vs nftables", "BenchmarkCapture", captureDescription(env))
+	res := newResult(b, "capture", "Connection capture: eBPF vs iptables vs nftables", "BenchmarkCapture", captureDescription(env))
 	if env.noLimit != "" {
 		res.Notes = append(res.Notes, env.noLimit)
 	}

@@ -8,6 +8,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -56,9 +57,19 @@ func reproduce(bench string) string {
 	return fmt.Sprintf("make build && MESH_CNI_BIN_DIR=$PWD/bin go test -run '^$' -bench '^%s$' -benchtime 1x -timeout 60m ./test/bench/ && go run ./test/bench/cmd/benchreport", bench)
 }
 
-// newResult starts a benchmark's result; finish writes it.
-func newResult(name, title, bench, description string) *results.Result {
-	return &results.Result{
+// loadInterval is how often the load average is read while a benchmark runs.
+const loadInterval = 5 * time.Second
+
+// run is a benchmark's result being measured, with the sampler that records
+// the machine's load meanwhile.
+type run struct {
+	*results.Result
+	stopLoad func() []float64
+}
+
+// newResult starts a benchmark's result and its load sampler; finish writes it.
+func newResult(b *testing.B, name, title, bench, description string) *run {
+	r := &run{Result: &results.Result{
 		Name:        name,
 		Title:       title,
 		Description: description,
@@ -66,16 +77,57 @@ func newResult(name, title, bench, description string) *results.Result {
 		Quick:       quickMode(),
 		Started:     time.Now().UTC(),
 		Env:         machineEnv(),
+	}}
+	r.stopLoad = sampleLoad(b.Context(), loadInterval)
+	// A benchmark that fails before finish still stops its sampler.
+	b.Cleanup(func() { r.stopLoad() })
+	return r
+}
+
+// sampleLoad reads the 1-minute load average every interval until the returned
+// function is called, which returns the readings. Calling it again returns
+// the same readings.
+func sampleLoad(ctx context.Context, interval time.Duration) func() []float64 {
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan []float64, 1)
+	go func() {
+		var samples []float64
+		t := time.NewTicker(interval)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				done <- samples
+				return
+			case <-t.C:
+				if l, err := readLoadAvg(); err == nil {
+					samples = append(samples, l.One)
+				}
+			}
+		}
+	}()
+	var once sync.Once
+	var samples []float64
+	return func() []float64 {
+		once.Do(func() {
+			cancel()
+			samples = <-done
+		})
+		return samples
 	}
 }
 
 // finish stamps r and writes it to the results directory.
-func finish(b *testing.B, r *results.Result) {
+func finish(b *testing.B, r *run) {
 	b.Helper()
 	r.Finished = time.Now().UTC()
 	r.Env.LoadEnd = loadAvg()
+	if l, err := readLoadAvg(); err == nil {
+		r.Env.UptimeEnd = &l
+	}
+	r.Env.LoadSamples, r.Env.LoadInterval = r.stopLoad(), loadInterval
 	dir := outDir(b)
-	if err := results.Write(dir, r); err != nil {
+	if err := results.Write(dir, r.Result); err != nil {
 		b.Fatal(err)
 	}
 	b.Logf("wrote %s/%s.json", dir, r.Name)
@@ -95,6 +147,9 @@ func outDir(b *testing.B) string {
 
 func machineEnv() results.Env {
 	env := results.Env{CPUs: runtime.NumCPU(), GoVersion: runtime.Version(), LoadStart: loadAvg()}
+	if l, err := readLoadAvg(); err == nil {
+		env.UptimeStart = &l
+	}
 	var u unix.Utsname
 	if err := unix.Uname(&u); err == nil {
 		env.Kernel = unix.ByteSliceToString(u.Release[:])
@@ -114,19 +169,24 @@ func machineEnv() results.Env {
 
 // loadAvg is the 1-minute load average, 0 if unknown.
 func loadAvg() float64 {
+	l, err := readLoadAvg()
+	if err != nil {
+		return 0
+	}
+	return l.One
+}
+
+// readLoadAvg reads /proc/loadavg: "0.50 0.60 0.70 2/345 1234".
+func readLoadAvg() (results.LoadAvg, error) {
 	data, err := os.ReadFile("/proc/loadavg")
 	if err != nil {
-		return 0
+		return results.LoadAvg{}, fmt.Errorf("read load average: %w", err)
 	}
-	fields := strings.Fields(string(data))
-	if len(fields) == 0 {
-		return 0
+	var l results.LoadAvg
+	if _, err := fmt.Sscanf(string(data), "%f %f %f %d/%d", &l.One, &l.Five, &l.Fifteen, &l.Running, &l.Threads); err != nil {
+		return results.LoadAvg{}, fmt.Errorf("parse /proc/loadavg %q: %w", strings.TrimSpace(string(data)), err)
 	}
-	v, err := strconv.ParseFloat(fields[0], 64)
-	if err != nil {
-		return 0
-	}
-	return v
+	return l, nil
 }
 
 // ms converts a duration to float milliseconds.

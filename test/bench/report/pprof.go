@@ -3,7 +3,6 @@ package report
 import (
 	"bytes"
 	"fmt"
-	"math"
 	"os"
 	"path/filepath"
 	"sort"
@@ -99,18 +98,6 @@ func topFunctions(path string, n int) ([]funcCost, int64, float64, error) {
 	return out, total, dur, nil
 }
 
-// cpuPerOperation is a profile's CPU time per operation in ms, NaN if unknown.
-func cpuPerOperation(dir string, p results.Profile) float64 {
-	if p.Operations <= 0 {
-		return math.NaN()
-	}
-	_, total, _, err := topFunctions(filepath.Join(dir, p.File), 1)
-	if err != nil {
-		return math.NaN()
-	}
-	return float64(total) / 1e6 / float64(p.Operations)
-}
-
 // interesting drops the runtime's and the standard library's scheduling frames
 // that top every cumulative list (main, goexit, ...) without saying anything.
 func interesting(name string) bool {
@@ -158,4 +145,50 @@ func writeProfiles(w *bytes.Buffer, r *results.Result, dir string) {
 // shortName trims the module path off a function name.
 func shortName(name string) string {
 	return strings.TrimPrefix(name, "github.com/mesh-cni/mesh-cni/")
+}
+
+// cumCPU is the CPU time (ns) of the samples of the profile at path whose
+// stack contains a function named name (each sample counted once), and the
+// profile's total; found reports whether any sample has it.
+func cumCPU(path, name string) (cum, total int64, found bool, err error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return 0, 0, false, fmt.Errorf("open profile: %w", err)
+	}
+	defer f.Close()
+	prof, err := profile.Parse(f)
+	if err != nil {
+		return 0, 0, false, fmt.Errorf("parse profile %s: %w", path, err)
+	}
+	vi := len(prof.SampleType) - 1
+	for i, st := range prof.SampleType {
+		if st.Type == "cpu" {
+			vi = i
+		}
+	}
+	if vi < 0 {
+		return 0, 0, false, fmt.Errorf("profile %s has no sample types", path)
+	}
+	for _, s := range prof.Sample {
+		if vi >= len(s.Value) {
+			continue
+		}
+		total += s.Value[vi]
+		if stackHas(s, name) {
+			cum += s.Value[vi]
+			found = true
+		}
+	}
+	return cum, total, found, nil
+}
+
+func stackHas(s *profile.Sample, name string) bool {
+	for _, loc := range s.Location {
+		for _, line := range loc.Line {
+			if line.Function != nil && line.Function.Name == name {
+				return true
+			}
+		}
+	}
+	return false
 }

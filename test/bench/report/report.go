@@ -1,6 +1,6 @@
 // Package report turns the benchmarks' raw results (test/bench/results) into
 // docs/benchmarks.md: a table per metric (median, tail percentile, ratios to
-// the baseline), a figure per metric drawn with gonum.org/v1/plot, the issue's
+// the baseline), a figure per metric drawn with gonum.org/v1/plot, the
 // targets checked against the numbers, the command that reproduces each figure,
 // and the CPU profiles' hottest functions.
 package report
@@ -36,7 +36,7 @@ type Options struct {
 
 // sectionOrder is the order of the known benchmarks in the report; others
 // follow by name.
-var sectionOrder = []string{"chain-add", "capture", "scale", "profile"}
+var sectionOrder = []string{"chain-add", "plugin", "capture", "scale", "profile"}
 
 // Generate reads every result in opts.In and writes the report and its figures.
 func Generate(opts Options) error {
@@ -117,10 +117,16 @@ func writeHeader(w *bytes.Buffer, rs []*results.Result, now time.Time) {
 	}
 	e := rs[0].Env
 	fmt.Fprintf(w, "Machine: %d CPUs (%s), kernel %s, %s. Every benchmark runs all its variants on this one machine in one run, "+
-		"taking turns round by round, so background load hits them alike; the 1-minute load average at each benchmark's start and end "+
-		"is given with it (above %d, other work shared the CPUs and absolute numbers are inflated; ratios hold up better).\n\n",
+		"taking turns round by round, so background load hits them alike. Each section gives the load averages (1, 5 and 15 minutes, as `uptime` shows them) "+
+		"at the benchmark's start and end, and the 1-minute load read every few seconds while it ran "+
+		"(above %d, other work shared the CPUs and absolute numbers are inflated; ratios hold up better).\n\n",
 		e.CPUs, orDash(e.CPUModel), orDash(e.Kernel), orDash(e.GoVersion), e.CPUs)
-	fmt.Fprintf(w, "Run everything (as root; about 10 minutes on 2 CPUs): `make bench`. Each section gives the command for its own figures.\n\n")
+	writeRunLoad(w, rs)
+	var took time.Duration
+	for _, r := range rs {
+		took += r.Finished.Sub(r.Started)
+	}
+	fmt.Fprintf(w, "Run everything (as root): `make bench`; the benchmarks of this run took %s in all. Each section gives the command for its own figures.\n\n", took.Round(time.Second))
 	fmt.Fprintf(w, "Contents: [Targets](#targets)")
 	for _, r := range rs {
 		fmt.Fprintf(w, " · [%s](#%s)", r.Title, anchor(r.Title))
@@ -137,8 +143,8 @@ func writeResult(w *bytes.Buffer, r *results.Result, opts Options, figLink strin
 	if r.Quick {
 		mode = ", **quick mode**"
 	}
-	fmt.Fprintf(w, "Measured %s, %s%s; load average %.1f → %.1f.\n\n",
-		r.Started.UTC().Format("2006-01-02 15:04 MST"), r.Finished.Sub(r.Started).Round(time.Second), mode, r.Env.LoadStart, r.Env.LoadEnd)
+	fmt.Fprintf(w, "Measured %s, %s%s; %s.\n\n",
+		r.Started.UTC().Format("2006-01-02 15:04 MST"), r.Finished.Sub(r.Started).Round(time.Second), mode, loadLine(r.Env))
 	fmt.Fprintf(w, "Reproduce: `%s`\n\n", r.Command)
 	for _, n := range r.Notes {
 		fmt.Fprintf(w, "> %s\n\n", n)
@@ -312,6 +318,43 @@ func ratio(a, b float64) string {
 		return "—"
 	}
 	return fmt.Sprintf("%.2f×", a/b)
+}
+
+// loadLine describes a benchmark's load: uptime's three averages at its start
+// and end, and the 1-minute average sampled while it ran.
+func loadLine(e results.Env) string {
+	triple := func(l *results.LoadAvg, one float64) string {
+		if l == nil {
+			return fmt.Sprintf("%.2f", one)
+		}
+		return fmt.Sprintf("%.2f, %.2f, %.2f", l.One, l.Five, l.Fifteen)
+	}
+	s := fmt.Sprintf("load average %s at the start, %s at the end", triple(e.UptimeStart, e.LoadStart), triple(e.UptimeEnd, e.LoadEnd))
+	if len(e.LoadSamples) > 0 {
+		s += fmt.Sprintf("; 1-minute load during the run (%d readings, every %s): median %.2f, max %.2f",
+			len(e.LoadSamples), e.LoadInterval, results.Median(e.LoadSamples), slices.Max(e.LoadSamples))
+	}
+	return s
+}
+
+// writeRunLoad summarizes the load over the whole run: one row per benchmark.
+func writeRunLoad(w *bytes.Buffer, rs []*results.Result) {
+	fmt.Fprintf(w, "| benchmark | started (UTC) | took | load at start (1, 5, 15 min) | load at end | 1-min load during: median | max |\n|---|---|--:|---|---|--:|--:|\n")
+	for _, r := range rs {
+		triple := func(l *results.LoadAvg, one float64) string {
+			if l == nil {
+				return fmt.Sprintf("%.2f", one)
+			}
+			return fmt.Sprintf("%.2f %.2f %.2f", l.One, l.Five, l.Fifteen)
+		}
+		medLoad, maxLoad := "—", "—"
+		if len(r.Env.LoadSamples) > 0 {
+			medLoad, maxLoad = fmt.Sprintf("%.2f", results.Median(r.Env.LoadSamples)), fmt.Sprintf("%.2f", slices.Max(r.Env.LoadSamples))
+		}
+		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s | %s |\n", r.Name, r.Started.UTC().Format("2006-01-02 15:04"),
+			r.Finished.Sub(r.Started).Round(time.Second), triple(r.Env.UptimeStart, r.Env.LoadStart), triple(r.Env.UptimeEnd, r.Env.LoadEnd), medLoad, maxLoad)
+	}
+	fmt.Fprintln(w)
 }
 
 func orDash(s string) string {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"math"
+	"path/filepath"
 	"slices"
 	"strings"
 
@@ -37,7 +38,7 @@ func check(ok bool) status {
 	return missed
 }
 
-// target is one of issue #9's goals, checked against this run's numbers.
+// target is one goal, checked against this run's numbers.
 type target struct {
 	goal     string
 	measured string
@@ -99,12 +100,14 @@ func writeTargets(w *bytes.Buffer, rs []*results.Result, dir string) {
 		d.byName[r.Name] = r
 	}
 	ts := []target{
-		addOverhead(d), addOverheadExpedited(d), concurrentTail(d), concurrentTailExpedited(d), gateRelease(d),
-		connRateVsLimit(d), beatsIPTables(d), throughputVsLimit(d),
+		addOverhead(d), concurrentTail(d), gateRelease(d),
+		enrollRelease(d), enrollVsIPTables(d),
+		connRateVsLimit(d), connRateVsIPTables(d), throughputVsLimit(d),
 		enrollScaling(d), agentMemory(d), restartReady(d),
 	}
 	fmt.Fprintf(w, "## Targets\n\n")
-	fmt.Fprintf(w, "Issue #9's targets, checked against this run (ratios from the same run).\n\n")
+	fmt.Fprintf(w, "Each target checked against this run; ratios are between variants measured side by side in the same run. "+
+		"The thresholds are the targets' own; every other number below comes from this run's samples.\n\n")
 	fmt.Fprintf(w, "| target | measured | result |\n|---|---|---|\n")
 	for _, t := range ts {
 		fmt.Fprintf(w, "| %s | %s | %s |\n", t.goal, t.measured, t.status)
@@ -117,152 +120,289 @@ func writeTargets(w *bytes.Buffer, rs []*results.Result, dir string) {
 		}
 	}
 	if len(missedOnes) > 0 {
-		fmt.Fprintf(w, "### What limits the missed targets\n\n")
+		fmt.Fprintf(w, "### What bounds the missed targets\n\n")
 		for _, t := range missedOnes {
 			fmt.Fprintf(w, "- **%s** — %s\n", t.goal, t.limits)
 		}
 		fmt.Fprintln(w)
+		if s := join(pluginShare(d), agentEnrollCPU(d)); s != "" {
+			fmt.Fprintf(w, "### Where a pod's ADD spends its time\n\n%s\n\n", s)
+		}
 	}
 }
 
-// enrollSplit describes the sequential ADD overhead's parts, from the
-// gate-only variant and, when profiled, the agent's own timing.
-func enrollSplit(d data) string {
-	bridge := med(d.series("chain-add", "add-sequential", "bridge", 0))
-	mesh := med(d.series("chain-add", "add-sequential", "mesh", 0))
-	gate := med(d.series("chain-add", "add-sequential", "mesh-gate", 0))
-	if !ok(bridge, mesh, gate) {
+// Functions in the agent's profile whose CPU time the report breaks out.
+const (
+	fnServiceAdd   = "github.com/mesh-cni/mesh-cni/pkg/agent.(*Service).Add"
+	fnEnroll       = "github.com/mesh-cni/mesh-cni/pkg/redirect.(*Datapath).Enroll"
+	fnLookupLoad   = "github.com/mesh-cni/mesh-cni/pkg/redirect.(*lookupTemplate).load"
+	fnAttachNetNs  = "github.com/cilium/ebpf/link.AttachNetNs"
+	fnCollect      = "github.com/mesh-cni/mesh-cni/pkg/redirect.(*Datapath).collectExisting"
+	fnRelease      = "github.com/mesh-cni/mesh-cni/pkg/redirect.(*Datapath).Release"
+	fnStorePut     = "github.com/mesh-cni/mesh-cni/pkg/podstore.(*Store).Put"
+	// The plugin's gate client's reconnect back-off (pkg/gate/gateclient
+	// BackoffMax and BackoffJitter), constants the report cites.
+	reconnectCapMs     = 50
+	reconnectJitterPct = 20
+)
+
+// profileOf returns the named profile of the profile benchmark.
+func (d data) profileOf(name string) (results.Profile, bool) {
+	if r := d.byName["profile"]; r != nil {
+		for _, p := range r.Profiles {
+			if p.Name == name {
+				return p, true
+			}
+		}
+	}
+	return results.Profile{}, false
+}
+
+// fnCPU is the CPU time per operation (ms) the named profile spent in fn and
+// everything it called, and that as a share (%) of the whole profile.
+func fnCPU(d data, prof, fn string) (perOp, share float64) {
+	p, found := d.profileOf(prof)
+	if !found || p.Operations <= 0 {
+		return math.NaN(), math.NaN()
+	}
+	cum, total, found, err := cumCPU(filepath.Join(d.dir, p.File), fn)
+	if err != nil || total == 0 || !found {
+		return math.NaN(), math.NaN()
+	}
+	return float64(cum) / 1e6 / float64(p.Operations), 100 * float64(cum) / float64(total)
+}
+
+// single is a one-sample series' value.
+func single(s *results.Series) float64 {
+	if s == nil || len(s.Samples) != 1 {
+		return math.NaN()
+	}
+	return s.Samples[0]
+}
+
+// sentence returns format applied to args when every float argument is a
+// number, else "".
+func sentence(format string, args ...any) string {
+	for _, a := range args {
+		if f, isFloat := a.(float64); isFloat && !ok(f) {
+			return ""
+		}
+	}
+	return fmt.Sprintf(format, args...)
+}
+
+func join(parts ...string) string {
+	var out []string
+	for _, p := range parts {
+		if p != "" {
+			out = append(out, p)
+		}
+	}
+	return strings.Join(out, " ")
+}
+
+// pluginShare describes the plugin's own share of an ADD from the plugin
+// benchmark: its start against the no-op plugin's, and its whole ADD step.
+func pluginShare(d data) string {
+	v := func(metric, variant string) float64 { return med(d.series("plugin", metric, variant, 0)) }
+	sz := func(variant string) float64 { return single(d.series("plugin", "binary-size", variant, 0)) }
+	return join(
+		sentence("The plugin's ADD step alone (exec → exit, the bridge's result as prevResult) takes a median %s ms against an agent without a data path and %s ms against the eBPF agent, where the no-op `tuning` takes %s ms (CPU time of the process: %s, %s and %s ms).",
+			num(v("plugin-add", "mesh-gate")), num(v("plugin-add", "mesh")), num(v("plugin-add", "tuning")),
+			num(v("plugin-add-cpu", "mesh-gate")), num(v("plugin-add-cpu", "mesh")), num(v("plugin-add-cpu", "tuning"))),
+		sentence("Of that, merely starting it (CNI VERSION) takes %s ms against %s ms for `tuning` (CPU %s vs %s ms); the binary is %s MiB against %s MiB, and the Go runtime reports %s ms of package initialization per start against %s ms (%s vs %s packages with init work).",
+			num(v("exec-version", "mesh-cni")), num(v("exec-version", "tuning")),
+			num(v("exec-version-cpu", "mesh-cni")), num(v("exec-version-cpu", "tuning")),
+			num(sz("mesh-cni")), num(sz("tuning")),
+			num(v("init-total", "mesh-cni")), num(v("init-total", "tuning")),
+			num(v("init-packages", "mesh-cni")), num(v("init-packages", "tuning"))),
+	)
+}
+
+// agentEnrollCPU describes where the agent's CPU per ADD goes, from its profile.
+func agentEnrollCPU(d data) string {
+	add, _ := fnCPU(d, "agent-add", fnServiceAdd)
+	load, loadShare := fnCPU(d, "agent-add", fnLookupLoad)
+	if !ok(add) {
 		return ""
 	}
-	s := fmt.Sprintf("Of the median overhead, running the plugin and its gate round trip with an agent that does no data-path work (`mesh-gate` − `bridge`) "+
-		"takes %s ms, and the eBPF enrollment (`mesh` − `mesh-gate`) %s ms.", num(gate-bridge), num(mesh-gate))
-	if e, g := med(d.series("chain-add", "agent-side", "mesh", 0)), med(d.series("chain-add", "agent-side", "mesh-gate", 0)); ok(e, g) {
-		s += fmt.Sprintf(" By the agents' own logs, answering the gate call takes a median %s ms with the eBPF data path and %s ms without;", num(e), num(g))
-		if share := enrollShare(d); ok(share) {
-			s += fmt.Sprintf(" in the profiled run %.1f%% of the agent's time per ADD is its data-path enrollment step (netns cookie, TCX attach and pin inside the pod, map update, pod record);", share)
-		}
-		s += " the rest of the overhead is outside the agent: the plugin process and its gRPC round trip."
+	s := fmt.Sprintf("By the agent's CPU profile, answering one gate Add costs %s ms of CPU", num(add))
+	if ok(load) {
+		s += fmt.Sprintf(", of which loading the pod's sk_lookup program (`pkg/redirect` `lookupTemplate.load`: the BPF_PROG_LOAD system call, i.e. the kernel's verifier and JIT, "+
+			"which the profiler counts as the thread's CPU time) is %s ms (%.0f%% of the Add; %.0f%% of all the agent's CPU in the profiled run, start-up and DELs included)", num(load), 100*load/add, loadShare)
 	}
-	if a, p := profileCPU(d, "agent-add"), profileCPU(d, "plugin-add"); ok(a, p) {
-		s += fmt.Sprintf(" CPU is not what it waits for: the profiles show %s ms of agent CPU per ADD and %s ms of plugin CPU per invocation (from main on); "+
-			"the enrollment waits on the kernel (the TCX attach waits for an RCU grace period under the rtnl lock; with `--rcu-expedited` it is about 50× shorter) and the plugin on its process start and the agent.", num(a), num(p))
-	}
-	if e := med(d.series("profile", "exec-version", "mesh-cni", 0)); ok(e) {
-		b := med(d.series("profile", "exec-version", "bridge", 0))
-		s += fmt.Sprintf(" Merely starting the plugin (CNI VERSION, no gate call) takes %s ms against %s ms for the bridge plugin: every chained plugin is a process start.", num(e), num(b))
-	}
-	return s
-}
-
-// profileCPU is the named profile's CPU per operation in ms, NaN if unknown.
-func profileCPU(d data, name string) float64 {
-	r := d.byName["profile"]
-	if r == nil {
-		return math.NaN()
-	}
-	for _, p := range r.Profiles {
-		if p.Name == name {
-			return cpuPerOperation(d.dir, p)
+	var parts []string
+	for _, p := range []struct{ fn, what string }{
+		{fnAttachNetNs, "attaching it to the netns"},
+		{fnCollect, "looking for listeners opened before enrollment"},
+		{fnStorePut, "writing the pod's record"},
+	} {
+		if v, _ := fnCPU(d, "agent-add", p.fn); ok(v) {
+			parts = append(parts, fmt.Sprintf("%s %s ms", p.what, num(v)))
 		}
 	}
-	return math.NaN()
-}
-
-// enrollShare is the data-path step's share (in %) of the agent's median time
-// per ADD in the profiled run.
-func enrollShare(d data) float64 {
-	var total float64
-	for _, step := range []string{"readiness", "lock", "policy", "enroll"} {
-		v := med(d.series("profile", "agent-add-steps", step, 0))
-		if !ok(v) {
-			return math.NaN()
-		}
-		total += v
+	if len(parts) > 0 {
+		s += "; " + strings.Join(parts, ", ")
 	}
-	if total == 0 {
-		return math.NaN()
+	s += "."
+	if rel, _ := fnCPU(d, "agent-add", fnRelease); ok(rel) {
+		s += fmt.Sprintf(" A Release is %s ms per ADD's worth of DELs.", num(rel))
 	}
-	return 100 * med(d.series("profile", "agent-add-steps", "enroll", 0)) / total
-}
-
-// addOverheadExpedited is the same target with expedited RCU grace periods
-// (mesh-agent --rcu-expedited), measured in the same run.
-func addOverheadExpedited(d data) target {
-	t := target{goal: "… the same with `--rcu-expedited`"}
-	bridge := med(d.series("chain-add", "add-sequential-rcu-expedited", "bridge", 0))
-	mesh := med(d.series("chain-add", "add-sequential-rcu-expedited", "mesh", 0))
-	gate := med(d.series("chain-add", "add-sequential-rcu-expedited", "mesh-gate", 0))
-	if !ok(bridge, mesh) {
-		return t
-	}
-	diff := mesh - bridge
-	t.measured = fmt.Sprintf("+%s ms (median ADD %s ms [bridge] → %s ms [bridge, mesh-cni]; %.2f×)", num(diff), num(bridge), num(mesh), mesh/bridge)
-	t.status = check(diff <= 2)
-	t.limits = "+" + num(diff) + " ms against 2 ms with the grace-period wait gone."
-	if ok(gate) {
-		t.limits += fmt.Sprintf(" What remains is mostly the plugin itself: `mesh-gate − bridge` = %s ms (a second Go process start plus the gate's gRPC round trip), the eBPF enrollment `mesh − mesh-gate` = %s ms.", num(gate-bridge), num(mesh-gate))
-	}
-	return t
-}
-
-func concurrentTailExpedited(d data) target {
-	t := target{goal: "… the same with `--rcu-expedited`"}
-	b := p99(d.series("chain-add", "add-concurrent-16-rcu-expedited", "bridge", 0))
-	m := p99(d.series("chain-add", "add-concurrent-16-rcu-expedited", "mesh", 0))
-	if !ok(b, m) {
-		return t
-	}
-	t.measured = fmt.Sprintf("%.2f× (p99 %s ms [bridge] → %s ms [bridge, mesh-cni])", m/b, num(b), num(m))
-	t.status = check(m/b <= 1.5)
-	t.limits = fmt.Sprintf("%.2f× against 1.5×: sixteen ADDs are 48 process starts on 2 CPUs, and mesh-cni adds 16 of them.", m/b)
-	return t
+	return join(s, sentence("The verifier processes %s instructions for each pod's program, which is loaded and verified anew for every pod because its netns cookie is built into it.",
+		num(single(d.series("profile", "bpf-verified-insns", "sk_lookup", 0)))))
 }
 
 func addOverhead(d data) target {
-	t := target{goal: "mesh-cni adds ≤ 2 ms median to ADD"}
-	bridge := med(d.series("chain-add", "add-sequential", "bridge", 0))
-	mesh := med(d.series("chain-add", "add-sequential", "mesh", 0))
-	if !ok(bridge, mesh) {
+	t := target{goal: "ADD overhead over the no-op chained plugin ≤ 1.5 ms (median, one pod at a time)"}
+	m := d.metric("chain-add", "add-sequential")
+	if m == nil {
 		return t
 	}
-	diff := mesh - bridge
-	t.measured = fmt.Sprintf("+%s ms (median ADD %s ms [bridge] → %s ms [bridge, mesh-cni]; %s×)", num(diff), num(bridge), num(mesh), fmt.Sprintf("%.2f", mesh/bridge))
-	t.status = check(diff <= 2)
-	t.limits = "+" + num(diff) + " ms against 2 ms. " + enrollSplit(d)
+	noop, mesh, gate := m.Find("noop", 0), m.Find("mesh", 0), m.Find("mesh-gate", 0)
+	n, ms, g := med(noop), med(mesh), med(gate)
+	if !ok(n, ms) {
+		return t
+	}
+	diff := ms - n
+	t.measured = fmt.Sprintf("+%s ms: median ADD %s ms [bridge, tuning] → %s ms [bridge, mesh-cni]", num(diff), num(n), num(ms))
+	if pd, found := results.PairedDiff(mesh, noop); found {
+		t.measured += fmt.Sprintf(" (paired median difference %s ms)", num(pd))
+	}
+	t.status = check(diff <= 1.5)
+	limits := fmt.Sprintf("+%s ms against 1.5 ms.", num(diff))
+	if ok(g) {
+		limits += fmt.Sprintf(" Split by the gate-only agent: the plugin's own share (`mesh-gate − noop`) is %s ms, the eBPF enrollment (`mesh − mesh-gate`) %s ms.", num(g-n), num(ms-g))
+	}
+	if e, gg := med(d.series("chain-add", "agent-side", "mesh", 0)), med(d.series("chain-add", "agent-side", "mesh-gate", 0)); ok(e, gg) {
+		limits += fmt.Sprintf(" By the agents' own logs a gate Add is answered in a median %s ms with the eBPF data path and %s ms without.", num(e), num(gg))
+	}
+	t.limits = limits + " The plugin's share and the agent's are broken down below."
 	return t
 }
 
 func concurrentTail(d data) target {
-	t := target{goal: "p99 ADD under 16 concurrent ADDs ≤ 1.5× bridge-only"}
-	b := p99(d.series("chain-add", "add-concurrent-16", "bridge", 0))
-	m := p99(d.series("chain-add", "add-concurrent-16", "mesh", 0))
-	if !ok(b, m) {
+	t := target{goal: "16 concurrent ADDs: p99 ≤ 1.3× the no-op chain's"}
+	m := d.metric("chain-add", "add-concurrent-16")
+	if m == nil {
 		return t
 	}
-	t.measured = fmt.Sprintf("%.2f× (p99 %s ms [bridge] → %s ms [bridge, mesh-cni])", m/b, num(b), num(m))
-	t.status = check(m/b <= 1.5)
-	t.limits = fmt.Sprintf("%.2f× against 1.5×. Sixteen ADDs at once are 48 process starts (bridge, host-local, mesh-cni) on 2 CPUs, and every pod's TCX attach runs under the kernel's rtnl lock and waits there for an RCU grace period (tcx_entry_sync), so enrollments are serialized by the kernel even though `pkg/redirect` runs them in parallel; `mesh-agent --rcu-expedited` makes that wait about 50× shorter (BenchmarkEnrollRelease: 24 ms → 0.5 ms per enroll+release) at a node-wide cost, and is off in this run", m/b)
-	if e := med(d.series("chain-add", "add-sequential", "mesh", 0)) - med(d.series("chain-add", "add-sequential", "mesh-gate", 0)); ok(e) {
-		t.limits += fmt.Sprintf(", so the sixteenth pod queues behind up to 15 enrollments of about %s ms each", num(e))
+	n, ms, g := p99(m.Find("noop", 0)), p99(m.Find("mesh", 0)), p99(m.Find("mesh-gate", 0))
+	if !ok(n, ms) {
+		return t
 	}
-	t.limits += "."
+	t.measured = fmt.Sprintf("%.2f× (p99 %s ms [bridge, tuning] → %s ms [bridge, mesh-cni])", ms/n, num(n), num(ms))
+	t.status = check(ms/n <= 1.3)
+	limits := fmt.Sprintf("%.2f× against 1.3×.", ms/n)
+	if ok(g) {
+		limits += fmt.Sprintf(" With the gate-only agent the p99 is %.2f× the no-op chain's: that much is the plugins themselves, the rest the enrollments.", g/n)
+	}
+	cpus := 0
+	if r := d.byName["chain-add"]; r != nil {
+		cpus = r.Env.CPUs
+	}
+	add, _ := fnCPU(d, "agent-add", fnServiceAdd)
+	pm, pt := med(d.series("plugin", "plugin-add-cpu", "mesh", 0)), med(d.series("plugin", "plugin-add-cpu", "tuning", 0))
+	if cpus > 0 && ok(add, pm, pt) {
+		extra := 16 * (add + pm - pt)
+		limits += fmt.Sprintf(" Sixteen ADDs at once are 48 processes (bridge, host-local and the chained plugin for each pod) on %d CPUs. "+
+			"Against the no-op chain, mesh-cni adds per pod %s ms of CPU in its own process (plugin-add CPU, mesh-cni with the eBPF agent − tuning) and %s ms in the agent (profile), "+
+			"so a burst of 16 needs %s ms more CPU, at least %s ms more on %d CPUs before the last pod is done, whatever runs in parallel.",
+			cpus, num(pm-pt), num(add), num(extra), num(extra/float64(cpus)), cpus)
+	}
+	t.limits = limits + " The agent's CPU per enrollment is broken down below."
 	return t
 }
 
 func gateRelease(d data) target {
-	t := target{goal: "gate release: all waiting pods admitted within 200 ms of ready"}
+	t := target{goal: "gate release: 16 waiting pods all admitted ≤ 100 ms after the agent is ready (worst round)"}
 	s := d.series("chain-add", "gate-release", "release-last", 0)
 	worst := maxOf(s)
 	if !ok(worst) {
 		return t
 	}
-	t.measured = fmt.Sprintf("last of 16 ADDs done %s ms after ready (median), %s ms (worst of %d rounds)", num(med(s)), num(worst), len(s.Samples))
-	t.status = check(worst <= 200)
-	t.limits = fmt.Sprintf("worst round %s ms against 200 ms. All 16 plugins are connected and waiting when the agent becomes ready; it then enrolls them, and the kernel serializes their TCX attaches (rtnl lock plus an RCU grace period each; see --rcu-expedited)", num(worst))
-	if e := med(d.series("chain-add", "add-sequential", "mesh", 0)) - med(d.series("chain-add", "add-sequential", "mesh-gate", 0)); ok(e) {
-		t.limits += fmt.Sprintf(" (about %s ms each in the sequential measurement, so 16 take about %s ms)", num(e), num(16*e))
+	t.measured = fmt.Sprintf("last of 16 ADDs done %s ms after ready (median of %d rounds), %s ms in the worst round", num(med(s)), len(s.Samples), num(worst))
+	t.status = check(worst <= 100)
+	limits := fmt.Sprintf("worst round %s ms against 100 ms. The agent serves its socket from early in its start, while it loads the data path; the 16 waiting plugins find it on their next reconnect attempt "+
+		"(their back-off is capped at %d ms with ±%d%% jitter, constants of the plugin's gate client), most of them before the agent is ready. "+
+		"At ready every connected plugin's Add proceeds at once: 16 enrollments in the agent, then 16 answers and 16 plugin exits, all on the machine's CPUs.", num(worst), reconnectCapMs, reconnectJitterPct)
+	if each := d.series("chain-add", "gate-release-per-pod", "release-each", 0); each != nil {
+		limits += fmt.Sprintf(" Across rounds, the first pod of a round is done a median %s ms after ready.", num(firstPerRound(each, 16)))
 	}
-	t.limits += "; plugins reconnect to a new socket within their back-off, capped at 50 ms in `pkg/gate`."
+	cpus := 0
+	if r := d.byName["chain-add"]; r != nil {
+		cpus = r.Env.CPUs
+	}
+	if add, _ := fnCPU(d, "agent-add", fnServiceAdd); cpus > 0 && ok(add) {
+		limits += fmt.Sprintf(" The 16 enrollments need %s ms of agent CPU (%s ms each, profile), at least %s ms on %d CPUs.", num(16*add), num(add), num(16*add/float64(cpus)), cpus)
+	}
+	t.limits = limits + " The agent's CPU per enrollment is broken down below."
+	return t
+}
+
+// firstPerRound is the median over rounds of the earliest sample of each
+// round of n samples.
+func firstPerRound(s *results.Series, n int) float64 {
+	var firsts []float64
+	for i := 0; i+n <= len(s.Samples); i += n {
+		firsts = append(firsts, slices.Min(s.Samples[i:i+n]))
+	}
+	return results.Median(firsts)
+}
+
+// topLevel is the largest X of a scaling metric and whether it is 1000.
+func topLevel(m *results.Metric) (float64, bool) {
+	xs := m.Xs()
+	if len(xs) == 0 {
+		return math.NaN(), false
+	}
+	return xs[len(xs)-1], xs[len(xs)-1] >= 1000
+}
+
+func enrollRelease(d data) target {
+	t := target{goal: "per-pod enroll+release ≤ 1 ms at 1000 pods"}
+	m := d.metric("scale", "enroll-per-pod")
+	if m == nil {
+		return t
+	}
+	top, full := topLevel(m)
+	er := med(m.Find("enroll-release", top))
+	if !ok(er) {
+		return t
+	}
+	add, del := med(d.series("scale", "enroll-release-split", "enroll", top)), med(d.series("scale", "enroll-release-split", "release", top))
+	t.measured = fmt.Sprintf("%s ms median at %s pods (Add %s ms + Del %s ms; p99 %s ms)", num(er), numX(top), num(add), num(del), num(p99(m.Find("enroll-release", top))))
+	if !full {
+		t.measured += " — only up to " + numX(top) + " pods in this run"
+		return t
+	}
+	t.status = check(er <= 1)
+	t.limits = fmt.Sprintf("%s ms against 1 ms; the gate's Add is %s ms of it and Del %s ms, each with one round trip on a kept connection. The agent's CPU per enrollment is broken down below.", num(er), num(add), num(del))
+	return t
+}
+
+func enrollVsIPTables(d data) target {
+	t := target{goal: "… ≥ 4× faster than the in-pod iptables way (same run)"}
+	m := d.metric("scale", "enroll-per-pod")
+	if m == nil {
+		return t
+	}
+	top, full := topLevel(m)
+	er, ipt := m.Find("enroll-release", top), m.Find("iptables", top)
+	if !ok(med(er), med(ipt)) {
+		return t
+	}
+	r := med(ipt) / med(er)
+	t.measured = fmt.Sprintf("%.2f× (median iptables install+remove %s ms vs enroll+release %s ms at %s pods", r, num(med(ipt)), num(med(er)), numX(top))
+	if pr, found := results.PairedRatio(ipt, er); found {
+		t.measured += fmt.Sprintf("; paired %.2f×", pr)
+	}
+	t.measured += ")"
+	if !full {
+		t.measured += " — only up to " + numX(top) + " pods in this run"
+		return t
+	}
+	t.status = check(r >= 4)
+	t.limits = fmt.Sprintf("%.2f× against 4×. The iptables way is four short processes (iptables-restore and ip6tables-restore, to install and to remove), %s ms in all; the agent's CPU per enrollment is broken down below.", r, num(med(ipt)))
 	return t
 }
 
@@ -288,9 +428,26 @@ func configNote(cfg string) string {
 	return "capture-only configuration (client proxy answers; no full-chain `limit` in this run)"
 }
 
+// otherConfig adds the capture-only configuration's ratio when the target used
+// the full chain.
+func otherConfig(d data, metric, a, b, cfg string) string {
+	if cfg != "chain" {
+		return ""
+	}
+	m := d.metric("capture", metric+"-capture")
+	if m == nil {
+		return ""
+	}
+	if r, found := results.PairedRatio(m.Find(a, 0), m.Find(b, 0)); found {
+		return fmt.Sprintf("; capture only: %.3f×", r)
+	}
+	return ""
+}
+
 // bpfPerConn sums the eBPF programs' run time per connection from the profile.
 func bpfPerConn(d data) string {
 	m := d.metric("profile", "bpf-ns-per-conn")
+	runs := d.metric("profile", "bpf-runs-per-conn")
 	if m == nil {
 		return ""
 	}
@@ -301,83 +458,87 @@ func bpfPerConn(d data) string {
 			continue
 		}
 		total += s.Samples[0]
-		parts = append(parts, fmt.Sprintf("%s %s", s.Variant, num(s.Samples[0]/1000)))
+		part := fmt.Sprintf("%s %s µs", s.Variant, num(s.Samples[0]/1000))
+		if runs != nil {
+			if r := single(runs.Find(s.Variant, 0)); ok(r) {
+				part += fmt.Sprintf(" in %s runs", num(r))
+			}
+		}
+		parts = append(parts, part)
 	}
-	return fmt.Sprintf("The eBPF programs themselves run %s µs per proxied connection in all (%s µs; kernel BPF statistics, both pods and both proxies' sockets).",
-		num(total/1000), strings.Join(parts, ", "))
+	return fmt.Sprintf("In the profile's connection phase the eBPF programs ran %s µs per proxied connection in all (%s; kernel BPF statistics, both pods and both proxies' sockets); "+
+		"none runs per packet of an established connection.", num(total/1000), strings.Join(parts, ", "))
+}
+
+// loadNote describes the machine's load during a benchmark.
+func loadNote(d data, result string) string {
+	r := d.byName[result]
+	if r == nil || len(r.Env.LoadSamples) == 0 {
+		return ""
+	}
+	return fmt.Sprintf("The 1-minute load average on the %d CPUs was %s in the median and %s at most during that benchmark.",
+		r.Env.CPUs, num(results.Median(r.Env.LoadSamples)), num(slices.Max(r.Env.LoadSamples)))
 }
 
 func connRateVsLimit(d data) target {
-	t := target{goal: "eBPF capture ≥ 0.95× the conn/s of straight-to-proxy"}
+	t := target{goal: "eBPF capture: conn/s ≥ 0.98× the no-capture limit"}
 	r, cfg := captureRatio(d, "conn-rate", "ebpf", "limit")
 	if !ok(r) {
 		return t
 	}
-	t.measured = fmt.Sprintf("%.3f× (paired median, %s)", r, configNote(cfg))
-	if m := d.metric("capture", "conn-rate-capture"); m != nil && cfg == "chain" {
-		if rc, ok := results.PairedRatio(m.Find("ebpf", 0), m.Find("limit", 0)); ok {
-			t.measured += fmt.Sprintf("; capture only: %.3f×", rc)
-		}
-	}
-	t.status = check(r >= 0.95)
-	t.limits = fmt.Sprintf("%.3f× against 0.95×. The capture adds work at connect (connect rewrite, original destination recorded at establishment and answered to the proxy's getsockopt, getpeername restored) and a socket lookup per inbound packet. %s", r, bpfPerConn(d))
+	t.measured = fmt.Sprintf("%.3f× (paired median, %s%s)", r, configNote(cfg), otherConfig(d, "conn-rate", "ebpf", "limit", cfg))
+	t.status = check(r >= 0.98)
+	t.limits = join(fmt.Sprintf("%.3f× against 0.98×. The capture's work per connection: the connect rewrite, the original destination recorded at establishment and answered to the proxy's getsockopt, getpeername restored, and the server pod's sk_lookup assigning the proxy's listener.", r),
+		bpfPerConn(d), loadNote(d, "capture"))
 	return t
 }
 
-func beatsIPTables(d data) target {
-	t := target{goal: "eBPF beats iptables REDIRECT on conn/s and p99"}
+func connRateVsIPTables(d data) target {
+	t := target{goal: "eBPF capture: conn/s ≥ 1.2× iptables REDIRECT"}
 	r, cfg := captureRatio(d, "conn-rate", "ebpf", "iptables")
-	m := d.metric("capture", "conn-cycle-"+cfg)
-	if !ok(r) || m == nil {
+	if !ok(r) {
 		return t
 	}
-	pe, pi := p99(m.Find("ebpf", 0)), p99(m.Find("iptables", 0))
-	if !ok(pe, pi) {
-		return t
+	t.measured = fmt.Sprintf("%.3f× (paired median, %s%s)", r, configNote(cfg), otherConfig(d, "conn-rate", "ebpf", "iptables", cfg))
+	if m := d.metric("capture", "conn-cycle-"+cfg); m != nil {
+		if pe, pi := p99(m.Find("ebpf", 0)), p99(m.Find("iptables", 0)); ok(pe, pi) {
+			t.measured += fmt.Sprintf("; connection p99 %s µs vs %s µs", num(pe), num(pi))
+		}
 	}
-	t.measured = fmt.Sprintf("conn/s %.3f× iptables; connection p99 %s µs vs %s µs (%s)", r, num(pe), num(pi), configNote(cfg))
-	if rr := d.metric("capture", "rr-"+cfg); rr != nil {
-		t.measured += fmt.Sprintf("; kept-connection request p99 %s µs vs %s µs", num(p99(rr.Find("ebpf", 0))), num(p99(rr.Find("iptables", 0))))
+	t.status = check(r >= 1.2)
+	limits := fmt.Sprintf("%.3f× against 1.2×. Both captures put the same two proxies in the path, which dominate a connection's cost; a capture cannot be faster than the `limit`", r)
+	if rl, _ := captureRatio(d, "conn-rate", "iptables", "limit"); ok(rl) {
+		limits += fmt.Sprintf(", and iptables already reaches %.3f× of it (paired), so even a capture that cost nothing would be %.3f× iptables here", rl, 1/rl)
 	}
-	t.status = check(r > 1 && pe < pi)
-	t.limits = fmt.Sprintf("conn/s %.3f× and p99 %s vs %s µs. Both captures put the same two proxies in the path, which dominate a connection's cost; the tail is where the machine's other load shows most. %s", r, num(pe), num(pi), bpfPerConn(d))
+	t.limits = join(limits+".", bpfPerConn(d), loadNote(d, "capture"))
 	return t
 }
 
 func throughputVsLimit(d data) target {
-	t := target{goal: "throughput through eBPF within 5% of straight-to-proxy"}
+	t := target{goal: "eBPF capture: throughput ≥ 0.98× the no-capture limit"}
 	r, cfg := captureRatio(d, "throughput", "ebpf", "limit")
 	if !ok(r) {
 		return t
 	}
-	t.measured = fmt.Sprintf("%.3f× (paired median, %s)", r, configNote(cfg))
-	t.status = check(r >= 0.95)
-	t.limits = fmt.Sprintf("%.3f× against 0.95×. Once a connection is set up the capture's only per-packet work is the TCX socket lookup on the receiving pod's interface; the bulk rate is set by the proxies copying (splice) and by the CPUs the other load leaves, which varies from round to round.", r)
+	t.measured = fmt.Sprintf("%.3f× (paired median, %s%s)", r, configNote(cfg), otherConfig(d, "throughput", "ebpf", "limit", cfg))
+	t.status = check(r >= 0.98)
+	t.limits = join(fmt.Sprintf("%.3f× against 0.98×. Once a connection is established no capture program runs on its packets; the bulk rate is set by the proxies copying and by the CPUs the other load leaves, which varies from round to round.", r),
+		loadNote(d, "capture"))
 	return t
 }
 
-// topLevel is the largest X of a scaling metric and whether it is 1000.
-func topLevel(m *results.Metric) (float64, bool) {
-	xs := m.Xs()
-	if len(xs) == 0 {
-		return math.NaN(), false
-	}
-	return xs[len(xs)-1], xs[len(xs)-1] >= 1000
-}
-
 func enrollScaling(d data) target {
-	t := target{goal: "per-pod enroll time at 1000 pods within 1.5× of at 10"}
+	t := target{goal: "per-pod enroll+release at 1000 pods within 1.5× of at 10"}
 	m := d.metric("scale", "enroll-per-pod")
 	if m == nil {
 		return t
 	}
 	top, full := topLevel(m)
-	at10, atTop := med(m.Find("mesh-cni", 10)), med(m.Find("mesh-cni", top))
+	at10, atTop := med(m.Find("enroll-release", 10)), med(m.Find("enroll-release", top))
 	if !ok(at10, atTop) {
 		return t
 	}
-	ipt := med(m.Find("iptables", top))
-	t.measured = fmt.Sprintf("%.2f× (median %s ms at 10 pods, %s ms at %s; the iptables way %s ms at %s)", atTop/at10, num(at10), num(atTop), numX(top), num(ipt), numX(top))
+	t.measured = fmt.Sprintf("%.2f× (median %s ms at 10 pods, %s ms at %s)", atTop/at10, num(at10), num(atTop), numX(top))
 	if !full {
 		t.measured += " — only up to " + numX(top) + " pods in this run"
 		return t
@@ -429,6 +590,6 @@ func restartReady(d data) target {
 		return t
 	}
 	t.status = check(worst < 2000)
-	t.limits = fmt.Sprintf("%s ms against 2000 ms: a restart adopts the pinned data path and reconciles every enrolled pod (its namespace, its TCX links) before it is ready.", num(worst))
+	t.limits = fmt.Sprintf("%s ms against 2000 ms: a restart adopts the pinned data path and reconciles every enrolled pod (its namespace, its sk_lookup link) before it is ready.", num(worst))
 	return t
 }

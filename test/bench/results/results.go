@@ -69,6 +69,26 @@ type Env struct {
 	// started and finished: a load above CPUs means others shared the machine.
 	LoadStart float64 `json:"load_start"`
 	LoadEnd   float64 `json:"load_end"`
+	// UptimeStart and UptimeEnd are /proc/loadavg's 1-, 5- and 15-minute load
+	// averages at the start and the end, as uptime prints them.
+	UptimeStart *LoadAvg `json:"uptime_start,omitempty"`
+	UptimeEnd   *LoadAvg `json:"uptime_end,omitempty"`
+	// LoadSamples are the 1-minute load average read every LoadInterval while
+	// the benchmark ran: the start and end alone can miss a burst of other
+	// work in between.
+	LoadSamples  []float64     `json:"load_samples,omitempty"`
+	LoadInterval time.Duration `json:"load_interval,omitempty"`
+}
+
+// LoadAvg is one reading of /proc/loadavg.
+type LoadAvg struct {
+	One     float64 `json:"one"`
+	Five    float64 `json:"five"`
+	Fifteen float64 `json:"fifteen"`
+	// Running and Threads are the runnable and all scheduling entities
+	// ("2/345") when it was read.
+	Running int `json:"running"`
+	Threads int `json:"threads"`
 }
 
 // Metric is one measured quantity compared across variants, e.g. ADD latency for

@@ -63,6 +63,21 @@ func TestPairedRatio(t *testing.T) {
 	}
 }
 
+func TestPairedDiff(t *testing.T) {
+	a := &Series{Rounds: []float64{12, 9, 14, math.NaN()}}
+	b := &Series{Rounds: []float64{10, 10, 10, 10, 10}}
+	// Rounds 0-2 pair up (2, -1, 4); round 3 is not a number.
+	if d, ok := PairedDiff(a, b); !ok || math.Abs(d-2) > 1e-9 {
+		t.Errorf("PairedDiff = %v, %v; want 2", d, ok)
+	}
+	if _, ok := PairedDiff(a, &Series{}); ok {
+		t.Error("PairedDiff without baseline rounds reported a difference")
+	}
+	if _, ok := PairedDiff(nil, b); ok {
+		t.Error("PairedDiff of nil reported a difference")
+	}
+}
+
 func TestWriteReadDir(t *testing.T) {
 	dir := t.TempDir()
 	r := &Result{

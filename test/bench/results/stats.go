@@ -96,3 +96,24 @@ func PairedWins(a, b *Series, higherIsBetter bool) (wins, rounds int) {
 	}
 	return wins, n
 }
+
+// PairedDiff is the median over rounds of a.Rounds[i]-b.Rounds[i], using the
+// rounds both have; ok is false when there are none. For a per-round overhead
+// (variant minus baseline run back to back) it is what machine noise affects
+// least.
+func PairedDiff(a, b *Series) (diff float64, ok bool) {
+	if a == nil || b == nil {
+		return 0, false
+	}
+	n := min(len(a.Rounds), len(b.Rounds))
+	var ds []float64
+	for i := range n {
+		if !math.IsNaN(a.Rounds[i]) && !math.IsNaN(b.Rounds[i]) {
+			ds = append(ds, a.Rounds[i]-b.Rounds[i])
+		}
+	}
+	if len(ds) == 0 {
+		return 0, false
+	}
+	return Median(ds), true
+}
