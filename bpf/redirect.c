@@ -22,16 +22,14 @@
 // namespaces it does not know, which is what lets several independent copies of this
 // data path share the cgroup root.
 //
-// Only UAPI context structures are read directly (their layout is stable, so the
-// programs carry no CO-RE relocations and load in well under a millisecond); the one
-// program that reads kernel structures, the listener iterator, does so with
-// BPF_CORE_READ.
+// Only UAPI context structures are read (their layout is stable), so the programs
+// carry no CO-RE relocations and a per-pod program loads with one short verifier
+// pass.
 
 #define BPF_NO_PRESERVE_ACCESS_INDEX
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
-#include <bpf/bpf_core_read.h>
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -43,7 +41,6 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 #define SO_ORIGINAL_DST 80      // linux/netfilter_ipv4.h
 #define IP6T_SO_ORIGINAL_DST 80 // linux/netfilter_ipv6/ip6_tables.h
 #define EEXIST 17
-#define TCP_LISTEN_STATE 10 // TCP_LISTEN in include/net/tcp_states.h
 
 // Limits shared with the Go side (pkg/redirect reads them from the generated types).
 #define MAX_PROXY_CGROUPS 8
@@ -1010,42 +1007,4 @@ int mesh_lookup(struct bpf_sk_lookup *ctx)
 	// No proxy listening: the client gets a reset, as from a closed port.
 	count(COUNTER_IN_DROPPED);
 	return SK_DROP;
-}
-
-static __always_inline void iter_slot(struct listener_key *k, struct sock_common *skc)
-{
-	for (__u32 slot = 0; slot < LISTENER_SLOTS; slot++) {
-		k->slot = slot;
-		long err = bpf_map_update_elem(&listeners, k, skc, BPF_NOEXIST);
-		if (err != -EEXIST)
-			break;
-	}
-}
-
-// mesh_collect_listeners runs over the TCP sockets of the netns it is created in
-// and collects the listeners of inbound ports, like sockops does for listeners
-// opened later: for proxies that were already listening when their pod was
-// enrolled, or when this data path was installed.
-SEC("iter/tcp")
-int mesh_collect_listeners(struct bpf_iter__tcp *ctx)
-{
-	struct sock_common *skc = ctx->sk_common;
-	if (!skc)
-		return 0;
-	if (BPF_CORE_READ(skc, skc_state) != TCP_LISTEN_STATE)
-		return 0;
-	__u16 port = BPF_CORE_READ(skc, skc_num);
-	if (!bpf_map_lookup_elem(&listen_ports, &port))
-		return 0;
-	struct listener_key k = {
-		.netns = BPF_CORE_READ(skc, skc_net.net, net_cookie),
-		.port = port,
-		.family = (__u8)BPF_CORE_READ(skc, skc_family),
-	};
-	iter_slot(&k, skc);
-	if (k.family == AF_INET6) {
-		k.family = AF_INET;
-		iter_slot(&k, skc);
-	}
-	return 0;
 }

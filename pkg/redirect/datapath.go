@@ -105,17 +105,16 @@ var cgroupHooks = []cgroupHook{
 // programs are the ones loaded once; the sk_lookup program is loaded per pod from
 // lookupTemplate.
 type programs struct {
-	MeshSockops          *ebpf.Program `ebpf:"mesh_sockops"`
-	MeshGetsockopt       *ebpf.Program `ebpf:"mesh_getsockopt"`
-	MeshGetpeername4     *ebpf.Program `ebpf:"mesh_getpeername4"`
-	MeshGetpeername6     *ebpf.Program `ebpf:"mesh_getpeername6"`
-	MeshConnect4         *ebpf.Program `ebpf:"mesh_connect4"`
-	MeshConnect6         *ebpf.Program `ebpf:"mesh_connect6"`
-	MeshSendmsg4         *ebpf.Program `ebpf:"mesh_sendmsg4"`
-	MeshSendmsg6         *ebpf.Program `ebpf:"mesh_sendmsg6"`
-	MeshRecvmsg4         *ebpf.Program `ebpf:"mesh_recvmsg4"`
-	MeshRecvmsg6         *ebpf.Program `ebpf:"mesh_recvmsg6"`
-	MeshCollectListeners *ebpf.Program `ebpf:"mesh_collect_listeners"`
+	MeshSockops      *ebpf.Program `ebpf:"mesh_sockops"`
+	MeshGetsockopt   *ebpf.Program `ebpf:"mesh_getsockopt"`
+	MeshGetpeername4 *ebpf.Program `ebpf:"mesh_getpeername4"`
+	MeshGetpeername6 *ebpf.Program `ebpf:"mesh_getpeername6"`
+	MeshConnect4     *ebpf.Program `ebpf:"mesh_connect4"`
+	MeshConnect6     *ebpf.Program `ebpf:"mesh_connect6"`
+	MeshSendmsg4     *ebpf.Program `ebpf:"mesh_sendmsg4"`
+	MeshSendmsg6     *ebpf.Program `ebpf:"mesh_sendmsg6"`
+	MeshRecvmsg4     *ebpf.Program `ebpf:"mesh_recvmsg4"`
+	MeshRecvmsg6     *ebpf.Program `ebpf:"mesh_recvmsg6"`
 }
 
 type objects struct {
@@ -126,8 +125,7 @@ type objects struct {
 func (o *objects) Close() error {
 	return errors.Join(
 		closeAll(o.MeshSockops, o.MeshGetsockopt, o.MeshGetpeername4, o.MeshGetpeername6,
-			o.MeshConnect4, o.MeshConnect6, o.MeshSendmsg4, o.MeshSendmsg6, o.MeshRecvmsg4, o.MeshRecvmsg6,
-			o.MeshCollectListeners),
+			o.MeshConnect4, o.MeshConnect6, o.MeshSendmsg4, o.MeshSendmsg6, o.MeshRecvmsg4, o.MeshRecvmsg6),
 		o.redirectMaps.Close(),
 	)
 }

@@ -22,8 +22,6 @@
 //     when the kernel looks for a listener for a new connection there, it assigns
 //     one of the inbound proxy's listeners (bpf_sk_assign); nothing is rewritten,
 //     so the accepted socket's local address is the original destination.
-//   - iter/tcp: collects listeners that were already open when their pod was
-//     enrolled.
 //
 // Enrolling a pod is one entry in the pods map, keyed by the netns cookie, plus its
 // sk_lookup link; every cgroup program does nothing for namespaces without an
@@ -58,7 +56,8 @@
 //     The programs carry no BTF and no CO-RE relocations, so a load is one short
 //     verifier pass.
 //   - Listeners: sockops collects every listener of an inbound port (listen_ports),
-//     whether or not its netns is enrolled yet, into one of a few slots per
+//     whether or not its netns is enrolled yet (and Enroll those already open, from
+//     their process with pidfd_getfd), into one of a few slots per
 //     (netns, port, family): a SO_REUSEPORT group stays captured while any of its
 //     slotted members is open, and the kernel then picks within the group. MPTCP
 //     listeners cannot enter a SOCKHASH: they are reported (Refusals, a counter) and

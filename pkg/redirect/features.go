@@ -3,11 +3,13 @@ package redirect
 import (
 	"errors"
 	"fmt"
+	"os"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
-	"github.com/cilium/ebpf/btf"
 	"github.com/cilium/ebpf/features"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/mesh-cni/mesh-cni/pkg/netns"
 )
@@ -27,13 +29,13 @@ type Feature struct {
 // trivial program or map, or asks the kernel directly.
 var kernelFeatures = []Feature{
 	{"BPF socket local storage", "5.2", func() error { return features.HaveMapType(ebpf.SkStorage) }},
-	// The listener iterator reads kernel structures through BTF (CO-RE).
-	{"kernel BTF (CONFIG_DEBUG_INFO_BTF)", "5.4", func() error { _, err := btf.LoadKernelSpec(); return err }},
 	{"bpf_get_current_ancestor_cgroup_id in cgroup sock_addr programs", "5.7",
 		func() error { return features.HaveProgramHelper(ebpf.CGroupSockAddr, asm.FnGetCurrentAncestorCgroupId) }},
 	{"sk_lookup programs", "5.9", func() error { return features.HaveProgramType(ebpf.SkLookup) }},
 	{"bpf_sk_assign in sk_lookup programs", "5.9", func() error { return features.HaveProgramHelper(ebpf.SkLookup, asm.FnSkAssign) }},
 	{"SO_NETNS_COOKIE", "5.14", func() error { _, err := netns.CurrentCookie(); return err }},
+	// Listeners open before enrollment are taken from their process.
+	{"pidfd_getfd", "5.6", probePidfdGetfd},
 	{"bpf_get_netns_cookie in sock_ops programs", "5.15",
 		func() error { return features.HaveProgramHelper(ebpf.SockOps, asm.FnGetNetnsCookie) }},
 	{"bpf_get_netns_cookie in cgroup sockopt programs", "5.15",
@@ -67,4 +69,26 @@ func CheckKernel() error {
 		return nil
 	}
 	return fmt.Errorf("the data path needs Linux %s or newer: %w", KernelFloor, errors.Join(missing...))
+}
+
+// probePidfdGetfd takes a descriptor of this process from itself.
+func probePidfdGetfd() error {
+	pidfd, err := unix.PidfdOpen(os.Getpid(), 0)
+	if err != nil {
+		return fmt.Errorf("pidfd_open: %w", errOrUnsupported(err))
+	}
+	defer unix.Close(pidfd)
+	fd, err := unix.PidfdGetfd(pidfd, 0, 0)
+	if err != nil {
+		return fmt.Errorf("pidfd_getfd: %w", errOrUnsupported(err))
+	}
+	return unix.Close(fd)
+}
+
+// errOrUnsupported maps ENOSYS (a kernel without the call) to ErrNotSupported.
+func errOrUnsupported(err error) error {
+	if errors.Is(err, unix.ENOSYS) {
+		return ebpf.ErrNotSupported
+	}
+	return err
 }

@@ -65,9 +65,9 @@ func TestFloodDoesNotDisturbOtherPods(t *testing.T) {
 	// Until the flood has created more new connections than the node's largest
 	// shared map holds (65536), and for a while at least.
 	var wrong []string
-	minEnd, maxEnd := time.Now().Add(2*time.Second), time.Now().Add(90*time.Second)
+	minEnd, maxEnd := time.Now().Add(2*time.Second), time.Now().Add(150*time.Second)
 	n := 0
-	for ; (time.Now().Before(minEnd) || n < 100 || flooded.Load() < 100000) && time.Now().Before(maxEnd); n++ {
+	for ; (time.Now().Before(minEnd) || n < 100 || flooded.Load() < 70000) && time.Now().Before(maxEnd); n++ {
 		dst := e.addr4
 		if n%2 == 1 {
 			dst = e.addr6
@@ -81,7 +81,7 @@ func TestFloodDoesNotDisturbOtherPods(t *testing.T) {
 	stop.Store(true)
 	wg.Wait()
 	t.Logf("%d SYNs flooded, %d connections of the other pods checked", flooded.Load(), n)
-	if flooded.Load() < 100000 {
+	if flooded.Load() < 70000 {
 		t.Errorf("only %d SYNs flooded: not enough to fill a 65536-entry map", flooded.Load())
 	}
 	if len(wrong) > 0 {

@@ -1,15 +1,13 @@
 package redirect
 
 import (
-	"encoding/binary"
 	"errors"
 	"fmt"
-	"io"
+	"os"
 	"slices"
 	"syscall"
 
 	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
 
 	"github.com/mesh-cni/mesh-cni/pkg/netns"
@@ -55,103 +53,84 @@ func hasListener(m *ebpf.Map, cookie uint64, port uint16) bool {
 // before sockops could see them start listening (a proxy already running when its
 // pod is enrolled, or when this data path was installed). Inside the netns it asks
 // the kernel (sock_diag, one exact lookup per family) whether anything listens on
-// the port, and only then runs the listener iterator, which walks every TCP socket
-// of the netns: a new pod, the common case, costs two netlink round trips.
+// the port: a new pod, the common case, costs two netlink round trips. Only when
+// something does, it lists the listeners, finds the processes holding them, takes a
+// descriptor of each (pidfd_getfd) and puts it into its slots, as sockops would
+// have. (A BPF TCP iterator could insert them from the kernel, but updating a
+// SOCKHASH from it deadlocks on Linux 5.15, where the iterator holds the socket's
+// lock: seen in the kernel matrix.)
 func (d *Datapath) collectExisting(nsFd int, cookie uint64, port uint16) error {
 	if hasListener(d.objs.Listeners, cookie, port) {
 		return nil
 	}
-	return netns.DoFd(nsFd, func() error {
+	var listeners []diagSocket
+	err := netns.DoFd(nsFd, func() error {
 		listening, err := listenerOnPort(port)
 		if err != nil || !listening {
 			return err
 		}
-		it, err := link.AttachIter(link.IterOptions{Program: d.objs.MeshCollectListeners})
-		if err != nil {
-			return fmt.Errorf("attach listener iterator: %w", err)
-		}
-		defer it.Close()
-		r, err := it.Open()
-		if err != nil {
-			return fmt.Errorf("open listener iterator: %w", err)
-		}
-		defer r.Close()
-		if _, err := io.Copy(io.Discard, r); err != nil {
-			return fmt.Errorf("run listener iterator: %w", err)
-		}
-		return nil
+		listeners, err = listenersOnPort(port)
+		return err
 	})
+	if err != nil || len(listeners) == 0 {
+		return err
+	}
+	fds, err := socketsByInode(listeners)
+	defer func() {
+		for _, f := range fds {
+			f.Close()
+		}
+	}()
+	errs := []error{err}
+	for _, l := range listeners {
+		if f := fds[l.inode]; f != nil {
+			errs = append(errs, d.slotListener(cookie, port, l.family, f))
+		}
+	}
+	return errors.Join(errs...)
 }
 
-// listenerOnPort reports whether a TCP socket listens on the wildcard address at
-// port in the calling thread's netns (IPv6 [::], or IPv4 0.0.0.0 which a
-// dual-stack [::] listener also answers for).
-func listenerOnPort(port uint16) (bool, error) {
-	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_SOCK_DIAG)
-	if err != nil {
-		return false, fmt.Errorf("sock_diag socket: %w", err)
+// slotListener puts a listener into the first free slot of its family, and an
+// IPv6 one into the IPv4 slots too, as sockops does. A refusal (an MPTCP listener,
+// every slot taken) is recorded as sockops records one.
+func (d *Datapath) slotListener(cookie uint64, port uint16, family uint8, f *os.File) error {
+	families := []uint8{family}
+	if family == afInet6 {
+		families = append(families, afInet)
 	}
-	defer unix.Close(fd)
-	for _, fam := range []uint8{unix.AF_INET6, unix.AF_INET} {
-		found, err := diagLookupListener(fd, fam, port)
-		if err != nil || found {
-			return found, err
+	for i, fam := range families {
+		var err error
+		for slot := range uint8(listenerSlots) {
+			k := redirectListenerKey{Netns: cookie, Port: port, Family: fam, Slot: slot}
+			err = d.objs.Listeners.Update(&k, uint64(f.Fd()), ebpf.UpdateNoExist)
+			if !errors.Is(err, ebpf.ErrKeyExist) {
+				break
+			}
+		}
+		switch {
+		case err == nil:
+		case i > 0:
+			// In its own family's slots already; IPv4 slots are for a
+			// dual-stack listener only.
+			return nil
+		default:
+			errno := unix.EEXIST
+			_ = errors.As(err, &errno)
+			d.recordRefusal(cookie, port, fam, errno)
+			return fmt.Errorf("collect a listener of port %d: %w", port, err)
 		}
 	}
-	return false, nil
+	return nil
 }
 
-// diagLookupListener sends one SOCK_DIAG_BY_FAMILY exact lookup (not a dump, which
-// would walk the node's whole listening hash) for a TCP socket with local address
-// any:port. The kernel resolves it like an incoming connection would be.
-func diagLookupListener(fd int, family uint8, port uint16) (bool, error) {
-	const (
-		hdrLen = unix.SizeofNlMsghdr
-		reqLen = 56 // struct inet_diag_req_v2
-	)
-	buf := make([]byte, hdrLen+reqLen)
-	ne := binary.NativeEndian
-	ne.PutUint32(buf[0:], uint32(len(buf)))
-	ne.PutUint16(buf[4:], unix.SOCK_DIAG_BY_FAMILY)
-	ne.PutUint16(buf[6:], unix.NLM_F_REQUEST)
-	ne.PutUint32(buf[8:], 1) // sequence
-	req := buf[hdrLen:]
-	req[0] = family
-	req[1] = unix.IPPROTO_TCP
-	ne.PutUint32(req[4:], 1<<unix.BPF_TCP_LISTEN)
-	id := req[8:] // struct inet_diag_sockid
-	binary.BigEndian.PutUint16(id[0:], port)
-	binary.BigEndian.PutUint16(id[2:], 1) // a remote port no listener lookup uses
-	ne.PutUint32(id[36:], 0)              // any interface
-	ne.PutUint32(id[40:], ^uint32(0))     // INET_DIAG_NOCOOKIE
-	ne.PutUint32(id[44:], ^uint32(0))
-	if err := unix.Sendto(fd, buf, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
-		return false, fmt.Errorf("sock_diag request: %w", err)
-	}
-	resp := make([]byte, 4096)
-	n, _, err := unix.Recvfrom(fd, resp, 0)
-	if err != nil {
-		return false, fmt.Errorf("sock_diag response: %w", err)
-	}
-	msgs, err := syscall.ParseNetlinkMessage(resp[:n])
-	if err != nil || len(msgs) == 0 {
-		return false, fmt.Errorf("sock_diag response: %w", errors.Join(err, errors.New("no message")))
-	}
-	m := msgs[0]
-	switch m.Header.Type {
-	case unix.SOCK_DIAG_BY_FAMILY:
-		return true, nil
-	case unix.NLMSG_ERROR:
-		if len(m.Data) < 4 {
-			return false, errors.New("sock_diag: short error message")
-		}
-		errno := syscall.Errno(-int32(ne.Uint32(m.Data)))
-		if errno == unix.ENOENT {
-			return false, nil
-		}
-		return false, fmt.Errorf("sock_diag lookup: %w", errno)
-	}
-	return false, fmt.Errorf("sock_diag: unexpected message type %d", m.Header.Type)
+// recordRefusal counts a listener that could not be collected, where sockops
+// counts its own.
+func (d *Datapath) recordRefusal(cookie uint64, port uint16, family uint8, errno unix.Errno) {
+	k := redirectListenerKey{Netns: cookie, Port: port, Family: family}
+	var r redirectListenerRefusal
+	_ = d.objs.ListenRefused.Lookup(&k, &r)
+	r.Err, r.Count = -int32(errno), r.Count+1
+	_ = d.objs.ListenRefused.Put(&k, &r)
 }
 
 // Refusal is a proxy listener the data path could not collect, so connections to

@@ -108,32 +108,31 @@ type redirectTupleKey struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	redirectMapAcceptedOrig          = "accepted_orig"
-	redirectMapCounters              = "counters"
-	redirectMapExcludedDsts          = "excluded_dsts"
-	redirectMapExcludedPorts         = "excluded_ports"
-	redirectMapListenPorts           = "listen_ports"
-	redirectMapListenRefused         = "listen_refused"
-	redirectMapListeners             = "listeners"
-	redirectMapNode                  = "node"
-	redirectMapOrigDsts              = "orig_dsts"
-	redirectMapPods                  = "pods"
-	redirectMapProbeSrcs             = "probe_srcs"
-	redirectMapProxyConns            = "proxy_conns"
-	redirectMapProxySocks            = "proxy_socks"
-	redirectMapSockOrig              = "sock_orig"
-	redirectProgMeshCollectListeners = "mesh_collect_listeners"
-	redirectProgMeshConnect4         = "mesh_connect4"
-	redirectProgMeshConnect6         = "mesh_connect6"
-	redirectProgMeshGetpeername4     = "mesh_getpeername4"
-	redirectProgMeshGetpeername6     = "mesh_getpeername6"
-	redirectProgMeshGetsockopt       = "mesh_getsockopt"
-	redirectProgMeshLookup           = "mesh_lookup"
-	redirectProgMeshRecvmsg4         = "mesh_recvmsg4"
-	redirectProgMeshRecvmsg6         = "mesh_recvmsg6"
-	redirectProgMeshSendmsg4         = "mesh_sendmsg4"
-	redirectProgMeshSendmsg6         = "mesh_sendmsg6"
-	redirectProgMeshSockops          = "mesh_sockops"
+	redirectMapAcceptedOrig      = "accepted_orig"
+	redirectMapCounters          = "counters"
+	redirectMapExcludedDsts      = "excluded_dsts"
+	redirectMapExcludedPorts     = "excluded_ports"
+	redirectMapListenPorts       = "listen_ports"
+	redirectMapListenRefused     = "listen_refused"
+	redirectMapListeners         = "listeners"
+	redirectMapNode              = "node"
+	redirectMapOrigDsts          = "orig_dsts"
+	redirectMapPods              = "pods"
+	redirectMapProbeSrcs         = "probe_srcs"
+	redirectMapProxyConns        = "proxy_conns"
+	redirectMapProxySocks        = "proxy_socks"
+	redirectMapSockOrig          = "sock_orig"
+	redirectProgMeshConnect4     = "mesh_connect4"
+	redirectProgMeshConnect6     = "mesh_connect6"
+	redirectProgMeshGetpeername4 = "mesh_getpeername4"
+	redirectProgMeshGetpeername6 = "mesh_getpeername6"
+	redirectProgMeshGetsockopt   = "mesh_getsockopt"
+	redirectProgMeshLookup       = "mesh_lookup"
+	redirectProgMeshRecvmsg4     = "mesh_recvmsg4"
+	redirectProgMeshRecvmsg6     = "mesh_recvmsg6"
+	redirectProgMeshSendmsg4     = "mesh_sendmsg4"
+	redirectProgMeshSendmsg6     = "mesh_sendmsg6"
+	redirectProgMeshSockops      = "mesh_sockops"
 )
 
 // loadRedirect returns the embedded CollectionSpec for redirect.
@@ -178,18 +177,17 @@ type redirectSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type redirectProgramSpecs struct {
-	MeshCollectListeners *ebpf.ProgramSpec `ebpf:"mesh_collect_listeners"`
-	MeshConnect4         *ebpf.ProgramSpec `ebpf:"mesh_connect4"`
-	MeshConnect6         *ebpf.ProgramSpec `ebpf:"mesh_connect6"`
-	MeshGetpeername4     *ebpf.ProgramSpec `ebpf:"mesh_getpeername4"`
-	MeshGetpeername6     *ebpf.ProgramSpec `ebpf:"mesh_getpeername6"`
-	MeshGetsockopt       *ebpf.ProgramSpec `ebpf:"mesh_getsockopt"`
-	MeshLookup           *ebpf.ProgramSpec `ebpf:"mesh_lookup"`
-	MeshRecvmsg4         *ebpf.ProgramSpec `ebpf:"mesh_recvmsg4"`
-	MeshRecvmsg6         *ebpf.ProgramSpec `ebpf:"mesh_recvmsg6"`
-	MeshSendmsg4         *ebpf.ProgramSpec `ebpf:"mesh_sendmsg4"`
-	MeshSendmsg6         *ebpf.ProgramSpec `ebpf:"mesh_sendmsg6"`
-	MeshSockops          *ebpf.ProgramSpec `ebpf:"mesh_sockops"`
+	MeshConnect4     *ebpf.ProgramSpec `ebpf:"mesh_connect4"`
+	MeshConnect6     *ebpf.ProgramSpec `ebpf:"mesh_connect6"`
+	MeshGetpeername4 *ebpf.ProgramSpec `ebpf:"mesh_getpeername4"`
+	MeshGetpeername6 *ebpf.ProgramSpec `ebpf:"mesh_getpeername6"`
+	MeshGetsockopt   *ebpf.ProgramSpec `ebpf:"mesh_getsockopt"`
+	MeshLookup       *ebpf.ProgramSpec `ebpf:"mesh_lookup"`
+	MeshRecvmsg4     *ebpf.ProgramSpec `ebpf:"mesh_recvmsg4"`
+	MeshRecvmsg6     *ebpf.ProgramSpec `ebpf:"mesh_recvmsg6"`
+	MeshSendmsg4     *ebpf.ProgramSpec `ebpf:"mesh_sendmsg4"`
+	MeshSendmsg6     *ebpf.ProgramSpec `ebpf:"mesh_sendmsg6"`
+	MeshSockops      *ebpf.ProgramSpec `ebpf:"mesh_sockops"`
 }
 
 // redirectMapSpecs contains maps before they are loaded into the kernel.
@@ -283,23 +281,21 @@ type redirectVariables struct {
 //
 // It can be passed to loadRedirectObjects or ebpf.CollectionSpec.LoadAndAssign.
 type redirectPrograms struct {
-	MeshCollectListeners *ebpf.Program `ebpf:"mesh_collect_listeners"`
-	MeshConnect4         *ebpf.Program `ebpf:"mesh_connect4"`
-	MeshConnect6         *ebpf.Program `ebpf:"mesh_connect6"`
-	MeshGetpeername4     *ebpf.Program `ebpf:"mesh_getpeername4"`
-	MeshGetpeername6     *ebpf.Program `ebpf:"mesh_getpeername6"`
-	MeshGetsockopt       *ebpf.Program `ebpf:"mesh_getsockopt"`
-	MeshLookup           *ebpf.Program `ebpf:"mesh_lookup"`
-	MeshRecvmsg4         *ebpf.Program `ebpf:"mesh_recvmsg4"`
-	MeshRecvmsg6         *ebpf.Program `ebpf:"mesh_recvmsg6"`
-	MeshSendmsg4         *ebpf.Program `ebpf:"mesh_sendmsg4"`
-	MeshSendmsg6         *ebpf.Program `ebpf:"mesh_sendmsg6"`
-	MeshSockops          *ebpf.Program `ebpf:"mesh_sockops"`
+	MeshConnect4     *ebpf.Program `ebpf:"mesh_connect4"`
+	MeshConnect6     *ebpf.Program `ebpf:"mesh_connect6"`
+	MeshGetpeername4 *ebpf.Program `ebpf:"mesh_getpeername4"`
+	MeshGetpeername6 *ebpf.Program `ebpf:"mesh_getpeername6"`
+	MeshGetsockopt   *ebpf.Program `ebpf:"mesh_getsockopt"`
+	MeshLookup       *ebpf.Program `ebpf:"mesh_lookup"`
+	MeshRecvmsg4     *ebpf.Program `ebpf:"mesh_recvmsg4"`
+	MeshRecvmsg6     *ebpf.Program `ebpf:"mesh_recvmsg6"`
+	MeshSendmsg4     *ebpf.Program `ebpf:"mesh_sendmsg4"`
+	MeshSendmsg6     *ebpf.Program `ebpf:"mesh_sendmsg6"`
+	MeshSockops      *ebpf.Program `ebpf:"mesh_sockops"`
 }
 
 func (p *redirectPrograms) Close() error {
 	return _RedirectClose(
-		p.MeshCollectListeners,
 		p.MeshConnect4,
 		p.MeshConnect6,
 		p.MeshGetpeername4,
