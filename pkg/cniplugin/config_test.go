@@ -107,7 +107,7 @@ func TestPodInterfaces(t *testing.T) {
 		t.Fatal(err)
 	}
 	ifs := podInterfaces(res, "eth0")
-	if len(ifs) != 1 || ifs[0].GetName() != "eth0" || len(ifs[0].GetAddresses()) != 2 || ifs[0].GetAddresses()[0] != "10.1.0.5/24" {
+	if len(ifs) != 1 || ifs[0].Name != "eth0" || len(ifs[0].Addresses) != 2 || ifs[0].Addresses[0] != "10.1.0.5/24" {
 		t.Fatalf("podInterfaces = %v", ifs)
 	}
 }

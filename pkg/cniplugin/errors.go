@@ -7,8 +7,8 @@ import (
 	"time"
 
 	"github.com/containernetworking/cni/pkg/types"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
+
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gateclient"
 )
 
 // CNI error codes the released library has no constants for, and mesh-cni's own
@@ -28,28 +28,28 @@ const (
 
 // gateError turns a failed gate call into a CNI error an operator can act on.
 func gateError(op, socket string, timeout time.Duration, err error) *types.Error {
-	st, _ := status.FromError(err)
+	st := gateclient.StatusOf(err)
 	switch {
-	case st.Code() == codes.Aborted:
+	case st.Code == gateclient.Aborted:
 		// The agent answered: it cannot admit the pod yet (enrollment source
 		// unreachable, node proxy missing). Its reason is the message.
 		return types.NewError(types.ErrTryAgainLater,
-			fmt.Sprintf("mesh-cni: %s: the mesh agent cannot admit the pod yet, so it must not start; the runtime retries: %s", op, st.Message()),
+			fmt.Sprintf("mesh-cni: %s: the mesh agent cannot admit the pod yet, so it must not start; the runtime retries: %s", op, st.Message),
 			"")
-	case errors.Is(err, context.DeadlineExceeded) || st.Code() == codes.DeadlineExceeded || st.Code() == codes.Unavailable:
+	case errors.Is(err, context.DeadlineExceeded) || st.Code == gateclient.DeadlineExceeded || st.Code == gateclient.Unavailable:
 		return types.NewError(types.ErrTryAgainLater,
 			fmt.Sprintf("mesh-cni: %s: mesh-agent is not ready: no answer on gate socket %s within %s; the pod waits for the mesh agent on this node (is the mesh-agent DaemonSet running?)", op, socket, timeout),
-			st.Message())
-	case st.Code() == codes.PermissionDenied:
+			st.Message)
+	case st.Code == gateclient.PermissionDenied:
 		return types.NewError(ErrGateRefused,
 			fmt.Sprintf("mesh-cni: %s: mesh-agent refused this caller on %s (the plugin must run as a user the agent allows)", op, socket),
-			st.Message())
-	case st.Code() == codes.InvalidArgument:
-		return types.NewError(ErrRequestRejected, fmt.Sprintf("mesh-cni: %s: mesh-agent rejected the request", op), st.Message())
-	case st.Code() == codes.FailedPrecondition:
-		return types.NewError(ErrNotIntact, fmt.Sprintf("mesh-cni: %s: mesh redirection is not intact", op), st.Message())
+			st.Message)
+	case st.Code == gateclient.InvalidArgument:
+		return types.NewError(ErrRequestRejected, fmt.Sprintf("mesh-cni: %s: mesh-agent rejected the request", op), st.Message)
+	case st.Code == gateclient.FailedPrecondition:
+		return types.NewError(ErrNotIntact, fmt.Sprintf("mesh-cni: %s: mesh redirection is not intact", op), st.Message)
 	default:
-		return types.NewError(ErrEnrollFailed, fmt.Sprintf("mesh-cni: %s: mesh-agent failed", op), st.Message())
+		return types.NewError(ErrEnrollFailed, fmt.Sprintf("mesh-cni: %s: mesh-agent failed", op), st.Message)
 	}
 }
 
@@ -58,8 +58,12 @@ func isAgentAway(err error) bool {
 	if errors.Is(err, context.DeadlineExceeded) {
 		return true
 	}
-	switch status.Code(err) {
-	case codes.Unavailable, codes.DeadlineExceeded, codes.Canceled:
+	st := gateclient.StatusOf(err)
+	if st == nil {
+		return false
+	}
+	switch st.Code {
+	case gateclient.Unavailable, gateclient.DeadlineExceeded, gateclient.Canceled:
 		return true
 	}
 	return false

@@ -50,12 +50,12 @@ func FuzzPrevResult(f *testing.F) {
 			}
 		}
 		for _, gi := range ifs {
-			if !inPod[gi.GetName()] && !(len(ifs) == 1 && gi.GetName() == "eth0" && len(gi.GetAddresses()) == 0) {
-				t.Fatalf("interface %q is neither in the pod nor the fallback", gi.GetName())
+			if !inPod[gi.Name] && !(len(ifs) == 1 && gi.Name == "eth0" && len(gi.Addresses) == 0) {
+				t.Fatalf("interface %q is neither in the pod nor the fallback", gi.Name)
 			}
-			for _, a := range gi.GetAddresses() {
+			for _, a := range gi.Addresses {
 				if _, err := netip.ParsePrefix(a); err != nil {
-					t.Fatalf("address %q for %s is not a prefix: %v", a, gi.GetName(), err)
+					t.Fatalf("address %q for %s is not a prefix: %v", a, gi.Name, err)
 				}
 			}
 		}

@@ -19,11 +19,8 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"golang.org/x/sys/unix"
-	"google.golang.org/grpc"
-	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
-	"github.com/mesh-cni/mesh-cni/pkg/gate"
-	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gateclient"
 	"github.com/mesh-cni/mesh-cni/pkg/netns"
 )
 
@@ -107,29 +104,19 @@ func (p Plugin) logger(conf *NetConf, args *skel.CmdArgs, cmd string) (*zap.Logg
 }
 
 // connect prepares the gate client and a context bounded by timeout; done
-// releases both.
-func (p Plugin) connect(conf *NetConf, timeout time.Duration) (*grpc.ClientConn, context.Context, func(), error) {
-	conn, err := p.dial(conf)
-	if err != nil {
-		return nil, nil, nil, err
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), timeout)
-	return conn, ctx, func() { cancel(); conn.Close() }, nil
-}
-
-func (p Plugin) dial(conf *NetConf) (*grpc.ClientConn, error) {
+// releases the context. The client is gateclient, not grpc-go: the plugin is
+// a process per pod and call, and grpc-go's start-up and teardown were most
+// of its cost beyond a no-op plugin's (see pkg/gate/gateclient).
+func (p Plugin) connect(conf *NetConf, timeout time.Duration) (*gateclient.Client, context.Context, func(), error) {
 	// A socket that exists but that this process may not open would otherwise
 	// look like an agent that never answers; say what it is at once.
 	if err := unix.Access(conf.SocketPath, unix.W_OK); errors.Is(err, unix.EACCES) {
-		return nil, types.NewError(ErrGateRefused,
+		return nil, nil, nil, types.NewError(ErrGateRefused,
 			fmt.Sprintf("mesh-cni: no permission to use gate socket %s (the plugin runs as uid %d; the socket is for root)", conf.SocketPath, os.Getuid()),
 			err.Error())
 	}
-	conn, err := gate.Dial(conf.SocketPath)
-	if err != nil {
-		return nil, types.NewError(types.ErrInternal, "mesh-cni: cannot set up the gate client", err.Error())
-	}
-	return conn, nil
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	return gateclient.New(conf.SocketPath), ctx, cancel, nil
 }
 
 // Add implements CNI ADD.
@@ -167,26 +154,27 @@ func (p Plugin) Add(args *skel.CmdArgs) error {
 	parsed := time.Now()
 
 	timeout := time.Duration(conf.GateTimeout)
-	conn, ctx, done, err := p.connect(conf, timeout)
+	client, ctx, done, err := p.connect(conf, timeout)
 	if err != nil {
 		return err
 	}
 	defer done()
-	resp, err := gatepb.NewGateClient(conn).Add(ctx, &gatepb.AddRequest{
-		Pod:        &gatepb.PodIdentity{Namespace: pod.Namespace, Name: pod.Name, Uid: pod.UID},
-		Attachment: &gatepb.Attachment{ContainerId: args.ContainerID, Ifname: args.IfName, Network: conf.Name},
+	// Add waits until the agent is ready (or the gate timeout ends).
+	resp, err := client.Add(ctx, &gateclient.AddRequest{
+		Pod:        gateclient.PodIdentity{Namespace: pod.Namespace, Name: pod.Name, UID: pod.UID},
+		Attachment: gateclient.Attachment{ContainerID: args.ContainerID, Ifname: args.IfName, Network: conf.Name},
 		NetnsPath:  args.Netns,
 		Interfaces: podInterfaces(result, args.IfName),
-		Source:     gatepb.Source_SOURCE_CNI,
-	}, grpc.WaitForReady(true))
+		Source:     gateclient.SourceCNI,
+	})
 	if err != nil {
 		log.Error("pod not admitted", zap.Error(err), zap.Duration("waited", time.Since(start)))
 		return gateError("ADD", conf.SocketPath, timeout, err)
 	}
 	log.Info("pod admitted",
-		zap.String("decision", resp.GetDecision().String()),
-		zap.String("reason", resp.GetReason()),
-		zap.Uint64("netnsCookie", resp.GetNetnsCookie()))
+		zap.String("decision", resp.Decision.String()),
+		zap.String("reason", resp.Reason),
+		zap.Uint64("netnsCookie", resp.NetnsCookie))
 	log.Debug("add timing",
 		zap.Duration("parse", parsed.Sub(start)),
 		zap.Duration("gate", time.Since(parsed)),
@@ -206,27 +194,26 @@ func resultOf(conf *NetConf) (*types100.Result, error) {
 
 // podInterfaces lists the interfaces the primary plugin put inside the pod
 // (those with a sandbox), with their addresses.
-func podInterfaces(res *types100.Result, ifname string) []*gatepb.Interface {
-	var out []*gatepb.Interface
-	index := map[int]*gatepb.Interface{}
+func podInterfaces(res *types100.Result, ifname string) []gateclient.Interface {
+	var out []gateclient.Interface
+	index := map[int]int{} // result's interface index -> out's
 	for i, iface := range res.Interfaces {
 		if iface == nil || iface.Sandbox == "" {
 			continue
 		}
-		gi := &gatepb.Interface{Name: iface.Name, Mac: iface.Mac}
-		index[i] = gi
-		out = append(out, gi)
+		index[i] = len(out)
+		out = append(out, gateclient.Interface{Name: iface.Name, MAC: iface.Mac})
 	}
 	for _, ip := range res.IPs {
 		if ip == nil || ip.Interface == nil {
 			continue
 		}
-		if gi, ok := index[*ip.Interface]; ok && ip.Address.IP != nil {
-			gi.Addresses = append(gi.Addresses, ip.Address.String())
+		if j, ok := index[*ip.Interface]; ok && ip.Address.IP != nil {
+			out[j].Addresses = append(out[j].Addresses, ip.Address.String())
 		}
 	}
 	if len(out) == 0 {
-		out = append(out, &gatepb.Interface{Name: ifname})
+		out = append(out, gateclient.Interface{Name: ifname})
 	}
 	return out
 }
@@ -261,27 +248,27 @@ func (p Plugin) del(conf *NetConf, args *skel.CmdArgs, log *zap.Logger) error {
 	if pod.HasIdentity && conf.Excluded(pod.Namespace) {
 		return nil
 	}
-	conn, ctx, done, err := p.connect(conf, time.Duration(conf.DelTimeout))
+	client, ctx, done, err := p.connect(conf, time.Duration(conf.DelTimeout))
 	if err != nil {
 		return err
 	}
 	defer done()
-	req := &gatepb.DelRequest{
-		Attachment: &gatepb.Attachment{ContainerId: args.ContainerID, Ifname: args.IfName, Network: conf.Name},
+	req := &gateclient.DelRequest{
+		Attachment: gateclient.Attachment{ContainerID: args.ContainerID, Ifname: args.IfName, Network: conf.Name},
 		NetnsPath:  args.Netns,
-		Source:     gatepb.Source_SOURCE_CNI,
+		Source:     gateclient.SourceCNI,
 	}
 	if pod.HasIdentity {
-		req.Pod = &gatepb.PodIdentity{Namespace: pod.Namespace, Name: pod.Name, Uid: pod.UID}
+		req.Pod = &gateclient.PodIdentity{Namespace: pod.Namespace, Name: pod.Name, UID: pod.UID}
 	}
-	resp, err := gatepb.NewGateClient(conn).Del(ctx, req)
+	resp, err := client.Del(ctx, req)
 	if isAgentAway(err) {
 		return fmt.Errorf("mesh-agent unreachable on %s: %w", conf.SocketPath, err)
 	}
 	if err != nil {
 		return gateError("DEL", conf.SocketPath, time.Duration(conf.DelTimeout), err)
 	}
-	log.Info("pod deleted", zap.Bool("released", resp.GetReleased()))
+	log.Info("pod deleted", zap.Bool("released", resp.Released))
 	return nil
 }
 
@@ -313,14 +300,14 @@ func (p Plugin) Check(args *skel.CmdArgs) error {
 	if err != nil {
 		return err
 	}
-	conn, ctx, done, err := p.connect(conf, time.Duration(conf.DelTimeout))
+	client, ctx, done, err := p.connect(conf, time.Duration(conf.DelTimeout))
 	if err != nil {
 		return err
 	}
 	defer done()
-	_, err = gatepb.NewGateClient(conn).Check(ctx, &gatepb.CheckRequest{
-		Pod:        &gatepb.PodIdentity{Namespace: pod.Namespace, Name: pod.Name, Uid: pod.UID},
-		Attachment: &gatepb.Attachment{ContainerId: args.ContainerID, Ifname: args.IfName, Network: conf.Name},
+	err = client.Check(ctx, &gateclient.CheckRequest{
+		Pod:        gateclient.PodIdentity{Namespace: pod.Namespace, Name: pod.Name, UID: pod.UID},
+		Attachment: gateclient.Attachment{ContainerID: args.ContainerID, Ifname: args.IfName, Network: conf.Name},
 		NetnsPath:  args.Netns,
 		Interfaces: podInterfaces(result, args.IfName),
 	})
@@ -340,20 +327,20 @@ func (p Plugin) GC(args *skel.CmdArgs) error {
 	log, done := p.logger(conf, args, "GC")
 	defer done()
 	valid := conf.validAttachments()
-	req := &gatepb.GCRequest{Network: conf.Name, Valid: make([]*gatepb.Attachment, 0, len(valid))}
+	req := &gateclient.GCRequest{Network: conf.Name, Valid: make([]gateclient.Attachment, 0, len(valid))}
 	for _, a := range valid {
-		req.Valid = append(req.Valid, &gatepb.Attachment{ContainerId: a.ContainerID, Ifname: a.IfName, Network: conf.Name})
+		req.Valid = append(req.Valid, gateclient.Attachment{ContainerID: a.ContainerID, Ifname: a.IfName, Network: conf.Name})
 	}
-	conn, ctx, done, err := p.connect(conf, time.Duration(conf.DelTimeout))
+	client, ctx, done, err := p.connect(conf, time.Duration(conf.DelTimeout))
 	if err != nil {
 		return err
 	}
 	defer done()
-	resp, err := gatepb.NewGateClient(conn).GC(ctx, req)
+	resp, err := client.GC(ctx, req)
 	if err != nil {
 		return gateError("GC", conf.SocketPath, time.Duration(conf.DelTimeout), err)
 	}
-	log.Info("gc done", zap.Int("valid", len(valid)), zap.Int("released", len(resp.GetReleased())))
+	log.Info("gc done", zap.Int("valid", len(valid)), zap.Int("released", len(resp.Released)))
 	return nil
 }
 
@@ -365,19 +352,19 @@ func (p Plugin) Status(args *skel.CmdArgs) error {
 	}
 	_, logDone := p.logger(conf, args, "STATUS")
 	defer logDone()
-	conn, ctx, done, err := p.connect(conf, time.Duration(conf.DelTimeout))
+	client, ctx, done, err := p.connect(conf, time.Duration(conf.DelTimeout))
 	if err != nil {
 		return err
 	}
 	defer done()
-	resp, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{})
+	st, err := client.Health(ctx)
 	if err != nil {
 		return types.NewError(ErrPluginNotAvailable,
 			fmt.Sprintf("mesh-cni: mesh-agent is not reachable on gate socket %s; new pods will wait for it", conf.SocketPath), err.Error())
 	}
-	if resp.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+	if st != gateclient.HealthServing {
 		return types.NewError(ErrPluginNotAvailable,
-			fmt.Sprintf("mesh-cni: mesh-agent on %s is not ready (%s); new pods will wait for it", conf.SocketPath, resp.GetStatus()), "")
+			fmt.Sprintf("mesh-cni: mesh-agent on %s is not ready (%s); new pods will wait for it", conf.SocketPath, st), "")
 	}
 	return nil
 }

@@ -19,14 +19,10 @@ func capStdin(command string, limit int) *types.Error {
 	if command == "" || command == "VERSION" {
 		return nil
 	}
-	// One buffer of the limit and a byte: io.ReadAll would grow its buffer by
-	// doubling and leave the garbage of every step to the collector.
-	buf := make([]byte, limit+1)
-	n, err := io.ReadFull(os.Stdin, buf)
-	if err != nil && !errors.Is(err, io.EOF) && !errors.Is(err, io.ErrUnexpectedEOF) {
+	data, err := readCapped(os.Stdin, limit)
+	if err != nil {
 		return types.NewError(types.ErrIOFailure, "mesh-cni: cannot read the network configuration from stdin", err.Error())
 	}
-	data := buf[:n]
 	if len(data) > limit {
 		return types.NewError(types.ErrInvalidNetworkConfig,
 			fmt.Sprintf("mesh-cni: the network configuration on stdin is larger than the limit of %d bytes", limit), "")
@@ -35,6 +31,34 @@ func capStdin(command string, limit int) *types.Error {
 		return types.NewError(types.ErrIOFailure, "mesh-cni: cannot hand the network configuration on", err.Error())
 	}
 	return nil
+}
+
+// firstRead is the buffer a configuration is read into first: a chain entry
+// with its prevResult is a few KiB, so nearly every call needs nothing more.
+const firstRead = 64 << 10
+
+// readCapped reads r to its end, but at most limit+1 bytes, and returns what
+// it read. A configuration that fits firstRead costs one small buffer; a
+// larger one gets a single buffer of limit+1 bytes, never a doubling series
+// whose every step is garbage. The limit+1 buffer is not made up front: 4 MiB
+// per call is the Go heap's first collection target, so every plugin call
+// would run the garbage collector (and start its worker threads) for nothing.
+func readCapped(r io.Reader, limit int) ([]byte, error) {
+	buf := make([]byte, min(firstRead, limit+1))
+	n, err := io.ReadFull(r, buf)
+	if n < len(buf) || len(buf) == limit+1 {
+		if err != nil && !errors.Is(err, io.EOF) && !errors.Is(err, io.ErrUnexpectedEOF) {
+			return nil, err
+		}
+		return buf[:n], nil
+	}
+	big := make([]byte, limit+1)
+	copy(big, buf)
+	m, err := io.ReadFull(r, big[n:])
+	if err != nil && !errors.Is(err, io.EOF) && !errors.Is(err, io.ErrUnexpectedEOF) {
+		return nil, err
+	}
+	return big[:n+m], nil
 }
 
 // replaceStdin makes fd 0 a memfd holding data, positioned at its start.
