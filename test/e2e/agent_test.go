@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -32,6 +33,9 @@ type agent struct {
 	// NetNSPath runs the agent in that network namespace, as the DaemonSet runs
 	// it in the node's (hostNetwork); "" keeps the test's.
 	NetNSPath string
+	// Wrapper runs the agent through this command line (e.g. setpriv), the
+	// agent's path and arguments appended.
+	Wrapper []string
 }
 
 // newAgent prepares (but does not start) an agent with its own socket and state
@@ -79,7 +83,11 @@ var agents sync.Map
 // start runs the agent and waits until it reports ready.
 func (a *agent) start(ctx context.Context) {
 	a.t.Helper()
-	a.Proc = harness.StartProcess(a.t, harness.ProcessOptions{Path: harness.Bins(a.t).Path("mesh-agent"), Args: a.Args, Name: "mesh-agent", NetNSPath: a.NetNSPath})
+	path, args := harness.Bins(a.t).Path("mesh-agent"), a.Args
+	if len(a.Wrapper) > 0 {
+		path, args = a.Wrapper[0], append(append(slices.Clone(a.Wrapper[1:]), path), args...)
+	}
+	a.Proc = harness.StartProcess(a.t, harness.ProcessOptions{Path: path, Args: args, Name: "mesh-agent", NetNSPath: a.NetNSPath})
 	agents.Store(a.Socket, a)
 	a.waitReady(ctx)
 }
