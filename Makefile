@@ -47,6 +47,17 @@ image:
 test: build
 	$(GO) test -count=1 -timeout 40m ./...
 
+# The kernel matrix (test/kernels/matrix.txt): each kernel booted in a QEMU VM,
+# pkg/redirect and a subset of test/e2e run inside it, one summary line per
+# kernel; any result other than the matrix's, failure or pass, fails the target.
+# Kernels and apt state are cached in KERNELS_CACHE, results go to
+# bin/kernels/<kernel>/. KERNELS='6.1|6.12' runs only those rows.
+KERNELS_CACHE ?= /var/cache/mesh-cni/kernels
+KERNELS ?=
+.PHONY: test-kernels
+test-kernels: build
+	$(GO) run ./test/cmd/kernels -cache $(KERNELS_CACHE) -out $(BIN)/kernels -bin $(BIN) -kernels '$(KERNELS)'
+
 # A simulated node: real namespaces, the real chain and agent, narrated.
 demo: build
 	@MESH_DEMO=1 $(GO) test -count=1 -v -run '^TestDemo$$' ./test/demo/ | grep -v -e '^=== RUN' -e '^--- PASS' -e '^PASS$$' -e '^ok '
