@@ -950,18 +950,63 @@ static __always_inline bool assign_listener(struct bpf_sk_lookup *ctx, __u64 net
 	return try_slots(ctx, &k);
 }
 
+// The per-pod program hands its cookie to the shared one through this per-CPU
+// slot, written right before the tail call: the networking receive path runs with
+// bottom halves disabled and migration off, so nothing else runs on this CPU in
+// between (on PREEMPT_RT, too, bottom-half sections of one CPU are serialized).
+struct lookup_scratch {
+	__u64 netns;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct lookup_scratch);
+} lookup_scratch SEC(".maps");
+
+// Slot 0 holds mesh_lookup_main; an upgrade replaces it for every pod at once.
+struct {
+	__uint(type, BPF_MAP_TYPE_PROG_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+} lookup_main SEC(".maps");
+
 // mesh_lookup is loaded once per enrolled netns, with its cookie in place of
-// POD_COOKIE_MARKER, and attached to that netns. It runs when the kernel looks for a
-// listener for a new connection there: after reassembly, whatever the packet's
+// POD_COOKIE_MARKER, and attached to that netns: a few instructions, so loading one
+// (every pod's ADD) costs one tiny verifier pass. It runs when the kernel looks for
+// a listener for a new connection there: after reassembly, whatever the packet's
 // headers, and never for packets of an existing connection.
 SEC("sk_lookup")
 int mesh_lookup(struct bpf_sk_lookup *ctx)
 {
-	if (ctx->protocol != IPPROTO_TCP)
-		return SK_PASS;
+	__u32 zero = 0;
+	struct lookup_scratch *sc = bpf_map_lookup_elem(&lookup_scratch, &zero);
+	if (!sc)
+		return SK_DROP;
 	__u64 netns = POD_COOKIE_MARKER;
 	// Keep the marker a single immediate the loader can find and replace.
 	asm volatile("" : "+r"(netns));
+	sc->netns = netns;
+	bpf_tail_call(ctx, &lookup_main, 0);
+	// The shared program is always in place while pods are enrolled: without
+	// it, fail closed.
+	return SK_DROP;
+}
+
+// mesh_lookup_main decides for the pod whose cookie mesh_lookup left in
+// lookup_scratch.
+SEC("sk_lookup")
+int mesh_lookup_main(struct bpf_sk_lookup *ctx)
+{
+	if (ctx->protocol != IPPROTO_TCP)
+		return SK_PASS;
+	__u32 zero = 0;
+	struct lookup_scratch *sc = bpf_map_lookup_elem(&lookup_scratch, &zero);
+	if (!sc)
+		return SK_DROP;
+	__u64 netns = sc->netns;
 	struct pod_settings *s = bpf_map_lookup_elem(&pods, &netns);
 	if (!s)
 		return SK_PASS;

@@ -102,8 +102,8 @@ var cgroupHooks = []cgroupHook{
 	{"connect6", ebpf.AttachCGroupInet6Connect, func(p *programs) *ebpf.Program { return p.MeshConnect6 }},
 }
 
-// programs are the ones loaded once; the sk_lookup program is loaded per pod from
-// lookupTemplate.
+// programs are the ones loaded once; the small per-pod sk_lookup program, which
+// tail-calls mesh_lookup_main, is loaded per pod from lookupTemplate.
 type programs struct {
 	MeshSockops      *ebpf.Program `ebpf:"mesh_sockops"`
 	MeshGetsockopt   *ebpf.Program `ebpf:"mesh_getsockopt"`
@@ -115,6 +115,7 @@ type programs struct {
 	MeshSendmsg6     *ebpf.Program `ebpf:"mesh_sendmsg6"`
 	MeshRecvmsg4     *ebpf.Program `ebpf:"mesh_recvmsg4"`
 	MeshRecvmsg6     *ebpf.Program `ebpf:"mesh_recvmsg6"`
+	MeshLookupMain   *ebpf.Program `ebpf:"mesh_lookup_main"`
 }
 
 type objects struct {
@@ -125,7 +126,8 @@ type objects struct {
 func (o *objects) Close() error {
 	return errors.Join(
 		closeAll(o.MeshSockops, o.MeshGetsockopt, o.MeshGetpeername4, o.MeshGetpeername6,
-			o.MeshConnect4, o.MeshConnect6, o.MeshSendmsg4, o.MeshSendmsg6, o.MeshRecvmsg4, o.MeshRecvmsg6),
+			o.MeshConnect4, o.MeshConnect6, o.MeshSendmsg4, o.MeshSendmsg6, o.MeshRecvmsg4, o.MeshRecvmsg6,
+			o.MeshLookupMain),
 		o.redirectMaps.Close(),
 	)
 }
@@ -356,6 +358,12 @@ func (d *Datapath) load(undo *undoStack) (*legacyMaps, error) {
 	if n := d.objs.Counters.MaxEntries(); n != counterMax {
 		d.objs.Close()
 		return nil, fmt.Errorf("counters map has %d entries, this build expects %d", n, counterMax)
+	}
+	// Every pod's program tail-calls the shared decision: put this build's in
+	// place (for an upgrade, this switches every enrolled pod at once).
+	if err := d.objs.LookupMain.Update(uint32(0), d.objs.MeshLookupMain, ebpf.UpdateAny); err != nil {
+		d.objs.Close()
+		return nil, fmt.Errorf("install the shared sk_lookup program: %w", err)
 	}
 	lt, err := newLookupTemplate(spec.Programs["mesh_lookup"], &d.objs.redirectMaps)
 	if err != nil {

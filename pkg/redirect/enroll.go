@@ -57,9 +57,22 @@ func (d *Datapath) Enroll(ctx context.Context, t Target) (Enrollment, error) {
 	if err != nil {
 		return Enrollment{}, fmt.Errorf("enroll %s: %w", t.NetnsPath, err)
 	}
-	cookie, err := netns.CookieFd(nsFd)
+	// One visit to the pod's namespace: its cookie, and whether a proxy already
+	// listens there (which sockops would not have seen start).
+	var (
+		cookie    uint64
+		listening bool
+	)
+	err = netns.DoFd(nsFd, func() error {
+		var err error
+		if cookie, err = netns.CurrentCookie(); err != nil {
+			return fmt.Errorf("netns cookie: %w", err)
+		}
+		listening, err = listenerOnPort(s.InboundPort)
+		return err
+	})
 	if err != nil {
-		return Enrollment{}, fmt.Errorf("enroll %s: netns cookie: %w", t.NetnsPath, err)
+		return Enrollment{}, fmt.Errorf("enroll %s: %w", t.NetnsPath, err)
 	}
 	if d.isNodeCookie(cookie) {
 		return Enrollment{}, fmt.Errorf("enroll %s: %w", t.NetnsPath, ErrNodeNamespace)
@@ -110,8 +123,10 @@ func (d *Datapath) Enroll(ctx context.Context, t Target) (Enrollment, error) {
 	}
 	// A proxy that was already listening before the pod's first enrollment (or
 	// before this data path existed) was not seen by sockops.
-	if err := d.collectExisting(nsFd, cookie, s.InboundPort); err != nil {
-		log.Warn("collect existing inbound listeners", zap.Error(err))
+	if listening {
+		if err := d.collectExisting(nsFd, cookie, s.InboundPort); err != nil {
+			log.Warn("collect existing inbound listeners", zap.Error(err))
+		}
 	}
 
 	err = func() error {

@@ -51,24 +51,20 @@ func hasListener(m *ebpf.Map, cookie uint64, port uint16) bool {
 
 // collectExisting collects listeners of port that were open in the pod's netns
 // before sockops could see them start listening (a proxy already running when its
-// pod is enrolled, or when this data path was installed). Inside the netns it asks
-// the kernel (sock_diag, one exact lookup per family) whether anything listens on
-// the port: a new pod, the common case, costs two netlink round trips. Only when
-// something does, it lists the listeners, finds the processes holding them, takes a
-// descriptor of each (pidfd_getfd) and puts it into its slots, as sockops would
-// have. (A BPF TCP iterator could insert them from the kernel, but updating a
-// SOCKHASH from it deadlocks on Linux 5.15, where the iterator holds the socket's
-// lock: seen in the kernel matrix.)
+// pod is enrolled, or when this data path was installed). Enroll calls it only when
+// its sock_diag lookup in the pod's namespace found something listening on the port
+// (a new pod, the common case, costs that lookup alone). It lists the listeners,
+// finds the processes holding them, takes a descriptor of each (pidfd_getfd) and
+// puts it into its slots, as sockops would have. (A BPF TCP iterator could insert
+// them from the kernel, but updating a SOCKHASH from one deadlocks on Linux 5.15,
+// where the iterator holds the socket's lock: seen in the kernel matrix.)
 func (d *Datapath) collectExisting(nsFd int, cookie uint64, port uint16) error {
 	if hasListener(d.objs.Listeners, cookie, port) {
 		return nil
 	}
 	var listeners []diagSocket
 	err := netns.DoFd(nsFd, func() error {
-		listening, err := listenerOnPort(port)
-		if err != nil || !listening {
-			return err
-		}
+		var err error
 		listeners, err = listenersOnPort(port)
 		return err
 	})

@@ -21,8 +21,10 @@ const podCookieMarker = 0x6d6573682d636e69
 // bpf_get_netns_cookie is not available to it), and bpf_sk_assign would hand a
 // connection to a listener of any namespace, so the identity is fixed at load time
 // by the agent rather than derived from anything a packet or a pod controls. The
-// instructions carry their maps and no BTF: a load is one verifier pass over a small
-// program, with no CO-RE relocation and no BTF blob to load.
+// per-pod program only passes its cookie on and tail-calls the shared
+// mesh_lookup_main, which makes the decision: loading it costs a verifier pass over
+// a few instructions. It carries its maps and no BTF, so no BTF blob is loaded
+// either.
 type lookupTemplate struct {
 	spec   *ebpf.ProgramSpec
 	marker int // index of the instruction loading the marker
@@ -33,10 +35,7 @@ func newLookupTemplate(ps *ebpf.ProgramSpec, maps *redirectMaps) (*lookupTemplat
 		return nil, errors.New("BPF object has no mesh_lookup program")
 	}
 	spec := ps.Copy()
-	byName := map[string]*ebpf.Map{
-		"pods": maps.Pods, "probe_srcs": maps.ProbeSrcs, "proxy_conns": maps.ProxyConns,
-		"listeners": maps.Listeners, "counters": maps.Counters, "excluded_ports": maps.ExcludedPorts,
-	}
+	byName := map[string]*ebpf.Map{"lookup_scratch": maps.LookupScratch, "lookup_main": maps.LookupMain}
 	marker := -1
 	for i := range spec.Instructions {
 		ins := btf.WithFuncMetadata(spec.Instructions[i], nil).WithSource(nil)

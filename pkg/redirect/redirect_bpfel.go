@@ -28,6 +28,11 @@ type redirectListenerRefusal struct {
 	Count uint32
 }
 
+type redirectLookupScratch struct {
+	_     structs.HostLayout
+	Netns uint64
+}
+
 type redirectLpmKey struct {
 	_         structs.HostLayout
 	Prefixlen uint32
@@ -115,6 +120,8 @@ const (
 	redirectMapListenPorts       = "listen_ports"
 	redirectMapListenRefused     = "listen_refused"
 	redirectMapListeners         = "listeners"
+	redirectMapLookupMain        = "lookup_main"
+	redirectMapLookupScratch     = "lookup_scratch"
 	redirectMapNode              = "node"
 	redirectMapOrigDsts          = "orig_dsts"
 	redirectMapPods              = "pods"
@@ -128,6 +135,7 @@ const (
 	redirectProgMeshGetpeername6 = "mesh_getpeername6"
 	redirectProgMeshGetsockopt   = "mesh_getsockopt"
 	redirectProgMeshLookup       = "mesh_lookup"
+	redirectProgMeshLookupMain   = "mesh_lookup_main"
 	redirectProgMeshRecvmsg4     = "mesh_recvmsg4"
 	redirectProgMeshRecvmsg6     = "mesh_recvmsg6"
 	redirectProgMeshSendmsg4     = "mesh_sendmsg4"
@@ -183,6 +191,7 @@ type redirectProgramSpecs struct {
 	MeshGetpeername6 *ebpf.ProgramSpec `ebpf:"mesh_getpeername6"`
 	MeshGetsockopt   *ebpf.ProgramSpec `ebpf:"mesh_getsockopt"`
 	MeshLookup       *ebpf.ProgramSpec `ebpf:"mesh_lookup"`
+	MeshLookupMain   *ebpf.ProgramSpec `ebpf:"mesh_lookup_main"`
 	MeshRecvmsg4     *ebpf.ProgramSpec `ebpf:"mesh_recvmsg4"`
 	MeshRecvmsg6     *ebpf.ProgramSpec `ebpf:"mesh_recvmsg6"`
 	MeshSendmsg4     *ebpf.ProgramSpec `ebpf:"mesh_sendmsg4"`
@@ -201,6 +210,8 @@ type redirectMapSpecs struct {
 	ListenPorts   *ebpf.MapSpec `ebpf:"listen_ports"`
 	ListenRefused *ebpf.MapSpec `ebpf:"listen_refused"`
 	Listeners     *ebpf.MapSpec `ebpf:"listeners"`
+	LookupMain    *ebpf.MapSpec `ebpf:"lookup_main"`
+	LookupScratch *ebpf.MapSpec `ebpf:"lookup_scratch"`
 	Node          *ebpf.MapSpec `ebpf:"node"`
 	OrigDsts      *ebpf.MapSpec `ebpf:"orig_dsts"`
 	Pods          *ebpf.MapSpec `ebpf:"pods"`
@@ -243,6 +254,8 @@ type redirectMaps struct {
 	ListenPorts   *ebpf.Map `ebpf:"listen_ports"`
 	ListenRefused *ebpf.Map `ebpf:"listen_refused"`
 	Listeners     *ebpf.Map `ebpf:"listeners"`
+	LookupMain    *ebpf.Map `ebpf:"lookup_main"`
+	LookupScratch *ebpf.Map `ebpf:"lookup_scratch"`
 	Node          *ebpf.Map `ebpf:"node"`
 	OrigDsts      *ebpf.Map `ebpf:"orig_dsts"`
 	Pods          *ebpf.Map `ebpf:"pods"`
@@ -261,6 +274,8 @@ func (m *redirectMaps) Close() error {
 		m.ListenPorts,
 		m.ListenRefused,
 		m.Listeners,
+		m.LookupMain,
+		m.LookupScratch,
 		m.Node,
 		m.OrigDsts,
 		m.Pods,
@@ -287,6 +302,7 @@ type redirectPrograms struct {
 	MeshGetpeername6 *ebpf.Program `ebpf:"mesh_getpeername6"`
 	MeshGetsockopt   *ebpf.Program `ebpf:"mesh_getsockopt"`
 	MeshLookup       *ebpf.Program `ebpf:"mesh_lookup"`
+	MeshLookupMain   *ebpf.Program `ebpf:"mesh_lookup_main"`
 	MeshRecvmsg4     *ebpf.Program `ebpf:"mesh_recvmsg4"`
 	MeshRecvmsg6     *ebpf.Program `ebpf:"mesh_recvmsg6"`
 	MeshSendmsg4     *ebpf.Program `ebpf:"mesh_sendmsg4"`
@@ -302,6 +318,7 @@ func (p *redirectPrograms) Close() error {
 		p.MeshGetpeername6,
 		p.MeshGetsockopt,
 		p.MeshLookup,
+		p.MeshLookupMain,
 		p.MeshRecvmsg4,
 		p.MeshRecvmsg6,
 		p.MeshSendmsg4,
