@@ -289,6 +289,23 @@ func bpfRunStats(ctx context.Context, b *testing.B, node *harness.Node, a *agent
 		t.runs += s.RunCount - before[i].RunCount
 		t.ns += uint64(s.Runtime - before[i].Runtime)
 	}
+	// The shared decision program every pod's sk_lookup program tail-calls:
+	// verified once, when the data path loads. A tail-called program has no
+	// run statistics of its own (the kernel counts the run, tail calls
+	// included, to the program it entered), so only its size is reported.
+	if main, err := tailCallTarget(a, "lookup_main"); err == nil {
+		if info, err := main.Info(); err == nil {
+			if n, ok := info.VerifiedInstructions(); ok {
+				verified.Series = append(verified.Series, results.Series{Variant: "sk_lookup_main", Label: "shared, tail-called", Samples: []float64{float64(n)}})
+			}
+			if n, err := info.TranslatedSize(); err == nil {
+				xlated.Series = append(xlated.Series, results.Series{Variant: "sk_lookup_main", Label: "shared, tail-called", Samples: []float64{float64(n) / 8}})
+			}
+		}
+		main.Close()
+	} else if !errors.Is(err, os.ErrNotExist) {
+		return nil, err
+	}
 	for _, name := range names {
 		t := totals[name]
 		if t.runs == 0 {
@@ -299,6 +316,25 @@ func bpfRunStats(ctx context.Context, b *testing.B, node *harness.Node, a *agent
 		runs.Series = append(runs.Series, results.Series{Variant: name, Samples: []float64{float64(t.runs) / float64(cycles)}})
 	}
 	return []results.Metric{perRun, perConn, runs, verified, xlated}, nil
+}
+
+// tailCallTarget opens the program in slot 0 of the agent's pinned program
+// array maps/<name>.
+func tailCallTarget(a *agent, name string) (*ebpf.Program, error) {
+	m, err := ebpf.LoadPinnedMap(filepath.Join(a.BPFFS, "maps", name), &ebpf.LoadPinOptions{ReadOnly: true})
+	if err != nil {
+		return nil, fmt.Errorf("open program array %s: %w", name, err)
+	}
+	defer m.Close()
+	var id uint32
+	if err := m.Lookup(uint32(0), &id); err != nil {
+		return nil, fmt.Errorf("program array %s, slot 0: %w", name, err)
+	}
+	p, err := ebpf.NewProgramFromID(ebpf.ProgramID(id))
+	if err != nil {
+		return nil, fmt.Errorf("program %d of %s: %w", id, name, err)
+	}
+	return p, nil
 }
 
 type namedProgram struct {

@@ -133,13 +133,14 @@ func writeTargets(w *bytes.Buffer, rs []*results.Result, dir string) {
 
 // Functions in the agent's profile whose CPU time the report breaks out.
 const (
-	fnServiceAdd   = "github.com/mesh-cni/mesh-cni/pkg/agent.(*Service).Add"
-	fnEnroll       = "github.com/mesh-cni/mesh-cni/pkg/redirect.(*Datapath).Enroll"
-	fnLookupLoad   = "github.com/mesh-cni/mesh-cni/pkg/redirect.(*lookupTemplate).load"
-	fnAttachNetNs  = "github.com/cilium/ebpf/link.AttachNetNs"
-	fnCollect      = "github.com/mesh-cni/mesh-cni/pkg/redirect.(*Datapath).collectExisting"
-	fnRelease      = "github.com/mesh-cni/mesh-cni/pkg/redirect.(*Datapath).Release"
-	fnStorePut     = "github.com/mesh-cni/mesh-cni/pkg/podstore.(*Store).Put"
+	fnServiceAdd  = "github.com/mesh-cni/mesh-cni/pkg/agent.(*Service).Add"
+	fnEnroll      = "github.com/mesh-cni/mesh-cni/pkg/redirect.(*Datapath).Enroll"
+	fnLookupLoad  = "github.com/mesh-cni/mesh-cni/pkg/redirect.(*lookupTemplate).load"
+	fnAttachNetNs = "github.com/cilium/ebpf/link.AttachNetNs"
+	fnCollect     = "github.com/mesh-cni/mesh-cni/pkg/redirect.(*Datapath).collectExisting"
+	fnRelease     = "github.com/mesh-cni/mesh-cni/pkg/redirect.(*Datapath).Release"
+	fnStorePut    = "github.com/mesh-cni/mesh-cni/pkg/podstore.(*Store).Put"
+	fnNetnsDo     = "github.com/mesh-cni/mesh-cni/pkg/netns.DoFd.func1"
 	// The plugin's gate client's reconnect back-off (pkg/gate/gateclient
 	// BackoffMax and BackoffJitter), constants the report cites.
 	reconnectCapMs     = 50
@@ -180,12 +181,19 @@ func single(s *results.Series) float64 {
 	return s.Samples[0]
 }
 
-// sentence returns format applied to args when every float argument is a
-// number, else "".
+// sentence returns format applied to args when every argument is known: no
+// float that is not a number, no number num could not format ("—").
 func sentence(format string, args ...any) string {
 	for _, a := range args {
-		if f, isFloat := a.(float64); isFloat && !ok(f) {
-			return ""
+		switch v := a.(type) {
+		case float64:
+			if !ok(v) {
+				return ""
+			}
+		case string:
+			if v == num(math.NaN()) {
+				return ""
+			}
 		}
 	}
 	return fmt.Sprintf(format, args...)
@@ -219,6 +227,19 @@ func pluginShare(d data) string {
 	)
 }
 
+// profileTotal is the named profile's whole CPU per operation (ms).
+func profileTotal(d data, prof string) float64 {
+	p, found := d.profileOf(prof)
+	if !found || p.Operations <= 0 {
+		return math.NaN()
+	}
+	_, total, _, err := cumCPU(filepath.Join(d.dir, p.File), "")
+	if err != nil || total == 0 {
+		return math.NaN()
+	}
+	return float64(total) / 1e6 / float64(p.Operations)
+}
+
 // agentEnrollCPU describes where the agent's CPU per ADD goes, from its profile.
 func agentEnrollCPU(d data) string {
 	add, _ := fnCPU(d, "agent-add", fnServiceAdd)
@@ -234,7 +255,7 @@ func agentEnrollCPU(d data) string {
 	var parts []string
 	for _, p := range []struct{ fn, what string }{
 		{fnAttachNetNs, "attaching it to the netns"},
-		{fnCollect, "looking for listeners opened before enrollment"},
+		{fnCollect, "taking over listeners opened before enrollment"},
 		{fnStorePut, "writing the pod's record"},
 	} {
 		if v, _ := fnCPU(d, "agent-add", p.fn); ok(v) {
@@ -245,11 +266,22 @@ func agentEnrollCPU(d data) string {
 		s += "; " + strings.Join(parts, ", ")
 	}
 	s += "."
+	if v, _ := fnCPU(d, "agent-add", fnNetnsDo); ok(v) {
+		s += fmt.Sprintf(" Visits to a pod's namespace run on a goroutine of their own (`pkg/netns.DoFd`: reading the netns cookie, looking for a proxy that already listens), %s ms per ADD, not counted in the Add above.", num(v))
+	}
 	if rel, _ := fnCPU(d, "agent-add", fnRelease); ok(rel) {
 		s += fmt.Sprintf(" A Release is %s ms per ADD's worth of DELs.", num(rel))
 	}
-	return join(s, sentence("The verifier processes %s instructions for each pod's program, which is loaded and verified anew for every pod because its netns cookie is built into it.",
-		num(single(d.series("profile", "bpf-verified-insns", "sk_lookup", 0)))))
+	if all := profileTotal(d, "agent-add"); ok(all) {
+		s += fmt.Sprintf(" In all the agent used %s ms of CPU per ADD in the profiled run (its gRPC serving, DELs, reconciles and start-up included).", num(all))
+	}
+	if v := single(d.series("profile", "bpf-verified-insns", "sk_lookup", 0)); ok(v) {
+		s += fmt.Sprintf(" The verifier processes %s instructions for each pod's sk_lookup program, which is loaded anew for every pod because its netns cookie is built into it.", num(v))
+	}
+	if v := single(d.series("profile", "bpf-verified-insns", "sk_lookup_main", 0)); ok(v) {
+		s += fmt.Sprintf(" The shared program it tail-calls (%s instructions verified) is loaded once, with the data path.", num(v))
+	}
+	return s
 }
 
 func addOverhead(d data) target {
@@ -271,12 +303,18 @@ func addOverhead(d data) target {
 	t.status = check(diff <= 1.5)
 	limits := fmt.Sprintf("+%s ms against 1.5 ms.", num(diff))
 	if ok(g) {
-		limits += fmt.Sprintf(" Split by the gate-only agent: the plugin's own share (`mesh-gate − noop`) is %s ms, the eBPF enrollment (`mesh − mesh-gate`) %s ms.", num(g-n), num(ms-g))
+		limits += fmt.Sprintf(" Split by the gate-only agent: the plugin's own share (`mesh-gate − noop`) is %s ms, the eBPF enrollment (`mesh − mesh-gate`) %s ms", num(g-n), num(ms-g))
+		pg, okg := results.PairedDiff(gate, noop)
+		pe, oke := results.PairedDiff(mesh, gate)
+		if okg && oke {
+			limits += fmt.Sprintf(" (paired medians over the iterations: %s ms and %s ms)", num(pg), num(pe))
+		}
+		limits += "."
 	}
 	if e, gg := med(d.series("chain-add", "agent-side", "mesh", 0)), med(d.series("chain-add", "agent-side", "mesh-gate", 0)); ok(e, gg) {
 		limits += fmt.Sprintf(" By the agents' own logs a gate Add is answered in a median %s ms with the eBPF data path and %s ms without.", num(e), num(gg))
 	}
-	t.limits = limits + " The plugin's share and the agent's are broken down below."
+	t.limits = join(limits, loadNote(d, "chain-add"), "The plugin's share and the agent's are broken down below.")
 	return t
 }
 
@@ -309,7 +347,7 @@ func concurrentTail(d data) target {
 			"so a burst of 16 needs %s ms more CPU, at least %s ms more on %d CPUs before the last pod is done, whatever runs in parallel.",
 			cpus, num(pm-pt), num(add), num(extra), num(extra/float64(cpus)), cpus)
 	}
-	t.limits = limits + " The agent's CPU per enrollment is broken down below."
+	t.limits = join(limits, loadNote(d, "chain-add"), "The agent's CPU per enrollment is broken down below.")
 	return t
 }
 
@@ -335,7 +373,7 @@ func gateRelease(d data) target {
 	if add, _ := fnCPU(d, "agent-add", fnServiceAdd); cpus > 0 && ok(add) {
 		limits += fmt.Sprintf(" The 16 enrollments need %s ms of agent CPU (%s ms each, profile), at least %s ms on %d CPUs.", num(16*add), num(add), num(16*add/float64(cpus)), cpus)
 	}
-	t.limits = limits + " The agent's CPU per enrollment is broken down below."
+	t.limits = join(limits, loadNote(d, "chain-add"), "The agent's CPU per enrollment is broken down below.")
 	return t
 }
 
@@ -376,7 +414,8 @@ func enrollRelease(d data) target {
 		return t
 	}
 	t.status = check(er <= 1)
-	t.limits = fmt.Sprintf("%s ms against 1 ms; the gate's Add is %s ms of it and Del %s ms, each with one round trip on a kept connection. The agent's CPU per enrollment is broken down below.", num(er), num(add), num(del))
+	t.limits = join(fmt.Sprintf("%s ms against 1 ms; the gate's Add is %s ms of it and Del %s ms, each with one round trip on a kept connection.", num(er), num(add), num(del)),
+		loadNote(d, "scale"), "The agent's CPU per enrollment is broken down below.")
 	return t
 }
 
