@@ -230,6 +230,9 @@ func TestValues(t *testing.T) {
 				t.Error("the policy is not mounted at /etc/mesh-cni")
 			}
 		}},
+		{"proxy mark", "proxyMark: '0x539'", func(t *testing.T, _ map[string]object, c map[string]any) {
+			wantArg(t, c, "--proxy-mark=0x539")
+		}},
 		{"plugin log", "plugin: {logLevel: debug, logFile: /var/run/mesh-cni/plugin.log}", func(t *testing.T, _ map[string]object, c map[string]any) {
 			wantArg(t, c, "--plugin-log-level=debug")
 			wantArg(t, c, "--plugin-log-file=/var/run/mesh-cni/plugin.log")
@@ -273,6 +276,7 @@ func TestRejects(t *testing.T) {
 		{"image: {digest: ''}", "image.digest (or image.tag)"},
 		{"excludeNamespaces: [Kube_System]", "excludeNamespaces"},
 		{"plugin: {logFile: relative.log}", "logFile"},
+		{"proxyMark: mark", "proxyMark"},
 		{"imagee: {tag: x}", "imagee"},
 	} {
 		var values map[string]any
