@@ -1,11 +1,8 @@
 package e2e
 
 import (
-	"context"
 	"debug/buildinfo"
 	"fmt"
-	"os"
-	"path/filepath"
 	"regexp"
 	"slices"
 	"strings"
@@ -40,33 +37,8 @@ var otherCNIs = []string{"Calico", "Cilium", "flannel", "Weave", "Antrea", "kube
 // lack support for are left out), and names no other primary CNI.
 func TestReadmePrimaryCNIs(t *testing.T) {
 	t.Parallel()
-	root, err := harness.ModuleRoot(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
-	path := filepath.Join(root, "README.md")
-	data, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	readme := string(data)
+	readme := harness.ReadmeSection(t, readmeBegin, readmeEnd, primaryCNIMarkdown(t)+"\n")
 	begin, end := strings.Index(readme, readmeBegin), strings.Index(readme, readmeEnd)
-	if begin < 0 || end < begin {
-		t.Fatalf("README.md has no primary CNI section between %q and %q", readmeBegin, readmeEnd)
-	}
-	want := "\n" + primaryCNIMarkdown(t) + "\n"
-	got := readme[begin+len(readmeBegin) : end]
-	if got != want {
-		if os.Getenv("MESH_UPDATE_README") != "" {
-			updated := readme[:begin+len(readmeBegin)] + want + readme[end:]
-			if err := os.WriteFile(path, []byte(updated), 0o644); err != nil {
-				t.Fatal(err)
-			}
-			t.Logf("rewrote the primary CNI section of %s", path)
-			return
-		}
-		t.Fatalf("README.md's primary CNI section differs from the test matrix (MESH_UPDATE_README=1 rewrites it):\n--- README\n%s\n--- matrix\n%s", got, want)
-	}
 	outside := readme[:begin] + readme[end:]
 	for _, name := range otherCNIs {
 		if regexp.MustCompile(`(?i)\b` + regexp.QuoteMeta(name) + `\b`).MatchString(outside) {

@@ -36,8 +36,14 @@ func (b Binaries) APIServer() string { return filepath.Join(b.Dir, "kube-apiserv
 func (b Binaries) Etcd() string { return filepath.Join(b.Dir, "etcd") }
 
 func (b Binaries) check() error {
+	return CheckExecutables(b.APIServer(), b.Etcd())
+}
+
+// CheckExecutables returns an error naming each of paths that is missing or
+// not executable.
+func CheckExecutables(paths ...string) error {
 	var errs []error
-	for _, p := range []string{b.APIServer(), b.Etcd()} {
+	for _, p := range paths {
 		st, err := os.Stat(p)
 		switch {
 		case err != nil:
