@@ -61,6 +61,16 @@ func Generate(opts Options) error {
 		return fmt.Errorf("no results in %s: run the benchmarks first (make bench)", opts.In)
 	}
 	slices.SortStableFunc(rs, func(a, b *results.Result) int { return orderOf(a.Name) - orderOf(b.Name) })
+	// Sections of the report these results do not cover are kept, with their
+	// figures: another command measured them (see UpdateSection).
+	var kept []section
+	if old, err := os.ReadFile(opts.Out); err == nil {
+		for _, s := range markedSections(string(old)) {
+			if !slices.ContainsFunc(rs, func(r *results.Result) bool { return r.Name == s.name }) {
+				kept = append(kept, s)
+			}
+		}
+	}
 	if err := os.MkdirAll(opts.FigDir, 0o755); err != nil {
 		return fmt.Errorf("figure dir: %w", err)
 	}
@@ -68,7 +78,9 @@ func Generate(opts Options) error {
 	for _, ext := range []string{"*.svg", "*.png"} {
 		old, _ := filepath.Glob(filepath.Join(opts.FigDir, ext))
 		for _, f := range old {
-			_ = os.Remove(f)
+			if !slices.ContainsFunc(kept, func(s section) bool { return strings.HasPrefix(filepath.Base(f), s.name+"-") }) {
+				_ = os.Remove(f)
+			}
 		}
 	}
 	figLink, err := filepath.Rel(filepath.Dir(opts.Out), opts.FigDir)
@@ -84,10 +96,14 @@ func Generate(opts Options) error {
 			return err
 		}
 	}
+	report := w.String()
+	for _, s := range kept {
+		report = addContents(report+s.text+"\n", s.title)
+	}
 	if err := os.MkdirAll(filepath.Dir(opts.Out), 0o755); err != nil {
 		return fmt.Errorf("report dir: %w", err)
 	}
-	if err := os.WriteFile(opts.Out, w.Bytes(), 0o644); err != nil {
+	if err := os.WriteFile(opts.Out, []byte(report), 0o644); err != nil {
 		return fmt.Errorf("write report: %w", err)
 	}
 	return nil
@@ -135,6 +151,8 @@ func writeHeader(w *bytes.Buffer, rs []*results.Result, now time.Time) {
 }
 
 func writeResult(w *bytes.Buffer, r *results.Result, opts Options, figLink string) error {
+	w.WriteString(sectionBegin(r.Name))
+	defer w.WriteString(sectionEnd(r.Name))
 	fmt.Fprintf(w, "## %s\n\n", r.Title)
 	if r.Description != "" {
 		fmt.Fprintf(w, "%s\n\n", r.Description)

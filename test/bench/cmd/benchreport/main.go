@@ -3,6 +3,9 @@
 // the module root:
 //
 //	go run ./test/bench/cmd/benchreport [-in bin/bench] [-out docs/benchmarks.md] [-figs docs/bench]
+//
+// With -only NAME it rewrites just that result's section of the report (the
+// node test's, from make e2e-node) and leaves the rest as it is.
 package main
 
 import (
@@ -30,6 +33,7 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 	out := fs.String("out", "docs/benchmarks.md", "report to write (relative to the module root)")
 	figs := fs.String("figs", "docs/bench", "directory for the figures (relative to the module root)")
 	format := fs.String("format", "svg", "figure format: svg or png")
+	only := fs.String("only", "", "rewrite only this result's section of the report")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -43,6 +47,14 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 		opts.In = results.Out(root)
 	} else {
 		opts.In = abs(root, opts.In)
+	}
+	if *only != "" {
+		if err := report.UpdateSection(opts, *only); err != nil {
+			fmt.Fprintf(stderr, "benchreport: %v\n", err)
+			return 1
+		}
+		fmt.Fprintf(stderr, "benchreport: rewrote the %s section of %s from %s\n", *only, opts.Out, opts.In)
+		return 0
 	}
 	if err := report.Generate(opts); err != nil {
 		fmt.Fprintf(stderr, "benchreport: %v\n", err)
