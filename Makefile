@@ -58,6 +58,16 @@ KERNELS ?=
 test-kernels: build
 	$(GO) run ./test/cmd/kernels -cache $(KERNELS_CACHE) -out $(BIN)/kernels -bin $(BIN) -kernels '$(KERNELS)'
 
+# The node test alone (test/node; make test runs it too): a real node on this
+# machine (kubelet, containerd with runc, kube-proxy and the control plane, all
+# built from modules and cached), the README's install and uninstall commands
+# run as written, then its measured times into docs/benchmarks.md's node
+# section, leaving the rest of the report as it is.
+e2e-node: build
+	@rm -rf $(BIN)/bench-node && mkdir -p $(BIN)/bench-node
+	MESH_BENCH_OUT=$(BIN)/bench-node $(GO) test -count=1 -v -run '^Test(Node|ReleaseImageReproducible|ReadmeInstall)$$' -timeout 40m ./test/node/
+	$(GO) run ./test/bench/cmd/benchreport -in $(BIN)/bench-node -only node -out docs/benchmarks.md -figs docs/bench
+
 # A simulated node: real namespaces, the real chain and agent, narrated.
 demo: build
 	@MESH_DEMO=1 $(GO) test -count=1 -v -run '^TestDemo$$' ./test/demo/ | grep -v -e '^=== RUN' -e '^--- PASS' -e '^PASS$$' -e '^ok '
