@@ -120,4 +120,3 @@ func capMask(t *testing.T, names []string) uint64 {
 	}
 	return m
 }
-
