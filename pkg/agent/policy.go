@@ -50,11 +50,14 @@ type OutcomeReporter interface {
 	Report(ctx context.Context, pod *gatepb.PodIdentity, outcome string, err error)
 }
 
-// Outcomes passed to OutcomeReporter.
+// Outcomes passed to OutcomeReporter: what became of a pod's enrollment. The
+// Kubernetes source writes them as they are into the pod's
+// mesh-cni.io/redirection annotation, so they are part of the interface
+// operators read.
 const (
-	outcomeEnabled  = "enabled"
-	outcomeDisabled = "disabled"
-	outcomeFailed   = "failed"
+	OutcomeEnabled  = "enabled"
+	OutcomeDisabled = "disabled"
+	OutcomeFailed   = "failed"
 )
 
 // EnrollAll admits every pod that reaches the agent. The plugin's own

@@ -58,17 +58,17 @@ func (s *Service) reevaluateOne(ctx context.Context, key podstore.Key) (changed,
 		rec.ServiceAccount = decision.ServiceAccount
 		if _, reason, err := s.enroll(ctx, rec); err != nil {
 			s.metrics.enrollFailed(reason)
-			s.report(ctx, pod, outcomeFailed, err)
+			s.report(ctx, pod, OutcomeFailed, err)
 			return false, true, fmt.Errorf("enroll %s after a policy change: %w", key, err)
 		}
-		s.report(ctx, pod, outcomeEnabled, nil)
+		s.report(ctx, pod, OutcomeEnabled, nil)
 		s.log.Info("pod enrolled after a policy change", append(fields, zap.String("reason", decision.Reason))...)
 		return true, true, nil
 	case !decision.Enroll && !rec.Skipped:
 		if err := s.skip(ctx, rec); err != nil {
 			return false, false, fmt.Errorf("release %s after a policy change: %w", key, err)
 		}
-		s.report(ctx, pod, outcomeDisabled, nil)
+		s.report(ctx, pod, OutcomeDisabled, nil)
 		s.log.Info("pod released after a policy change", append(fields, zap.String("reason", decision.Reason))...)
 		return true, false, nil
 	case decision.Enroll && rec.ServiceAccount == "" && decision.ServiceAccount != "":

@@ -2,8 +2,6 @@ package agent
 
 import (
 	"context"
-	"fmt"
-	"net"
 	"time"
 
 	"go.uber.org/zap"
@@ -17,10 +15,8 @@ import (
 
 // GateServer serves the gate API and grpc.health.v1 on the gate socket.
 type GateServer struct {
-	log      *zap.Logger
-	grpc     *grpc.Server
-	health   *health.Server
-	listener net.Listener
+	*gate.Server
+	health *health.Server
 }
 
 // NewGateServer listens on socketPath and registers svc. The health service's
@@ -45,21 +41,12 @@ func NewGateServer(ctx context.Context, log *zap.Logger, socketPath string, allo
 	readiness.OnChange(setHealth)
 	ready, _ := readiness.Ready()
 	setHealth(ready)
-	return &GateServer{log: log, grpc: srv, health: hs, listener: l}, nil
-}
-
-// Serve serves until Stop; it returns nil after a stop.
-func (g *GateServer) Serve() error {
-	g.log.Info("gate serving", zap.String("socket", g.listener.Addr().String()))
-	if err := g.grpc.Serve(g.listener); err != nil && err != grpc.ErrServerStopped {
-		return fmt.Errorf("serve gate: %w", err)
-	}
-	return nil
+	return &GateServer{Server: gate.NewUnixServer("gate", log, l, srv), health: hs}, nil
 }
 
 // Stop lets in-flight calls finish for up to grace, then cuts the rest. Callers
 // cut off mid-Add retry against the next agent: their pods were not admitted.
 func (g *GateServer) Stop(grace time.Duration) {
 	g.health.Shutdown()
-	gate.Stop(g.grpc, grace)
+	g.Server.Stop(grace)
 }

@@ -97,7 +97,7 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 	decided := s.now()
 	if err != nil {
 		s.metrics.enrollFailed("policy")
-		s.report(ctx, req.GetPod(), outcomeFailed, err)
+		s.report(ctx, req.GetPod(), OutcomeFailed, err)
 		s.log.Error("enrollment policy failed", append(fields, zap.Error(err))...)
 		return nil, status.Errorf(codes.Aborted, "enrollment policy could not decide for pod %s/%s: %v", req.GetPod().GetNamespace(), req.GetPod().GetName(), err)
 	}
@@ -118,14 +118,14 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 			s.metrics.enrollFailed("record")
 			return nil, status.Error(codes.Internal, err.Error())
 		}
-		s.report(ctx, req.GetPod(), outcomeDisabled, nil)
+		s.report(ctx, req.GetPod(), OutcomeDisabled, nil)
 		s.log.Info("pod skipped", append(fields, zap.String("reason", decision.Reason), zap.Duration("waited", waited))...)
 		return &gatepb.AddResponse{Decision: gatepb.Decision_DECISION_SKIPPED, Reason: decision.Reason}, nil
 	}
 	rec, reason, err := s.enroll(ctx, rec)
 	if err != nil {
 		s.metrics.enrollFailed(reason)
-		s.report(ctx, req.GetPod(), outcomeFailed, err)
+		s.report(ctx, req.GetPod(), OutcomeFailed, err)
 		s.log.Error("enrollment failed", append(fields, zap.String("step", reason), zap.Error(err))...)
 		code := codes.Internal
 		if reason == "proxy-handoff" {
@@ -134,7 +134,7 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 		}
 		return nil, status.Errorf(code, "enroll pod %s/%s: %v", req.GetPod().GetNamespace(), req.GetPod().GetName(), err)
 	}
-	s.report(ctx, req.GetPod(), outcomeEnabled, nil)
+	s.report(ctx, req.GetPod(), OutcomeEnabled, nil)
 	if ce := s.log.Check(zap.DebugLevel, "add timing"); ce != nil {
 		ce.Write(append(fields,
 			zap.Duration("readiness", waited),

@@ -17,13 +17,16 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/pkg/agent"
 	"github.com/mesh-cni/mesh-cni/pkg/cniplugin"
+	"github.com/mesh-cni/mesh-cni/pkg/gate"
 	"github.com/mesh-cni/mesh-cni/pkg/redirect"
 	"github.com/mesh-cni/mesh-cni/pkg/zds"
 )
 
-// Defaults shared with the plugin's config and the Kubernetes manifests.
+// Defaults shared with the plugin's config and the Kubernetes manifests. The
+// gate socket is the plugin's default, so a chain entry without socketPath
+// reaches an agent started without --socket.
 const (
-	DefaultSocketPath  = "/var/run/mesh-cni/gate.sock"
+	DefaultSocketPath  = cniplugin.DefaultSocketPath
 	DefaultStateDir    = "/var/run/mesh-cni/pods"
 	DefaultBPFFSRoot   = redirect.DefaultPinRoot
 	DefaultCNIBinDir   = "/opt/cni/bin"
@@ -129,7 +132,7 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.StringVar(&opts.pluginBinary, "plugin-binary", "", "the mesh-cni binary to install (default: mesh-cni next to the mesh-agent binary)")
 	fs.StringVar(&opts.installStateDir, "install-state-dir", DefaultInstallDir, "where the installer keeps the primary config's original bytes for uninstall")
 	fs.DurationVar(&opts.gateTimeout, "gate-timeout", 30*time.Second, "the chain entry's gateTimeout: how long a pod's ADD waits for the agent")
-	opts.excludeNamespaces = stringList{"kube-system"}
+	opts.excludeNamespaces = stringList{gate.DefaultExcludeNamespace}
 	fs.Var(&opts.excludeNamespaces, "exclude-namespaces", "the chain entry's excludeNamespaces: pods there never wait for the agent")
 	fs.StringVar(&opts.pluginLogLevel, "plugin-log-level", "info", "the chain entry's logLevel")
 	fs.StringVar(&opts.pluginLogFile, "plugin-log-file", "", "the chain entry's logFile (default: the plugin logs to the runtime's stderr)")
@@ -220,15 +223,25 @@ const usage = `usage: mesh-agent [run] [flags]    run the node agent (default)
        mesh-agent uninstall [flags]  remove the chain entry, the plugin binary, the pinned data path and its cgroup attachments
 Run "mesh-agent run -h" for the flags.`
 
-func runCommand(ctx context.Context, args []string, stderr io.Writer) int {
-	var opts options
-	fs := flagSet("mesh-agent run", &opts, stderr)
+// parseWithLogger parses args as the flags of command (run's flags) and builds
+// the logger they ask for. ok is false when the command must exit 2: the flag
+// package or this function has said why on stderr.
+func parseWithLogger(command string, args []string, stderr io.Writer) (opts options, log *zap.Logger, ok bool) {
+	fs := flagSet(command, &opts, stderr)
 	if err := fs.Parse(args); err != nil {
-		return 2
+		return opts, nil, false
 	}
 	log, err := newLogger(opts.logLevel, stderr)
 	if err != nil {
 		fmt.Fprintf(stderr, "mesh-agent: %v\n", err)
+		return opts, nil, false
+	}
+	return opts, log, true
+}
+
+func runCommand(ctx context.Context, args []string, stderr io.Writer) int {
+	opts, log, ok := parseWithLogger("mesh-agent run", args, stderr)
+	if !ok {
 		return 2
 	}
 	defer log.Sync() //nolint:errcheck // nothing useful to do when stderr is gone

@@ -9,6 +9,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/mesh-cni/mesh-cni/pkg/agent"
+	"github.com/mesh-cni/mesh-cni/pkg/gate"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 	"github.com/mesh-cni/mesh-cni/pkg/kni"
 	"github.com/mesh-cni/mesh-cni/pkg/nethook"
@@ -32,7 +33,7 @@ const DefaultHookPluginDir = "/etc/containerd/net.d"
 func (e *entryOptions) register(fs *flag.FlagSet) {
 	fs.StringVar(&e.kniSocket, "kni-socket", "", "serve the KNI interposer on this socket (kubelet's KNI endpoint); empty: off")
 	fs.StringVar(&e.kniUpstream, "kni-upstream", "", "socket of the real KNI network runtime the interposer forwards to")
-	fs.DurationVar(&e.kniEnrollTimeout, "kni-enroll-timeout", kni.DefaultEnrollTimeout, "how long a KNI attach waits for the agent to enroll the pod")
+	fs.DurationVar(&e.kniEnrollTimeout, "kni-enroll-timeout", gate.DefaultEnrollTimeout, "how long a KNI attach waits for the agent to enroll the pod")
 	fs.StringVar(&e.hookSocket, "hook-socket", "", "serve the containerd PodNetworkLifecycle hook on this socket; empty: off")
 	fs.StringVar(&e.hookPluginDir, "hook-plugin-dir", DefaultHookPluginDir, "directory where the hook's registration file is written")
 	fs.StringVar(&e.hookName, "hook-name", "mesh-cni", "name of the hook registration (file <name>.json)")
@@ -42,40 +43,33 @@ func (e *entryOptions) register(fs *flag.FlagSet) {
 // entryPoints builds the KNI interposer and the hook from the flags.
 func (o options) entryPoints(log *zap.Logger) ([]agent.EntryPoint, error) {
 	var eps []agent.EntryPoint
+	// entry is the configuration both share; each sets its own socket.
+	entry := func(g gatepb.GateServer, ready func() (bool, string)) gate.EntryConfig {
+		return gate.EntryConfig{AllowedUIDs: o.allowedUIDs, Gate: g, Ready: ready, ExcludeNamespaces: o.excludeNamespaces}
+	}
 	if o.entry.kniSocket != "" {
 		if o.entry.kniUpstream == "" {
 			return nil, fmt.Errorf("--kni-socket needs --kni-upstream, the real network runtime's socket")
 		}
-		eps = append(eps, func(ctx context.Context, gate gatepb.GateServer, ready func() (bool, string)) (func(), error) {
-			srv, err := kni.New(ctx, log.Named("kni"), kni.Config{
-				SocketPath: o.entry.kniSocket, UpstreamSocket: o.entry.kniUpstream, AllowedUIDs: o.allowedUIDs,
-				Gate: gate, Ready: ready, ExcludeNamespaces: o.excludeNamespaces, EnrollTimeout: o.entry.kniEnrollTimeout,
-			})
+		eps = append(eps, func(ctx context.Context, g gatepb.GateServer, ready func() (bool, string)) (func(), error) {
+			cfg := kni.Config{EntryConfig: entry(g, ready), UpstreamSocket: o.entry.kniUpstream}
+			cfg.SocketPath, cfg.EnrollTimeout = o.entry.kniSocket, o.entry.kniEnrollTimeout
+			srv, err := kni.New(ctx, log.Named("kni"), cfg)
 			if err != nil {
 				return nil, err
 			}
-			go func() {
-				if err := srv.Serve(); err != nil {
-					log.Error("kni interposer stopped", zap.Error(err))
-				}
-			}()
-			return func() { srv.Stop(o.shutdownGrace) }, nil
+			return o.serveInBackground(log, "kni interposer", srv), nil
 		})
 	}
 	if o.entry.hookSocket != "" {
-		eps = append(eps, func(ctx context.Context, gate gatepb.GateServer, ready func() (bool, string)) (func(), error) {
-			srv, err := nethook.New(ctx, log.Named("hook"), nethook.Config{
-				SocketPath: o.entry.hookSocket, AllowedUIDs: o.allowedUIDs, Gate: gate, Ready: ready,
-				ExcludeNamespaces: o.excludeNamespaces,
-			})
+		eps = append(eps, func(ctx context.Context, g gatepb.GateServer, ready func() (bool, string)) (func(), error) {
+			cfg := nethook.Config{EntryConfig: entry(g, ready)}
+			cfg.SocketPath = o.entry.hookSocket
+			srv, err := nethook.New(ctx, log.Named("hook"), cfg)
 			if err != nil {
 				return nil, err
 			}
-			go func() {
-				if err := srv.Serve(); err != nil {
-					log.Error("network-plugin hook stopped", zap.Error(err))
-				}
-			}()
+			stop := o.serveInBackground(log, "network-plugin hook", srv)
 			// Registered only once the socket answers, so the runtime never dials a
 			// dead socket; left in place on shutdown (pods then wait, as with CNI).
 			path, err := nethook.WriteRegistration(o.entry.hookPluginDir, nethook.Registration{
@@ -86,8 +80,25 @@ func (o options) entryPoints(log *zap.Logger) ([]agent.EntryPoint, error) {
 				return nil, err
 			}
 			log.Info("network-plugin hook registered", zap.String("file", path))
-			return func() { srv.Stop(o.shutdownGrace) }, nil
+			return stop, nil
 		})
 	}
 	return eps, nil
+}
+
+// entryServer is an entry point's server.
+type entryServer interface {
+	Serve() error
+	Stop(grace time.Duration)
+}
+
+// serveInBackground serves srv until the returned function stops it, within
+// the agent's shutdown grace; a failure to serve is logged as name's.
+func (o options) serveInBackground(log *zap.Logger, name string, srv entryServer) func() {
+	go func() {
+		if err := srv.Serve(); err != nil {
+			log.Error(name+" stopped", zap.Error(err))
+		}
+	}()
+	return func() { srv.Stop(o.shutdownGrace) }
 }

@@ -78,14 +78,8 @@ func newCNIInstaller(opts options, log *zap.Logger) (agent.CNIConfigInstaller, e
 // entry (the primary config returns to its original bytes), the owned config,
 // the plugin binary, the pinned data path and its cgroup attachments.
 func uninstallCommand(ctx context.Context, args []string, stderr io.Writer) int {
-	var opts options
-	fs := flagSet("mesh-agent uninstall", &opts, stderr)
-	if err := fs.Parse(args); err != nil {
-		return 2
-	}
-	log, err := newLogger(opts.logLevel, stderr)
-	if err != nil {
-		fmt.Fprintf(stderr, "mesh-agent: %v\n", err)
+	opts, log, ok := parseWithLogger("mesh-agent uninstall", args, stderr)
+	if !ok {
 		return 2
 	}
 	// A running agent keeps its chain entry in place and would write it back

@@ -41,9 +41,9 @@ const (
 const (
 	AnnotationRedirection = "mesh-cni.io/redirection"
 	// Outcomes, as the agent reports them and as the annotation's value.
-	OutcomeEnabled  = "enabled"
-	OutcomeDisabled = "disabled"
-	OutcomeFailed   = "failed"
+	OutcomeEnabled  = agent.OutcomeEnabled
+	OutcomeDisabled = agent.OutcomeDisabled
+	OutcomeFailed   = agent.OutcomeFailed
 	// EventReasonEnrollFailed is the reason of the Warning Event on a pod whose
 	// enrollment failed.
 	EventReasonEnrollFailed = "MeshEnrollmentFailed"

@@ -14,20 +14,32 @@ import (
 // waiting for an agent that is starting must notice the socket within a fraction
 // of a second, where gRPC's default back-off grows to minutes.
 func Dial(socketPath string) (*grpc.ClientConn, error) {
+	conn, err := DialUnix(socketPath, 10*time.Millisecond, 50*time.Millisecond)
+	if err != nil {
+		return nil, fmt.Errorf("gate client for %s: %w", socketPath, err)
+	}
+	return conn, nil
+}
+
+// DialUnix prepares a client connection to a gRPC server on the Unix socket at
+// socketPath, reconnecting with a back-off from firstDelay up to maxDelay
+// instead of gRPC's default, which grows to minutes. It does not connect until
+// the first call.
+func DialUnix(socketPath string, firstDelay, maxDelay time.Duration) (*grpc.ClientConn, error) {
 	conn, err := grpc.NewClient("unix://"+socketPath,
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithConnectParams(grpc.ConnectParams{
 			Backoff: backoff.Config{
-				BaseDelay:  10 * time.Millisecond,
+				BaseDelay:  firstDelay,
 				Multiplier: 1.5,
 				Jitter:     0.2,
-				MaxDelay:   50 * time.Millisecond,
+				MaxDelay:   maxDelay,
 			},
 			MinConnectTimeout: time.Second,
 		}),
 	)
 	if err != nil {
-		return nil, fmt.Errorf("gate client for %s: %w", socketPath, err)
+		return nil, fmt.Errorf("client for unix socket %s: %w", socketPath, err)
 	}
 	return conn, nil
 }

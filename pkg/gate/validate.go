@@ -42,23 +42,15 @@ var (
 // ErrInvalidRequest is the cause of every validation failure.
 var ErrInvalidRequest = errors.New("invalid gate request")
 
-func invalid(format string, args ...any) error {
+// Invalid returns an error wrapping ErrInvalidRequest.
+func Invalid(format string, args ...any) error {
 	return fmt.Errorf("%w: %s", ErrInvalidRequest, fmt.Sprintf(format, args...))
 }
 
 // ValidateAdd checks an Add request completely, including that the netns path is a
 // network namespace on this host.
 func ValidateAdd(req *gatepb.AddRequest) error {
-	if err := validatePod(req.GetPod()); err != nil {
-		return err
-	}
-	if err := validateAttachment(req.GetAttachment()); err != nil {
-		return err
-	}
-	if err := validateNetnsPath(req.GetNetnsPath(), true); err != nil {
-		return err
-	}
-	return validateInterfaces(req.GetInterfaces())
+	return validatePodRequest(req.GetPod(), req.GetAttachment(), req.GetNetnsPath(), req.GetInterfaces())
 }
 
 // ValidateDel checks a Del request. The netns may already be gone, so only the
@@ -80,16 +72,23 @@ func ValidateDel(req *gatepb.DelRequest) error {
 
 // ValidateCheck checks a Check request.
 func ValidateCheck(req *gatepb.CheckRequest) error {
-	if err := validatePod(req.GetPod()); err != nil {
+	return validatePodRequest(req.GetPod(), req.GetAttachment(), req.GetNetnsPath(), req.GetInterfaces())
+}
+
+// validatePodRequest checks what Add and Check both carry: the pod, its
+// attachment, a netns path that is a network namespace on this host, and the
+// interfaces.
+func validatePodRequest(pod *gatepb.PodIdentity, att *gatepb.Attachment, netnsPath string, ifs []*gatepb.Interface) error {
+	if err := validatePod(pod); err != nil {
 		return err
 	}
-	if err := validateAttachment(req.GetAttachment()); err != nil {
+	if err := validateAttachment(att); err != nil {
 		return err
 	}
-	if err := validateNetnsPath(req.GetNetnsPath(), true); err != nil {
+	if err := validateNetnsPath(netnsPath, true); err != nil {
 		return err
 	}
-	return validateInterfaces(req.GetInterfaces())
+	return validateInterfaces(ifs)
 }
 
 // ValidateGC checks a GC request.
@@ -98,13 +97,13 @@ func ValidateGC(req *gatepb.GCRequest) error {
 		return err
 	}
 	if n := len(req.GetValid()); n > maxAttachments {
-		return invalid("%d valid attachments, more than the limit of %d", n, maxAttachments)
+		return Invalid("%d valid attachments, more than the limit of %d", n, maxAttachments)
 	}
 	for i, a := range req.GetValid() {
 		if err := validateContainerID(a.GetContainerId()); err != nil {
 			return fmt.Errorf("valid attachment %d: %w", i, err)
 		}
-		if err := validateIfname(a.GetIfname()); err != nil {
+		if err := ValidateIfname(a.GetIfname()); err != nil {
 			return fmt.Errorf("valid attachment %d: %w", i, err)
 		}
 	}
@@ -113,17 +112,17 @@ func ValidateGC(req *gatepb.GCRequest) error {
 
 func validatePod(p *gatepb.PodIdentity) error {
 	if p == nil {
-		return invalid("pod identity is missing")
+		return Invalid("pod identity is missing")
 	}
 	ns, name := p.GetNamespace(), p.GetName()
 	if len(ns) == 0 || len(ns) > maxNamespaceLen || !dnsLabel.MatchString(ns) {
-		return invalid("pod namespace %.80q is not a DNS-1123 label of at most %d characters", ns, maxNamespaceLen)
+		return Invalid("pod namespace %.80q is not a DNS-1123 label of at most %d characters", ns, maxNamespaceLen)
 	}
 	if len(name) == 0 || len(name) > maxPodNameLen || !dnsSubdomain.MatchString(name) {
-		return invalid("pod name %.80q is not a DNS-1123 subdomain of at most %d characters", name, maxPodNameLen)
+		return Invalid("pod name %.80q is not a DNS-1123 subdomain of at most %d characters", name, maxPodNameLen)
 	}
 	if uid := p.GetUid(); uid != "" && (len(uid) > maxUIDLen || !uidPattern.MatchString(uid)) {
-		return invalid("pod uid %.80q is not a uid of at most %d characters", uid, maxUIDLen)
+		return Invalid("pod uid %.80q is not a uid of at most %d characters", uid, maxUIDLen)
 	}
 	if err := validateMetadata("label", p.GetLabels()); err != nil {
 		return err
@@ -133,14 +132,14 @@ func validatePod(p *gatepb.PodIdentity) error {
 
 func validateMetadata(kind string, m map[string]string) error {
 	if len(m) > maxMetadata {
-		return invalid("%d pod %ss, more than the limit of %d", len(m), kind, maxMetadata)
+		return Invalid("%d pod %ss, more than the limit of %d", len(m), kind, maxMetadata)
 	}
 	for k, v := range m {
 		if k == "" || len(k) > maxMetaKeyLen {
-			return invalid("pod %s key %.80q is empty or longer than %d", kind, k, maxMetaKeyLen)
+			return Invalid("pod %s key %.80q is empty or longer than %d", kind, k, maxMetaKeyLen)
 		}
 		if len(v) > maxMetaValueLen {
-			return invalid("pod %s %.80q has a value longer than %d", kind, k, maxMetaValueLen)
+			return Invalid("pod %s %.80q has a value longer than %d", kind, k, maxMetaValueLen)
 		}
 	}
 	return nil
@@ -148,12 +147,12 @@ func validateMetadata(kind string, m map[string]string) error {
 
 func validateAttachment(a *gatepb.Attachment) error {
 	if a == nil {
-		return invalid("attachment (container id, ifname, network) is missing")
+		return Invalid("attachment (container id, ifname, network) is missing")
 	}
 	if err := validateContainerID(a.GetContainerId()); err != nil {
 		return err
 	}
-	if err := validateIfname(a.GetIfname()); err != nil {
+	if err := ValidateIfname(a.GetIfname()); err != nil {
 		return err
 	}
 	return validateNetwork(a.GetNetwork())
@@ -161,20 +160,17 @@ func validateAttachment(a *gatepb.Attachment) error {
 
 func validateContainerID(id string) error {
 	if len(id) == 0 || len(id) > maxContainerIDLen || !cniIdentifier.MatchString(id) {
-		return invalid("container id %.80q must be 1-%d characters of A-Z a-z 0-9 _ . -", id, maxContainerIDLen)
+		return Invalid("container id %.80q must be 1-%d characters of A-Z a-z 0-9 _ . -", id, maxContainerIDLen)
 	}
 	return nil
 }
 
 func validateNetwork(name string) error {
 	if len(name) == 0 || len(name) > maxNetworkLen || !cniIdentifier.MatchString(name) {
-		return invalid("network name %.80q must be 1-%d characters of A-Z a-z 0-9 _ . -", name, maxNetworkLen)
+		return Invalid("network name %.80q must be 1-%d characters of A-Z a-z 0-9 _ . -", name, maxNetworkLen)
 	}
 	return nil
 }
-
-// ValidateIfname applies the kernel's rules for interface names.
-func ValidateIfname(name string) error { return validateIfname(name) }
 
 // MaxAddresses is the limit of addresses per interface in a request.
 const MaxAddresses = maxAddresses
@@ -184,7 +180,7 @@ const MaxAddresses = maxAddresses
 // gate takes. A bare address becomes a host prefix; zones are dropped.
 func ToPrefixes(ips []string) ([]string, error) {
 	if len(ips) > maxAddresses {
-		return nil, invalid("%d addresses, more than the limit of %d", len(ips), maxAddresses)
+		return nil, Invalid("%d addresses, more than the limit of %d", len(ips), maxAddresses)
 	}
 	out := make([]string, 0, len(ips))
 	for _, s := range ips {
@@ -194,7 +190,7 @@ func ToPrefixes(ips []string) ([]string, error) {
 		}
 		a, err := netip.ParseAddr(s)
 		if err != nil {
-			return nil, invalid("address %.60q is neither an IP address nor in CIDR notation", s)
+			return nil, Invalid("address %.60q is neither an IP address nor in CIDR notation", s)
 		}
 		a = a.WithZone("")
 		out = append(out, netip.PrefixFrom(a, a.BitLen()).String())
@@ -202,17 +198,14 @@ func ToPrefixes(ips []string) ([]string, error) {
 	return out, nil
 }
 
-// Invalid returns an error wrapping ErrInvalidRequest.
-func Invalid(format string, args ...any) error { return invalid(format, args...) }
-
-// validateIfname applies the kernel's rules for interface names.
-func validateIfname(name string) error {
+// ValidateIfname applies the kernel's rules for interface names.
+func ValidateIfname(name string) error {
 	if len(name) == 0 || len(name) > maxIfnameLen || name == "." || name == ".." {
-		return invalid("interface name %.80q must be 1-%d characters and not . or ..", name, maxIfnameLen)
+		return Invalid("interface name %.80q must be 1-%d characters and not . or ..", name, maxIfnameLen)
 	}
 	for _, r := range name {
 		if r == '/' || r == ':' || r <= ' ' || r == 0x7f {
-			return invalid("interface name %.80q contains %q", name, r)
+			return Invalid("interface name %.80q contains %q", name, r)
 		}
 	}
 	return nil
@@ -220,10 +213,10 @@ func validateIfname(name string) error {
 
 func validateNetnsPath(path string, mustExist bool) error {
 	if path == "" {
-		return invalid("netns path is missing")
+		return Invalid("netns path is missing")
 	}
 	if len(path) > maxPathLen || !filepath.IsAbs(path) || filepath.Clean(path) != path {
-		return invalid("netns path %.120q must be an absolute, clean path", path)
+		return Invalid("netns path %.120q must be an absolute, clean path", path)
 	}
 	if !mustExist {
 		return nil
@@ -236,23 +229,23 @@ func validateNetnsPath(path string, mustExist bool) error {
 
 func validateInterfaces(ifs []*gatepb.Interface) error {
 	if len(ifs) > maxInterfaces {
-		return invalid("%d interfaces, more than the limit of %d", len(ifs), maxInterfaces)
+		return Invalid("%d interfaces, more than the limit of %d", len(ifs), maxInterfaces)
 	}
 	for _, i := range ifs {
-		if err := validateIfname(i.GetName()); err != nil {
+		if err := ValidateIfname(i.GetName()); err != nil {
 			return err
 		}
 		if mac := i.GetMac(); mac != "" {
 			if _, err := net.ParseMAC(mac); err != nil {
-				return invalid("interface %s: MAC %.40q: %v", i.GetName(), mac, err)
+				return Invalid("interface %s: MAC %.40q: %v", i.GetName(), mac, err)
 			}
 		}
 		if len(i.GetAddresses()) > maxAddresses {
-			return invalid("interface %s has %d addresses, more than the limit of %d", i.GetName(), len(i.GetAddresses()), maxAddresses)
+			return Invalid("interface %s has %d addresses, more than the limit of %d", i.GetName(), len(i.GetAddresses()), maxAddresses)
 		}
 		for _, a := range i.GetAddresses() {
 			if _, err := netip.ParsePrefix(a); err != nil {
-				return invalid("interface %s: address %.60q is not in CIDR notation: %v", i.GetName(), a, err)
+				return Invalid("interface %s: address %.60q is not in CIDR notation: %v", i.GetName(), a, err)
 			}
 		}
 	}

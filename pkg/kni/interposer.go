@@ -2,7 +2,6 @@ package kni
 
 import (
 	"context"
-	"slices"
 
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
@@ -10,7 +9,6 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/mesh-cni/mesh-cni/pkg/gate"
-	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 	"github.com/mesh-cni/mesh-cni/pkg/kni/knipb"
 )
 
@@ -26,7 +24,6 @@ type interposer struct {
 
 	log      *zap.Logger
 	cfg      Config
-	gate     gatepb.GateServer
 	upstream knipb.KNIClient
 }
 
@@ -97,10 +94,6 @@ func (i *interposer) QueryNodeNetworks(ctx context.Context, req *knipb.QueryNode
 	return forward(ctx, i.upstream.QueryNodeNetworks, req)
 }
 
-func (i *interposer) excluded(namespace string) bool {
-	return slices.Contains(i.cfg.ExcludeNamespaces, namespace)
-}
-
 // attach forwards an attach and enrolls the pod once the runtime has set it up.
 //
 // Order and failure handling, thought through:
@@ -121,7 +114,7 @@ func (i *interposer) excluded(namespace string) bool {
 func (i *interposer) attach(ctx context.Context, method string, req *knipb.AttachInterfaceRequest, attach attachFunc, detach detachFunc) (*knipb.AttachInterfaceResponse, error) {
 	log := i.log.With(zap.String("method", method), zap.String("sandbox", req.GetId()),
 		zap.String("pod", req.GetNamespace()+"/"+req.GetName()))
-	excluded := i.excluded(firstNonEmpty(req.GetNamespace(), req.GetLabels()[LabelPodNamespace]))
+	excluded := i.cfg.Excluded(firstNonEmpty(req.GetNamespace(), req.GetLabels()[LabelPodNamespace]))
 	if !excluded {
 		gate.LogFittedMetadata(log, req.GetLabels(), req.GetAnnotations())
 		if _, _, err := attachIdentity(req, i.cfg.Network); err != nil {
@@ -144,14 +137,7 @@ func (i *interposer) attach(ctx context.Context, method string, req *knipb.Attac
 		log.Error("cannot enroll the attached pod", zap.Error(err))
 		return nil, i.undo(ctx, log, req, detach, codes.FailedPrecondition, err.Error())
 	}
-	if i.cfg.Ready != nil {
-		if ready, why := i.cfg.Ready(); !ready {
-			log.Info("mesh-agent is not ready; the attach waits for it", zap.String("notReady", why), zap.Duration("atMost", i.cfg.EnrollTimeout))
-		}
-	}
-	addCtx, cancel := context.WithTimeout(ctx, i.cfg.EnrollTimeout)
-	defer cancel()
-	decision, err := i.gate.Add(addCtx, add)
+	decision, err := i.cfg.Enroll(ctx, log, "attach", add)
 	if err != nil {
 		st := status.Convert(err)
 		log.Error("enrollment failed", zap.Error(err))
@@ -165,14 +151,12 @@ func (i *interposer) attach(ctx context.Context, method string, req *knipb.Attac
 // undo rolls back an attach whose pod could not be enrolled and returns the
 // error for the caller.
 func (i *interposer) undo(ctx context.Context, log *zap.Logger, req *knipb.AttachInterfaceRequest, detach detachFunc, code codes.Code, why string) error {
-	if code == codes.OK || code == codes.Unknown {
-		code = codes.Internal
-	}
+	code = gate.FailureCode(code)
 	undoCtx, cancel := context.WithTimeout(context.WithoutCancel(outgoing(ctx)), i.cfg.RollbackTimeout)
 	defer cancel()
 	dreq := detachRequestFor(req)
 	if del, err := DetachToGate(dreq, i.cfg.Network); err == nil {
-		gate.ReleaseSandbox(undoCtx, log, i.gate, del)
+		gate.ReleaseSandbox(undoCtx, log, i.cfg.Gate, del)
 	}
 	if _, err := detach(undoCtx, dreq); err != nil {
 		log.Error("undoing the attach failed; the network runtime may still hold the pod's network", zap.Error(err))
@@ -205,9 +189,7 @@ func (i *interposer) detach(ctx context.Context, method string, req *knipb.Detac
 	if del, err := DetachToGate(req, i.cfg.Network); err != nil {
 		log.Warn("cannot release the pod from the mesh; forwarding the detach anyway", zap.Error(err))
 	} else {
-		relCtx, cancel := context.WithTimeout(ctx, i.cfg.ReleaseTimeout)
-		gate.ReleaseSandbox(relCtx, log, i.gate, del)
-		cancel()
+		i.cfg.Release(ctx, log, del)
 	}
 	return forward(ctx, fwd, req)
 }

@@ -29,20 +29,14 @@ package kni
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"net"
 	"path/filepath"
-	"slices"
 	"time"
 
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/backoff"
-	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/mesh-cni/mesh-cni/pkg/gate"
-	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 	"github.com/mesh-cni/mesh-cni/pkg/kni/knipb"
 )
 
@@ -51,50 +45,30 @@ const (
 	// DefaultNetwork is the attachment network KNI pods are recorded under in the
 	// agent; CNI GC of a conflist never touches them.
 	DefaultNetwork = "kni"
-	// DefaultEnrollTimeout bounds how long an attach waits for the agent, like
-	// the CNI plugin's gateTimeout. The caller's deadline bounds it too.
-	DefaultEnrollTimeout = 30 * time.Second
-	// DefaultReleaseTimeout bounds the gate Del before a detach is forwarded.
-	DefaultReleaseTimeout = 5 * time.Second
 	// DefaultRollbackTimeout bounds the detach that undoes a failed attach. It
 	// does not derive from the caller's deadline, which has often run out by
 	// then.
 	DefaultRollbackTimeout = 30 * time.Second
 )
 
-// DefaultExcludeNamespace is passed through without contacting the gate, as in
-// the CNI plugin's default excludeNamespaces: the cluster's own system pods
-// never wait on the agent.
-const DefaultExcludeNamespace = "kube-system"
-
-// Config configures the interposer.
+// Config configures the interposer. Its entry-point fields are gate's
+// (EntryConfig): SocketPath is the KNI endpoint kubelet is configured with,
+// Ready only feeds the logs (nil means "don't say"), and ReleaseTimeout bounds
+// the gate Del before a detach is forwarded.
 type Config struct {
-	// SocketPath is where the interposer listens: the KNI endpoint kubelet is
-	// configured with. Its directory is made 0700 and the socket 0600.
-	SocketPath string
+	gate.EntryConfig
 	// UpstreamSocket is the real network runtime's socket.
 	UpstreamSocket string
-	// AllowedUIDs may call (SO_PEERCRED); none means root only.
-	AllowedUIDs []int
-	// Gate is the agent's gate, called in process.
-	Gate gatepb.GateServer
-	// Ready reports the agent's readiness and, when not ready, what is missing.
-	// It only feeds the logs (gate Add does the waiting); nil means "don't say".
-	Ready func() (bool, string)
-	// Network is the attachment network the pods are recorded under; default
-	// DefaultNetwork.
-	Network string
-	// ExcludeNamespaces pass through without enrollment; nil means
-	// DefaultExcludeNamespace only, an empty non-nil slice excludes none.
-	ExcludeNamespaces []string
-	// EnrollTimeout, ReleaseTimeout, RollbackTimeout: see the defaults.
-	EnrollTimeout, ReleaseTimeout, RollbackTimeout time.Duration
+	// RollbackTimeout: see DefaultRollbackTimeout.
+	RollbackTimeout time.Duration
 }
 
 func (c Config) withDefaults() (Config, error) {
-	if c.Gate == nil {
-		return c, errors.New("kni interposer: no gate")
+	entry, err := c.EntryConfig.WithDefaults("kni interposer", DefaultNetwork)
+	if err != nil {
+		return c, err
 	}
+	c.EntryConfig = entry
 	for _, p := range []struct{ name, path string }{{"socket", c.SocketPath}, {"upstream socket", c.UpstreamSocket}} {
 		if !filepath.IsAbs(p.path) {
 			return c, fmt.Errorf("kni interposer: %s path %q must be absolute", p.name, p.path)
@@ -102,19 +76,6 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if filepath.Clean(c.SocketPath) == filepath.Clean(c.UpstreamSocket) {
 		return c, fmt.Errorf("kni interposer: socket and upstream socket are both %q", c.SocketPath)
-	}
-	if c.Network == "" {
-		c.Network = DefaultNetwork
-	}
-	if c.ExcludeNamespaces == nil {
-		c.ExcludeNamespaces = []string{DefaultExcludeNamespace}
-	}
-	c.ExcludeNamespaces = slices.Clone(c.ExcludeNamespaces)
-	if c.EnrollTimeout <= 0 {
-		c.EnrollTimeout = DefaultEnrollTimeout
-	}
-	if c.ReleaseTimeout <= 0 {
-		c.ReleaseTimeout = DefaultReleaseTimeout
 	}
 	if c.RollbackTimeout <= 0 {
 		c.RollbackTimeout = DefaultRollbackTimeout
@@ -124,10 +85,9 @@ func (c Config) withDefaults() (Config, error) {
 
 // Server is the interposer listening on its socket.
 type Server struct {
+	*gate.Server
 	log      *zap.Logger
-	grpc     *grpc.Server
 	upstream *grpc.ClientConn
-	listener net.Listener
 }
 
 // New prepares the upstream connection (it connects on first use, so the
@@ -155,10 +115,13 @@ func New(ctx context.Context, log *zap.Logger, cfg Config) (*Server, error) {
 	knipb.RegisterKNIServer(srv, &interposer{
 		log:      log,
 		cfg:      cfg,
-		gate:     cfg.Gate,
 		upstream: knipb.NewKNIClient(conn),
 	})
-	return &Server{log: log, grpc: srv, upstream: conn, listener: l}, nil
+	return &Server{
+		Server:   gate.NewUnixServer("KNI interposer", log, l, srv, zap.String("upstream", conn.Target())),
+		log:      log,
+		upstream: conn,
+	}, nil
 }
 
 // dialUpstream prepares the client connection to the network runtime. The
@@ -166,41 +129,18 @@ func New(ctx context.Context, log *zap.Logger, cfg Config) (*Server, error) {
 // a fraction of a second; calls are not held waiting for it (no wait-for-ready),
 // so kubelet sees the runtime's unavailability exactly as if it dialled it.
 func dialUpstream(socketPath string) (*grpc.ClientConn, error) {
-	conn, err := grpc.NewClient("unix://"+socketPath,
-		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithConnectParams(grpc.ConnectParams{
-			Backoff: backoff.Config{
-				BaseDelay:  20 * time.Millisecond,
-				Multiplier: 1.5,
-				Jitter:     0.2,
-				MaxDelay:   time.Second,
-			},
-			MinConnectTimeout: time.Second,
-		}),
-	)
+	conn, err := gate.DialUnix(socketPath, 20*time.Millisecond, time.Second)
 	if err != nil {
-		return nil, fmt.Errorf("kni interposer: client for network runtime at %s: %w", socketPath, err)
+		return nil, fmt.Errorf("kni interposer: network runtime: %w", err)
 	}
 	return conn, nil
-}
-
-// Addr is the socket path the interposer listens on.
-func (s *Server) Addr() string { return s.listener.Addr().String() }
-
-// Serve serves until Stop; it returns nil after a stop.
-func (s *Server) Serve() error {
-	s.log.Info("KNI interposer serving", zap.String("socket", s.Addr()), zap.String("upstream", s.upstream.Target()))
-	if err := s.grpc.Serve(s.listener); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
-		return fmt.Errorf("serve KNI interposer: %w", err)
-	}
-	return nil
 }
 
 // Stop lets in-flight calls finish for up to grace, cuts the rest, and closes
 // the upstream connection. An attach cut off before its enrollment returned has
 // failed for kubelet, which retries it.
 func (s *Server) Stop(grace time.Duration) {
-	gate.Stop(s.grpc, grace)
+	s.Server.Stop(grace)
 	if err := s.upstream.Close(); err != nil {
 		s.log.Warn("closing the network runtime connection", zap.Error(err))
 	}

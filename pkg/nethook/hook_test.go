@@ -22,6 +22,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/mesh-cni/mesh-cni/pkg/agent"
+	"github.com/mesh-cni/mesh-cni/pkg/gate"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 	"github.com/mesh-cni/mesh-cni/pkg/nethook"
 	"github.com/mesh-cni/mesh-cni/pkg/nethook/nethookpb"
@@ -352,7 +353,7 @@ func TestSetupWaitsForReadiness(t *testing.T) {
 
 func TestSetupFailsWhenNotEnrolled(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, true, nethook.Config{EnrollTimeout: time.Second})
+	e := newEnv(t, true, nethook.Config{EntryConfig: gate.EntryConfig{EnrollTimeout: time.Second}})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	pod := e.node.NewPod(t, "shop", "web")
@@ -391,7 +392,7 @@ func TestExcludedNamespacePassesThrough(t *testing.T) {
 
 func TestPeerNotAllowed(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, false, nethook.Config{AllowedUIDs: []int{64000}})
+	e := newEnv(t, false, nethook.Config{EntryConfig: gate.EntryConfig{AllowedUIDs: []int{64000}}})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	if _, err := e.client.CheckHealth(ctx, &nethookpb.CheckHealthRequest{}); status.Code(err) != codes.PermissionDenied {

@@ -29,12 +29,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
-	"slices"
-	"time"
 
 	"go.uber.org/zap"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -43,73 +39,33 @@ import (
 	"github.com/mesh-cni/mesh-cni/pkg/nethook/nethookpb"
 )
 
-// Defaults for Config.
-const (
-	// DefaultNetwork is the attachment network hook pods are recorded under in
-	// the agent; CNI GC of a conflist never touches them.
-	DefaultNetwork = "nethook"
-	// DefaultEnrollTimeout bounds how long a setup waits for the agent, like the
-	// CNI plugin's gateTimeout. The caller's deadline bounds it too.
-	DefaultEnrollTimeout = 30 * time.Second
-	// DefaultReleaseTimeout bounds the gate Del of a teardown.
-	DefaultReleaseTimeout = 5 * time.Second
-)
+// DefaultNetwork is the attachment network hook pods are recorded under in the
+// agent; CNI GC of a conflist never touches them.
+const DefaultNetwork = "nethook"
 
-// DefaultExcludeNamespace is passed through without contacting the gate, as in
-// the CNI plugin's default excludeNamespaces: the cluster's own system pods
-// never wait on the agent.
-const DefaultExcludeNamespace = "kube-system"
-
-// Config configures the hook server.
+// Config configures the hook server: gate's entry-point configuration, whose
+// SocketPath goes into the registration's address and whose Ready is required
+// (CheckHealth answers with it).
 type Config struct {
-	// SocketPath is where the hook listens; its directory is made 0700 and the
-	// socket 0600. It goes into the registration's address.
-	SocketPath string
-	// AllowedUIDs may call (SO_PEERCRED); none means root only.
-	AllowedUIDs []int
-	// Gate is the agent's gate, called in process.
-	Gate gatepb.GateServer
-	// Ready reports the agent's readiness and, when not ready, what is missing;
-	// CheckHealth answers with it.
-	Ready func() (bool, string)
-	// Network is the attachment network pods are recorded under; default
-	// DefaultNetwork.
-	Network string
-	// ExcludeNamespaces pass through without enrollment; nil means
-	// DefaultExcludeNamespace only, an empty non-nil slice excludes none.
-	ExcludeNamespaces []string
-	// EnrollTimeout and ReleaseTimeout: see the defaults.
-	EnrollTimeout, ReleaseTimeout time.Duration
+	gate.EntryConfig
 }
 
 func (c Config) withDefaults() (Config, error) {
-	if c.Gate == nil {
-		return c, errors.New("network-plugin hook: no gate")
+	entry, err := c.EntryConfig.WithDefaults("network-plugin hook", DefaultNetwork)
+	if err != nil {
+		return c, err
 	}
-	if c.Ready == nil {
+	if entry.Ready == nil {
 		return c, errors.New("network-plugin hook: no readiness function")
 	}
-	if c.Network == "" {
-		c.Network = DefaultNetwork
-	}
-	if c.ExcludeNamespaces == nil {
-		c.ExcludeNamespaces = []string{DefaultExcludeNamespace}
-	}
-	c.ExcludeNamespaces = slices.Clone(c.ExcludeNamespaces)
-	if c.EnrollTimeout <= 0 {
-		c.EnrollTimeout = DefaultEnrollTimeout
-	}
-	if c.ReleaseTimeout <= 0 {
-		c.ReleaseTimeout = DefaultReleaseTimeout
-	}
-	return c, nil
+	return Config{EntryConfig: entry}, nil
 }
 
-// Server is the hook listening on its socket.
+// Server is the hook listening on its socket. Its Addr is the registration's
+// address; a setup cut off by Stop before its enrollment returned has failed
+// for the runtime.
 type Server struct {
-	log      *zap.Logger
-	grpc     *grpc.Server
-	listener net.Listener
+	*gate.Server
 }
 
 // New listens on cfg.SocketPath.
@@ -125,25 +81,7 @@ func New(ctx context.Context, log *zap.Logger, cfg Config) (*Server, error) {
 	log = log.With(zap.String("entry", "nethook"))
 	srv := gate.NewServer(cfg.AllowedUIDs)
 	nethookpb.RegisterPodNetworkLifecycleServer(srv, &hook{log: log, cfg: cfg})
-	return &Server{log: log, grpc: srv, listener: l}, nil
-}
-
-// Addr is the socket path the hook listens on: the registration's address.
-func (s *Server) Addr() string { return s.listener.Addr().String() }
-
-// Serve serves until Stop; it returns nil after a stop.
-func (s *Server) Serve() error {
-	s.log.Info("network-plugin hook serving", zap.String("socket", s.Addr()))
-	if err := s.grpc.Serve(s.listener); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
-		return fmt.Errorf("serve network-plugin hook: %w", err)
-	}
-	return nil
-}
-
-// Stop lets in-flight calls finish for up to grace, then cuts the rest. A setup
-// cut off before its enrollment returned has failed for the runtime.
-func (s *Server) Stop(grace time.Duration) {
-	gate.Stop(s.grpc, grace)
+	return &Server{gate.NewUnixServer("network-plugin hook", log, l, srv)}, nil
 }
 
 type hook struct {
@@ -157,7 +95,7 @@ func (h *hook) SetupPodNetwork(ctx context.Context, req *nethookpb.SetupPodNetwo
 	// The mesh sets up no network: nothing to add to the runtime's result,
 	// which already holds the primary's interfaces (see the package doc).
 	result := &nethookpb.SetupPodNetworkResponse{}
-	if slices.Contains(h.cfg.ExcludeNamespaces, req.GetPodNamespace()) {
+	if h.cfg.Excluded(req.GetPodNamespace()) {
 		log.Info("namespace is excluded from the mesh; setup passed through")
 		return result, nil
 	}
@@ -167,25 +105,14 @@ func (h *hook) SetupPodNetwork(ctx context.Context, req *nethookpb.SetupPodNetwo
 		log.Warn("refused setup: the pod could not be enrolled", zap.Error(err))
 		return nil, status.Errorf(codes.InvalidArgument, "mesh-cni: cannot enroll pod %s/%s in the mesh: %v", req.GetPodNamespace(), req.GetPodName(), err)
 	}
-	if ready, why := h.cfg.Ready(); !ready {
-		log.Info("mesh-agent is not ready; the setup waits for it", zap.String("notReady", why), zap.Duration("atMost", h.cfg.EnrollTimeout))
-	}
-	addCtx, cancel := context.WithTimeout(ctx, h.cfg.EnrollTimeout)
-	defer cancel()
-	decision, err := h.cfg.Gate.Add(addCtx, add)
+	decision, err := h.cfg.Enroll(ctx, log, "setup", add)
 	if err != nil {
 		st := status.Convert(err)
 		log.Error("enrollment failed", zap.Error(err))
 		// Nothing should be held after a failed Add; release anyway, so the
 		// runtime's retry starts clean.
-		relCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.cfg.ReleaseTimeout)
-		gate.ReleaseSandbox(relCtx, log, h.cfg.Gate, &gatepb.DelRequest{Attachment: add.GetAttachment(), NetnsPath: add.GetNetnsPath(), Source: gatepb.Source_SOURCE_HOOK})
-		cancel()
-		code := st.Code()
-		if code == codes.OK || code == codes.Unknown {
-			code = codes.Internal
-		}
-		return nil, status.Errorf(code, "mesh-cni: pod %s/%s was not enrolled in the mesh: %s", req.GetPodNamespace(), req.GetPodName(), st.Message())
+		h.cfg.Release(context.WithoutCancel(ctx), log, &gatepb.DelRequest{Attachment: add.GetAttachment(), NetnsPath: add.GetNetnsPath(), Source: gatepb.Source_SOURCE_HOOK})
+		return nil, status.Errorf(gate.FailureCode(st.Code()), "mesh-cni: pod %s/%s was not enrolled in the mesh: %s", req.GetPodNamespace(), req.GetPodName(), st.Message())
 	}
 	log.Info("setup done", zap.Stringer("decision", decision.GetDecision()), zap.String("reason", decision.GetReason()),
 		zap.String("netns", add.GetNetnsPath()), zap.String("ifname", add.GetAttachment().GetIfname()))
@@ -202,9 +129,7 @@ func (h *hook) TeardownPodNetwork(ctx context.Context, req *nethookpb.TeardownPo
 		log.Warn("cannot release the pod from the mesh", zap.Error(err))
 		return &nethookpb.TeardownPodNetworkResponse{}, nil
 	}
-	relCtx, cancel := context.WithTimeout(ctx, h.cfg.ReleaseTimeout)
-	defer cancel()
-	gate.ReleaseSandbox(relCtx, log, h.cfg.Gate, del)
+	h.cfg.Release(ctx, log, del)
 	return &nethookpb.TeardownPodNetworkResponse{}, nil
 }
 
