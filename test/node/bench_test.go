@@ -93,15 +93,15 @@ func (b *nodeBench) write(t *testing.T) {
 		Name:  resultName,
 		Title: "A real node: kubelet, containerd, the DaemonSet",
 		Description: "TestNode (test/node) on one node of a real cluster on this machine: kubelet and containerd " +
-			"(CRI, runc) with the bridge primary, the agent installed from `install/kubernetes`. " +
-			"**Agent ready → waiting pod Running**: a pod of an enrolled namespace created while the DaemonSet was deleted " +
-			"waits at the gate (its ADD held, retried by kubelet after each `gateTimeout`); from the first 200 of the agent's " +
-			"`/readyz` (polled every 20 ms) to the pod's phase Running as a watch sees it. One sample per run: whether an ADD " +
-			"was in flight at that moment decides most of it. **Pod created → Running**: the same one-container pod " +
-			"(the echo server, no proxy) in a namespace that is enrolled and in one that is not, taking turns, from the " +
-			"create call to phase Running seen by a watch. **Ready condition**: from `helm uninstall` returning (DaemonSet " +
-			"and agent gone) to the node reported NotReady by the CNI STATUS of mesh-cni, and from the uninstall Job's " +
-			"completion to Ready again.",
+			"(CRI, runc) with the bridge primary, the agent installed with the README's commands. " +
+			"**Agent ready → waiting pod Running**: two pods of an enrolled namespace created while the DaemonSet was deleted, " +
+			"one with the reference proxy as a sidecar and one without, their ADDs held at the gate (kubelet retries each " +
+			"after `gateTimeout` and its back-off; the test applies the manifests again while both are held); from the first " +
+			"200 of the agent's `/readyz` (polled every 20 ms) to each pod's phase Running as a watch sees it. " +
+			"**Pod created → Running**: the same one-container pod (the echo server, no proxy) in a namespace that is enrolled " +
+			"and in one that is not, taking turns, from the create call to phase Running seen by a watch. **Ready condition**: " +
+			"over a primary of CNI spec 1.1.0, from `helm uninstall` returning (DaemonSet and agent gone) to the node reported " +
+			"NotReady by mesh-cni's CNI STATUS, and from the uninstall Job's completion to Ready again.",
 		Command:  "make e2e-node",
 		Started:  b.start,
 		Finished: time.Now(),
