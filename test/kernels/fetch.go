@@ -61,11 +61,13 @@ func Fetch(ctx context.Context, cache string, k Kernel, log io.Writer) (*Unpacke
 		}
 		return out, nil
 	}
+	offline := false
 	if out, err := run("", "apt-get", "update", "-q"); err != nil {
 		lists, _ := filepath.Glob(filepath.Join(aptDir, "state", "lists", "*Packages*"))
 		if len(lists) == 0 {
 			return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
 		}
+		offline = true
 		fmt.Fprintf(log, "kernels: %s: apt-get update failed, using the index cached before:\n%s\n", k.Name, tail(out, 5))
 	}
 
@@ -122,6 +124,10 @@ func Fetch(ctx context.Context, cache string, k Kernel, log io.Writer) (*Unpacke
 		return nil, err
 	}
 	if _, err := run(debs, append([]string{"apt-get", "download", "-q"}, u.Packages...)...); err != nil {
+		if offline {
+			// The archive was not reachable for the index either.
+			return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
+		}
 		return nil, err
 	}
 	files, err := filepath.Glob(filepath.Join(debs, "*.deb"))

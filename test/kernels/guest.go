@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -32,7 +33,12 @@ type plan struct {
 	ResultsDir string
 	Busybox    string
 	Env        []string
-	Suites     []guestSuite
+	// Warm are files read once before the suite starts (the test binary,
+	// the product binaries and plugins): the first read of a binary over 9p
+	// is slow under emulation, and must not eat into a test's 30 s wait for
+	// an agent to be ready.
+	Warm   []string
+	Suites []guestSuite
 }
 
 type guestSuite struct {
@@ -101,6 +107,7 @@ func Guest(ctx context.Context) error {
 	if err := guestSetup(p); err != nil {
 		return err
 	}
+	warm(p.Warm)
 	runGuestSuite(ctx, p, *s)
 	return guestFinish(p, s.Name)
 }
@@ -221,6 +228,23 @@ func guestSetup(p *plan) error {
 		return fmt.Errorf("loopback up: %w", err)
 	}
 	return nil
+}
+
+// warm reads each file to the end, which leaves it in the page cache; a
+// file that cannot be read is the test's to report.
+func warm(paths []string) {
+	start := time.Now()
+	var n int64
+	for _, path := range paths {
+		f, err := os.Open(path)
+		if err != nil {
+			continue
+		}
+		m, _ := io.Copy(io.Discard, f)
+		f.Close()
+		n += m
+	}
+	fmt.Printf("guest: read %d MiB of binaries in %.1fs\n", n>>20, time.Since(start).Seconds())
 }
 
 // loadModule loads a module file; a compressed one is handed to the kernel as

@@ -239,7 +239,10 @@ func runKernel(ctx context.Context, o Options, k Kernel, work string, b *builds,
 			"HOME=/root", "LC_ALL=C", "MESH_CNI_BIN_DIR=" + o.BinDir},
 	}
 	for _, s := range Suites {
-		args := []string{"-test.v", "-test.count=1", "-test.timeout=" + s.Timeout.String()}
+		// One test at a time: the tests wait 30 s for an agent to be ready,
+		// and under emulation an agent loading its programs while another
+		// test's agent does the same misses that on a busy machine.
+		args := []string{"-test.v", "-test.count=1", "-test.parallel=1", "-test.timeout=" + s.Timeout.String()}
 		if len(s.Tests) > 0 {
 			args = append(args, "-test.run=^("+strings.Join(s.Tests, "|")+")$")
 		}
@@ -249,6 +252,8 @@ func runKernel(ctx context.Context, o Options, k Kernel, work string, b *builds,
 		p.Suites = append(p.Suites, guestSuite{Name: s.Name, Binary: b.tests[s.Package],
 			Dir: filepath.Join(o.Root, s.Package), Args: args, Timeout: s.Timeout})
 	}
+	bins, _ := filepath.Glob(filepath.Join(o.BinDir, "*"))
+	p.Warm = append(slices.Sorted(maps.Values(b.tests)), bins...)
 	initramfs := filepath.Join(work, k.Name+".cpio")
 	if err := writeInitramfs(initramfs, b.init, u, p); err != nil {
 		r.Err = fmt.Errorf("initramfs: %w", err)
