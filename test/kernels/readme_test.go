@@ -104,7 +104,7 @@ func kernelsMarkdown(m *Matrix) string {
 		b.WriteString(wrap(fmt.Sprintf("- `%s` (%s): %s.", s.Name, what, claim)))
 	}
 	b.WriteString("\n\n")
-	b.WriteString(wrap("Each suite runs in a boot of its own, so a kernel that crashes in one still runs the others; a crash or a hang fails that suite. A run's per-test results are in `bin/kernels/<kernel>/tests.txt`, next to each suite's log, console and kernel log."))
+	b.WriteString(wrap("Each suite runs in a boot of its own, so a kernel that crashes in one still runs the others; a crash or a hang fails that suite. A suite marked ✓ that fails gets one more boot (under emulation on a busy machine a test can miss its own time limits), and the summary line says so. A run's per-test results are in `bin/kernels/<kernel>/tests.txt`, next to each suite's log, console and kernel log."))
 	return b.String()
 }
 

@@ -27,6 +27,9 @@ type SuiteResult struct {
 	Note    string
 	Log     string
 	Console string
+	// Retried says why the suite had a second boot; the result is the
+	// second boot's.
+	Retried string
 }
 
 // KernelResult is one row's run.
@@ -87,6 +90,9 @@ func (r *KernelResult) Line() string {
 		skipped := ""
 		if s.Skipped > 0 {
 			skipped = fmt.Sprintf(" (%d skipped)", s.Skipped)
+		}
+		if s.Retried != "" {
+			mark += " on a second boot"
 		}
 		fmt.Fprintf(&b, "  %s %s %d/%d%s %s", s.Suite, s.Outcome, s.Passed, s.Total, skipped, mark)
 	}
@@ -212,6 +218,9 @@ func (r *KernelResult) writeTests() error {
 		fmt.Fprintf(&b, "\n%s: %s, %d passed, %d failed, %d skipped, %d did not finish", s.Suite, s.Outcome, s.Passed, s.Failed, s.Skipped, s.Missing)
 		if s.Note != "" {
 			fmt.Fprintf(&b, " (%s)", s.Note)
+		}
+		if s.Retried != "" {
+			fmt.Fprintf(&b, "; second boot: %s", s.Retried)
 		}
 		b.WriteString("\n")
 		names := make([]string, 0, len(s.Tests))
