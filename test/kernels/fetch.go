@@ -61,19 +61,21 @@ func Fetch(ctx context.Context, cache string, k Kernel, log io.Writer) (*Unpacke
 		}
 		return out, nil
 	}
-	offline := false
-	if out, err := run("", "apt-get", "update", "-q"); err != nil {
-		lists, _ := filepath.Glob(filepath.Join(aptDir, "state", "lists", "*Packages*"))
-		if len(lists) == 0 {
-			return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
-		}
-		offline = true
+	// apt-get update exits 0 when it could not fetch an index but warns
+	// "Failed to fetch": either way only the lists it left count.
+	out, err := run("", "apt-get", "update", "-q")
+	offline := err != nil || strings.Contains(string(out), "Failed to fetch")
+	lists, _ := filepath.Glob(filepath.Join(aptDir, "state", "lists", "*Packages*"))
+	if len(lists) == 0 {
+		return nil, fmt.Errorf("%w: no index fetched from %s: %s", ErrUnavailable, a.url, tail(out, 3))
+	}
+	if offline {
 		fmt.Fprintf(log, "kernels: %s: apt-get update failed, using the index cached before:\n%s\n", k.Name, tail(out, 5))
 	}
 
 	first := pattern(k.Packages[0])
 	prefix, _, _ := strings.Cut(k.Packages[0], "*")
-	out, err := run("", "apt-cache", "pkgnames", prefix)
+	out, err = run("", "apt-cache", "pkgnames", prefix)
 	if err != nil {
 		return nil, err
 	}
