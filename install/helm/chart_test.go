@@ -237,6 +237,16 @@ func TestValues(t *testing.T) {
 			wantArg(t, c, "--plugin-log-level=debug")
 			wantArg(t, c, "--plugin-log-file=/var/run/mesh-cni/plugin.log")
 		}},
+		{"no admission policy", "admissionPolicy: {enabled: false}", func(t *testing.T, objs map[string]object, _ map[string]any) {
+			for _, k := range keys(objs) {
+				if strings.HasPrefix(k, "ValidatingAdmissionPolicy") {
+					t.Errorf("%s rendered with admissionPolicy.enabled false", k)
+				}
+			}
+			if _, ok := objs["ClusterRole/<nil>/mesh-agent"]; !ok {
+				t.Errorf("no ClusterRole rendered: %v", keys(objs))
+			}
+		}},
 		{"resources", "resources: {requests: {cpu: 100m, memory: 128Mi}, limits: {memory: 1Gi}}", func(t *testing.T, _ map[string]object, c map[string]any) {
 			want := map[string]any{"requests": map[string]any{"cpu": "100m", "memory": "128Mi"}, "limits": map[string]any{"memory": "1Gi"}}
 			if !reflect.DeepEqual(c["resources"], want) {
@@ -278,6 +288,7 @@ func TestRejects(t *testing.T) {
 		{"plugin: {logFile: relative.log}", "logFile"},
 		{"proxyMark: mark", "proxyMark"},
 		{"imagee: {tag: x}", "imagee"},
+		{"admissionPolicy: {enabled: 'yes'}", "admissionPolicy"},
 	} {
 		var values map[string]any
 		if err := yaml.Unmarshal([]byte(tc.values), &values); err != nil {

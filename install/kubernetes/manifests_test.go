@@ -21,6 +21,7 @@ import (
 	"testing"
 	"time"
 
+	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	appsv1 "k8s.io/api/apps/v1"
 	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -32,6 +33,7 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/pkg/agentcli"
 	"github.com/mesh-cni/mesh-cni/pkg/cniplugin"
+	"github.com/mesh-cni/mesh-cni/pkg/enroll"
 )
 
 const kustomizationFile = "kustomization.yaml"
@@ -51,7 +53,7 @@ func (o object) String() string { return fmt.Sprintf("%s document %d", o.file, o
 func strictDecoder(t *testing.T) runtime.Decoder {
 	t.Helper()
 	scheme := runtime.NewScheme()
-	for _, add := range []func(*runtime.Scheme) error{corev1.AddToScheme, appsv1.AddToScheme, rbacv1.AddToScheme, batchv1.AddToScheme} {
+	for _, add := range []func(*runtime.Scheme) error{corev1.AddToScheme, appsv1.AddToScheme, rbacv1.AddToScheme, batchv1.AddToScheme, admissionregistrationv1.AddToScheme} {
 		if err := add(scheme); err != nil {
 			t.Fatalf("build scheme: %v", err)
 		}
@@ -189,6 +191,8 @@ func TestManifestKinds(t *testing.T) {
 		{"ClusterRoleBinding", "", "mesh-agent"},
 		{"ResourceQuota", Namespace, "mesh-agent-node-critical"},
 		{"DaemonSet", Namespace, DaemonSet},
+		{"ValidatingAdmissionPolicy", "", "mesh-agent"},
+		{"ValidatingAdmissionPolicyBinding", "", "mesh-agent"},
 	}
 	var got []key
 	for _, o := range objs {
@@ -206,6 +210,10 @@ func TestManifestKinds(t *testing.T) {
 			k = key{"ClusterRoleBinding", v.Namespace, v.Name}
 		case *appsv1.DaemonSet:
 			k = key{"DaemonSet", v.Namespace, v.Name}
+		case *admissionregistrationv1.ValidatingAdmissionPolicy:
+			k = key{"ValidatingAdmissionPolicy", v.Namespace, v.Name}
+		case *admissionregistrationv1.ValidatingAdmissionPolicyBinding:
+			k = key{"ValidatingAdmissionPolicyBinding", v.Namespace, v.Name}
 		default:
 			t.Errorf("%v: unexpected %T", o, o.obj)
 			continue
@@ -572,6 +580,15 @@ func TestDaemonSetSpec(t *testing.T) {
 		t.Errorf("DaemonSet %s/%s runs as service account %q, the manifests define %s/%s", ds.Namespace, ds.Name, pod.ServiceAccountName, sa.Namespace, sa.Name)
 	}
 
+	// The agent's token must be the one the kubelet mounts: bound to the
+	// pod, it names the node, which the admission policy checks.
+	if a := pod.AutomountServiceAccountToken; a == nil || !*a {
+		t.Errorf("automountServiceAccountToken %v: want true (the pod-bound token names the node for admissionpolicy.yaml)", a)
+	}
+	if a := sa.AutomountServiceAccountToken; a != nil && !*a {
+		t.Errorf("ServiceAccount %s sets automountServiceAccountToken false", sa.Name)
+	}
+
 	if c.Image != Image {
 		t.Errorf("image %q, want %q (kustomize images replaces it)", c.Image, Image)
 	}
@@ -664,6 +681,51 @@ func TestRBACLeastPrivilege(t *testing.T) {
 	}
 }
 
+// The admission policy binds the manifests' own service account, checks the
+// annotation the agent writes and the values it writes there, refuses when it
+// cannot be evaluated, and is enforced by its binding. What it allows and
+// refuses is shown against a real API server in test/k8s.
+func TestAdmissionPolicy(t *testing.T) {
+	objs := loadObjects(t)
+	policy := only[*admissionregistrationv1.ValidatingAdmissionPolicy](t, objs)
+	binding := only[*admissionregistrationv1.ValidatingAdmissionPolicyBinding](t, objs)
+	sa := only[*corev1.ServiceAccount](t, objs)
+
+	if fp := policy.Spec.FailurePolicy; fp == nil || *fp != admissionregistrationv1.Fail {
+		t.Errorf("failurePolicy %v, want Fail", fp)
+	}
+	user := fmt.Sprintf("'system:serviceaccount:%s:%s'", sa.Namespace, sa.Name)
+	if mc := policy.Spec.MatchConditions; len(mc) != 1 || !strings.Contains(mc[0].Expression, "request.userInfo.username == "+user) {
+		t.Errorf("matchConditions %+v: want one matching the username %s", mc, user)
+	}
+	var exprs strings.Builder
+	for _, v := range policy.Spec.Variables {
+		exprs.WriteString(v.Expression + "\n")
+	}
+	for _, v := range policy.Spec.Validations {
+		exprs.WriteString(v.Expression + "\n")
+		if v.Reason == nil || *v.Reason != "Forbidden" {
+			t.Errorf("validation %q: reason %v, want Forbidden", v.Expression, v.Reason)
+		}
+		if v.Message == "" && v.MessageExpression == "" {
+			t.Errorf("validation %q has no message", v.Expression)
+		}
+	}
+	for _, want := range []string{
+		"'" + enroll.AnnotationRedirection + "'",
+		"['" + enroll.OutcomeEnabled + "', '" + enroll.OutcomeDisabled + "', '" + enroll.OutcomeFailed + "']",
+		"'authentication.kubernetes.io/node-name'",
+	} {
+		if !strings.Contains(exprs.String(), want) {
+			t.Errorf("the policy's expressions do not mention %s", want)
+		}
+	}
+	if binding.Spec.PolicyName != policy.Name || !slices.Equal(binding.Spec.ValidationActions, []admissionregistrationv1.ValidationAction{admissionregistrationv1.Deny}) ||
+		binding.Spec.ParamRef != nil || binding.Spec.MatchResources != nil {
+		t.Errorf("binding %+v: want policy %s, Deny, for every namespace", binding.Spec, policy.Name)
+	}
+}
+
 // kubectlForKustomize finds a kubectl: the one hack/build-kube.sh node builds
 // (the cluster's own version), else one on PATH.
 func kubectlForKustomize(t *testing.T) string {
@@ -679,6 +741,27 @@ func kubectlForKustomize(t *testing.T) string {
 		t.Skipf("kubectl not found (%v); CI runs this test", err)
 	}
 	return kubectl
+}
+
+// withoutPolicyOverlay is the README's kustomization for clusters older than
+// 1.30, on base.
+func withoutPolicyOverlay(base string) string {
+	return `resources:
+  - ` + base + `
+patches:
+  - patch: |-
+      $patch: delete
+      apiVersion: admissionregistration.k8s.io/v1
+      kind: ValidatingAdmissionPolicy
+      metadata:
+        name: mesh-agent
+  - patch: |-
+      $patch: delete
+      apiVersion: admissionregistration.k8s.io/v1
+      kind: ValidatingAdmissionPolicyBinding
+      metadata:
+        name: mesh-agent
+`
 }
 
 // TestKustomizeBuild builds the kustomizations with kubectl's kustomize, as
@@ -753,5 +836,25 @@ func TestKustomizeBuild(t *testing.T) {
 	}
 	if got := images(build(overlay)); !slices.Equal(got, []string{Image + "@" + other}) {
 		t.Errorf("an overlay pinning %s set the agent image to %q", other, got)
+	}
+
+	// Clusters older than 1.30 do not serve the policy's API: the README's
+	// overlay leaves both objects out, and only them.
+	old := t.TempDir()
+	if base, err = filepath.Rel(old, here); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path.Join(old, kustomizationFile), []byte(withoutPolicyOverlay(base)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	built := build(old)
+	for _, o := range built {
+		switch o.(type) {
+		case *admissionregistrationv1.ValidatingAdmissionPolicy, *admissionregistrationv1.ValidatingAdmissionPolicyBinding:
+			t.Errorf("the overlay without the policy still builds a %T", o)
+		}
+	}
+	if got, want := len(built), len(objs)-2; got != want {
+		t.Errorf("the overlay without the policy builds %d objects, want %d", got, want)
 	}
 }
