@@ -145,7 +145,7 @@ func TestGenerate(t *testing.T) {
 	}
 	md := string(data)
 	for _, want := range []string{
-		"| ADD overhead over the no-op chained plugin ≤ 1.5 ms (median, one pod at a time) | +10.0 ms: median ADD 33.0 ms [bridge, tuning] → 43.0 ms [bridge, mesh-cni] (paired median difference 10.0 ms) | ❌ missed |",
+		"| ADD overhead over the no-op chained plugin ≤ 1.5 ms (median, one pod at a time) | +10.0 ms median ADD: 33.0 ms [bridge, tuning] → 43.0 ms [bridge, mesh-cni]; paired median difference +10.0 ms | ❌ missed |",
 		"### What bounds the missed targets",
 		"### Where a pod's ADD spends its time",
 		"the plugin's own share (`mesh-gate − noop`) is 3.00 ms, the eBPF enrollment (`mesh − mesh-gate`) 7.00 ms",

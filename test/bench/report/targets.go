@@ -295,13 +295,19 @@ func addOverhead(d data) target {
 	if !ok(n, ms) {
 		return t
 	}
+	// Two estimates of the overhead: the difference of the medians, and the
+	// median of the per-iteration differences (the variants ran back to back,
+	// so the load of the moment cancels). Under load they can disagree by
+	// more than the target; the larger one decides.
 	diff := ms - n
-	t.measured = fmt.Sprintf("+%s ms: median ADD %s ms [bridge, tuning] → %s ms [bridge, mesh-cni]", num(diff), num(n), num(ms))
+	worst := diff
+	t.measured = fmt.Sprintf("+%s ms median ADD: %s ms [bridge, tuning] → %s ms [bridge, mesh-cni]", num(diff), num(n), num(ms))
 	if pd, found := results.PairedDiff(mesh, noop); found {
-		t.measured += fmt.Sprintf(" (paired median difference %s ms)", num(pd))
+		t.measured += fmt.Sprintf("; paired median difference +%s ms", num(pd))
+		worst = math.Max(diff, pd)
 	}
-	t.status = check(diff <= 1.5)
-	limits := fmt.Sprintf("+%s ms against 1.5 ms.", num(diff))
+	t.status = check(worst <= 1.5)
+	limits := fmt.Sprintf("+%s ms against 1.5 ms (the larger of the two estimates).", num(worst))
 	if ok(g) {
 		limits += fmt.Sprintf(" Split by the gate-only agent: the plugin's own share (`mesh-gate − noop`) is %s ms, the eBPF enrollment (`mesh − mesh-gate`) %s ms", num(g-n), num(ms-g))
 		pg, okg := results.PairedDiff(gate, noop)
