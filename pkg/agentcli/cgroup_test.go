@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mesh-cni/mesh-cni/pkg/redirect"
+	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
 func TestCgroupRoot(t *testing.T) {
@@ -33,9 +34,7 @@ func TestCgroupRoot(t *testing.T) {
 	}
 
 	// A hybrid node's layout: a tmpfs with the v2 hierarchy at unified/.
-	if os.Geteuid() != 0 {
-		t.Skip("the hybrid layout needs mounts (root)")
-	}
+	harness.RequireRoot(t, "the hybrid layout needs mounts")
 	hybrid := t.TempDir()
 	if err := unix.Mount("tmpfs", hybrid, "tmpfs", 0, "mode=0755"); err != nil {
 		t.Fatalf("mount tmpfs: %v", err)

@@ -11,6 +11,8 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
 // waitLimit bounds every wait in these tests; a change is normally seen within
@@ -42,17 +44,6 @@ func waitChanged(t *testing.T, ch <-chan struct{}, what string) {
 	case <-ch:
 	case <-time.After(waitLimit):
 		t.Fatalf("Changed did not fire after %s", what)
-	}
-}
-
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(waitLimit)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
 	}
 }
 
@@ -98,7 +89,7 @@ func TestFileSourceReloadRejectKeep(t *testing.T) {
 	// An invalid edit is rejected with a clear log; the last good policy stays.
 	ch = f.Changed()
 	writeFile(t, path, "namespaces: [shop\n")
-	waitFor(t, "the invalid edit to be rejected", func() bool { return f.Err() != nil })
+	harness.WaitFor(t, waitLimit, "the invalid edit to be rejected", func() bool { return f.Err() != nil })
 	select {
 	case <-ch:
 		t.Fatal("Changed fired for a rejected edit")
@@ -121,7 +112,7 @@ func TestFileSourceReloadRejectKeep(t *testing.T) {
 	// Semantically invalid (unknown field), and an empty file: rejected too.
 	for _, bad := range []string{"namespace: [shop]\n", ""} {
 		writeFile(t, path, bad)
-		waitFor(t, "the edit to be rejected", func() bool { return f.Err() != nil && !strings.Contains(f.Err().Error(), "[shop\n") })
+		harness.WaitFor(t, waitLimit, "the edit to be rejected", func() bool { return f.Err() != nil && !strings.Contains(f.Err().Error(), "[shop\n") })
 		if !decideEnroll(t, f, "pay", "api") {
 			t.Fatalf("last good policy lost after writing %q", bad)
 		}
@@ -139,7 +130,7 @@ func TestFileSourceReloadRejectKeep(t *testing.T) {
 	if err := os.Remove(path); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the removal to be noticed", func() bool { return f.Err() != nil })
+	harness.WaitFor(t, waitLimit, "the removal to be noticed", func() bool { return f.Err() != nil })
 	if !decideEnroll(t, f, "shop", "web") {
 		t.Fatal("last good policy lost when the file was removed")
 	}

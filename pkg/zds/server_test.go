@@ -20,14 +20,11 @@ import (
 	"github.com/mesh-cni/mesh-cni/pkg/netns"
 	"github.com/mesh-cni/mesh-cni/pkg/zds"
 	"github.com/mesh-cni/mesh-cni/pkg/zds/zdspb"
+	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
-func requireRoot(t *testing.T) {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: creates network namespaces")
-	}
-}
+// rootReason is why these tests need root.
+const rootReason = "creates network namespaces"
 
 func testCtx(t *testing.T) context.Context {
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
@@ -183,19 +180,6 @@ func expectEOF(t *testing.T, ctx context.Context, pc *zds.ProxyConn) {
 	}
 }
 
-func waitFor(t *testing.T, ctx context.Context, what string, cond func() bool) {
-	t.Helper()
-	tick := time.NewTicker(10 * time.Millisecond)
-	defer tick.Stop()
-	for !cond() {
-		select {
-		case <-ctx.Done():
-			t.Fatalf("waiting for %s: %v", what, ctx.Err())
-		case <-tick.C:
-		}
-	}
-}
-
 // async runs fn and returns a channel with its error.
 func async(fn func() error) <-chan error {
 	ch := make(chan error, 1)
@@ -265,7 +249,7 @@ func checkDel(t *testing.T, req *zds.Request, uid string) {
 // pod with its real netns fd, a KeepWorkload for the pod whose namespace is gone,
 // nothing for an invalid entry, and SnapshotSent; then it counts as connected.
 func TestSnapshot(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	a, b := pod(t, "a"), pod(t, "b")
 	gone := zds.Pod{UID: "gone-uid", Name: "gone", Namespace: "ns", NetnsPath: "/run/netns/zds-no-such-netns"}
@@ -299,7 +283,7 @@ func TestSnapshot(t *testing.T) {
 // only the newest has is deleted there only, and a pod a proxy already has is
 // not sent again.
 func TestAddToNewestDeleteToAll(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	p1, p2, p3 := pod(t, "p1"), pod(t, "p2"), pod(t, "p3")
 	st := &store{pods: []zds.Pod{p1}}
@@ -309,7 +293,7 @@ func TestAddToNewestDeleteToAll(t *testing.T) {
 	checkAdd(t, takeSnapshot(t, ctx, old)[0], p1)
 	newer := dialProxy(t, ctx, path, zdspb.Version_V1)
 	checkAdd(t, takeSnapshot(t, ctx, newer)[0], p1)
-	waitFor(t, ctx, "two proxies", func() bool { return srv.Connected() == 2 })
+	harness.WaitFor(t, time.Minute, "two proxies", func() bool { return srv.Connected() == 2 })
 
 	// Already acked with the same namespace: returns without a request (one
 	// would never be acked here and time out).
@@ -349,7 +333,7 @@ func TestAddToNewestDeleteToAll(t *testing.T) {
 	// The newer proxy goes away: the old one is the newest again, and its next
 	// request is p3's add (no delete of p2 came before it).
 	newer.Close()
-	waitFor(t, ctx, "the closed proxy to be dropped", func() bool { return srv.Connected() == 1 })
+	harness.WaitFor(t, time.Minute, "the closed proxy to be dropped", func() bool { return srv.Connected() == 1 })
 	st.add(p3)
 	done = async(func() error { return srv.AddPod(ctx, p3) })
 	checkAdd(t, recv(t, ctx, old), p3)
@@ -365,14 +349,14 @@ func TestAddToNewestDeleteToAll(t *testing.T) {
 // TestAckDeadline: a proxy that does not ack within the deadline fails the add
 // and loses its connection; nothing is left to add to.
 func TestAckDeadline(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	p := pod(t, "slow")
 	st := &store{}
 	srv, path := startServer(t, st, zds.Config{AckTimeout: 300 * time.Millisecond})
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
 	takeSnapshot(t, ctx, pc)
-	waitFor(t, ctx, "the proxy", func() bool { return srv.Connected() == 1 })
+	harness.WaitFor(t, time.Minute, "the proxy", func() bool { return srv.Connected() == 1 })
 
 	st.add(p)
 	done := async(func() error { return srv.AddPod(ctx, p) })
@@ -383,7 +367,7 @@ func TestAckDeadline(t *testing.T) {
 		t.Fatalf("add without ack: %v, want a deadline error and ErrNoProxy", err)
 	}
 	expectEOF(t, ctx, pc)
-	waitFor(t, ctx, "the proxy to be dropped", func() bool { return srv.Connected() == 0 })
+	harness.WaitFor(t, time.Minute, "the proxy to be dropped", func() bool { return srv.Connected() == 0 })
 	if err := srv.AddPod(ctx, p); !errors.Is(err, zds.ErrNoProxy) {
 		t.Errorf("add with no proxy: %v, want ErrNoProxy", err)
 	}
@@ -395,7 +379,7 @@ func TestAckDeadline(t *testing.T) {
 // TestAckError: a proxy's refusal is an AckError for that pod; the connection
 // stays, and the same pod can be added again.
 func TestAckError(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	p := pod(t, "refused")
 	srv, path := startServer(t, &store{}, zds.Config{})
@@ -430,7 +414,7 @@ func TestAckError(t *testing.T) {
 // next to a good one: each bad connection is closed on its own, any fd it sent
 // is closed, and the good proxy keeps working.
 func TestMisbehavingProxies(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	p1 := pod(t, "p1")
 	st := &store{pods: []zds.Pod{p1}}
@@ -478,7 +462,7 @@ func TestMisbehavingProxies(t *testing.T) {
 			}
 			expectEOF(t, ctx, pc)
 			// The server's copy of the fd must be closed too.
-			waitFor(t, ctx, "the server to close the fd it was sent", func() bool { return openFdsTo(t, ino) == 0 })
+			harness.WaitFor(t, time.Minute, "the server to close the fd it was sent", func() bool { return openFdsTo(t, ino) == 0 })
 		}},
 		{"close without hello", func(t *testing.T) {
 			pc, err := zds.Dial(ctx, path)
@@ -515,7 +499,7 @@ func TestMisbehavingProxies(t *testing.T) {
 				t.Fatal(err)
 			}
 			expectEOF(t, ctx, pc)
-			waitFor(t, ctx, "the server to close the fd it was sent", func() bool { return openFdsTo(t, ino) == 0 })
+			harness.WaitFor(t, time.Minute, "the server to close the fd it was sent", func() bool { return openFdsTo(t, ino) == 0 })
 		}},
 		{"speaks out of turn", func(t *testing.T) {
 			pc := dialProxy(t, ctx, path, zdspb.Version_V1)
@@ -529,7 +513,7 @@ func TestMisbehavingProxies(t *testing.T) {
 	}
 
 	// Every bad connection is gone; the good proxy is the only one and works.
-	waitFor(t, ctx, "only the good proxy left", func() bool { return srv.Connected() == 1 })
+	harness.WaitFor(t, time.Minute, "only the good proxy left", func() bool { return srv.Connected() == 1 })
 	p2 := pod(t, "p2")
 	st.add(p2)
 	done := async(func() error { return srv.AddPod(ctx, p2) })
@@ -569,14 +553,14 @@ func openFdsTo(t *testing.T, ino uint64) int {
 
 // TestLiveness: an idle proxy that goes away is noticed without any request.
 func TestLiveness(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	srv, path := startServer(t, &store{}, zds.Config{})
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
 	takeSnapshot(t, ctx, pc)
-	waitFor(t, ctx, "the proxy", func() bool { return srv.Connected() == 1 })
+	harness.WaitFor(t, time.Minute, "the proxy", func() bool { return srv.Connected() == 1 })
 	pc.Close()
-	waitFor(t, ctx, "the proxy to be dropped", func() bool { return srv.Connected() == 0 })
+	harness.WaitFor(t, time.Minute, "the proxy to be dropped", func() bool { return srv.Connected() == 0 })
 	if !srv.EverConnected() {
 		t.Error("EverConnected forgot the proxy")
 	}
@@ -585,7 +569,7 @@ func TestLiveness(t *testing.T) {
 // TestAddPodWait: a pod enrolled while no proxy is connected waits for the next
 // proxy; the pod comes in that proxy's snapshot and is not sent twice.
 func TestAddPodWait(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	p := pod(t, "early")
 	st := &store{}
@@ -621,7 +605,7 @@ func TestAddPodWait(t *testing.T) {
 
 // TestAddPodErrors: pods that cannot be handed off fail before any proxy sees them.
 func TestAddPodErrors(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	srv, path := startServer(t, &store{}, zds.Config{})
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
@@ -658,7 +642,7 @@ func TestAddPodErrors(t *testing.T) {
 // TestSocket checks the socket's mode and directory and that only a stale socket
 // is ever replaced.
 func TestSocket(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	dir := filepath.Join(t.TempDir(), "ztunnel")
 	path := filepath.Join(dir, "zds.sock")
@@ -754,7 +738,7 @@ func leaveStaleSocket(path string) error {
 // TestAnyHelloVersion: a proxy announcing a version other than V1 is served V1,
 // as Istio's node agent serves it (it logs the version and goes on).
 func TestAnyHelloVersion(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	p1 := pod(t, "p1")
 	_, path := startServer(t, &store{pods: []zds.Pod{p1}}, zds.Config{})

@@ -4,11 +4,11 @@ import (
 	"context"
 	"io"
 	"net/netip"
-	"os"
 	"testing"
 	"time"
 
 	"github.com/mesh-cni/mesh-cni/test/capture"
+	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
@@ -18,9 +18,7 @@ import (
 // itself ("echo", the cost of the capture and one proxy hop alone). These are the
 // baselines mesh-cni's eBPF capture is compared with.
 func BenchmarkConnectEcho(b *testing.B) {
-	if os.Geteuid() != 0 {
-		b.Skip("needs root: creates network namespaces and netfilter rules")
-	}
+	harness.RequireRoot(b, "creates network namespaces and netfilter rules")
 	b.Run("nocapture", func(b *testing.B) { benchConnectEcho(b, nil, false) })
 	for _, inst := range installers {
 		b.Run(inst.name+"/forward", func(b *testing.B) { benchConnectEcho(b, inst.install, false) })

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/mesh-cni/mesh-cni/test/capture"
+	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
@@ -48,12 +49,8 @@ func refproxyBinary(t *testing.T) string {
 	return bin
 }
 
-func requireRoot(t *testing.T) {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: creates network namespaces and netfilter rules")
-	}
-}
+// rootReason is why these tests need root.
+const rootReason = "creates network namespaces and netfilter rules"
 
 type installer func(context.Context, string, capture.Rules) (capture.Cleanup, error)
 
@@ -136,7 +133,7 @@ func randomPayload(t *testing.T, n int) []byte {
 // each pod, and checks the bytes and both proxies' records, for each capture
 // variant and address family.
 func TestCaptureThroughProxies(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	for _, inst := range installers {
 		for _, v6 := range []bool{false, true} {
 			t.Run(inst.name+"/"+family(v6), func(t *testing.T) {

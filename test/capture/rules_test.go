@@ -3,12 +3,12 @@ package capture
 import (
 	"context"
 	"net/netip"
-	"os"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/mesh-cni/mesh-cni/pkg/netns"
+	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
 func testRules() Rules {
@@ -96,9 +96,7 @@ func TestRulesDefaultsAndValidation(t *testing.T) {
 // namespace, removes them, and sees them gone; a cleanup after the namespace is
 // deleted succeeds.
 func TestInstallAndCleanup(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: creates network namespaces and netfilter rules")
-	}
+	harness.RequireRoot(t, "creates network namespaces and netfilter rules")
 	type lister func(ctx context.Context, path string) (string, error)
 	iptablesList := func(ctx context.Context, path string) (string, error) {
 		v4, err := outputIn(ctx, path, "iptables-save", "-t", "nat")

@@ -165,18 +165,17 @@ func (s meshState) diff(want map[string]uint64) string {
 // cookie) or limit passes, and fails the test with the difference then.
 func waitMeshState(ctx context.Context, t *testing.T, a *agent, want map[string]uint64, limit time.Duration) meshState {
 	t.Helper()
-	deadline := time.Now().Add(limit)
-	for {
-		st := readMeshState(ctx, t, a)
-		d := st.diff(want)
-		if d == "" {
-			return st
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("mesh state did not converge to %d enrolled pods within %v (%v): %s", len(want), limit, st, d)
-		}
-		time.Sleep(100 * time.Millisecond)
+	var st meshState
+	var d string
+	// Each look asks the agent for its status: every 100 ms, not WaitInterval.
+	if !harness.Eventually(ctx, limit, 100*time.Millisecond, func() bool {
+		st = readMeshState(ctx, t, a)
+		d = st.diff(want)
+		return d == ""
+	}) {
+		t.Fatalf("mesh state did not converge to %d enrolled pods within %v (%v): %s", len(want), limit, st, d)
 	}
+	return st
 }
 
 // cookieOf is the netns cookie of pod, failing the test if it has none.

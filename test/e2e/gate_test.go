@@ -54,7 +54,7 @@ func TestAddWaitsForAgent(t *testing.T) {
 
 	// The bridge plugin has run once eth0 exists in the pod; from then on only
 	// the gate holds the ADD.
-	waitFor(t, 30*time.Second, "bridge plugin to create eth0 in the pod", func() bool {
+	harness.WaitFor(t, 30*time.Second, "bridge plugin to create eth0 in the pod", func() bool {
 		return netns.Do(pod.NetNSPath, func() error { _, err := net.InterfaceByName("eth0"); return err }) == nil
 	})
 	select {
@@ -190,17 +190,6 @@ func argsString(args [][2]string) string {
 		parts[i] = kv[0] + "=" + kv[1]
 	}
 	return strings.Join(parts, ";")
-}
-
-func waitFor(t testing.TB, limit time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(limit)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", limit, what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
 }
 
 // TestAddTimesOutWithoutAgent: no agent ever comes, and ADD fails after the

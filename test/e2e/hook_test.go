@@ -213,7 +213,7 @@ func TestHookHealthWhileAgentStarts(t *testing.T) {
 		t.Fatalf("the hook never served: %v\n%s", err, a.Proc.Output())
 	}
 	var reg nethook.Registration
-	waitFor(t, 30*time.Second, "the hook's registration", func() bool {
+	harness.WaitFor(t, 30*time.Second, "the hook's registration", func() bool {
 		r, err := nethook.ReadRegistration(regPath)
 		if err == nil {
 			reg = r

@@ -242,7 +242,7 @@ func waitEntry(path string, gen int, start time.Time, limit time.Duration) (time
 // from then on only mesh-cni holds its ADD.
 func waitPodInterface(t testing.TB, pod *harness.Pod) {
 	t.Helper()
-	waitFor(t, 30*time.Second, "the primary plugin to create eth0 in pod "+pod.Name, func() bool {
+	harness.WaitFor(t, 30*time.Second, "the primary plugin to create eth0 in pod "+pod.Name, func() bool {
 		return netns.Do(pod.NetNSPath, func() error { _, err := net.InterfaceByName("eth0"); return err }) == nil
 	})
 }
@@ -430,7 +430,7 @@ func (w *healthWatch) since(n int) ([]healthpb.HealthCheckResponse_ServingStatus
 // waitServing waits until the latest status received is SERVING.
 func (w *healthWatch) waitServing(t testing.TB) {
 	t.Helper()
-	waitFor(t, 30*time.Second, "the agent to report SERVING again", func() bool {
+	harness.WaitFor(t, 30*time.Second, "the agent to report SERVING again", func() bool {
 		w.mu.Lock()
 		defer w.mu.Unlock()
 		if w.err != nil {

@@ -33,10 +33,6 @@ func (c primaryCase) name() string { return string(c.primary) + "/" + c.families
 // IPv4, IPv6 and both.
 var matrixFamilies = []harness.Families{harness.IPv4Only, harness.IPv6Only, harness.DualStack}
 
-// kernelOptional are the primaries' plugins whose kernel driver a kernel may lack
-// (plugin -> config option): their rows are skipped there, and the README says
-// they have not run on the kernel the suite runs on (this one's has no ipvlan).
-var kernelOptional = map[string]string{"ipvlan": "CONFIG_IPVLAN"}
 
 // primaryMatrix is every primary and family TestPrimaries runs, and so exactly
 // what the README's compatibility section lists (TestReadmePrimaryCNIs). flannel's
@@ -78,13 +74,10 @@ func runPrimaryCase(t *testing.T, c primaryCase) {
 		Primary:  c.primary,
 		Families: c.families,
 	})
-	if err := node.ProbePrimary(); err != nil {
-		option, tolerated := kernelOptional[c.primary.Plugin()]
-		if !tolerated {
-			t.Fatal(err)
-		}
-		t.Skipf("%v (%s): %s not run on this kernel", err, option, c.name())
-	}
+	// The rows of a driver the kernel may lack (harness.KernelOption) are
+	// skipped where it does; the README says they have not run on the kernel
+	// the suite runs on (this one's has no ipvlan).
+	node.RequirePrimary(t)
 	list := chain(t, node, a, "60s")
 	linksBefore := linkNames(t, node)
 

@@ -45,20 +45,19 @@ func TestKubeletProbesBypassProxy(t *testing.T) {
 		// The probe, from the node. The bridge (and with it the node's address
 		// on the pods' network) appeared with the first ADD, after the agent
 		// started: the agent learns it within a moment.
-		deadline := time.Now().Add(10 * time.Second)
-		for {
-			before := len(srv.proxyRecords(t))
-			err := probeFrom(ctx, t, node, target)
-			seen := app.seen()
-			direct := err == nil && len(srv.proxyRecords(t)) == before && len(seen) > 0 && isNodeAddress(t, node, seen[len(seen)-1].WithZone(""))
-			if direct {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("probe from the node to %s: %v; the application saw %v, the inbound proxy %d new records: want it straight from a node address",
-					target, err, seen, len(srv.proxyRecords(t))-before)
-			}
-			time.Sleep(100 * time.Millisecond)
+		var (
+			before int
+			err    error
+			seen   []netip.Addr
+		)
+		if !harness.Eventually(ctx, 10*time.Second, 100*time.Millisecond, func() bool {
+			before = len(srv.proxyRecords(t))
+			err = probeFrom(ctx, t, node, target)
+			seen = app.seen()
+			return err == nil && len(srv.proxyRecords(t)) == before && len(seen) > 0 && isNodeAddress(t, node, seen[len(seen)-1].WithZone(""))
+		}) {
+			t.Fatalf("probe from the node to %s: %v; the application saw %v, the inbound proxy %d new records: want it straight from a node address",
+				target, err, seen, len(srv.proxyRecords(t))-before)
 		}
 		// A pod's connection: through both proxies.
 		if err := roundTrip(ctx, client.Pod, target, []byte("pod to pod")); err != nil {

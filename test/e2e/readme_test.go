@@ -63,7 +63,7 @@ func primaryCNIMarkdown(t *testing.T) string {
 	b.WriteString("\n")
 	var rows []harness.Primary
 	for _, c := range primaryMatrix() {
-		if _, optional := kernelOptional[c.primary.Plugin()]; optional || slices.Contains(rows, c.primary) {
+		if _, optional := harness.KernelOption(c.primary.Plugin()); optional || slices.Contains(rows, c.primary) {
 			continue
 		}
 		rows = append(rows, c.primary)

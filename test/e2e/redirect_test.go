@@ -369,13 +369,13 @@ func TestAgentRestartKeepsDataPath(t *testing.T) {
 			}
 		}
 	}()
-	waitFor(t, 30*time.Second, "connections before the kill", func() bool { return ok.Load() >= 20 })
+	harness.WaitFor(t, 30*time.Second, "connections before the kill", func() bool { return ok.Load() >= 20 })
 	a.kill()
 	atKill := ok.Load()
-	waitFor(t, 30*time.Second, "connections while the agent is down", func() bool { return ok.Load() >= atKill+50 })
+	harness.WaitFor(t, 30*time.Second, "connections while the agent is down", func() bool { return ok.Load() >= atKill+50 })
 	a.start(ctx)
 	afterStart := ok.Load()
-	waitFor(t, 30*time.Second, "connections after the restart", func() bool { return ok.Load() >= afterStart+20 })
+	harness.WaitFor(t, 30*time.Second, "connections after the restart", func() bool { return ok.Load() >= afterStart+20 })
 	close(stop)
 	<-done
 

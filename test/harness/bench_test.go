@@ -10,7 +10,7 @@ import (
 
 // BenchmarkBridgeAdd measures one ADD+DEL of a pod through [bridge] via libcni.
 func BenchmarkBridgeAdd(b *testing.B) {
-	requireRoot(b)
+	harness.RequireRoot(b, rootReason)
 	ctx, cancel := context.WithTimeout(b.Context(), 10*time.Minute)
 	defer cancel()
 	node := harness.NewNode(b, harness.NodeOptions{})

@@ -32,15 +32,11 @@ func testCtx(t *testing.T) context.Context {
 	return ctx
 }
 
-func requireRoot(t testing.TB) {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Fatal("these tests make network namespaces and need root")
-	}
-}
+// rootReason is why these tests need root.
+const rootReason = "these tests make network namespaces"
 
 func TestReferencePluginsBuilt(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	t.Parallel()
 	ctx := testCtx(t)
 	harness.Bins(t).Require(t, harness.ReferencePluginNames()...)
@@ -59,7 +55,7 @@ func TestReferencePluginsBuilt(t *testing.T) {
 // TestBridgeDualStack drives the reference primary network through libcni the way a
 // runtime does and checks real pod-to-pod TCP, CHECK, STATUS, GC and DEL.
 func TestBridgeDualStack(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	t.Parallel()
 	ctx := testCtx(t)
 	node := harness.NewNode(t, harness.NodeOptions{})
@@ -143,7 +139,7 @@ func TestBridgeDualStack(t *testing.T) {
 // TestCleanupReleasesEverything adds pods in a subtest that never deletes them and
 // checks that the subtest's cleanup DELeted them and removed every namespace.
 func TestCleanupReleasesEverything(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	t.Parallel()
 	dir := t.TempDir()
 	var (
@@ -189,7 +185,7 @@ func TestCleanupReleasesEverything(t *testing.T) {
 // TestChainedExtraPlugin shows the extra entries of Conflist run chained after the
 // bridge, as the mesh-cni entry will.
 func TestChainedExtraPlugin(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	t.Parallel()
 	ctx := testCtx(t)
 	node := harness.NewNode(t, harness.NodeOptions{})
@@ -219,7 +215,7 @@ func TestChainedExtraPlugin(t *testing.T) {
 // TestArgsOverride proves per-call CNI_ARGS reach the plugins: the bridge plugin
 // rejects unknown args unless IgnoreUnknown is set.
 func TestArgsOverride(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	t.Parallel()
 	ctx := testCtx(t)
 	node := harness.NewNode(t, harness.NodeOptions{})
@@ -238,7 +234,7 @@ func TestArgsOverride(t *testing.T) {
 }
 
 func TestLoadConflist(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	t.Parallel()
 	node := harness.NewNode(t, harness.NodeOptions{})
 	if _, _, err := node.LoadConflist(); err == nil {
@@ -258,7 +254,7 @@ func TestLoadConflist(t *testing.T) {
 }
 
 func TestProcess(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	t.Parallel()
 	ctx := testCtx(t)
 
@@ -384,7 +380,7 @@ func requireNoCachedResults(t *testing.T, node *harness.Node) {
 // its cleanup would, and checks the leak check finds and removes it. Not parallel:
 // CheckLeaks also reports this process's running children.
 func TestCheckLeaks(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	path := filepath.Join(harness.NetnsDir, harness.NetnsPrefix()+"planted")
 	if err := netns.Create(path); err != nil {
 		t.Fatal(err)
@@ -409,7 +405,7 @@ func TestCheckLeaks(t *testing.T) {
 // TestConcurrentPods drives several pods through one node at once, as a runtime
 // starting many pods does; run with -race it also checks the harness's own locking.
 func TestConcurrentPods(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	t.Parallel()
 	ctx := testCtx(t)
 	node := harness.NewNode(t, harness.NodeOptions{})
@@ -451,7 +447,7 @@ func TestConcurrentPods(t *testing.T) {
 // TestPluginCreatesBridge checks the node mode where the bridge plugin makes the
 // bridge itself.
 func TestPluginCreatesBridge(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	t.Parallel()
 	ctx := testCtx(t)
 	node := harness.NewNode(t, harness.NodeOptions{PluginCreatesBridge: true})
@@ -492,7 +488,7 @@ func requireBridge(t *testing.T, node *harness.Node) harness.Link {
 // node's interfaces as they were. A kernel without the primary's driver (ipvlan
 // here) skips its rows.
 func TestPrimaryOption(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	t.Parallel()
 	for _, primary := range harness.Primaries() {
 		for _, families := range []harness.Families{harness.IPv4Only, harness.IPv6Only, harness.DualStack} {
@@ -500,12 +496,7 @@ func TestPrimaryOption(t *testing.T) {
 				t.Parallel()
 				ctx := testCtx(t)
 				node := harness.NewNode(t, harness.NodeOptions{Primary: primary, Families: families})
-				if err := node.ProbePrimary(); err != nil {
-					if primary.Plugin() != "ipvlan" {
-						t.Fatal(err)
-					}
-					t.Skip(err)
-				}
+				node.RequirePrimary(t)
 				list := node.Conflist(t, "primary")
 				if got := list.Plugins[0].Network.Type; got != primary.Plugin() {
 					t.Fatalf("conflist starts with %s, want %s", got, primary.Plugin())

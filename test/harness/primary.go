@@ -1,9 +1,12 @@
 package harness
 
 import (
+	"errors"
 	"fmt"
+	"testing"
 
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 )
 
 // Primary is the kind of primary network a node gives its pods: the plugin that
@@ -139,6 +142,33 @@ func (n *Node) ProbePrimary() error {
 		return fmt.Errorf("kernel cannot make %s interfaces: %w", n.Primary.Plugin(), err)
 	}
 	return nil
+}
+
+// KernelOption is the kernel config option that builds the driver plugin
+// needs, for the primaries' plugins whose driver a supported kernel may be
+// built without; ok is false for the drivers every supported kernel has.
+func KernelOption(plugin string) (option string, ok bool) {
+	if plugin == "ipvlan" {
+		return "CONFIG_IPVLAN", true
+	}
+	return "", false
+}
+
+// RequirePrimary fails tb unless the kernel can make the interfaces of the
+// node's primary (ProbePrimary). It skips instead only where the kernel lacks
+// an optional driver: the kernel does not know the link kind (EOPNOTSUPP) and
+// KernelOption names its option. Any other failure, or one of a driver every
+// kernel has, fails: a primary the kernel should support never skips.
+func (n *Node) RequirePrimary(tb testing.TB) {
+	tb.Helper()
+	err := n.ProbePrimary()
+	if err == nil {
+		return
+	}
+	if option, ok := KernelOption(n.Primary.Plugin()); ok && errors.Is(err, unix.EOPNOTSUPP) {
+		tb.Skipf("%v (%s): %s not run on this kernel", err, option, n.Primary)
+	}
+	tb.Fatal(err)
 }
 
 // primaryEntry is the conflist entry of the node's primary plugin.

@@ -81,17 +81,13 @@ func newCgroup(tb testing.TB, name string) (string, *os.File) {
 	}
 	tb.Cleanup(func() {
 		// A cgroup is removable once its last process has been reaped.
-		deadline := time.Now().Add(10 * time.Second)
-		for {
-			err := os.Remove(dir)
-			if err == nil || errors.Is(err, os.ErrNotExist) {
-				return
-			}
-			if time.Now().After(deadline) {
-				tb.Errorf("remove cgroup %s: %v", dir, err)
-				return
-			}
-			time.Sleep(10 * time.Millisecond)
+		// The test's context has ended by now: the wait is bounded by its limit.
+		var err error
+		if !Eventually(context.Background(), 10*time.Second, WaitInterval, func() bool {
+			err = os.Remove(dir)
+			return err == nil || errors.Is(err, os.ErrNotExist)
+		}) {
+			tb.Errorf("remove cgroup %s: %v", dir, err)
 		}
 	})
 	fd, err := os.Open(dir)

@@ -149,7 +149,7 @@ func (c *cluster) annotation(t *testing.T, namespace, name string) string {
 
 func (c *cluster) waitAnnotation(t *testing.T, namespace, name, want string) {
 	t.Helper()
-	waitFor(t, 30*time.Second, fmt.Sprintf("%s=%s on %s/%s", enroll.AnnotationRedirection, want, namespace, name), func() bool {
+	harness.WaitFor(t, 30*time.Second, fmt.Sprintf("%s=%s on %s/%s", enroll.AnnotationRedirection, want, namespace, name), func() bool {
 		return c.annotation(t, namespace, name) == want
 	})
 }
@@ -160,9 +160,9 @@ func waitEnrolled(t *testing.T, a *agent, p *harness.Pod, want bool, what string
 	t.Helper()
 	start := time.Now()
 	cond := func() bool { return a.enrolled(p) == want }
-	if !poll(changeLimit, cond) {
+	if !harness.Eventually(t.Context(), changeLimit, harness.WaitInterval, cond) {
 		t.Errorf("%s: pod %s/%s enrolled=%v not reached within %s", what, p.Namespace, p.Name, want, changeLimit)
-		waitFor(t, 30*time.Second, what, cond)
+		harness.WaitFor(t, 30*time.Second, what, cond)
 	}
 	t.Logf("%s: %s/%s enrolled=%v after %s", what, p.Namespace, p.Name, want, time.Since(start).Round(time.Millisecond))
 }
@@ -267,7 +267,7 @@ func testAgentPluginGetsNoCredential(t *testing.T, c *cluster) {
 		"--plugin-binary", harness.Bins(t).Path("mesh-cni"), "--gate-timeout", "30s")
 	a.start(ctx)
 	var list *libcni.NetworkConfigList
-	waitFor(t, 30*time.Second, "the agent to install its chain entry", func() bool {
+	harness.WaitFor(t, 30*time.Second, "the agent to install its chain entry", func() bool {
 		l, _, err := node.LoadConflist()
 		if err != nil || len(l.Plugins) < 2 || l.Plugins[len(l.Plugins)-1].Network.Type != "mesh-cni" {
 			return false
@@ -427,7 +427,7 @@ func testAgentAddWithAPIServerDown(t *testing.T, c *cluster) {
 	own.waitAnnotation(t, ns, "unseen", enroll.OutcomeEnabled)
 	// The failed attempt was queued while the API server was down and is
 	// written once it is back (the reporter backs off up to 30 s).
-	waitFor(t, 2*time.Minute, "the Warning Event for the failed ADD", func() bool {
+	harness.WaitFor(t, 2*time.Minute, "the Warning Event for the failed ADD", func() bool {
 		evs, err := own.admin.CoreV1().Events(ns).List(ctx, metav1.ListOptions{
 			FieldSelector: fields.OneTermEqualSelector("involvedObject.name", "unseen").String(),
 		})

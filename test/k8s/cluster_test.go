@@ -134,22 +134,3 @@ func (c *cluster) setLabel(t *testing.T, namespace, podName, key, value string) 
 		t.Fatalf("label %s/%s %s=%q: %v", namespace, podName, key, value, err)
 	}
 }
-
-// waitFor polls cond every 10 ms until it holds or limit passes.
-func waitFor(t *testing.T, limit time.Duration, what string, cond func() bool) {
-	t.Helper()
-	if !poll(limit, cond) {
-		t.Fatalf("timed out after %s waiting for %s", limit, what)
-	}
-}
-
-func poll(limit time.Duration, cond func() bool) bool {
-	deadline := time.Now().Add(limit)
-	for !cond() {
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	return true
-}

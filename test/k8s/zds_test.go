@@ -253,7 +253,7 @@ func testAgentZDSEntryPoints(t *testing.T, c *cluster) {
 		t.Fatalf("stop the agent: %v", err)
 	}
 	a.start(ctx)
-	waitFor(t, 30*time.Second, "the node proxy's snapshot from the restarted agent", func() bool { return snapshots() > before })
+	harness.WaitFor(t, 30*time.Second, "the node proxy's snapshot from the restarted agent", func() bool { return snapshots() > before })
 	if out := np.Output(); strings.Contains(out, "deviates") {
 		t.Fatalf("the ztunnel-behaving client saw a deviation:\n%s", out)
 	}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/pkg/netns"
 	"github.com/mesh-cni/mesh-cni/test/capture"
+	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
 // acceptAndClose accepts on ln until it is closed, closing every connection at once.
@@ -57,9 +58,7 @@ func podListener(tb testing.TB, pod capture.Pod) (netip.AddrPort, *os.File) {
 // TestDialFrom checks that dialFrom's socket lives in the pod's namespace and
 // carries the mark, and that failures come back as errors.
 func TestDialFrom(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: creates network namespaces")
-	}
+	harness.RequireRoot(t, "creates network namespaces")
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
 	pod, _ := capture.NewPodPair(t)
@@ -109,9 +108,7 @@ func TestDialFrom(t *testing.T) {
 // floor. Each iteration is connect + close against an accept-and-close listener
 // on loopback inside the pod (on the host's loopback for same-netns).
 func BenchmarkPodDial(b *testing.B) {
-	if os.Geteuid() != 0 {
-		b.Skip("needs root: creates network namespaces")
-	}
+	harness.RequireRoot(b, "creates network namespaces")
 	ctx := context.Background()
 	pod, _ := capture.NewPodPair(b)
 	dst, ns := podListener(b, pod)

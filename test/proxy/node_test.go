@@ -23,6 +23,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/pkg/zds"
 	"github.com/mesh-cni/mesh-cni/pkg/zds/zdspb"
 	"github.com/mesh-cni/mesh-cni/test/capture"
+	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
@@ -196,7 +197,7 @@ func refused(t *testing.T, ctx context.Context, in capture.Pod, dst netip.AddrPo
 // listener inside B, and each record names its pod. Deleting B closes its
 // listeners.
 func TestNodeForwards(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	families(t, func(t *testing.T, v6 bool) {
 		ctx := testCtx(t)
 		a, b := capture.NewPodPair(t)
@@ -269,7 +270,7 @@ func TestNodeForwards(t *testing.T) {
 // proxy reconnects to the new agent, and the snapshot, which no longer names B,
 // makes it drop B.
 func TestNodeAgentRestart(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	a, b := capture.NewPodPair(t)
 	const appPort = 9000
@@ -312,7 +313,7 @@ func TestNodeAgentRestart(t *testing.T) {
 // nowhere to send A's connections (refused); a new process takes the snapshot and
 // traffic resumes.
 func TestNodeProcessRestart(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Minute)
 	defer cancel()
 	bin, err := proxy.Binary(ctx, t.TempDir())
@@ -522,7 +523,7 @@ func openFd(t *testing.T, path string) int {
 // reconnects): keep after the snapshot, an add without fd or without
 // workload_info, two fds, garbage.
 func TestNodeRequests(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	a, b := capture.NewPodPair(t)
 	path := zdsPath(t)

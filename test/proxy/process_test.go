@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/mesh-cni/mesh-cni/test/capture"
+	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
@@ -68,7 +69,7 @@ func TestStartProcessNotReady(t *testing.T) {
 // TestProcessLifecycle builds refproxy, runs it in a pod with nsenter, and stops it:
 // it must exit with status 0 on SIGTERM.
 func TestProcessLifecycle(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Minute)
 	defer cancel()
 	bin, err := proxy.Binary(ctx, t.TempDir())

@@ -15,15 +15,12 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/mesh-cni/mesh-cni/test/capture"
+	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
-func requireRoot(t *testing.T) {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: creates network namespaces")
-	}
-}
+// rootReason is why these tests need root.
+const rootReason = "creates network namespaces"
 
 func testCtx(t *testing.T) context.Context {
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
@@ -95,7 +92,7 @@ func waitRecords(t *testing.T, ctx context.Context, path string, n int) []proxy.
 // outbound one has no original destination and echoes anyway, the inbound one falls
 // back to its local address.
 func TestEchoDirect(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	families(t, func(t *testing.T, v6 bool) {
 		ctx := testCtx(t)
 		pod, _ := capture.NewPodPair(t)
@@ -137,7 +134,7 @@ func TestEchoDirect(t *testing.T) {
 // outbound connection has no original destination and the inbound one would loop
 // back to the proxy, so both are closed and recorded with their error.
 func TestDirectDialRefused(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	families(t, func(t *testing.T, v6 bool) {
 		ctx := testCtx(t)
 		pod, _ := capture.NewPodPair(t)
@@ -180,7 +177,7 @@ func isReset(err error) bool {
 // the original destination with getsockopt and dials it (with its mark, from A's
 // namespace) without being captured again.
 func TestForwardThroughIPTables(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	families(t, func(t *testing.T, v6 bool) {
 		ctx := testCtx(t)
 		a, b := capture.NewPodPair(t)
@@ -227,7 +224,7 @@ func TestForwardThroughIPTables(t *testing.T) {
 // proxy's onward connection is captured again, and the proxy recognises its own
 // connection coming back instead of dialing in circles.
 func TestLoopDetected(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	a, b := capture.NewPodPair(t)
 	b.ServeEcho(t, 9000)
@@ -267,7 +264,7 @@ func TestLoopDetected(t *testing.T) {
 // TestCloseEndsConnections closes the proxy while a client holds a connection open:
 // Close returns, the client sees its connection end, and the connection is recorded.
 func TestCloseEndsConnections(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	pod, _ := capture.NewPodPair(t)
 	p, err := proxy.Start(ctx, proxy.Config{Echo: true, NetNS: pod.NetNS, Logger: zaptest.NewLogger(t)})
@@ -305,7 +302,7 @@ func TestCloseEndsConnections(t *testing.T) {
 }
 
 func TestStartErrors(t *testing.T) {
-	requireRoot(t)
+	harness.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	pod, _ := capture.NewPodPair(t)
 	if _, err := proxy.Start(ctx, proxy.Config{NetNS: pod.NetNS, OutboundPort: 16000, InboundPort: 16000}); err == nil {

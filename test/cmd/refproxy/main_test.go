@@ -6,7 +6,6 @@ import (
 	"context"
 	"io"
 	"net/netip"
-	"os"
 	"path/filepath"
 	"testing"
 	"time"
@@ -16,6 +15,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/pkg/netns"
 	"github.com/mesh-cni/mesh-cni/pkg/zds"
 	"github.com/mesh-cni/mesh-cni/test/capture"
+	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
@@ -44,9 +44,7 @@ func TestRunBadFlags(t *testing.T) {
 // it prints exactly "ready", serves (echo mode) and records, and returns 0 when its
 // context ends, as on SIGTERM.
 func TestRunServesUntilCancelled(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: creates network namespaces")
-	}
+	harness.RequireRoot(t, "creates network namespaces")
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
 	pod, _ := capture.NewPodPair(t)
@@ -100,9 +98,7 @@ func TestRunServesUntilCancelled(t *testing.T) {
 // host namespace: it prints "ready" once the agent's snapshot is served, and the
 // pod it was handed has its (echo) listener inside the pod's namespace.
 func TestRunNodeMode(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root: creates network namespaces")
-	}
+	harness.RequireRoot(t, "creates network namespaces")
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
 	pod, _ := capture.NewPodPair(t)
