@@ -19,4 +19,12 @@
 // a 0600 file read only by the agent (in the DaemonSet, the service-account
 // token is mounted into the agent's container only); and every enrollment
 // decision, including the ones with the API server down, is the agent's.
+//
+// TestAgentAdmissionPolicy runs its own API server as a cluster's is
+// (ServiceAccount admission, Node authorization, NodeRestriction), applies
+// install/kubernetes as shipped and gives the agent the token node A's kubelet
+// mints for the agent's pod there: a TokenRequest bound to the pod, whose node
+// the API server then names in every request. The ValidatingAdmissionPolicy
+// lets that token set mesh-cni.io/redirection on node A's pods and refuses
+// everything else, and the real agent still annotates its node's pods with it.
 package k8s

@@ -117,7 +117,7 @@ type APIServer struct {
 // and no controllers behind it.
 type APIServerOptions struct {
 	// Address is the IP address the server listens on and advertises as the
-	// kubernetes Service's endpoint; default 127.0.0.1.
+	// kubernetes Service's endpoint (none on loopback); default 127.0.0.1.
 	Address string
 	// Cluster turns on what a cluster with kubelets and a controller manager
 	// needs: the ServiceAccount and NodeRestriction admission plugins, Node
@@ -216,6 +216,12 @@ func StartAPIServerWith(tb testing.TB, bins Binaries, etcd *Etcd, name string, o
 			"--kubelet-client-key", kubeletKey,
 			"--kubelet-preferred-address-types", "InternalIP",
 		)
+		if ip.IsLoopback() {
+			// The kubernetes Service cannot point at loopback (the endpoint
+			// reconciler refuses to start); a cluster on loopback has no
+			// in-cluster clients to route there anyway.
+			s.args = append(s.args, "--endpoint-reconciler-type", "none")
+		}
 	} else {
 		s.args = append(s.args,
 			"--authorization-mode", "RBAC",
