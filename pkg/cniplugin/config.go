@@ -11,7 +11,6 @@ import (
 
 	"github.com/containernetworking/cni/pkg/types"
 	"github.com/containernetworking/cni/pkg/version"
-	"go.uber.org/zap/zapcore"
 )
 
 // Defaults of the plugin's config fields.
@@ -154,7 +153,7 @@ func parseConfigOnly(stdin []byte) (*NetConf, error) {
 	if !filepath.IsAbs(conf.SocketPath) {
 		return nil, types.NewError(types.ErrInvalidNetworkConfig, "mesh-cni: socketPath must be an absolute path", conf.SocketPath)
 	}
-	if _, err := zapcore.ParseLevel(conf.LogLevel); err != nil {
+	if _, err := parseLevel(conf.LogLevel); err != nil {
 		return nil, types.NewError(types.ErrInvalidNetworkConfig, "mesh-cni: logLevel must be debug, info, warn or error", conf.LogLevel)
 	}
 	if conf.LogFile != "" && !filepath.IsAbs(conf.LogFile) {

@@ -16,8 +16,6 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	types100 "github.com/containernetworking/cni/pkg/types/100"
 	"github.com/containernetworking/cni/pkg/version"
-	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
 	"golang.org/x/sys/unix"
 
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gateclient"
@@ -70,9 +68,9 @@ func (p Plugin) guard(fn func(*skel.CmdArgs) error) func(*skel.CmdArgs) error {
 	}
 }
 
-func (p Plugin) logger(conf *NetConf, args *skel.CmdArgs, cmd string) (*zap.Logger, func()) {
-	lvl, _ := zapcore.ParseLevel(conf.LogLevel) // validated in parseConfig
-	out := zapcore.AddSync(p.Stderr)
+func (p Plugin) logger(conf *NetConf, args *skel.CmdArgs, cmd string) (*logger, func()) {
+	lvl, _ := parseLevel(conf.LogLevel) // validated in parseConfig
+	var out io.Writer = p.Stderr
 	closeFn := func() {}
 	var openErr error
 	if conf.LogFile != "" {
@@ -80,27 +78,25 @@ func (p Plugin) logger(conf *NetConf, args *skel.CmdArgs, cmd string) (*zap.Logg
 		// log path must not make it append to (or create) another file.
 		f, err := os.OpenFile(conf.LogFile, os.O_CREATE|os.O_WRONLY|os.O_APPEND|unix.O_NOFOLLOW, 0o600)
 		if err == nil {
-			out = zapcore.AddSync(f)
+			out = f
 			closeFn = func() { f.Close() }
 		} else {
 			openErr = err
 		}
 	}
-	enc := zap.NewProductionEncoderConfig()
-	enc.EncodeTime = zapcore.ISO8601TimeEncoder
-	log := zap.New(zapcore.NewCore(zapcore.NewJSONEncoder(enc), out, lvl)).With(
-		zap.String("cmd", cmd),
-		zap.String("containerID", args.ContainerID),
-		zap.String("ifname", args.IfName),
-		zap.String("network", conf.Name),
+	log := newLogger(out, lvl).With(
+		fStr("cmd", cmd),
+		fStr("containerID", args.ContainerID),
+		fStr("ifname", args.IfName),
+		fStr("network", conf.Name),
 	)
 	if openErr != nil {
-		log.Warn("cannot open logFile; logging to stderr", zap.String("logFile", conf.LogFile), zap.Error(openErr))
+		log.Warn("cannot open logFile; logging to stderr", fStr("logFile", conf.LogFile), fErr(openErr))
 	}
 	// One line per call at debug, whatever the verb: which commands a runtime
 	// sends (and how often it polls STATUS) is then in the log.
 	log.Debug("cni call")
-	return log, func() { _ = log.Sync(); closeFn() }
+	return log, closeFn
 }
 
 // connect prepares the gate client and a context bounded by timeout; done
@@ -139,7 +135,7 @@ func (p Plugin) Add(args *skel.CmdArgs) error {
 	if err := pod.requireIdentity(); err != nil {
 		return err
 	}
-	log = log.With(zap.String("pod", pod.Namespace+"/"+pod.Name), zap.String("podUID", pod.UID))
+	log = log.With(fStr("pod", pod.Namespace+"/"+pod.Name), fStr("podUID", pod.UID))
 	if conf.Excluded(pod.Namespace) {
 		log.Info("pod passed through: namespace is excluded from the mesh")
 		return types.PrintResult(conf.PrevResult, conf.CNIVersion)
@@ -168,17 +164,17 @@ func (p Plugin) Add(args *skel.CmdArgs) error {
 		Source:     gateclient.SourceCNI,
 	})
 	if err != nil {
-		log.Error("pod not admitted", zap.Error(err), zap.Duration("waited", time.Since(start)))
+		log.Error("pod not admitted", fErr(err), fDur("waited", time.Since(start)))
 		return gateError("ADD", conf.SocketPath, timeout, err)
 	}
 	log.Info("pod admitted",
-		zap.String("decision", resp.Decision.String()),
-		zap.String("reason", resp.Reason),
-		zap.Uint64("netnsCookie", resp.NetnsCookie))
+		fStr("decision", resp.Decision.String()),
+		fStr("reason", resp.Reason),
+		fUint("netnsCookie", resp.NetnsCookie))
 	log.Debug("add timing",
-		zap.Duration("parse", parsed.Sub(start)),
-		zap.Duration("gate", time.Since(parsed)),
-		zap.Duration("total", time.Since(start)))
+		fDur("parse", parsed.Sub(start)),
+		fDur("gate", time.Since(parsed)),
+		fDur("total", time.Since(start)))
 	return types.PrintResult(conf.PrevResult, conf.CNIVersion)
 }
 
@@ -233,16 +229,16 @@ func (p Plugin) Del(args *skel.CmdArgs) error {
 	log, done := p.logger(conf, args, "DEL")
 	defer done()
 	if err := p.del(conf, args, log); err != nil {
-		log.Warn("DEL not passed on to mesh-agent; it releases the pod by GC or reconcile", zap.Error(err))
+		log.Warn("DEL not passed on to mesh-agent; it releases the pod by GC or reconcile", fErr(err))
 	}
 	return nil
 }
 
-func (p Plugin) del(conf *NetConf, args *skel.CmdArgs, log *zap.Logger) error {
+func (p Plugin) del(conf *NetConf, args *skel.CmdArgs, log *logger) error {
 	pod, err := parseArgs(args.Args)
 	if err != nil {
 		// The attachment alone names what to release.
-		log.Warn("ignoring CNI_ARGS on DEL", zap.Error(err))
+		log.Warn("ignoring CNI_ARGS on DEL", fErr(err))
 		pod = PodArgs{}
 	}
 	if pod.HasIdentity && conf.Excluded(pod.Namespace) {
@@ -268,7 +264,7 @@ func (p Plugin) del(conf *NetConf, args *skel.CmdArgs, log *zap.Logger) error {
 	if err != nil {
 		return gateError("DEL", conf.SocketPath, time.Duration(conf.DelTimeout), err)
 	}
-	log.Info("pod deleted", zap.Bool("released", resp.Released))
+	log.Info("pod deleted", fBool("released", resp.Released))
 	return nil
 }
 
@@ -340,7 +336,7 @@ func (p Plugin) GC(args *skel.CmdArgs) error {
 	if err != nil {
 		return gateError("GC", conf.SocketPath, time.Duration(conf.DelTimeout), err)
 	}
-	log.Info("gc done", zap.Int("valid", len(valid)), zap.Int("released", len(resp.Released)))
+	log.Info("gc done", fInt("valid", len(valid)), fInt("released", len(resp.Released)))
 	return nil
 }
 
