@@ -506,7 +506,11 @@ func (s *scenario) rolloutOwnBuild(t *testing.T, ctx context.Context) {
 	if len(gap) > 0 {
 		t.Logf("upgrade gap: while the DaemonSet rolled from the release to this build, %d connections reached the server directly: %q", len(gap), gap)
 	}
-	s.bench.note(fmt.Sprintf("Rolling the DaemonSet from the release to this tree's build, %d connections reached the meshed server directly while the new agent took over (it adopts the pods the old one enrolled): %q.", len(gap), gap))
+	if len(gap) == 0 {
+		s.bench.note("Rolling the DaemonSet from the release to this tree's build, no connection reached the meshed server directly.")
+	} else {
+		s.bench.note(fmt.Sprintf("Rolling the DaemonSet from the release to this tree's build, %d connections reached the meshed server directly while the new agent took over (it adopts the pods the old one enrolled): %q.", len(gap), gap))
+	}
 	if img := s.agentPod(t, ctx).Spec.Containers[0].Image; img != s.im["mesh-agent"].Ref() {
 		t.Errorf("after the rollout the agent runs %s, want %s", img, s.im["mesh-agent"].Ref())
 	}
