@@ -258,6 +258,13 @@ func Open(ctx context.Context, cfg Config) (_ *Datapath, err error) {
 		return nil, err
 	}
 	undo.push(func() error { return d.closeAll() })
+	if legacy != nil {
+		// Pods of an earlier socket-lookup layout are copied as they are, before
+		// the sets they name are counted.
+		if err := d.migratePods(legacy); err != nil {
+			return nil, fmt.Errorf("migrate pinned maps: %w", err)
+		}
+	}
 	if err := d.loadSets(); err != nil {
 		return nil, err
 	}
@@ -542,6 +549,15 @@ func Uninstall(ctx context.Context, cfg Config) error {
 	}
 	for i := len(cgroupHooks) - 1; i >= 0; i-- {
 		errs = append(errs, detachPinned(filepath.Join(pins.links(), cgroupHooks[i].name)))
+	}
+	// Then whatever else is pinned there: the hooks of another build (an
+	// uninstall by a build older or newer than the one that attached them).
+	others, err := os.ReadDir(pins.links())
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		errs = append(errs, fmt.Errorf("list links: %w", err))
+	}
+	for _, e := range others {
+		errs = append(errs, detachPinned(filepath.Join(pins.links(), e.Name())))
 	}
 	for _, dir := range []string{pins.pods(), pins.links()} {
 		errs = append(errs, removeIfExists(dir))

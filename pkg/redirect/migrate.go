@@ -31,6 +31,67 @@ import (
 //  5. finishMigration unpins legacy/: programs that still use those maps keep them
 //     alive until their links go.
 
+// podSettingsV2 is the pods value of the first socket-lookup layout (no DNS port).
+// Its flags and set ids mean what they mean now, and the set maps are unchanged.
+type podSettingsV2 struct {
+	_               structs.HostLayout
+	OutboundPort    uint16
+	InboundPort     uint16
+	Flags           uint32
+	ProxyMark       uint32
+	ProxyMarkMask   uint32
+	ProxyUID        uint32
+	ExcludedSet     uint32
+	ProbeSet        uint32
+	InboundPortSet  uint32
+	OutboundPortSet uint32
+}
+
+// migratePods copies the pods of an earlier socket-lookup layout into this build's
+// map. Its per-pod programs keep the earlier map (which still holds every entry)
+// until the agent enrolls each pod again.
+func (d *Datapath) migratePods(l *legacyMaps) error {
+	pods := l.maps["pods"]
+	if pods == nil {
+		return nil
+	}
+	if pods.ValueSize() != uint32(binarySize[podSettingsV2]()) {
+		return fmt.Errorf("legacy pods map has %d-byte values, a layout this build does not know", pods.ValueSize())
+	}
+	var (
+		cookie uint64
+		v      podSettingsV2
+		n      int
+	)
+	it := pods.Iterate()
+	for it.Next(&cookie, &v) {
+		var cur redirectPodSettings
+		if d.objs.Pods.Lookup(cookie, &cur) == nil {
+			continue // migrated by an earlier, interrupted start
+		}
+		nv := redirectPodSettings{
+			OutboundPort: v.OutboundPort, InboundPort: v.InboundPort,
+			Flags:     redirectSettingFlags(v.Flags),
+			ProxyMark: v.ProxyMark, ProxyMarkMask: v.ProxyMarkMask, ProxyUid: v.ProxyUID,
+			ExcludedSet: v.ExcludedSet, ProbeSet: v.ProbeSet,
+			InboundPortSet: v.InboundPortSet, OutboundPortSet: v.OutboundPortSet,
+			DnsPort: DefaultSettings().DNSPort,
+		}
+		if err := d.objs.Pods.Put(cookie, nv); err != nil {
+			return fmt.Errorf("migrate pod %d: %w", cookie, err)
+		}
+		if err := d.addListenPorts(v.InboundPort); err != nil {
+			return err
+		}
+		n++
+	}
+	if err := it.Err(); err != nil {
+		return fmt.Errorf("read legacy pods: %w", err)
+	}
+	d.log.Info("migrated pods from an earlier socket-lookup layout", zap.Int("pods", n))
+	return nil
+}
+
 // legacyPodSettings is the settings value of the first layout (one port list
 // applied in both directions, CIDR tries keyed by netns cookie).
 type legacyPodSettings struct {
