@@ -4,18 +4,30 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"os"
 	"path/filepath"
 	"time"
 
 	"github.com/fsnotify/fsnotify"
 	"go.uber.org/zap"
+	"k8s.io/apimachinery/pkg/util/wait"
 
 	"github.com/mesh-cni/mesh-cni/install/cniconf"
 )
 
-// maxRetryDelay caps the back-off after a failed pass.
-const maxRetryDelay = 5 * time.Second
+// Back-off after failed passes: doubling from firstRetryDelay, capped at
+// maxRetryDelay, reset by a pass that succeeds or finds no primary to chain
+// onto.
+const (
+	firstRetryDelay = 100 * time.Millisecond
+	maxRetryDelay   = 5 * time.Second
+)
+
+// retryDelays is a fresh back-off sequence.
+func retryDelays() wait.DelayFunc {
+	return wait.Backoff{Duration: firstRetryDelay, Factor: 2, Cap: maxRetryDelay, Steps: math.MaxInt32}.DelayFunc()
+}
 
 // Run installs the entry and keeps it in place until ctx ends: it watches
 // ConfDir and, shortly after any change to a config file (the primary
@@ -125,10 +137,10 @@ func (in *Installer) rewatch(w *fsnotify.Watcher) error {
 type loop struct {
 	in      *Installer
 	timer   *time.Timer
-	armed   bool      // timer set for a pass
-	pending bool      // a change is waiting for the debounce
-	first   time.Time // when the pending change arrived
-	backoff time.Duration
+	armed   bool           // timer set for a pass
+	pending bool           // a change is waiting for the debounce
+	first   time.Time      // when the pending change arrived
+	retry   wait.DelayFunc // nil: no failure since the last success
 	lastErr string
 }
 
@@ -177,7 +189,7 @@ func (l *loop) failed(ctx context.Context, err error) {
 			l.in.log.Info("Waiting for the primary CNI config", zap.Error(err))
 		}
 		l.lastErr = err.Error()
-		l.backoff = 0
+		l.retry = nil
 		return
 	case errors.Is(err, errChanged):
 		// Someone wrote while we did; their event is on its way, but do
@@ -189,11 +201,13 @@ func (l *loop) failed(ctx context.Context, err error) {
 		l.in.log.Error("Cannot install the mesh-cni chain entry; will retry", zap.Error(err))
 	}
 	l.lastErr = err.Error()
-	l.backoff = min(max(2*l.backoff, 100*time.Millisecond), maxRetryDelay)
-	l.set(l.backoff)
+	if l.retry == nil {
+		l.retry = retryDelays()
+	}
+	l.set(l.retry())
 }
 
 func (l *loop) succeeded() {
-	l.backoff = 0
+	l.retry = nil
 	l.lastErr = ""
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"sync"
 	"time"
 
@@ -13,6 +14,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
 	corelisters "k8s.io/client-go/listers/core/v1"
@@ -381,30 +383,44 @@ func getWithRetry[T any](ctx context.Context, timeout time.Duration, what string
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	delay := firstRetryDelay
-	var zero T
-	var lastErr error
-	for attempt := 1; ; attempt++ {
+	var (
+		obj      T
+		attempts int
+		lastErr  error
+	)
+	// The delay runs from the end of one try to the start of the next
+	// (sliding), as a try can take up to perAttemptTimeout.
+	retry := wait.Backoff{Duration: firstRetryDelay, Factor: 2, Cap: maxRetryDelay, Steps: math.MaxInt32}
+	err := retry.DelayFunc().Until(ctx, true, true, func(ctx context.Context) (bool, error) {
+		if attempts > 0 {
+			if o, ok := cached(); ok {
+				obj = o
+				return true, nil
+			}
+		}
+		attempts++
 		actx, acancel := context.WithTimeout(ctx, perAttemptTimeout)
-		obj, err := get(actx)
+		o, err := get(actx)
 		acancel()
 		if err == nil {
-			return obj, nil
+			obj = o
+			return true, nil
 		}
 		var perm permanentError
 		if errors.As(err, &perm) {
-			return zero, perm.error
+			return false, perm.error
 		}
 		lastErr = err
-		select {
-		case <-ctx.Done():
-			return zero, unknownError(what, start, attempt, lastErr)
-		case <-time.After(delay):
-		}
-		if obj, ok := cached(); ok {
-			return obj, nil
-		}
-		delay = min(2*delay, maxRetryDelay)
+		return false, nil
+	})
+	var zero T
+	switch {
+	case err == nil:
+		return obj, nil
+	case lastErr != nil && errors.Is(err, ctx.Err()):
+		return zero, unknownError(what, start, attempts, lastErr)
+	default:
+		return zero, err
 	}
 }
 

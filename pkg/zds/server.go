@@ -16,6 +16,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"net"
 	"slices"
 	"sync"
@@ -24,6 +25,7 @@ import (
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
+	"k8s.io/apimachinery/pkg/util/wait"
 
 	"github.com/mesh-cni/mesh-cni/pkg/unixsock"
 	"github.com/mesh-cni/mesh-cni/pkg/zds/zdspb"
@@ -196,23 +198,24 @@ func (s *Server) Serve(ctx context.Context) error {
 	stop := context.AfterFunc(ctx, func() { _ = s.Close() })
 	defer stop()
 	s.log.Info("zds server listening")
-	backoff := 5 * time.Millisecond
+	// Accept errors (out of fds and the like) are waited out rather than spun
+	// on: doubling from 5 ms up to a second, afresh after each accept.
+	acceptRetry := wait.Backoff{Duration: 5 * time.Millisecond, Factor: 2, Cap: time.Second, Steps: math.MaxInt32}
+	delay := acceptRetry.DelayFunc()
 	for {
 		uc, err := s.ln.AcceptUnix()
 		if err != nil {
 			if s.isClosed() {
 				break
 			}
-			// Out of fds and the like: wait a little rather than spin.
 			s.log.Warn("accept proxy connection", zap.Error(err))
 			select {
 			case <-s.ctx.Done():
-			case <-time.After(backoff):
+			case <-time.After(delay()):
 			}
-			backoff = min(2*backoff, time.Second)
 			continue
 		}
-		backoff = 5 * time.Millisecond
+		delay = acceptRetry.DelayFunc()
 		s.mu.Lock()
 		if s.closed {
 			s.mu.Unlock()
