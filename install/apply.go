@@ -11,7 +11,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/mesh-cni/mesh-cni/install/cniconf"
-	"github.com/mesh-cni/mesh-cni/install/internal/atomicfile"
+	"github.com/mesh-cni/mesh-cni/pkg/atomicfile"
 )
 
 // apply carries out a plan.

@@ -9,7 +9,7 @@ import (
 	"os"
 	"path/filepath"
 
-	"github.com/mesh-cni/mesh-cni/install/internal/atomicfile"
+	"github.com/mesh-cni/mesh-cni/pkg/atomicfile"
 )
 
 // binaryMode is the mode of an installed plugin binary: runtimes execute it as

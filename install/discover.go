@@ -12,7 +12,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/mesh-cni/mesh-cni/install/cniconf"
-	"github.com/mesh-cni/mesh-cni/install/internal/atomicfile"
+	"github.com/mesh-cni/mesh-cni/pkg/atomicfile"
 )
 
 // candidate is one config file as a runtime would load it.

@@ -18,7 +18,7 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/mesh-cni/mesh-cni/install/cniconf"
-	"github.com/mesh-cni/mesh-cni/install/internal/atomicfile"
+	"github.com/mesh-cni/mesh-cni/pkg/atomicfile"
 )
 
 var update = flag.Bool("update", false, "rewrite the golden files under testdata/golden")

@@ -8,7 +8,7 @@ import (
 	"path/filepath"
 
 	"github.com/mesh-cni/mesh-cni/install/cniconf"
-	"github.com/mesh-cni/mesh-cni/install/internal/atomicfile"
+	"github.com/mesh-cni/mesh-cni/pkg/atomicfile"
 )
 
 // plan is what a pass found and what it would change.

@@ -10,7 +10,7 @@ import (
 
 	"go.uber.org/zap"
 
-	"github.com/mesh-cni/mesh-cni/install/internal/atomicfile"
+	"github.com/mesh-cni/mesh-cni/pkg/atomicfile"
 )
 
 // record is what the installer remembers about the files it wrote, in memory

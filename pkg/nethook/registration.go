@@ -9,6 +9,8 @@ import (
 	"regexp"
 	"strings"
 	"time"
+
+	"github.com/mesh-cni/mesh-cni/pkg/atomicfile"
 )
 
 // Registration defaults.
@@ -97,46 +99,13 @@ func WriteRegistration(dir string, reg Registration) (string, error) {
 		return "", fmt.Errorf("registration directory %s: %w", dir, err)
 	}
 	path := RegistrationPath(dir, reg.Name)
-	if err := writeAtomic(path, append(data, '\n')); err != nil {
+	// The runtime may read the file as another user: registrationMode, not
+	// the temporary file's 0600. Durable, file and directory: a runtime that
+	// restarts after a crash must find the hook registered.
+	if err := atomicfile.WriteFile(path, append(data, '\n'), atomicfile.Options{Mode: registrationMode}); err != nil {
 		return "", fmt.Errorf("write registration %s: %w", path, err)
 	}
 	return path, nil
-}
-
-func writeAtomic(path string, data []byte) (err error) {
-	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp-")
-	if err != nil {
-		return err
-	}
-	defer func() {
-		if err != nil {
-			tmp.Close()
-			os.Remove(tmp.Name())
-		}
-	}()
-	if _, err = tmp.Write(data); err != nil {
-		return err
-	}
-	// CreateTemp makes 0600; the runtime may read as another user.
-	if err = tmp.Chmod(registrationMode); err != nil {
-		return err
-	}
-	if err = tmp.Sync(); err != nil {
-		return err
-	}
-	if err = tmp.Close(); err != nil {
-		return err
-	}
-	if err = os.Rename(tmp.Name(), path); err != nil {
-		return err
-	}
-	// The rename is durable once the directory is synced.
-	d, err := os.Open(filepath.Dir(path))
-	if err != nil {
-		return err
-	}
-	defer d.Close()
-	return d.Sync()
 }
 
 // RemoveRegistration removes name's registration file from dir (on uninstall).

@@ -1,10 +1,10 @@
 // Package podstore keeps the agent's enrollment records on disk, one small JSON
 // file per pod attachment, so a restarted agent knows which pods it enrolled.
 //
-// Every write goes to a temporary file in the same directory and is then
-// renamed over the record, so a crash at any point leaves either the old record,
-// the new one, or a stray temporary file that the next Open removes; never a
-// half-written record under a record's name.
+// Every write goes through atomicfile: a temporary file in the same directory
+// renamed over the record, so a crash at any point leaves either the old
+// record, the new one, or a stray temporary file that the next Open removes;
+// never a half-written record under a record's name.
 package podstore
 
 import (
@@ -19,6 +19,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/mesh-cni/mesh-cni/pkg/atomicfile"
 )
 
 // Key identifies one network attachment of a pod, as CNI does.
@@ -71,9 +73,11 @@ type Record struct {
 
 const (
 	recordSuffix = ".json"
-	tempPrefix   = ".tmp-"
-	dirMode      = 0o700
-	fileMode     = 0o600
+	// tempPrefix started the temporary files of agents that wrote records
+	// without atomicfile; Open still removes their leftovers.
+	tempPrefix = ".tmp-"
+	dirMode    = 0o700
+	fileMode   = 0o600
 )
 
 // Store is the set of records in one directory, cached in memory.
@@ -104,7 +108,7 @@ func Open(dir string) (*Store, []error, error) {
 		name := e.Name()
 		path := filepath.Join(dir, name)
 		switch {
-		case strings.HasPrefix(name, tempPrefix):
+		case strings.HasPrefix(name, atomicfile.TempPrefix), strings.HasPrefix(name, tempPrefix):
 			if err := os.Remove(path); err != nil {
 				problems = append(problems, fmt.Errorf("remove interrupted write %q: %w", path, err))
 			}
@@ -177,7 +181,12 @@ func (s *Store) Put(rec Record) error {
 	if err != nil {
 		return fmt.Errorf("encode pod record %s: %w", rec.Key, err)
 	}
-	if err := writeAtomic(s.dir, rec.Key.fileName(), data); err != nil {
+	// No fsync: a record describes pods of the current boot only (after a
+	// reboot every network namespace it names is gone), and the page cache
+	// survives a crash of the agent itself; the rename keeps every record whole.
+	// fsync cost milliseconds per pod on a disk-backed /run.
+	opts := atomicfile.Options{Mode: fileMode, NoSync: true}
+	if err := atomicfile.WriteFile(filepath.Join(s.dir, rec.Key.fileName()), data, opts); err != nil {
 		return fmt.Errorf("store pod record %s: %w", rec.Key, err)
 	}
 	s.mu.Lock()
@@ -195,38 +204,6 @@ func (s *Store) Delete(k Key) error {
 	s.mu.Lock()
 	delete(s.records, k)
 	s.mu.Unlock()
-	return nil
-}
-
-func writeAtomic(dir, name string, data []byte) error {
-	f, err := os.CreateTemp(dir, tempPrefix+name+"-*")
-	if err != nil {
-		return err
-	}
-	tmp := f.Name()
-	cleanup := func(err error) error {
-		f.Close()
-		os.Remove(tmp)
-		return err
-	}
-	if err := f.Chmod(fileMode); err != nil {
-		return cleanup(err)
-	}
-	// No fsync: a record describes pods of the current boot only (after a
-	// reboot every network namespace it names is gone), and the page cache
-	// survives a crash of the agent itself; the rename keeps every record whole.
-	// fsync cost milliseconds per pod on a disk-backed /run.
-	if _, err := f.Write(data); err != nil {
-		return cleanup(err)
-	}
-	if err := f.Close(); err != nil {
-		os.Remove(tmp)
-		return err
-	}
-	if err := os.Rename(tmp, filepath.Join(dir, name)); err != nil {
-		os.Remove(tmp)
-		return err
-	}
 	return nil
 }
 

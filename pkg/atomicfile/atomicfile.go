@@ -1,11 +1,24 @@
-// Package atomicfile replaces files so that a concurrent reader sees either the
-// old content or the new content, never a truncated or half-written file.
+// Package atomicfile is mesh-cni's one way of replacing a file: a concurrent
+// reader sees either the old content or the new content, never a truncated or
+// half-written file.
 //
-// Readers of CNI configuration (kubelet, containerd, CRI-O) and executors of CNI
-// plugins read files at any moment, so every write in install/ goes through here:
-// a temporary file in the same directory (rename is only atomic within one
-// filesystem), fsync, mode and owner set, rename over the target, fsync of the
-// directory so the rename itself survives a crash.
+// Readers of CNI configuration (kubelet, containerd, CRI-O), executors of CNI
+// plugins, a runtime's plugin registrations and a restarted agent reading its
+// pod records read files at any moment, so install/, the hook's registration
+// and the pod store all write through here: a temporary file in the same
+// directory (rename is only atomic within one filesystem), mode and owner set,
+// fsync, rename over the target, fsync of the directory so the rename itself
+// survives a crash. Options.NoSync leaves out both fsyncs for files that must
+// be whole but need not survive a crash of the machine.
+//
+// github.com/google/renameio/v2 does the temporary-file-and-rename part too,
+// but does not fit: it always fsyncs the file (the pod store documents why it
+// must not) and never the directory; it names temporary files "."+name plus
+// digits, where this package's end in ".tmp", an extension no CNI runtime
+// loads whatever the target's name; it has no hook between the fsync and the
+// rename (the installer's check that nobody rewrote the target meanwhile), no
+// owner and no cancellable copy; and without WithTempDir it probes
+// os.TempDir with test renames for every file.
 package atomicfile
 
 import (
@@ -38,8 +51,13 @@ type Options struct {
 	// CAP_CHOWN.
 	Chown    bool
 	UID, GID int
-	// BeforeRename runs after the new content is durable and just before it
-	// replaces the target. Returning an error leaves the target untouched; the
+	// NoSync leaves out the fsync of the file and of the directory: the
+	// rename still keeps the file whole for every reader, but after a crash of
+	// the machine it may be the old one or empty. For files that describe the
+	// current boot only.
+	NoSync bool
+	// BeforeRename runs after the new content is durable (written, with
+	// NoSync) and just before it replaces the target. Returning an error leaves the target untouched; the
 	// error is returned wrapped together with ErrAborted. It lets a caller check
 	// that nobody rewrote the target since it was read (the window that remains
 	// is the few microseconds between the check and the rename).
@@ -87,8 +105,10 @@ func write(ctx context.Context, path string, r io.Reader, opts Options) (err err
 			return fmt.Errorf("chown %s: %w", tmpName, err)
 		}
 	}
-	if err := tmp.Sync(); err != nil {
-		return fmt.Errorf("fsync %s: %w", tmpName, err)
+	if !opts.NoSync {
+		if err := tmp.Sync(); err != nil {
+			return fmt.Errorf("fsync %s: %w", tmpName, err)
+		}
 	}
 	if err := tmp.Close(); err != nil {
 		return fmt.Errorf("close %s: %w", tmpName, err)
@@ -103,6 +123,9 @@ func write(ctx context.Context, path string, r io.Reader, opts Options) (err err
 	}
 	if err := os.Rename(tmpName, path); err != nil {
 		return fmt.Errorf("rename %s to %s: %w", tmpName, path, err)
+	}
+	if opts.NoSync {
+		return nil
 	}
 	return SyncDir(dir)
 }
