@@ -87,7 +87,10 @@ func (rawCodec) Name() string { return "proto" }
 // forwardUnknown forwards a call to a method this build does not know (a newer
 // KNI version's, or another service the runtime serves on the same socket, such
 // as grpc.health.v1) byte for byte, so the interposer never hides a method of
-// the runtime from kubelet.
+// the runtime from kubelet. It is grpc's own UnknownServiceHandler with the
+// frame codec above: all a transparent-proxy library would add is its own
+// copy of both, on grpc's older Codec interface, without the hop-header
+// filtering the typed methods share here.
 func forwardUnknown(conn *grpc.ClientConn, codec rawCodec) grpc.StreamHandler {
 	return func(_ any, ss grpc.ServerStream) error {
 		method, ok := grpc.MethodFromServerStream(ss)
