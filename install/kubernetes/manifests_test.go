@@ -308,9 +308,7 @@ func agentContainer(t *testing.T, objs []object) (*appsv1.DaemonSet, corev1.Cont
 	if len(cs) != 1 || cs[0].Name != Container {
 		t.Fatalf("DaemonSet containers: want exactly one named %q, got %d", Container, len(cs))
 	}
-	if n := len(ds.Spec.Template.Spec.InitContainers); n != 0 {
-		t.Fatalf("DaemonSet has %d init containers; the checks here cover only %q", n, Container)
-	}
+	checkBPFFSInit(t, ds)
 	return ds, cs[0]
 }
 
@@ -556,8 +554,8 @@ func TestDaemonSetSpec(t *testing.T) {
 	if !pod.HostNetwork {
 		t.Error("hostNetwork: want true")
 	}
-	if pod.HostPID || pod.HostIPC {
-		t.Error("hostPID/hostIPC: want false (netns paths come from /var/run/netns)")
+	if !pod.HostPID || pod.HostIPC {
+		t.Error("want hostPID (a node proxy's cgroup, listeners taken from their process) and no hostIPC")
 	}
 	if pod.PriorityClassName != "system-node-critical" {
 		t.Errorf("priorityClassName %q", pod.PriorityClassName)
@@ -856,5 +854,30 @@ func TestKustomizeBuild(t *testing.T) {
 	}
 	if got, want := len(built), len(objs)-2; got != want {
 		t.Errorf("the overlay without the policy builds %d objects, want %d", got, want)
+	}
+}
+
+// checkBPFFSInit holds the DaemonSet's one init container to its job: mounting a
+// bpffs at the host's /sys/fs/bpf, the one step that needs privileges, with the
+// agent's own image and nothing else mounted.
+func checkBPFFSInit(t *testing.T, ds *appsv1.DaemonSet) {
+	t.Helper()
+	ics := ds.Spec.Template.Spec.InitContainers
+	if len(ics) != 1 || ics[0].Name != "bpffs" {
+		t.Fatalf("DaemonSet init containers %d: want exactly one, bpffs", len(ics))
+	}
+	ic, agent := ics[0], ds.Spec.Template.Spec.Containers[0]
+	if ic.Image != agent.Image || !slices.Equal(ic.Command, []string{"/usr/local/bin/mesh-agent"}) || !slices.Equal(ic.Args, []string{"mount-bpffs"}) {
+		t.Errorf("init container runs %s %q %q: want the agent's image running mesh-agent mount-bpffs", ic.Image, ic.Command, ic.Args)
+	}
+	if len(ic.VolumeMounts) != 1 || ic.VolumeMounts[0].MountPath != "/sys/fs/bpf" ||
+		ic.VolumeMounts[0].MountPropagation == nil || *ic.VolumeMounts[0].MountPropagation != corev1.MountPropagationBidirectional {
+		t.Errorf("init container mounts %+v: want only the host's /sys/fs/bpf, Bidirectional", ic.VolumeMounts)
+	}
+	sc := agent.SecurityContext
+	if sc == nil || (sc.Privileged != nil && *sc.Privileged) || sc.Capabilities == nil ||
+		!slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) ||
+		!slices.Equal(sc.Capabilities.Add, []corev1.Capability{"SYS_ADMIN", "SYS_PTRACE"}) {
+		t.Errorf("agent security context %+v: want not privileged, all capabilities dropped but SYS_ADMIN and SYS_PTRACE", sc)
 	}
 }

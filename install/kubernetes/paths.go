@@ -75,8 +75,9 @@ func AgentMounts() []Mount {
 	return []Mount{
 		{Volume: "cni-bin", HostPath: "/opt/cni/bin", Path: "/opt/cni/bin"},
 		{Volume: "cni-conf", HostPath: "/etc/cni/net.d", Path: "/etc/cni/net.d"},
-		// Pins must outlive the pod; a bpffs the agent mounts must reach the host.
-		{Volume: "bpffs", HostPath: "/sys/fs/bpf", Path: "/sys/fs/bpf", Propagation: PropagationBidirectional},
+		// Pins must outlive the pod: they live in the host's bpffs, which the
+		// DaemonSet's init container mounts where the node has none.
+		{Volume: "bpffs", HostPath: "/sys/fs/bpf", Path: "/sys/fs/bpf", Propagation: PropagationHostToContainer},
 		// Not at /sys/fs/cgroup: that is the container's own cgroup namespace.
 		{Volume: "cgroup", HostPath: "/sys/fs/cgroup", Path: "/host/sys/fs/cgroup", ReadOnly: true},
 		// Pod network namespaces: no flag names them, CNI passes their paths.

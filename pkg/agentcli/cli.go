@@ -208,6 +208,8 @@ func Main(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return statusCommand(ctx, args, stdout, stderr)
 	case "check":
 		return checkCommand(ctx, args, stdout, stderr)
+	case "mount-bpffs":
+		return mountBPFFSCommand(args, stderr)
 	case "help":
 		fmt.Fprintln(stdout, usage)
 		return 0
@@ -221,6 +223,7 @@ const usage = `usage: mesh-agent [run] [flags]    run the node agent (default)
        mesh-agent status [-o json] [flags]  the node summary and the enrolled pods (works with the agent down)
        mesh-agent check [flags]      run the node checks; exits 1 listing what is wrong
        mesh-agent uninstall [flags]  remove the chain entry, the plugin binary, the pinned data path and its cgroup attachments
+       mesh-agent mount-bpffs        mount a bpffs at /sys/fs/bpf unless one is there (the DaemonSet's init container)
 Run "mesh-agent run -h" for the flags.`
 
 // parseWithLogger parses args as the flags of command (run's flags) and builds
@@ -384,4 +387,23 @@ func newLogger(level string, w io.Writer) (*zap.Logger, error) {
 	enc.EncodeTime = zapcore.ISO8601TimeEncoder
 	core := zapcore.NewCore(zapcore.NewJSONEncoder(enc), zapcore.AddSync(w), lvl)
 	return zap.New(core), nil
+}
+
+// mountBPFFSCommand is `mesh-agent mount-bpffs`: the one step that needs a
+// privileged container, done before the agent starts without privileges.
+func mountBPFFSCommand(args []string, stderr io.Writer) int {
+	if len(args) > 0 {
+		fmt.Fprintf(stderr, "mesh-agent mount-bpffs: unexpected arguments %q\n", args)
+		return 2
+	}
+	log, err := newLogger("info", stderr)
+	if err != nil {
+		fmt.Fprintf(stderr, "mesh-agent: %v\n", err)
+		return 1
+	}
+	if err := redirect.MountSharedBPFFS(log); err != nil {
+		log.Error("mount bpffs", zap.Error(err))
+		return 1
+	}
+	return 0
 }

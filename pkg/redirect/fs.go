@@ -49,6 +49,14 @@ func ensurePinRoot(dir string, log *zap.Logger, undo *undoStack) error {
 	return nil
 }
 
+// MountSharedBPFFS mounts a bpffs at /sys/fs/bpf unless one is there already: what
+// the DaemonSet's init container does, from the node's mount namespace (the mount
+// propagates back to the host), so that the agent itself needs no mount.
+func MountSharedBPFFS(log *zap.Logger) error {
+	var undo undoStack
+	return mountSharedBPFFS(log, &undo)
+}
+
 func mountSharedBPFFS(log *zap.Logger, undo *undoStack) error {
 	on, err := isBPFFS(sharedBPFFS)
 	if err != nil {
