@@ -21,6 +21,7 @@ tool (
 require (
 	github.com/cilium/ebpf v0.22.0
 	github.com/containernetworking/cni v1.3.1
+	github.com/containernetworking/plugins v1.10.0
 	github.com/fsnotify/fsnotify v1.10.1
 	github.com/google/pprof v0.0.0-20260402051712-545e8a4df936
 	github.com/miekg/dns v1.1.73
@@ -53,7 +54,6 @@ require (
 	github.com/alexflint/go-filemutex v1.3.0 // indirect
 	github.com/beorn7/perks v1.0.1 // indirect
 	github.com/cespare/xxhash/v2 v2.3.0 // indirect
-	github.com/containernetworking/plugins v1.10.0 // indirect
 	github.com/coreos/go-iptables v0.8.0 // indirect
 	github.com/davecgh/go-spew v1.1.2-0.20180830191138-d8f796af33cc // indirect
 	github.com/emicklei/go-restful/v3 v3.13.0 // indirect

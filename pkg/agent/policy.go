@@ -2,6 +2,9 @@ package agent
 
 import (
 	"context"
+	"time"
+
+	"go.uber.org/zap"
 
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 )
@@ -60,6 +63,13 @@ const (
 	OutcomeFailed   = "failed"
 )
 
+// report tells the policy a decision's outcome when it wants to know.
+func (s *Service) report(ctx context.Context, pod *gatepb.PodIdentity, outcome string, err error) {
+	if r, ok := s.policy.(OutcomeReporter); ok {
+		r.Report(ctx, pod, outcome, err)
+	}
+}
+
 // EnrollAll admits every pod that reaches the agent. The plugin's own
 // excludeNamespaces list is then the only scope.
 type EnrollAll struct{}
@@ -67,4 +77,40 @@ type EnrollAll struct{}
 // Decide implements Policy.
 func (EnrollAll) Decide(context.Context, *gatepb.PodIdentity) (Decision, error) {
 	return Decision{Enroll: true, Reason: "every pod that reaches the agent is enrolled (no enrollment policy configured)"}, nil
+}
+
+// followSync keeps the enrollment-source condition up to date.
+func followSync(ctx context.Context, syncer PolicySyncer, readiness *Readiness) {
+	t := time.NewTicker(100 * time.Millisecond)
+	defer t.Stop()
+	for {
+		ok, why := syncer.Synced()
+		readiness.Set(CondEnrollmentSource, ok, why)
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// followPolicy re-decides every known pod whenever the policy changes.
+func followPolicy(ctx context.Context, log *zap.Logger, w PolicyWatcher, svc *Service) {
+	changed := w.Changed()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-changed:
+		}
+		// Taken before re-deciding: a change during Reevaluate closes it.
+		changed = w.Changed()
+		enrolled, released, err := svc.Reevaluate(ctx)
+		fields := []zap.Field{zap.Int("enrolled", enrolled), zap.Int("released", released)}
+		if err != nil {
+			log.Warn("policy change applied with errors", append(fields, zap.Error(err))...)
+		} else if enrolled+released > 0 {
+			log.Info("policy change applied", fields...)
+		}
+	}
 }

@@ -7,6 +7,15 @@ import (
 	"sync"
 )
 
+// Readiness conditions. Each must hold before the gate admits a pod.
+const (
+	CondDatapath  = "datapath"
+	CondReconcile = "reconcile"
+	CondCNIConfig = "cni-config"
+	// CondEnrollmentSource: the enrollment policy can answer (caches synced).
+	CondEnrollmentSource = "enrollment-source"
+)
+
 // Readiness is the agent's explicit readiness: a set of named conditions that must
 // all hold before a pod is admitted. A condition can be lost again at run time
 // (the chain entry removed, say), and waiting callers then wait again.

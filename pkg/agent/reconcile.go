@@ -4,13 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/mesh-cni/mesh-cni/pkg/redirect"
 	"slices"
 
 	"go.uber.org/zap"
 
 	"github.com/mesh-cni/mesh-cni/pkg/netns"
 	"github.com/mesh-cni/mesh-cni/pkg/podstore"
+	"github.com/mesh-cni/mesh-cni/pkg/redirect"
 )
 
 // ReconcileResult counts what one reconcile pass did.
@@ -181,4 +181,16 @@ func (s *Service) namespaceAlive(rec podstore.Record) bool {
 	}
 	cookie, err := netns.Cookie(rec.NetnsPath)
 	return err == nil && cookie == rec.NetnsCookie
+}
+
+func logReconcile(log *zap.Logger, when string, res ReconcileResult, err error) {
+	fields := []zap.Field{zap.String("pass", when), zap.Int("released", res.Released), zap.Int("repaired", res.Repaired),
+		zap.Int("orphans", res.Orphans), zap.Int("kept", res.Kept)}
+	if err != nil {
+		log.Warn("reconcile finished with errors", append(fields, zap.Error(err))...)
+		return
+	}
+	if res.Released+res.Repaired+res.Orphans > 0 || when == "start" {
+		log.Info("reconcile", fields...)
+	}
 }

@@ -11,12 +11,6 @@ import (
 	"github.com/mesh-cni/mesh-cni/pkg/podstore"
 )
 
-func (s *Service) report(ctx context.Context, pod *gatepb.PodIdentity, outcome string, err error) {
-	if r, ok := s.policy.(OutcomeReporter); ok {
-		r.Report(ctx, pod, outcome, err)
-	}
-}
-
 func identityOf(rec podstore.Record) *gatepb.PodIdentity {
 	return &gatepb.PodIdentity{Namespace: rec.Namespace, Name: rec.Name, Uid: rec.UID, Labels: rec.Labels, Annotations: rec.Annotations}
 }

@@ -13,19 +13,6 @@ import (
 	"github.com/mesh-cni/mesh-cni/pkg/podstore"
 )
 
-// Readiness conditions. Each must hold before the gate admits a pod.
-const (
-	CondDatapath  = "datapath"
-	CondReconcile = "reconcile"
-	CondCNIConfig = "cni-config"
-	// CondEnrollmentSource: the enrollment policy can answer (caches synced).
-	CondEnrollmentSource = "enrollment-source"
-)
-
-// CNIConfigInstaller installs the chain entry and keeps it in place until ctx
-// ends, reporting every change of its state.
-type CNIConfigInstaller func(ctx context.Context, report func(CNIStatus)) error
-
 // Config is what Run needs; the command line fills it.
 type Config struct {
 	SocketPath  string
@@ -244,53 +231,5 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 	case e := <-serveErr:
 		serveErr <- e
 		return e
-	}
-}
-
-func logReconcile(log *zap.Logger, when string, res ReconcileResult, err error) {
-	fields := []zap.Field{zap.String("pass", when), zap.Int("released", res.Released), zap.Int("repaired", res.Repaired),
-		zap.Int("orphans", res.Orphans), zap.Int("kept", res.Kept)}
-	if err != nil {
-		log.Warn("reconcile finished with errors", append(fields, zap.Error(err))...)
-		return
-	}
-	if res.Released+res.Repaired+res.Orphans > 0 || when == "start" {
-		log.Info("reconcile", fields...)
-	}
-}
-
-// followSync keeps the enrollment-source condition up to date.
-func followSync(ctx context.Context, syncer PolicySyncer, readiness *Readiness) {
-	t := time.NewTicker(100 * time.Millisecond)
-	defer t.Stop()
-	for {
-		ok, why := syncer.Synced()
-		readiness.Set(CondEnrollmentSource, ok, why)
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-	}
-}
-
-// followPolicy re-decides every known pod whenever the policy changes.
-func followPolicy(ctx context.Context, log *zap.Logger, w PolicyWatcher, svc *Service) {
-	changed := w.Changed()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-changed:
-		}
-		// Taken before re-deciding: a change during Reevaluate closes it.
-		changed = w.Changed()
-		enrolled, released, err := svc.Reevaluate(ctx)
-		fields := []zap.Field{zap.Int("enrolled", enrolled), zap.Int("released", released)}
-		if err != nil {
-			log.Warn("policy change applied with errors", append(fields, zap.Error(err))...)
-		} else if enrolled+released > 0 {
-			log.Info("policy change applied", fields...)
-		}
 	}
 }

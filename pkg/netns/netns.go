@@ -5,6 +5,16 @@
 // goroutine locked to its OS thread, and if the thread cannot be switched back it is
 // never returned to the runtime's pool: the goroutine exits while still locked, which
 // makes the Go runtime terminate that thread.
+//
+// The switching itself (Do, DoFd) is containernetworking/plugins' pkg/ns, which
+// keeps exactly that rule: it unlocks the thread only once it is back in its
+// original namespace. What that package lacks stays here: namespaces named by an
+// open descriptor (the data path checks a namespace and then uses the same
+// file, so the path cannot be swapped in between), validation that a file is a
+// network namespace and not just any nsfs file (Open, Validate), Create and
+// Remove at a path of the caller's choosing, and the namespace cookie. A
+// failed switch back is not reported by pkg/ns; the thread is discarded all
+// the same, so fn's result stands.
 package netns
 
 import (
@@ -14,6 +24,7 @@ import (
 	"path/filepath"
 	"runtime"
 
+	"github.com/containernetworking/plugins/pkg/ns"
 	"golang.org/x/sys/unix"
 )
 
@@ -97,39 +108,16 @@ func Do(path string, fn func() error) error {
 	return DoFd(int(target.Fd()), fn)
 }
 
-// DoFd is Do for an already-open namespace file descriptor.
+// DoFd is Do for an already-open namespace file descriptor. pkg/ns takes a
+// path: the descriptor's own /proc entry, which opens the same namespace
+// whatever has happened to the path it was opened by.
 func DoFd(fd int, fn func() error) error {
-	result := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		// The thread is unlocked only when it is back in its original namespace;
-		// otherwise the goroutine exits locked and the runtime discards the thread.
-		restored := false
-		defer func() {
-			if restored {
-				runtime.UnlockOSThread()
-			}
-		}()
-		origin, err := os.Open(threadNetNSPath())
-		if err != nil {
-			result <- fmt.Errorf("open current netns: %w", err)
-			return
-		}
-		defer origin.Close()
-		if err := unix.Setns(fd, unix.CLONE_NEWNET); err != nil {
-			restored = true
-			result <- fmt.Errorf("enter netns: %w", err)
-			return
-		}
-		fnErr := fn()
-		if err := unix.Setns(int(origin.Fd()), unix.CLONE_NEWNET); err != nil {
-			result <- errors.Join(fnErr, fmt.Errorf("return to original netns: %w", err))
-			return
-		}
-		restored = true
-		result <- fnErr
-	}()
-	return <-result
+	target, err := ns.GetNS(fmt.Sprintf("/proc/self/fd/%d", fd))
+	if err != nil {
+		return fmt.Errorf("netns descriptor %d: %w", fd, err)
+	}
+	defer target.Close()
+	return target.Do(func(ns.NetNS) error { return fn() })
 }
 
 // Create makes a new, empty network namespace and bind-mounts it at path (whose

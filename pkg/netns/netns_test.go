@@ -6,9 +6,14 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strconv"
 	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/mesh-cni/mesh-cni/pkg/netns"
+	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
 func newNS(t *testing.T) string {
@@ -82,4 +87,39 @@ func TestDoAndCookie(t *testing.T) {
 	if err != nil || again != hostCookie {
 		t.Fatalf("host cookie changed after Do: %d -> %d (%v)", hostCookie, again, err)
 	}
+}
+
+// TestThreadThatCannotReturnIsDiscarded: fn leaves its thread unable to switch
+// back (capabilities are per thread, and setns needs CAP_SYS_ADMIN), and that
+// thread must then end instead of running other goroutines in the pod's
+// namespace.
+func TestThreadThatCannotReturnIsDiscarded(t *testing.T) {
+	path := newNS(t)
+	var tid int
+	err := netns.Do(path, func() error {
+		tid = unix.Gettid()
+		hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+		var data [2]unix.CapUserData
+		if err := unix.Capget(&hdr, &data[0]); err != nil {
+			return fmt.Errorf("capget: %w", err)
+		}
+		data[0].Effective &^= 1 << unix.CAP_SYS_ADMIN
+		if err := unix.Capset(&hdr, &data[0]); err != nil {
+			return fmt.Errorf("capset: %w", err)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("Do = %v, want fn's nil: the failed switch back is the thread's end, not the caller's error", err)
+	}
+	if tid == os.Getpid() {
+		// The runtime wedges the main thread rather than ending it; it is not
+		// reused either, but there is no exit to see.
+		t.Skip("fn ran on the process's main thread")
+	}
+	task := fmt.Sprintf("/proc/self/task/%d", tid)
+	harness.WaitFor(t, 10*time.Second, "thread "+strconv.Itoa(tid)+", stuck in the pod's namespace, to end", func() bool {
+		_, err := os.Stat(task)
+		return errors.Is(err, os.ErrNotExist)
+	})
 }

@@ -33,7 +33,6 @@ func (c primaryCase) name() string { return string(c.primary) + "/" + c.families
 // IPv4, IPv6 and both.
 var matrixFamilies = []harness.Families{harness.IPv4Only, harness.IPv6Only, harness.DualStack}
 
-
 // primaryMatrix is every primary and family TestPrimaries runs, and so exactly
 // what the README's compatibility section lists (TestReadmePrimaryCNIs). flannel's
 // CNI plugin and Calico's are not in it: the Go module proxy this project builds
