@@ -48,6 +48,8 @@ type agentOptions struct {
 	// LogLevel is the agent's log level; default info, where it logs its ready
 	// line and every pod's enrollment with the time it took.
 	LogLevel string
+	// Args are further flags of mesh-agent run.
+	Args []string
 }
 
 // newAgent prepares an agent with its own socket, state dir and bpffs, in a
@@ -86,6 +88,7 @@ func newAgent(tb testing.TB, opts agentOptions) *agent {
 	// known by ztunnel's mark (an opt-in).
 	a.args = []string{"run", "--socket", a.Socket, "--state-dir", a.StateDir, "--bpffs-root", a.BPFFS,
 		"--datapath", opts.Datapath, "--cni-install=false", "--log-level", opts.LogLevel, "--proxy-mark", "0x539"}
+	a.args = append(a.args, opts.Args...)
 	// Agents that serve metrics default to a fixed loopback port; several agents
 	// run at once here (and on this machine), so that listener is turned off.
 	// The same for the ZDS handoff socket, whose default is a fixed path: the

@@ -50,6 +50,10 @@ type Rules struct {
 	// InboundSkipSources are inbound sources left alone (probe sources such as the
 	// node's addresses, so kubelet probes reach the application directly).
 	InboundSkipSources []netip.Prefix
+	// DNSPort, when set, is the proxy's DNS listener on loopback: the pod's
+	// own DNS (UDP and TCP to port 53, not the proxy's marked queries, not to
+	// loopback) is REDIRECTed there, as Istio ambient's in-pod rules do.
+	DNSPort uint16
 }
 
 // DefaultRules returns the default ports and mark with the proxy ports excluded.

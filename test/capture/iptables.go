@@ -54,12 +54,18 @@ func iptablesRules(r Rules, v6 bool) string {
 	line(":%s - [0:0]", iptOutputChain)
 	line(":%s - [0:0]", iptPreroutingChain)
 	line("-A OUTPUT -p tcp -j %s", iptOutputChain)
+	line("-A OUTPUT -p udp -j %s", iptOutputChain)
 	line("-A PREROUTING -p tcp -j %s", iptPreroutingChain)
 
 	// Outbound: the proxy's own connections, anything staying on loopback (which
 	// includes the pod's own addresses), excluded ports and destinations pass.
 	line("-A %s -m mark --mark %#x -j RETURN", iptOutputChain, r.Mark)
 	line("-A %s -o lo -j RETURN", iptOutputChain)
+	if r.DNSPort != 0 {
+		for _, proto := range []string{"udp", "tcp"} {
+			line("-A %s -p %s --dport 53 -j REDIRECT --to-ports %d", iptOutputChain, proto, r.DNSPort)
+		}
+	}
 	for _, p := range r.ExcludedPorts {
 		line("-A %s -p tcp --dport %d -j RETURN", iptOutputChain, p)
 	}
@@ -87,6 +93,7 @@ func iptablesCleanup() string {
 	return strings.Join([]string{
 		"*nat",
 		"-D OUTPUT -p tcp -j " + iptOutputChain,
+		"-D OUTPUT -p udp -j " + iptOutputChain,
 		"-D PREROUTING -p tcp -j " + iptPreroutingChain,
 		"-F " + iptOutputChain,
 		"-F " + iptPreroutingChain,

@@ -36,7 +36,7 @@ type Options struct {
 
 // sectionOrder is the order of the known benchmarks in the report; others
 // follow by name.
-var sectionOrder = []string{"chain-add", "plugin", "capture", "scale", "profile"}
+var sectionOrder = []string{"chain-add", "plugin", "capture", "dns", "scale", "profile"}
 
 // Generate reads every result in opts.In and writes the report and its figures.
 func Generate(opts Options) error {
