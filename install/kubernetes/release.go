@@ -15,7 +15,7 @@ package kubernetes
 // the Go version and bin/image/mesh-agent.tar.digest here and in
 // kustomization.yaml (TestReleasePinned checks they agree).
 const (
-	ReleaseCommit = "aa5d1c1600708824c493c0b6a6c8d4ed37acf088"
+	ReleaseCommit = "cb2f7a12230086351a416f472e8f5ab6484ddf6a"
 	ReleaseGo     = "go1.26.8"
-	ReleaseDigest = "sha256:ed0870bfae185183555452f6f252bb648e6cbd574727ecebed6615cdc0d9f1e7"
+	ReleaseDigest = "sha256:704d36021bbca66e30c4a116c6c7f86e429cf1c4151d74ce41d73023029932c7"
 )

@@ -179,7 +179,7 @@ func TestMigrateFromTCXLayout(t *testing.T) {
 	}
 }
 
-// testdata/sklookup-v1.o is the data path's object as the release the manifests pin
+// testdata/sklookup-v1.o is the data path's object as the first socket-lookup release
 // built it (socket-lookup capture with a whole decision program per pod, pods
 // without a DNS port). installSkLookupV1 pins it the way that release did.
 func installSkLookupV1(t *testing.T, cfg Config, cgroup string, pods ...*pod) {
@@ -281,7 +281,7 @@ func installSkLookupV1(t *testing.T, cfg Config, cgroup string, pods ...*pod) {
 	}
 }
 
-// A node running the release the manifests pin (socket-lookup capture, pods without
+// A node running the first socket-lookup release (socket-lookup capture, pods without
 // a DNS port) is upgraded to this build under a client loop: the pods are migrated
 // before the cgroup programs switch, the release's per-pod programs keep working
 // until the agent enrolls each pod again, and no connection fails or bypasses a
