@@ -48,7 +48,7 @@ test: build
 	$(GO) test -count=1 -timeout 40m ./...
 
 # The kernel matrix (test/kernels/matrix.txt): each kernel booted in a QEMU VM,
-# pkg/redirect and a subset of test/e2e run inside it, one summary line per
+# internal/redirect and a subset of test/e2e run inside it, one summary line per
 # kernel; any result other than the matrix's, failure or pass, fails the target.
 # Kernels and apt state are cached in KERNELS_CACHE, results go to
 # bin/kernels/<kernel>/. KERNELS='6.1|6.12' runs only those rows.

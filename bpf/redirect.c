@@ -42,7 +42,7 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 #define IP6T_SO_ORIGINAL_DST 80 // linux/netfilter_ipv6/ip6_tables.h
 #define EEXIST 17
 
-// Limits shared with the Go side (pkg/redirect reads them from the generated types).
+// Limits shared with the Go side (internal/redirect reads them from the generated types).
 #define MAX_PROXY_CGROUPS 8
 // Listeners of one pod's inbound port and family that the data path holds at once:
 // proxies with one SO_REUSEPORT listener per worker put each in its own slot (the
@@ -159,7 +159,7 @@ struct listener_refusal {
 	__u32 count;
 };
 
-// Index into `counters`. The Go side mirrors these values (pkg/redirect counters.go).
+// Index into `counters`. The Go side mirrors these values (internal/redirect counters.go).
 enum counter {
 	COUNTER_OUT_REDIRECTED,
 	COUNTER_OUT_PASSED,

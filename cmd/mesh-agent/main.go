@@ -8,7 +8,7 @@ import (
 	"os/signal"
 	"syscall"
 
-	"github.com/mesh-cni/mesh-cni/pkg/agentcli"
+	"github.com/mesh-cni/mesh-cni/internal/agentcli"
 )
 
 func main() {

@@ -2,6 +2,6 @@
 // mesh-agent on the node has enrolled it in the mesh.
 package main
 
-import "github.com/mesh-cni/mesh-cni/pkg/cniplugin"
+import "github.com/mesh-cni/mesh-cni/internal/cniplugin"
 
 func main() { cniplugin.Main() }

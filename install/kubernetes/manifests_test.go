@@ -31,9 +31,9 @@ import (
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"sigs.k8s.io/yaml"
 
-	"github.com/mesh-cni/mesh-cni/pkg/agentcli"
-	"github.com/mesh-cni/mesh-cni/pkg/cniplugin"
-	"github.com/mesh-cni/mesh-cni/pkg/enroll"
+	"github.com/mesh-cni/mesh-cni/internal/agentcli"
+	"github.com/mesh-cni/mesh-cni/internal/cniplugin"
+	"github.com/mesh-cni/mesh-cni/internal/enroll"
 )
 
 const kustomizationFile = "kustomization.yaml"

@@ -5,7 +5,7 @@ import (
 	"net"
 	"sync"
 
-	"github.com/mesh-cni/mesh-cni/pkg/unixsock"
+	"github.com/mesh-cni/mesh-cni/internal/unixsock"
 )
 
 // Listen creates the gate's Unix socket at path (also used for the KNI and hook

@@ -8,8 +8,8 @@ import (
 	"path/filepath"
 	"regexp"
 
+	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
-	"github.com/mesh-cni/mesh-cni/pkg/netns"
 )
 
 // Bounds on request fields. Every string a caller sends ends up in logs, state

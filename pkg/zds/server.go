@@ -27,7 +27,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"k8s.io/apimachinery/pkg/util/wait"
 
-	"github.com/mesh-cni/mesh-cni/pkg/unixsock"
+	"github.com/mesh-cni/mesh-cni/internal/unixsock"
 	"github.com/mesh-cni/mesh-cni/pkg/zds/zdspb"
 )
 

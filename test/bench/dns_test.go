@@ -15,7 +15,7 @@ import (
 	"github.com/miekg/dns"
 	"golang.org/x/sys/unix"
 
-	"github.com/mesh-cni/mesh-cni/pkg/netns"
+	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/test/bench/results"
 	"github.com/mesh-cni/mesh-cni/test/capture"
 	"github.com/mesh-cni/mesh-cni/test/harness"

@@ -10,7 +10,7 @@ import (
 // spawner starts long-lived child processes from one OS thread that stays
 // alive until the benchmark's cleanup. harness.StartProcess gives its children
 // Pdeathsig=SIGKILL, which the kernel sends when the *thread* that forked them
-// exits, and pkg/netns.Create ends the thread it ran on (it exits locked after
+// exits, and internal/netns.Create ends the thread it ran on (it exits locked after
 // unshare). A child forked from an ordinary pool thread (or, for a process in a
 // pod, from netns.Do's thread) is therefore killed at random once a later
 // netns.Create happens to run on that thread; with hundreds of pods made per

@@ -11,8 +11,8 @@ import (
 
 	types100 "github.com/containernetworking/cni/pkg/types/100"
 
+	"github.com/mesh-cni/mesh-cni/internal/nethook"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
-	"github.com/mesh-cni/mesh-cni/pkg/nethook"
 	"github.com/mesh-cni/mesh-cni/test/containerdhook"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )

@@ -17,9 +17,9 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/mesh-cni/mesh-cni/internal/kni"
+	"github.com/mesh-cni/mesh-cni/internal/kni/knipb"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
-	"github.com/mesh-cni/mesh-cni/pkg/kni"
-	"github.com/mesh-cni/mesh-cni/pkg/kni/knipb"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/kniruntime"
 )

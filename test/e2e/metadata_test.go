@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mesh-cni/mesh-cni/pkg/nethook"
+	"github.com/mesh-cni/mesh-cni/internal/nethook"
 	"github.com/mesh-cni/mesh-cni/test/containerdhook"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )

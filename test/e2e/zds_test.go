@@ -14,7 +14,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mesh-cni/mesh-cni/pkg/netns"
+	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/pkg/zds"
 	"github.com/mesh-cni/mesh-cni/pkg/zds/zdspb"
 	"github.com/mesh-cni/mesh-cni/test/harness"

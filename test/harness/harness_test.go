@@ -17,7 +17,7 @@ import (
 
 	"github.com/containernetworking/cni/pkg/types"
 
-	"github.com/mesh-cni/mesh-cni/pkg/netns"
+	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 

@@ -20,7 +20,7 @@ import (
 
 	"github.com/vishvananda/netlink"
 
-	"github.com/mesh-cni/mesh-cni/pkg/netns"
+	"github.com/mesh-cni/mesh-cni/internal/netns"
 )
 
 // cleanupTimeout bounds each CNI DEL the harness issues from a test's cleanup, where

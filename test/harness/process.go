@@ -14,8 +14,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mesh-cni/mesh-cni/pkg/netns"
-	"github.com/mesh-cni/mesh-cni/pkg/redirect"
+	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/internal/redirect"
 )
 
 // pipeGrace bounds how long Wait keeps reading output after the process exited, in
@@ -123,7 +123,7 @@ func StartProcess(tb testing.TB, opts ProcessOptions) *Process {
 	cmd.WaitDelay = pipeGrace
 	// No Pdeathsig: the kernel sends it when the *thread* that forked the child
 	// exits, and Go ends OS threads whenever a goroutine exits while locked to
-	// one (pkg/netns does this on purpose), so long-lived children such as the
+	// one (internal/netns does this on purpose), so long-lived children such as the
 	// agent were killed at random mid-test. Children are killed in cleanup, and
 	// Run's leak check kills and reports any that survive.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: opts.Credential}

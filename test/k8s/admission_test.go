@@ -36,7 +36,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	meshinstall "github.com/mesh-cni/mesh-cni/install/kubernetes"
-	"github.com/mesh-cni/mesh-cni/pkg/enroll"
+	"github.com/mesh-cni/mesh-cni/internal/enroll"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
 )
@@ -313,7 +313,7 @@ func (pc *policyCluster) waitForPolicy(ctx context.Context, t *testing.T) {
 }
 
 // patchMeta sends a merge patch of the pod's metadata carrying its uid, as the
-// agent's reporter does (pkg/enroll/report.go).
+// agent's reporter does (internal/enroll/report.go).
 func patchMeta(ctx context.Context, c kubernetes.Interface, p *corev1.Pod, meta map[string]any) (*corev1.Pod, error) {
 	meta["uid"] = string(p.UID)
 	return patch(ctx, c, p, map[string]any{"metadata": meta})

@@ -14,9 +14,9 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/mesh-cni/mesh-cni/pkg/kni"
-	"github.com/mesh-cni/mesh-cni/pkg/kni/knipb"
-	"github.com/mesh-cni/mesh-cni/pkg/nethook"
+	"github.com/mesh-cni/mesh-cni/internal/kni"
+	"github.com/mesh-cni/mesh-cni/internal/kni/knipb"
+	"github.com/mesh-cni/mesh-cni/internal/nethook"
 	"github.com/mesh-cni/mesh-cni/test/containerdhook"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"

@@ -33,14 +33,14 @@ type Suite struct {
 var Suites = []Suite{
 	{
 		Name:    "datapath",
-		Package: "./pkg/redirect",
+		Package: "./internal/redirect",
 		Exclude: map[string]string{
 			// Measured: 94,000 SYNs in its time budget under TCG on 6.1,
 			// 6.12 and 7.2 alike, below what the test needs.
 			"TestFloodDoesNotDisturbOtherPods": "a load test: it must send more SYNs within its time budget than an emulated CPU can",
 		},
 		Timeout: 5 * time.Minute,
-		Claim:   "the tests of `pkg/redirect`: the eBPF programs load and attach, pods enroll and release, outbound and inbound TCP reach the proxy ports with the original destination, over IPv4 and IPv6",
+		Claim:   "the tests of `internal/redirect`: the eBPF programs load and attach, pods enroll and release, outbound and inbound TCP reach the proxy ports with the original destination, over IPv4 and IPv6",
 	},
 	{
 		Name:    "gate",

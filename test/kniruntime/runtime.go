@@ -30,8 +30,8 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
-	"github.com/mesh-cni/mesh-cni/pkg/kni/knipb"
-	"github.com/mesh-cni/mesh-cni/pkg/netns"
+	"github.com/mesh-cni/mesh-cni/internal/kni/knipb"
+	"github.com/mesh-cni/mesh-cni/internal/netns"
 )
 
 // HeaderRuntime is a response header the runtime sets on every call, with the

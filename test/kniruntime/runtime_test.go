@@ -11,7 +11,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
-	"github.com/mesh-cni/mesh-cni/pkg/kni/knipb"
+	"github.com/mesh-cni/mesh-cni/internal/kni/knipb"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/kniruntime"
 )

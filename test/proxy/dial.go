@@ -11,7 +11,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/mesh-cni/mesh-cni/pkg/netns"
+	"github.com/mesh-cni/mesh-cni/internal/netns"
 )
 
 // dialFrom connects to dst from the network namespace nsFd, with SO_MARK set

@@ -30,7 +30,7 @@ import (
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
 
-	"github.com/mesh-cni/mesh-cni/pkg/netns"
+	"github.com/mesh-cni/mesh-cni/internal/netns"
 )
 
 // Defaults match Istio ambient / ztunnel and mesh-cni's data path.

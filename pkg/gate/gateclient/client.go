@@ -199,9 +199,9 @@ func (c *Client) attempt(ctx context.Context, method string, req []byte) (resp [
 	}
 	s := newStream(conn)
 	resp, err = s.unary(method, timeout, req)
-	if err != nil && ctx.Err() != nil {
+	if err != nil && ended(ctx) {
 		// The context ended the call; its error says why, not the shut
-		// down socket it caused.
+		// down socket or the agent's reset of the stream it caused.
 		return nil, s.processed, contextStatus(ctx, nil)
 	}
 	return resp, s.processed, err

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // Code is a gRPC status code, numbered as the gRPC protocol numbers them (and
@@ -82,11 +83,27 @@ func StatusOf(err error) *Status {
 // contextStatus is the status of a call whose context ended, with what the
 // client knows about why it got no answer.
 func contextStatus(ctx context.Context, last error) *Status {
-	st := StatusOf(ctx.Err())
+	cerr := ctx.Err()
+	if cerr == nil {
+		cerr = context.DeadlineExceeded // past its deadline, its timer not run yet
+	}
+	st := StatusOf(cerr)
 	if last != nil {
 		st.Message += " (last attempt: " + last.Error() + ")"
 	}
 	return st
+}
+
+// ended reports whether ctx is done or past its deadline. The agent's side of
+// the call ends at the same deadline (grpc-timeout), and its reset of the
+// stream can arrive before the context's own timer has fired; grpc-go's
+// client, too, reads a reset after the deadline as DeadlineExceeded.
+func ended(ctx context.Context) bool {
+	if ctx.Err() != nil {
+		return true
+	}
+	dl, ok := ctx.Deadline()
+	return ok && !time.Now().Before(dl)
 }
 
 // httpStatusCode maps a non-200 HTTP status of a response to a gRPC code, as

@@ -99,8 +99,8 @@ func writeFixture(t *testing.T, dir string) {
 // program load: 4 ms in all, 3 of them in the load.
 func writeProfile(t *testing.T, path string) {
 	t.Helper()
-	work := &profile.Function{ID: 1, Name: "github.com/mesh-cni/mesh-cni/pkg/agent.(*Service).Add"}
-	hot := &profile.Function{ID: 2, Name: "github.com/mesh-cni/mesh-cni/pkg/redirect.(*lookupTemplate).load"}
+	work := &profile.Function{ID: 1, Name: "github.com/mesh-cni/mesh-cni/internal/agent.(*Service).Add"}
+	hot := &profile.Function{ID: 2, Name: "github.com/mesh-cni/mesh-cni/internal/redirect.(*lookupTemplate).load"}
 	lWork := &profile.Location{ID: 1, Line: []profile.Line{{Function: work}}}
 	lHot := &profile.Location{ID: 2, Line: []profile.Line{{Function: hot}}}
 	p := &profile.Profile{
@@ -167,8 +167,8 @@ func TestGenerate(t *testing.T) {
 		"| pods enrolled | enroll-release: median | p99 | iptables |",
 		"| 10 | 2.20 ms | 2.40 ms | — |",
 		"![ADD](bench/chain-add-add-sequential.svg)",
-		"| `pkg/redirect.(*lookupTemplate).load` | 75.0% | 75.0% |",
-		"| `pkg/agent.(*Service).Add` | 100.0% | 25.0% |",
+		"| `internal/redirect.(*lookupTemplate).load` | 75.0% | 75.0% |",
+		"| `internal/agent.(*Service).Add` | 100.0% | 25.0% |",
 		"answering one gate Add costs 2.00 ms of CPU, of which loading the pod's sk_lookup program",
 		"is 1.50 ms (75% of the Add; 75% of all the agent's CPU in the profiled run, start-up and DELs included).",
 		"Reproduce: `make bench`",

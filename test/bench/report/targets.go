@@ -133,14 +133,14 @@ func writeTargets(w *bytes.Buffer, rs []*results.Result, dir string) {
 
 // Functions in the agent's profile whose CPU time the report breaks out.
 const (
-	fnServiceAdd  = "github.com/mesh-cni/mesh-cni/pkg/agent.(*Service).Add"
-	fnEnroll      = "github.com/mesh-cni/mesh-cni/pkg/redirect.(*Datapath).Enroll"
-	fnLookupLoad  = "github.com/mesh-cni/mesh-cni/pkg/redirect.(*lookupTemplate).load"
+	fnServiceAdd  = "github.com/mesh-cni/mesh-cni/internal/agent.(*Service).Add"
+	fnEnroll      = "github.com/mesh-cni/mesh-cni/internal/redirect.(*Datapath).Enroll"
+	fnLookupLoad  = "github.com/mesh-cni/mesh-cni/internal/redirect.(*lookupTemplate).load"
 	fnAttachNetNs = "github.com/cilium/ebpf/link.AttachNetNs"
-	fnCollect     = "github.com/mesh-cni/mesh-cni/pkg/redirect.(*Datapath).collectExisting"
-	fnRelease     = "github.com/mesh-cni/mesh-cni/pkg/redirect.(*Datapath).Release"
-	fnStorePut    = "github.com/mesh-cni/mesh-cni/pkg/podstore.(*Store).Put"
-	fnNetnsDo     = "github.com/mesh-cni/mesh-cni/pkg/netns.DoFd.func1"
+	fnCollect     = "github.com/mesh-cni/mesh-cni/internal/redirect.(*Datapath).collectExisting"
+	fnRelease     = "github.com/mesh-cni/mesh-cni/internal/redirect.(*Datapath).Release"
+	fnStorePut    = "github.com/mesh-cni/mesh-cni/internal/podstore.(*Store).Put"
+	fnNetnsDo     = "github.com/mesh-cni/mesh-cni/internal/netns.DoFd.func1"
 	// The plugin's gate client's reconnect back-off (pkg/gate/gateclient
 	// BackoffMax and BackoffJitter), constants the report cites.
 	reconnectCapMs     = 50
@@ -249,7 +249,7 @@ func agentEnrollCPU(d data) string {
 	}
 	s := fmt.Sprintf("By the agent's CPU profile, answering one gate Add costs %s ms of CPU", num(add))
 	if ok(load) {
-		s += fmt.Sprintf(", of which loading the pod's sk_lookup program (`pkg/redirect` `lookupTemplate.load`: the BPF_PROG_LOAD system call, i.e. the kernel's verifier and JIT, "+
+		s += fmt.Sprintf(", of which loading the pod's sk_lookup program (`internal/redirect` `lookupTemplate.load`: the BPF_PROG_LOAD system call, i.e. the kernel's verifier and JIT, "+
 			"which the profiler counts as the thread's CPU time) is %s ms (%.0f%% of the Add; %.0f%% of all the agent's CPU in the profiled run, start-up and DELs included)", num(load), 100*load/add, loadShare)
 	}
 	var parts []string
@@ -267,7 +267,7 @@ func agentEnrollCPU(d data) string {
 	}
 	s += "."
 	if v, _ := fnCPU(d, "agent-add", fnNetnsDo); ok(v) {
-		s += fmt.Sprintf(" Visits to a pod's namespace run on a goroutine of their own (`pkg/netns.DoFd`: reading the netns cookie, looking for a proxy that already listens), %s ms per ADD, not counted in the Add above.", num(v))
+		s += fmt.Sprintf(" Visits to a pod's namespace run on a goroutine of their own (`internal/netns.DoFd`: reading the netns cookie, looking for a proxy that already listens), %s ms per ADD, not counted in the Add above.", num(v))
 	}
 	if rel, _ := fnCPU(d, "agent-add", fnRelease); ok(rel) {
 		s += fmt.Sprintf(" A Release is %s ms per ADD's worth of DELs.", num(rel))

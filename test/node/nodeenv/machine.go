@@ -21,7 +21,7 @@ import (
 
 	"github.com/vishvananda/netlink"
 
-	"github.com/mesh-cni/mesh-cni/pkg/netns"
+	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 

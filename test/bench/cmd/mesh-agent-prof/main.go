@@ -14,7 +14,7 @@ import (
 	"runtime/pprof"
 	"syscall"
 
-	"github.com/mesh-cni/mesh-cni/pkg/agentcli"
+	"github.com/mesh-cni/mesh-cni/internal/agentcli"
 )
 
 // envProfile names the file the CPU profile is written to.

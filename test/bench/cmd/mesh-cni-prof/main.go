@@ -16,7 +16,7 @@ import (
 	"runtime"
 	"runtime/pprof"
 
-	"github.com/mesh-cni/mesh-cni/pkg/cniplugin"
+	"github.com/mesh-cni/mesh-cni/internal/cniplugin"
 )
 
 // envProfileDir names the directory the profiles go to.

@@ -1,0 +1,83 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+
+	"github.com/mesh-cni/mesh-cni/internal/redirect"
+)
+
+// RedirectDatapath adapts the eBPF data path to the gate, applying the node's
+// redirection settings to every pod it enrolls.
+type RedirectDatapath struct {
+	DP       *redirect.Datapath
+	Settings redirect.Settings
+	// ProxyCgroups are the configured cgroups of the proxies (sidecars); the
+	// connected node proxies' own cgroups are added to them.
+	ProxyCgroups []string
+}
+
+// ProxyIdentifier is a data path that can tell the proxy's processes apart from
+// the pods'.
+type ProxyIdentifier interface {
+	// SetProxyProcesses makes the cgroups of these processes, with the
+	// configured ones, the proxy's.
+	SetProxyProcesses(pids []int32) error
+}
+
+// SetProxyProcesses implements ProxyIdentifier.
+func (r RedirectDatapath) SetProxyProcesses(pids []int32) error {
+	cgroups := slices.Clone(r.ProxyCgroups)
+	for _, pid := range pids {
+		if pid <= 0 {
+			// SO_PEERCRED gives 0 for a peer outside the agent's PID namespace.
+			return errors.New("the node proxy's process is not visible to the agent: run the agent in the host's PID namespace (hostPID), or name the proxy's cgroup with --proxy-cgroups")
+		}
+		cg, err := r.DP.ProcessCgroup(int(pid))
+		if err != nil {
+			return err
+		}
+		cgroups = append(cgroups, cg)
+	}
+	return r.DP.SetProxyCgroups(cgroups)
+}
+
+// Enroll implements Datapath.
+func (r RedirectDatapath) Enroll(ctx context.Context, netnsPath string, _ []string) (uint64, error) {
+	e, err := r.DP.Enroll(ctx, redirect.Target{NetnsPath: netnsPath, Settings: r.Settings})
+	if err != nil {
+		return 0, err
+	}
+	return e.Cookie, nil
+}
+
+// Release implements Datapath.
+func (r RedirectDatapath) Release(ctx context.Context, cookie uint64) error {
+	return r.DP.Release(ctx, cookie)
+}
+
+// Check implements Datapath.
+func (r RedirectDatapath) Check(ctx context.Context, cookie uint64, interfaces []string) error {
+	return r.DP.Check(ctx, cookie, interfaces)
+}
+
+// Enrolled implements Datapath.
+func (r RedirectDatapath) Enrolled(ctx context.Context) ([]uint64, error) {
+	es, err := r.DP.List(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("list data path enrollments: %w", err)
+	}
+	out := make([]uint64, len(es))
+	for i, e := range es {
+		out[i] = e.Cookie
+	}
+	return out, nil
+}
+
+// Counters implements CounterReader.
+func (r RedirectDatapath) Counters() (redirect.Counters, error) { return r.DP.Counters() }
+
+// Refusals implements RefusalReader.
+func (r RedirectDatapath) Refusals() ([]redirect.Refusal, error) { return r.DP.Refusals() }

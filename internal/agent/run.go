@@ -1,0 +1,235 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/mesh-cni/mesh-cni/internal/podstore"
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+)
+
+// Config is what Run needs; the command line fills it.
+type Config struct {
+	SocketPath  string
+	StateDir    string
+	AllowedUIDs []int
+	// OpenDatapath loads or adopts the data path. Its closer must leave the
+	// data path in place (pinned): a stopping agent never removes redirection.
+	OpenDatapath func(ctx context.Context) (Datapath, func() error, error)
+	Policy       Policy
+	// InstallCNIConfig, when set, runs for the agent's whole life; the agent is
+	// not ready while it reports the entry missing.
+	InstallCNIConfig CNIConfigInstaller
+	// ReconcileInterval is the period of the reconcile pass after the first one
+	// at start; zero means the default of 30s.
+	ReconcileInterval time.Duration
+	// ShutdownGrace bounds how long in-flight calls may run after a stop.
+	ShutdownGrace time.Duration
+	// MetricsAddr serves /metrics, /healthz and /readyz; empty turns it off.
+	MetricsAddr string
+	// DatapathName is shown by status ("ebpf", "none").
+	DatapathName string
+	// ZDSSocket serves the ZDS proxy handoff there; empty turns it off.
+	ZDSSocket string
+	// ZDSAllowedUIDs may connect as node proxies (each is handed every pod's
+	// network namespace); empty means root only.
+	ZDSAllowedUIDs []int
+	// ZDSWait says when Add waits for the node proxy's ack.
+	ZDSWait WaitMode
+	// EntryPoints are the other ways pods reach the gate (KNI, the network
+	// plugin hook). Each starts once the gate is serving and stops with it.
+	EntryPoints []EntryPoint
+}
+
+// EntryPoint starts a server that admits pods through gate; the returned func
+// stops it.
+type EntryPoint func(ctx context.Context, gate gatepb.GateServer, ready func() (bool, string)) (stop func(), err error)
+
+// Run runs the agent until ctx is cancelled. The gate socket is served first, so
+// pods arriving during start-up wait at the gate instead of failing. Then, in
+// order: the data path is loaded or adopted, records are reconciled against it
+// and the live namespaces, the chain entry is installed; once all hold the agent
+// is ready and waiting pods are admitted.
+func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
+	store, problems, err := podstore.Open(cfg.StateDir)
+	if err != nil {
+		return err
+	}
+	for _, p := range problems {
+		log.Warn("pod state problem repaired at start", zap.Error(p))
+	}
+	policy := cfg.Policy
+	if policy == nil {
+		policy = EnrollAll{}
+	}
+	conds := []string{CondDatapath, CondReconcile}
+	if cfg.InstallCNIConfig != nil {
+		conds = append(conds, CondCNIConfig)
+	}
+	syncer, needsSync := policy.(PolicySyncer)
+	if needsSync {
+		conds = append(conds, CondEnrollmentSource)
+	}
+	readiness := NewReadiness(conds...)
+	lazy := &lazyDatapath{}
+	svc := NewService(log, readiness, policy, lazy, store)
+	svc.datapathName = cfg.DatapathName
+	metrics := NewMetrics(func() int { return len(svc.enrolled()) }, func() bool { ok, _ := readiness.Ready(); return ok }, func() CounterReader {
+		dp, err := lazy.get()
+		if err != nil {
+			return nil
+		}
+		r, _ := dp.(CounterReader)
+		return r
+	})
+	svc.metrics = metrics
+	if cfg.MetricsAddr != "" {
+		stopHTTP, err := serveHTTP(ctx, log, cfg.MetricsAddr, metrics, readiness)
+		if err != nil {
+			return err
+		}
+		defer stopHTTP()
+	}
+	srv, err := NewGateServer(ctx, log, cfg.SocketPath, cfg.AllowedUIDs, svc, readiness, metrics)
+	if err != nil {
+		return err
+	}
+	serveErr := make(chan error, 1)
+	go func() { serveErr <- srv.Serve() }()
+	for _, start := range cfg.EntryPoints {
+		stop, err := start(ctx, svc, readiness.Ready)
+		if err != nil {
+			srv.Stop(0)
+			<-serveErr
+			return err
+		}
+		defer stop()
+	}
+	grace := cfg.ShutdownGrace
+	if grace == 0 {
+		grace = 5 * time.Second
+	}
+	var background sync.WaitGroup
+	bgCtx, stopBackground := context.WithCancel(ctx)
+	defer func() {
+		stopBackground()
+		srv.Stop(grace)
+		background.Wait()
+		if e := <-serveErr; e != nil {
+			err = errors.Join(err, e)
+		}
+	}()
+
+	dp, closeDatapath, err := cfg.OpenDatapath(ctx)
+	if err != nil {
+		return fmt.Errorf("open data path: %w", err)
+	}
+	defer func() {
+		if e := closeDatapath(); e != nil {
+			err = errors.Join(err, fmt.Errorf("close data path: %w", e))
+		}
+	}()
+	lazy.set(dp)
+	readiness.Set(CondDatapath, true, "")
+
+	res, rerr := svc.Reconcile(ctx)
+	logReconcile(log, "start", res, rerr)
+
+	// The proxy handoff starts only now: its first snapshot must list every pod
+	// the records and the data path agree on, or a connected proxy would drop
+	// them. It is in place before the agent is ready, so no Add skips it.
+	if cfg.ZDSSocket != "" {
+		// The node proxy is told apart from the pods by its cgroup, learned
+		// from its connection before it is handed any pod.
+		var proxies func([]int32) error
+		if pi, ok := dp.(ProxyIdentifier); ok {
+			proxies = pi.SetProxyProcesses
+		}
+		h, err := NewZDSHandoff(ctx, log.Named("zds"), cfg.ZDSSocket, cfg.ZDSAllowedUIDs, cfg.ZDSWait, cfg.StateDir, svc.enrolled, metrics, proxies)
+		if err != nil {
+			return err
+		}
+		svc.handoff = h
+		background.Add(1)
+		go func() {
+			defer background.Done()
+			if err := h.Serve(bgCtx); err != nil && bgCtx.Err() == nil {
+				log.Error("zds server stopped", zap.Error(err))
+			}
+		}()
+		defer h.Close()
+	}
+	readiness.Set(CondReconcile, true, "")
+
+	installErr := make(chan error, 1)
+	if cfg.InstallCNIConfig != nil {
+		background.Add(1)
+		go func() {
+			defer background.Done()
+			installErr <- cfg.InstallCNIConfig(bgCtx, func(st CNIStatus) {
+				svc.setCNIStatus(st)
+				readiness.Set(CondCNIConfig, st.InPlace, st.Reason)
+			})
+		}()
+	}
+	if needsSync {
+		background.Add(1)
+		go func() {
+			defer background.Done()
+			followSync(bgCtx, syncer, readiness)
+		}()
+	}
+	if w, ok := policy.(PolicyWatcher); ok {
+		background.Add(1)
+		go func() {
+			defer background.Done()
+			followPolicy(bgCtx, log, w, svc)
+		}()
+	}
+	interval := cfg.ReconcileInterval
+	if interval == 0 {
+		interval = 30 * time.Second
+	}
+	background.Add(1)
+	go func() {
+		defer background.Done()
+		t := time.NewTicker(interval)
+		defer t.Stop()
+		for {
+			select {
+			case <-bgCtx.Done():
+				return
+			case <-t.C:
+				res, err := svc.Reconcile(bgCtx)
+				logReconcile(log, "periodic", res, err)
+			}
+		}
+	}()
+
+	go func() {
+		if readiness.Wait(bgCtx) == nil {
+			log.Info("agent ready", zap.Int("enrolledPods", len(svc.enrolled())))
+		}
+	}()
+	select {
+	case <-ctx.Done():
+		log.Info("agent stopping; data path, chain entry and pod records stay in place")
+		return nil
+	case e := <-installErr:
+		if ctx.Err() != nil {
+			return nil
+		}
+		if e == nil {
+			e = errors.New("stopped unexpectedly")
+		}
+		return fmt.Errorf("cni config installer: %w", e)
+	case e := <-serveErr:
+		serveErr <- e
+		return e
+	}
+}

@@ -1,0 +1,409 @@
+// Package agentcli is the mesh-agent command line: flags, logging and the
+// subcommands. cmd/mesh-agent only calls Main.
+package agentcli
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/mesh-cni/mesh-cni/internal/agent"
+	"github.com/mesh-cni/mesh-cni/internal/cniplugin"
+	"github.com/mesh-cni/mesh-cni/internal/redirect"
+	"github.com/mesh-cni/mesh-cni/pkg/gate"
+	"github.com/mesh-cni/mesh-cni/pkg/zds"
+)
+
+// Defaults shared with the plugin's config and the Kubernetes manifests. The
+// gate socket is the plugin's default, so a chain entry without socketPath
+// reaches an agent started without --socket.
+const (
+	DefaultSocketPath  = cniplugin.DefaultSocketPath
+	DefaultStateDir    = "/var/run/mesh-cni/pods"
+	DefaultBPFFSRoot   = redirect.DefaultPinRoot
+	DefaultCNIBinDir   = "/opt/cni/bin"
+	DefaultCNIConfDir  = "/etc/cni/net.d"
+	DefaultInstallDir  = "/var/run/mesh-cni/install"
+	DefaultMetricsAddr = "127.0.0.1:15099"
+)
+
+// options are the flags of `mesh-agent run` (most are shared by uninstall).
+type options struct {
+	socketPath        string
+	stateDir          string
+	allowedUIDs       intList
+	datapath          string
+	bpffsRoot         string
+	cgroupRoot        string
+	logLevel          string
+	shutdownGrace     time.Duration
+	reconcileInterval time.Duration
+	metricsAddr       string
+	zdsSocket         string
+	zdsWait           string
+	zdsAllowedUIDs    intList
+	zdsNoServiceAcct  bool
+
+	// Redirection settings for every enrolled pod.
+	outboundPort          uint
+	inboundPort           uint
+	proxyMark             uint
+	proxyUID              int
+	proxyCgroups          stringList
+	inboundExcludedPorts  intList
+	outboundExcludedPorts intList
+	excludedCIDRs         prefixList
+	probeSources          probeSourceList
+	dnsCapture            bool
+	dnsPort               uint
+	dnsFailClosed         bool
+	failOpen              bool
+
+	// The CNI chain entry.
+	cniInstall        bool
+	cniBinDirs        stringList
+	cniConfDir        string
+	cniConfFile       string
+	ownedConfig       bool
+	pluginBinary      string
+	installStateDir   string
+	gateTimeout       time.Duration
+	excludeNamespaces stringList
+	pluginLogLevel    string
+	pluginLogFile     string
+
+	entry  entryOptions
+	enroll enrollOptions
+}
+
+// flagSet declares every flag of `mesh-agent run`; the configuration reference in
+// the README is checked against it.
+func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
+	defaults := redirect.DefaultSettings()
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&opts.socketPath, "socket", DefaultSocketPath, "path of the gate socket the mesh-cni plugin dials")
+	fs.StringVar(&opts.stateDir, "state-dir", DefaultStateDir, "directory of the per-pod enrollment records")
+	opts.allowedUIDs = intList{0}
+	fs.Var(&opts.allowedUIDs, "allowed-uids", "comma-separated user ids allowed to call the gate socket (checked with SO_PEERCRED)")
+	fs.StringVar(&opts.datapath, "datapath", "ebpf", "redirection data path: ebpf, or none to run the gate without redirection")
+	fs.StringVar(&opts.bpffsRoot, "bpffs-root", DefaultBPFFSRoot, "bpffs directory where maps and links are pinned (a bpffs is mounted there if needed)")
+	fs.StringVar(&opts.cgroupRoot, "cgroup-root", "", "cgroup v2 directory where the socket programs attach, or a hybrid-cgroup node's /sys/fs/cgroup (its unified/ is used) (default: the cgroup2 mount found in /proc/self/mountinfo)")
+	fs.StringVar(&opts.logLevel, "log-level", "info", "log level: debug, info, warn or error")
+	fs.DurationVar(&opts.shutdownGrace, "shutdown-grace", 5*time.Second, "how long in-flight gate calls may run after SIGTERM")
+	fs.StringVar(&opts.metricsAddr, "metrics-addr", DefaultMetricsAddr, "address for /metrics, /healthz and /readyz (empty: off); loopback unless you need scraping from off the node")
+	fs.StringVar(&opts.zdsSocket, "zds-socket", zds.DefaultSocketPath, "serve the ZDS proxy handoff (what ztunnel connects to) on this SOCK_SEQPACKET socket; empty: off")
+	opts.zdsAllowedUIDs = intList{0}
+	fs.Var(&opts.zdsAllowedUIDs, "zds-allowed-uids", "comma-separated user ids a node proxy may connect to the ZDS socket as (checked with SO_PEERCRED)")
+	fs.BoolVar(&opts.zdsNoServiceAcct, "zds-without-service-accounts", false, "serve ZDS although --enrollment cannot know pods' service accounts (file, all): every pod is handed over with an empty service_account, which ztunnel cannot serve (it finds the workload and its SPIFFE identity by it); only for a node proxy that does not use it")
+	fs.StringVar(&opts.zdsWait, "zds-wait", string(agent.WaitAuto), "when a pod's ADD waits for the node proxy's ack: auto (once a proxy has ever connected), always or never")
+	fs.DurationVar(&opts.reconcileInterval, "reconcile-interval", 30*time.Second, "period of the reconcile pass that releases pods whose namespace is gone and repairs broken redirection")
+
+	fs.UintVar(&opts.outboundPort, "outbound-port", uint(defaults.OutboundPort), "proxy's outbound listener port inside each pod (127.0.0.1 and ::1)")
+	fs.UintVar(&opts.inboundPort, "inbound-port", uint(defaults.InboundPort), "proxy's inbound listener port inside each pod")
+	fs.UintVar(&opts.proxyMark, "proxy-mark", uint(defaults.ProxyMark), "opt-in: sockets carrying this SO_MARK (e.g. 0x539, ztunnel's) are the proxy's, never redirected; any pod can set a mark with CAP_NET_RAW, a default capability, so prefer --proxy-cgroups (0: off)")
+	fs.IntVar(&opts.proxyUID, "proxy-uid", -1, "opt-in: connects by processes of this uid are the proxy's, never redirected; only safe when no pod can run as it (-1: off)")
+	fs.Var(&opts.proxyCgroups, "proxy-cgroups", "comma-separated cgroup v2 paths (below the cgroup v2 root, e.g. /mesh-proxies) whose processes and their descendants' are the proxy: never redirected; a node proxy connected over ZDS is added by its own cgroup")
+	opts.inboundExcludedPorts = toIntList(defaults.InboundExcludedPorts)
+	fs.Var(&opts.inboundExcludedPorts, "inbound-excluded-ports", "comma-separated destination ports of inbound connections never captured (default: the proxy's own ports)")
+	fs.Var(&opts.outboundExcludedPorts, "outbound-excluded-ports", "comma-separated destination ports of outbound connects never redirected, to any host (default: none)")
+	fs.Var(&opts.excludedCIDRs, "excluded-cidrs", "comma-separated outbound destination CIDRs never redirected")
+	opts.probeSources = probeSourceList{node: true}
+	fs.Var(&opts.probeSources, "probe-sources", "inbound sources never captured, so kubelet probes reach the application: comma-separated CIDRs and \"node\" (the node's own addresses, kept current), or \"none\"")
+	fs.BoolVar(&opts.dnsCapture, "dns-capture", false, "send enrolled pods' DNS (UDP and TCP to port 53) to the proxy's DNS listener on loopback (--dns-port); while nothing listens there, queries go to the resolver as sent")
+	fs.UintVar(&opts.dnsPort, "dns-port", uint(defaults.DNSPort), "the proxy's DNS listener port inside each pod (127.0.0.1 and ::1, UDP and TCP)")
+	fs.BoolVar(&opts.dnsFailClosed, "dns-fail-closed", false, "with --dns-capture, send DNS to the proxy's listener even when nothing listens there (queries then fail)")
+	fs.BoolVar(&opts.failOpen, "fail-open", false, "pass traffic through when no proxy listens (default: refuse outbound connects and drop inbound SYNs)")
+
+	fs.BoolVar(&opts.cniInstall, "cni-install", true, "install the plugin binary and the chain entry, and keep the entry in place")
+	opts.cniBinDirs = stringList{DefaultCNIBinDir}
+	fs.Var(&opts.cniBinDirs, "cni-bin-dir", "comma-separated CNI bin directories to install the mesh-cni binary into")
+	fs.StringVar(&opts.cniConfDir, "cni-conf-dir", DefaultCNIConfDir, "CNI configuration directory")
+	fs.StringVar(&opts.cniConfFile, "cni-conf-file", "", "the primary CNI config file name to chain onto (default: the first valid file, as kubelet picks)")
+	fs.BoolVar(&opts.ownedConfig, "owned-config", true, "write a merged conflist that sorts before the primary's (false: append the entry to the primary's own file, which leaves a short unmeshed window each time the primary rewrites it)")
+	fs.StringVar(&opts.pluginBinary, "plugin-binary", "", "the mesh-cni binary to install (default: mesh-cni next to the mesh-agent binary)")
+	fs.StringVar(&opts.installStateDir, "install-state-dir", DefaultInstallDir, "where the installer keeps the primary config's original bytes for uninstall")
+	fs.DurationVar(&opts.gateTimeout, "gate-timeout", 30*time.Second, "the chain entry's gateTimeout: how long a pod's ADD waits for the agent")
+	opts.excludeNamespaces = stringList{gate.DefaultExcludeNamespace}
+	fs.Var(&opts.excludeNamespaces, "exclude-namespaces", "the chain entry's excludeNamespaces: pods there never wait for the agent")
+	fs.StringVar(&opts.pluginLogLevel, "plugin-log-level", "info", "the chain entry's logLevel")
+	fs.StringVar(&opts.pluginLogFile, "plugin-log-file", "", "the chain entry's logFile (default: the plugin logs to the runtime's stderr)")
+	opts.entry.register(fs)
+	opts.enroll.register(fs)
+	return fs
+}
+
+// redirectSettings turns the flags into the data path's settings.
+func (o options) redirectSettings() (redirect.Settings, error) {
+	s := redirect.DefaultSettings()
+	if o.outboundPort > 65535 || o.inboundPort > 65535 {
+		return s, fmt.Errorf("ports must be at most 65535")
+	}
+	if o.proxyMark > 0xffffffff {
+		return s, fmt.Errorf("--proxy-mark %#x does not fit 32 bits", o.proxyMark)
+	}
+	s.OutboundPort, s.InboundPort = uint16(o.outboundPort), uint16(o.inboundPort)
+	// A mark inside ztunnel's mask is compared under it (Istio's convention);
+	// one with bits outside it, exactly.
+	s.ProxyMark, s.ProxyMarkMask = uint32(o.proxyMark), 0
+	if s.ProxyMark != 0 && s.ProxyMark&^redirect.ZtunnelMarkMask == 0 {
+		s.ProxyMarkMask = redirect.ZtunnelMarkMask
+	}
+	if o.proxyUID >= 0 {
+		uid := uint32(o.proxyUID)
+		s.ProxyUID = &uid
+	}
+	var err error
+	if s.InboundExcludedPorts, err = portList("inbound-excluded-ports", o.inboundExcludedPorts); err != nil {
+		return s, err
+	}
+	if s.OutboundExcludedPorts, err = portList("outbound-excluded-ports", o.outboundExcludedPorts); err != nil {
+		return s, err
+	}
+	s.ExcludedCIDRs = o.excludedCIDRs
+	s.ProbeSources = o.probeSources.cidrs
+	s.NodeProbeSources = o.probeSources.node
+	if o.dnsPort == 0 || o.dnsPort > 65535 {
+		return s, fmt.Errorf("--dns-port %d is not a port", o.dnsPort)
+	}
+	s.DNSCapture, s.DNSPort, s.DNSFailClosed = o.dnsCapture, uint16(o.dnsPort), o.dnsFailClosed
+	s.FailOpen = o.failOpen
+	if err := s.Validate(); err != nil {
+		return s, fmt.Errorf("redirection settings: %w", err)
+	}
+	return s, nil
+}
+
+func portList(flag string, in intList) ([]uint16, error) {
+	var out []uint16
+	for _, p := range in {
+		if p <= 0 || p > 65535 {
+			return nil, fmt.Errorf("--%s: %d is not a port", flag, p)
+		}
+		out = append(out, uint16(p))
+	}
+	return out, nil
+}
+
+// Main runs the mesh-agent command line and returns the process exit code.
+func Main(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	cmd := "run"
+	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
+		cmd, args = args[0], args[1:]
+	}
+	switch cmd {
+	case "run":
+		return runCommand(ctx, args, stderr)
+	case "uninstall":
+		return uninstallCommand(ctx, args, stderr)
+	case "status":
+		return statusCommand(ctx, args, stdout, stderr)
+	case "check":
+		return checkCommand(ctx, args, stdout, stderr)
+	case "mount-bpffs":
+		return mountBPFFSCommand(args, stderr)
+	case "help":
+		fmt.Fprintln(stdout, usage)
+		return 0
+	default:
+		fmt.Fprintf(stderr, "mesh-agent: unknown command %q\n%s\n", cmd, usage)
+		return 2
+	}
+}
+
+const usage = `usage: mesh-agent [run] [flags]    run the node agent (default)
+       mesh-agent status [-o json] [flags]  the node summary and the enrolled pods (works with the agent down)
+       mesh-agent check [flags]      run the node checks; exits 1 listing what is wrong
+       mesh-agent uninstall [flags]  remove the chain entry, the plugin binary, the pinned data path and its cgroup attachments
+       mesh-agent mount-bpffs        mount a bpffs at /sys/fs/bpf unless one is there (the DaemonSet's init container)
+Run "mesh-agent run -h" for the flags.`
+
+// parseWithLogger parses args as the flags of command (run's flags) and builds
+// the logger they ask for. ok is false when the command must exit 2: the flag
+// package or this function has said why on stderr.
+func parseWithLogger(command string, args []string, stderr io.Writer) (opts options, log *zap.Logger, ok bool) {
+	fs := flagSet(command, &opts, stderr)
+	if err := fs.Parse(args); err != nil {
+		return opts, nil, false
+	}
+	log, err := newLogger(opts.logLevel, stderr)
+	if err != nil {
+		fmt.Fprintf(stderr, "mesh-agent: %v\n", err)
+		return opts, nil, false
+	}
+	return opts, log, true
+}
+
+func runCommand(ctx context.Context, args []string, stderr io.Writer) int {
+	opts, log, ok := parseWithLogger("mesh-agent run", args, stderr)
+	if !ok {
+		return 2
+	}
+	defer log.Sync() //nolint:errcheck // nothing useful to do when stderr is gone
+
+	cfg, err := agentConfig(opts, log)
+	if err != nil {
+		log.Error("invalid configuration", zap.Error(err))
+		return 2
+	}
+	if err := checkZDSServiceAccounts(opts); err != nil {
+		log.Error("invalid configuration", zap.Error(err))
+		return 2
+	}
+	if cfg.Policy, err = opts.enroll.policy(ctx, log); err != nil {
+		log.Error("invalid configuration", zap.Error(err))
+		return 2
+	}
+	if err := agent.Run(ctx, log, cfg); err != nil {
+		log.Error("agent failed", zap.Error(err))
+		return 1
+	}
+	return 0
+}
+
+// checkZDSServiceAccounts refuses a ZDS server whose pods would reach the node
+// proxy without a service account. ztunnel acks such a pod and then cannot
+// serve it: it looks the workload up by name, namespace and service account
+// and fetches the certificate of spiffe://<trust domain>/ns/<ns>/sa/<sa>.
+// Only the Kubernetes source reads spec.serviceAccountName; a CNI request
+// never carries it and a policy file cannot know it.
+func checkZDSServiceAccounts(opts options) error {
+	if opts.zdsSocket == "" || opts.enroll.mode == EnrollmentKubernetes || opts.zdsNoServiceAcct {
+		return nil
+	}
+	return fmt.Errorf("--zds-socket=%s serves a node proxy such as ztunnel, which needs each pod's service account, and --enrollment=%s cannot know it (only --enrollment=kubernetes reads spec.serviceAccountName): use --enrollment=kubernetes, turn ZDS off with --zds-socket=, or pass --zds-without-service-accounts for a node proxy that does not use service accounts",
+		opts.zdsSocket, opts.enroll.mode)
+}
+
+func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {
+	cfg := agent.Config{
+		SocketPath:        opts.socketPath,
+		StateDir:          opts.stateDir,
+		AllowedUIDs:       opts.allowedUIDs,
+		ShutdownGrace:     opts.shutdownGrace,
+		ReconcileInterval: opts.reconcileInterval,
+		MetricsAddr:       opts.metricsAddr,
+		ZDSSocket:         opts.zdsSocket,
+		ZDSWait:           agent.WaitMode(opts.zdsWait),
+		ZDSAllowedUIDs:    opts.zdsAllowedUIDs,
+		DatapathName:      opts.datapath,
+	}
+	// The plugin refuses a longer gateTimeout, so an entry with one would fail
+	// every ADD on the node.
+	if opts.gateTimeout <= 0 || opts.gateTimeout > cniplugin.MaxGateTimeout {
+		return cfg, fmt.Errorf("--gate-timeout %s: want more than 0 and at most %s", opts.gateTimeout, cniplugin.MaxGateTimeout)
+	}
+	switch opts.datapath {
+	case "none":
+		cfg.OpenDatapath = func(context.Context) (agent.Datapath, func() error, error) {
+			log.Warn("running without a data path: pods are recorded but their traffic is NOT redirected")
+			return agent.RecordOnly{}, func() error { return nil }, nil
+		}
+	case "ebpf":
+		settings, err := opts.redirectSettings()
+		if err != nil {
+			return cfg, err
+		}
+		cg, err := cgroupRoot(opts.cgroupRoot)
+		if err != nil {
+			return cfg, err
+		}
+		if cg != opts.cgroupRoot {
+			log.Info("hybrid cgroups: attaching to the cgroup v2 hierarchy inside --cgroup-root", zap.String("cgroupRoot", cg))
+		}
+		rcfg := redirect.Config{PinRoot: opts.bpffsRoot, CgroupRoot: cg, InboundPorts: []uint16{settings.InboundPort}, Logger: log.Named("datapath")}
+		cfg.OpenDatapath = func(ctx context.Context) (agent.Datapath, func() error, error) {
+			dp, err := redirect.Open(ctx, rcfg)
+			if err != nil {
+				return nil, nil, err
+			}
+			rd := agent.RedirectDatapath{DP: dp, Settings: settings}
+			for _, p := range opts.proxyCgroups {
+				rd.ProxyCgroups = append(rd.ProxyCgroups, filepath.Join(cg, p))
+			}
+			if err := rd.SetProxyProcesses(nil); err != nil {
+				dp.Close()
+				return nil, nil, fmt.Errorf("--proxy-cgroups: %w", err)
+			}
+			if !settings.NodeProbeSources {
+				return rd, dp.Close, nil
+			}
+			// The node's addresses change (DHCP, a new interface): keep the
+			// probe sources current until the data path is closed.
+			stopWatch, err := agent.StartNodeAddressWatch(ctx, log.Named("node-addresses"), dp.SetNodeAddresses)
+			if err != nil {
+				dp.Close()
+				return nil, nil, err
+			}
+			return rd, func() error {
+				stopWatch()
+				return dp.Close()
+			}, nil
+		}
+	default:
+		return cfg, fmt.Errorf("--datapath=%q: want ebpf or none", opts.datapath)
+	}
+	eps, err := opts.entryPoints(log)
+	if err != nil {
+		return cfg, err
+	}
+	cfg.EntryPoints = eps
+	if opts.cniInstall {
+		inst, err := newCNIInstaller(opts, log)
+		if err != nil {
+			return cfg, err
+		}
+		cfg.InstallCNIConfig = inst
+	}
+	return cfg, nil
+}
+
+// pluginBinaryPath is the mesh-cni binary the agent installs.
+func (o options) pluginBinaryPath() (string, error) {
+	if o.pluginBinary != "" {
+		return o.pluginBinary, nil
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return "", fmt.Errorf("locate mesh-agent binary to find mesh-cni next to it: %w", err)
+	}
+	return filepath.Join(filepath.Dir(self), "mesh-cni"), nil
+}
+
+func newLogger(level string, w io.Writer) (*zap.Logger, error) {
+	lvl, err := zapcore.ParseLevel(level)
+	if err != nil {
+		return nil, fmt.Errorf("--log-level: %w", err)
+	}
+	enc := zap.NewProductionEncoderConfig()
+	enc.EncodeTime = zapcore.ISO8601TimeEncoder
+	core := zapcore.NewCore(zapcore.NewJSONEncoder(enc), zapcore.AddSync(w), lvl)
+	return zap.New(core), nil
+}
+
+// mountBPFFSCommand is `mesh-agent mount-bpffs`: the one step that needs a
+// privileged container, done before the agent starts without privileges.
+func mountBPFFSCommand(args []string, stderr io.Writer) int {
+	if len(args) > 0 {
+		fmt.Fprintf(stderr, "mesh-agent mount-bpffs: unexpected arguments %q\n", args)
+		return 2
+	}
+	log, err := newLogger("info", stderr)
+	if err != nil {
+		fmt.Fprintf(stderr, "mesh-agent: %v\n", err)
+		return 1
+	}
+	if err := redirect.MountSharedBPFFS(log); err != nil {
+		log.Error("mount bpffs", zap.Error(err))
+		return 1
+	}
+	return 0
+}

@@ -1,0 +1,124 @@
+package agentcli
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"time"
+
+	"go.uber.org/zap"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/mesh-cni/mesh-cni/internal/agent"
+	"github.com/mesh-cni/mesh-cni/internal/enroll"
+)
+
+// Enrollment sources of --enrollment.
+const (
+	EnrollmentAll        = "all"
+	EnrollmentFile       = "file"
+	EnrollmentKubernetes = "kubernetes"
+)
+
+// DefaultPolicyFile is where --enrollment=file reads its policy (a ConfigMap
+// mounted as a directory in the DaemonSet).
+const DefaultPolicyFile = "/etc/mesh-cni/enrollment.yaml"
+
+// enrollOptions are the flags choosing which pods join the mesh.
+type enrollOptions struct {
+	mode       string
+	policyFile string
+	profile    string
+	kubeconfig string
+	nodeName   string
+	apiTimeout time.Duration
+}
+
+func (e *enrollOptions) register(fs *flag.FlagSet) {
+	fs.StringVar(&e.mode, "enrollment", EnrollmentAll, "which pods join the mesh: file (the --policy-file), kubernetes (namespace and pod labels, read with the agent's own credentials) or all (every pod that reaches the agent: for tests and demos; production should choose file or kubernetes)")
+	fs.StringVar(&e.policyFile, "policy-file", DefaultPolicyFile, "enrollment policy file of --enrollment=file; watched, reloaded on change, an invalid edit is logged and the last good policy kept")
+	fs.StringVar(&e.profile, "selector-profile", enroll.ProfileMeshCNI, "which labels enroll and opt out pods: mesh-cni (mesh-cni.io/dataplane-mode=enabled|disabled) or istio (istio.io/dataplane-mode=ambient|none)")
+	fs.StringVar(&e.kubeconfig, "kubeconfig", "", "kubeconfig of --enrollment=kubernetes (empty: the in-cluster service account); only the agent reads it, keep it mode 0600")
+	fs.StringVar(&e.nodeName, "node-name", "", "this node's name, scoping --enrollment=kubernetes to its pods (default: $NODE_NAME)")
+	fs.DurationVar(&e.apiTimeout, "api-timeout", enroll.DefaultAPITimeout, "how long an ADD waits for the API server when its pod is not cached yet before failing with the reason (keep it below --gate-timeout)")
+}
+
+// policy starts the chosen enrollment source; it runs until ctx is cancelled.
+func (e enrollOptions) policy(ctx context.Context, log *zap.Logger) (agent.Policy, error) {
+	log = log.Named("enrollment")
+	if _, err := enroll.ProfileSelectors(e.profile); err != nil {
+		return nil, fmt.Errorf("--selector-profile: %w", err)
+	}
+	switch e.mode {
+	case EnrollmentAll:
+		log.Info("every pod that reaches the agent is enrolled (--enrollment=all); choose file or kubernetes to select pods")
+		return agent.EnrollAll{}, nil
+	case EnrollmentFile:
+		src, err := enroll.StartFileSource(ctx, enroll.FileConfig{Path: e.policyFile, Profile: e.profile, Logger: log})
+		if err != nil {
+			return nil, fmt.Errorf("--policy-file: %w", err)
+		}
+		return src, nil
+	case EnrollmentKubernetes:
+		return e.kubeSource(ctx, log)
+	default:
+		return nil, fmt.Errorf("--enrollment=%q: want %s, %s or %s", e.mode, EnrollmentFile, EnrollmentKubernetes, EnrollmentAll)
+	}
+}
+
+func (e enrollOptions) kubeSource(ctx context.Context, log *zap.Logger) (agent.Policy, error) {
+	node := e.nodeName
+	if node == "" {
+		node = os.Getenv("NODE_NAME")
+	}
+	if node == "" {
+		return nil, fmt.Errorf("--enrollment=kubernetes needs --node-name or $NODE_NAME (the downward API's spec.nodeName)")
+	}
+	if e.apiTimeout <= 0 {
+		return nil, fmt.Errorf("--api-timeout must be positive")
+	}
+	sel, err := enroll.ProfileSelectors(e.profile)
+	if err != nil {
+		return nil, err
+	}
+	cfg, err := e.restConfig(log)
+	if err != nil {
+		return nil, err
+	}
+	cfg.UserAgent = "mesh-agent/" + node
+	client, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes client: %w", err)
+	}
+	src, err := enroll.StartKubeSource(ctx, enroll.KubeConfig{
+		Client: client, NodeName: node, Selectors: sel, APITimeout: e.apiTimeout, Logger: log,
+	})
+	if err != nil {
+		return nil, err
+	}
+	log.Info("enrollment follows Kubernetes labels", zap.String("node", node), zap.String("profile", sel.Profile), zap.String("api_host", cfg.Host))
+	return src, nil
+}
+
+func (e enrollOptions) restConfig(log *zap.Logger) (*rest.Config, error) {
+	if e.kubeconfig == "" {
+		cfg, err := rest.InClusterConfig()
+		if err != nil {
+			return nil, fmt.Errorf("--enrollment=kubernetes without --kubeconfig needs the in-cluster service account: %w", err)
+		}
+		return cfg, nil
+	}
+	if st, err := os.Stat(e.kubeconfig); err == nil && st.Mode().Perm()&0o077 != 0 {
+		// The credential is the agent's alone; nothing else on the node,
+		// the plugin included, is meant to read it.
+		log.Warn("--kubeconfig is readable by other users than its owner: make it mode 0600", zap.String("kubeconfig", e.kubeconfig), zap.Stringer("mode", st.Mode().Perm()))
+	}
+	cfg, err := clientcmd.BuildConfigFromFlags("", e.kubeconfig)
+	if err != nil {
+		return nil, fmt.Errorf("--kubeconfig %s: %w", e.kubeconfig, err)
+	}
+	return cfg, nil
+}

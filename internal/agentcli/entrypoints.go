@@ -1,0 +1,104 @@
+package agentcli
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/mesh-cni/mesh-cni/internal/agent"
+	"github.com/mesh-cni/mesh-cni/internal/kni"
+	"github.com/mesh-cni/mesh-cni/internal/nethook"
+	"github.com/mesh-cni/mesh-cni/pkg/gate"
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+)
+
+// entryOptions are the flags of the entry points beyond CNI.
+type entryOptions struct {
+	kniSocket        string
+	kniUpstream      string
+	kniEnrollTimeout time.Duration
+	hookSocket       string
+	hookPluginDir    string
+	hookName         string
+	hookPriority     int
+}
+
+// DefaultHookPluginDir is where containerd's network-plugin prototype looks for
+// registrations.
+const DefaultHookPluginDir = "/etc/containerd/net.d"
+
+func (e *entryOptions) register(fs *flag.FlagSet) {
+	fs.StringVar(&e.kniSocket, "kni-socket", "", "serve the KNI interposer on this socket (kubelet's KNI endpoint); empty: off")
+	fs.StringVar(&e.kniUpstream, "kni-upstream", "", "socket of the real KNI network runtime the interposer forwards to")
+	fs.DurationVar(&e.kniEnrollTimeout, "kni-enroll-timeout", gate.DefaultEnrollTimeout, "how long a KNI attach waits for the agent to enroll the pod")
+	fs.StringVar(&e.hookSocket, "hook-socket", "", "serve the containerd PodNetworkLifecycle hook on this socket; empty: off")
+	fs.StringVar(&e.hookPluginDir, "hook-plugin-dir", DefaultHookPluginDir, "directory where the hook's registration file is written")
+	fs.StringVar(&e.hookName, "hook-name", "mesh-cni", "name of the hook registration (file <name>.json)")
+	fs.IntVar(&e.hookPriority, "hook-priority", nethook.DefaultPriority, "hook priority: runs after plugins with a lower number (the primary)")
+}
+
+// entryPoints builds the KNI interposer and the hook from the flags.
+func (o options) entryPoints(log *zap.Logger) ([]agent.EntryPoint, error) {
+	var eps []agent.EntryPoint
+	// entry is the configuration both share; each sets its own socket.
+	entry := func(g gatepb.GateServer, ready func() (bool, string)) gate.EntryConfig {
+		return gate.EntryConfig{AllowedUIDs: o.allowedUIDs, Gate: g, Ready: ready, ExcludeNamespaces: o.excludeNamespaces}
+	}
+	if o.entry.kniSocket != "" {
+		if o.entry.kniUpstream == "" {
+			return nil, fmt.Errorf("--kni-socket needs --kni-upstream, the real network runtime's socket")
+		}
+		eps = append(eps, func(ctx context.Context, g gatepb.GateServer, ready func() (bool, string)) (func(), error) {
+			cfg := kni.Config{EntryConfig: entry(g, ready), UpstreamSocket: o.entry.kniUpstream}
+			cfg.SocketPath, cfg.EnrollTimeout = o.entry.kniSocket, o.entry.kniEnrollTimeout
+			srv, err := kni.New(ctx, log.Named("kni"), cfg)
+			if err != nil {
+				return nil, err
+			}
+			return o.serveInBackground(log, "kni interposer", srv), nil
+		})
+	}
+	if o.entry.hookSocket != "" {
+		eps = append(eps, func(ctx context.Context, g gatepb.GateServer, ready func() (bool, string)) (func(), error) {
+			cfg := nethook.Config{EntryConfig: entry(g, ready)}
+			cfg.SocketPath = o.entry.hookSocket
+			srv, err := nethook.New(ctx, log.Named("hook"), cfg)
+			if err != nil {
+				return nil, err
+			}
+			stop := o.serveInBackground(log, "network-plugin hook", srv)
+			// Registered only once the socket answers, so the runtime never dials a
+			// dead socket; left in place on shutdown (pods then wait, as with CNI).
+			path, err := nethook.WriteRegistration(o.entry.hookPluginDir, nethook.Registration{
+				Name: o.entry.hookName, Address: o.entry.hookSocket, Priority: o.entry.hookPriority,
+			})
+			if err != nil {
+				srv.Stop(0)
+				return nil, err
+			}
+			log.Info("network-plugin hook registered", zap.String("file", path))
+			return stop, nil
+		})
+	}
+	return eps, nil
+}
+
+// entryServer is an entry point's server.
+type entryServer interface {
+	Serve() error
+	Stop(grace time.Duration)
+}
+
+// serveInBackground serves srv until the returned function stops it, within
+// the agent's shutdown grace; a failure to serve is logged as name's.
+func (o options) serveInBackground(log *zap.Logger, name string, srv entryServer) func() {
+	go func() {
+		if err := srv.Serve(); err != nil {
+			log.Error(name+" stopped", zap.Error(err))
+		}
+	}()
+	return func() { srv.Stop(o.shutdownGrace) }
+}

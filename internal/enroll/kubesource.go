@@ -1,0 +1,478 @@
+package enroll
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/kubernetes"
+	corelisters "k8s.io/client-go/listers/core/v1"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/mesh-cni/mesh-cni/internal/agent"
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+)
+
+// Defaults of KubeConfig.
+const (
+	DefaultAPITimeout = 10 * time.Second
+	// perAttemptTimeout bounds one GET, so a black-holed API server still gets
+	// several tries within the APITimeout.
+	perAttemptTimeout = 3 * time.Second
+	firstRetryDelay   = 100 * time.Millisecond
+	maxRetryDelay     = time.Second
+)
+
+// KubeConfig configures a KubeSource.
+type KubeConfig struct {
+	// Client talks to the API server with the agent's own credentials.
+	Client kubernetes.Interface
+	// NodeName scopes the pod cache to this node (field selector spec.nodeName).
+	NodeName string
+	// Selectors decide from the labels; see ProfileSelectors.
+	Selectors Selectors
+	// APITimeout bounds how long Decide waits for the API server when a pod or
+	// namespace is not in the caches yet (the caller's deadline also applies).
+	// Keep it below the plugin's gateTimeout so the pod's ADD gets this clear
+	// error rather than a bare timeout. Default DefaultAPITimeout.
+	APITimeout time.Duration
+	Logger     *zap.Logger
+}
+
+// KubeSource is the Kubernetes enrollment source: shared informers on this
+// node's pods and on namespaces, label selectors, and a direct GET with bounded
+// retries for a pod the cache does not have yet. It never guesses: when the
+// answer cannot be known, Decide returns an error and the agent fails the ADD.
+// It implements agent.Policy and the agent's optional PolicyWatcher,
+// PolicySyncer and OutcomeReporter interfaces.
+type KubeSource struct {
+	cfg       KubeConfig
+	log       *zap.Logger
+	client    kubernetes.Interface
+	podInf    cache.SharedIndexInformer
+	nsInf     cache.SharedIndexInformer
+	pods      corelisters.PodLister
+	ns        corelisters.NamespaceLister
+	changed   *notifier
+	reporter  *reporter
+	cancel    context.CancelFunc
+	informers sync.WaitGroup
+
+	mu       sync.Mutex
+	watchErr map[string]error // by resource: the last list/watch error, for Synced's reason
+}
+
+var (
+	_ agent.Policy          = (*KubeSource)(nil)
+	_ agent.PolicyWatcher   = (*KubeSource)(nil)
+	_ agent.PolicySyncer    = (*KubeSource)(nil)
+	_ agent.OutcomeReporter = (*KubeSource)(nil)
+
+	_ agent.ServiceAccountSource = (*KubeSource)(nil)
+)
+
+// StartKubeSource starts the informers; they run until ctx is cancelled or
+// Close is called. It does not wait for them to sync: Synced says when they
+// have (the agent stays not ready until then).
+func StartKubeSource(ctx context.Context, cfg KubeConfig) (*KubeSource, error) {
+	if cfg.Client == nil {
+		return nil, errors.New("kubernetes enrollment source: no API client")
+	}
+	if cfg.NodeName == "" {
+		return nil, errors.New("kubernetes enrollment source: no node name (set --node-name or $NODE_NAME, e.g. from the downward API spec.nodeName)")
+	}
+	if cfg.Selectors.Profile == "" {
+		sel, err := ProfileSelectors("")
+		if err != nil {
+			return nil, err
+		}
+		cfg.Selectors = sel
+	}
+	if cfg.APITimeout <= 0 {
+		cfg.APITimeout = DefaultAPITimeout
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = zap.NewNop()
+	}
+	k := &KubeSource{
+		cfg:      cfg,
+		log:      cfg.Logger.With(zap.String("node", cfg.NodeName)),
+		client:   cfg.Client,
+		changed:  newNotifier(),
+		watchErr: map[string]error{},
+	}
+	onNode := fields.OneTermEqualSelector("spec.nodeName", cfg.NodeName).String()
+	pods := cfg.Client.CoreV1().Pods(metav1.NamespaceAll)
+	k.podInf = k.informer("pods", &corev1.Pod{},
+		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			o.FieldSelector = onNode
+			return pods.List(ctx, o)
+		},
+		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			o.FieldSelector = onNode
+			return pods.Watch(ctx, o)
+		})
+	k.pods = corelisters.NewPodLister(k.podInf.GetIndexer())
+	namespaces := cfg.Client.CoreV1().Namespaces()
+	k.nsInf = k.informer("namespaces", &corev1.Namespace{},
+		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			return namespaces.List(ctx, o)
+		},
+		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			return namespaces.Watch(ctx, o)
+		})
+	k.ns = corelisters.NewNamespaceLister(k.nsInf.GetIndexer())
+	for _, step := range []error{
+		k.podInf.SetTransform(trimPod),
+		k.nsInf.SetTransform(trimNamespace),
+		k.podInf.SetWatchErrorHandlerWithContext(k.watchError("pods")),
+		k.nsInf.SetWatchErrorHandlerWithContext(k.watchError("namespaces")),
+	} {
+		if step != nil {
+			return nil, fmt.Errorf("kubernetes enrollment source: %w", step)
+		}
+	}
+	if _, err := k.podInf.AddEventHandler(cache.ResourceEventHandlerDetailedFuncs{
+		AddFunc: func(_ any, initial bool) {
+			// A pod decided from a direct GET may have changed before the
+			// watch delivered it: the agent re-decides from the cache.
+			if !initial {
+				k.changed.notify()
+			}
+		},
+		UpdateFunc: k.podUpdated,
+		DeleteFunc: func(obj any) {
+			if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+				obj = tomb.Obj
+			}
+			if p, ok := obj.(*corev1.Pod); ok {
+				k.reporter.forget(p.Namespace, p.Name)
+			}
+		},
+	}); err != nil {
+		return nil, fmt.Errorf("kubernetes enrollment source: %w", err)
+	}
+	if _, err := k.nsInf.AddEventHandler(cache.ResourceEventHandlerDetailedFuncs{
+		AddFunc: func(_ any, initial bool) {
+			// A namespace made after the start may be one a pod waits on.
+			if !initial {
+				k.changed.notify()
+			}
+		},
+		UpdateFunc: k.namespaceUpdated,
+	}); err != nil {
+		return nil, fmt.Errorf("kubernetes enrollment source: %w", err)
+	}
+	ctx, k.cancel = context.WithCancel(ctx)
+	k.reporter = startReporter(ctx, k.log, cfg.Client, cfg.NodeName, k.cachedPod)
+	for _, inf := range []cache.SharedIndexInformer{k.podInf, k.nsInf} {
+		k.informers.Add(1)
+		go func() {
+			defer k.informers.Done()
+			inf.RunWithContext(ctx)
+		}()
+	}
+	return k, nil
+}
+
+// Close stops the informers and the outcome reporter and waits for them.
+// Outcomes still queued are dropped.
+func (k *KubeSource) Close() error {
+	k.cancel()
+	k.informers.Wait()
+	k.reporter.wait()
+	return nil
+}
+
+// informer is a shared informer whose list and watch calls record their
+// errors: the reflector retries a refused connection internally, without
+// telling its error handler, and "not synced" should say why.
+func (k *KubeSource) informer(resource string, example runtime.Object,
+	list func(context.Context, metav1.ListOptions) (runtime.Object, error),
+	watchFn func(context.Context, metav1.ListOptions) (watch.Interface, error)) cache.SharedIndexInformer {
+	lw := &cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			obj, err := list(ctx, o)
+			k.noteListWatch(resource, err)
+			return obj, err
+		},
+		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			w, err := watchFn(ctx, o)
+			k.noteListWatch(resource, err)
+			return w, err
+		},
+	}
+	return cache.NewSharedIndexInformer(lw, example, 0, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
+}
+
+func (k *KubeSource) noteListWatch(resource string, err error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if err == nil {
+		delete(k.watchErr, resource)
+		return
+	}
+	k.watchErr[resource] = fmt.Errorf("list/watch %s: %w", resource, err)
+}
+
+func (k *KubeSource) watchError(resource string) cache.WatchErrorHandlerWithContext {
+	return func(_ context.Context, _ *cache.Reflector, err error) {
+		k.noteListWatch(resource, err)
+		// The reflector backs off between attempts, which rate-limits this.
+		k.log.Warn("kubernetes enrollment source: list/watch failed, retrying", zap.String("resource", resource), zap.Error(err))
+	}
+}
+
+// Synced implements agent.PolicySyncer: both caches have their first full list.
+func (k *KubeSource) Synced() (bool, string) {
+	if k.podInf.HasSynced() && k.nsInf.HasSynced() {
+		return true, ""
+	}
+	why := "waiting for the pod (spec.nodeName=" + k.cfg.NodeName + ") and namespace caches to sync from the API server"
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	for _, resource := range []string{"pods", "namespaces"} {
+		if err := k.watchErr[resource]; err != nil {
+			why += "; " + err.Error()
+		}
+	}
+	return false, why
+}
+
+// Changed implements agent.PolicyWatcher: the channel is closed when a pod's or
+// namespace's labels change in a way that can change a decision.
+func (k *KubeSource) Changed() <-chan struct{} { return k.changed.wait() }
+
+func (k *KubeSource) podUpdated(oldObj, newObj any) {
+	o, ok1 := oldObj.(*corev1.Pod)
+	n, ok2 := newObj.(*corev1.Pod)
+	if !ok1 || !ok2 {
+		return
+	}
+	// Compared by outcome, not by labels: the agent's own annotation write
+	// (and every status change) must not wake a re-decision of every pod.
+	nsLabels := k.cachedNamespaceLabels(n.Namespace)
+	before := k.cfg.Selectors.Decide(o.Namespace, nsLabels, o.Labels, o.Annotations)
+	after := k.cfg.Selectors.Decide(n.Namespace, nsLabels, n.Labels, n.Annotations)
+	if before.Enroll != after.Enroll || o.UID != n.UID {
+		k.changed.notify()
+	}
+}
+
+func (k *KubeSource) namespaceUpdated(oldObj, newObj any) {
+	o, ok1 := oldObj.(*corev1.Namespace)
+	n, ok2 := newObj.(*corev1.Namespace)
+	if !ok1 || !ok2 {
+		return
+	}
+	_, before := k.cfg.Selectors.NamespaceEnabled(o.Name, o.Labels)
+	_, after := k.cfg.Selectors.NamespaceEnabled(n.Name, n.Labels)
+	if before != after {
+		k.changed.notify()
+	}
+}
+
+// Decide implements agent.Policy. Labels come from the caches (or a direct
+// GET), never from the request: only the API server's copy is authoritative.
+func (k *KubeSource) Decide(ctx context.Context, pod *gatepb.PodIdentity) (agent.Decision, error) {
+	ns, name, uid := pod.GetNamespace(), pod.GetName(), pod.GetUid()
+	if ns == "" || name == "" {
+		return agent.Decision{}, fmt.Errorf("the request names no pod (namespace %q, name %q; CNI_ARGS K8S_POD_NAMESPACE and K8S_POD_NAME): the Kubernetes enrollment source cannot look it up", ns, name)
+	}
+	if ok, why := k.Synced(); !ok {
+		return agent.Decision{}, fmt.Errorf("kubernetes enrollment source not synced: %s", why)
+	}
+	p, err := k.lookupPod(ctx, ns, name, uid)
+	if err != nil {
+		return agent.Decision{}, err
+	}
+	nsObj, err := k.lookupNamespace(ctx, ns)
+	if err != nil {
+		return agent.Decision{}, err
+	}
+	d := k.cfg.Selectors.Decide(ns, nsObj.Labels, p.Labels, p.Annotations)
+	d.ServiceAccount = serviceAccountOf(p)
+	return d, nil
+}
+
+// serviceAccountOf is the pod's service account as the API server admitted it:
+// its ServiceAccount admission sets "default" when the pod names none, so an
+// empty name means an object that did not pass admission.
+func serviceAccountOf(p *corev1.Pod) string {
+	return p.Spec.ServiceAccountName
+}
+
+// KnowsServiceAccounts implements agent.ServiceAccountSource.
+func (k *KubeSource) KnowsServiceAccounts() bool { return true }
+
+func (k *KubeSource) cachedPod(ns, name string) *corev1.Pod {
+	p, err := k.pods.Pods(ns).Get(name)
+	if err != nil {
+		return nil
+	}
+	return p
+}
+
+func (k *KubeSource) cachedNamespaceLabels(ns string) map[string]string {
+	n, err := k.ns.Get(ns)
+	if err != nil {
+		return nil
+	}
+	return n.Labels
+}
+
+func (k *KubeSource) lookupPod(ctx context.Context, ns, name, uid string) (*corev1.Pod, error) {
+	fromCache := func() (*corev1.Pod, bool) {
+		p := k.cachedPod(ns, name)
+		// A cached pod with another uid is the previous pod of that name (a
+		// StatefulSet re-creating it) and the watch has not caught up.
+		return p, p != nil && (uid == "" || string(p.UID) == uid)
+	}
+	if p, ok := fromCache(); ok {
+		return p, nil
+	}
+	what := fmt.Sprintf("pod %s/%s", ns, name)
+	return getWithRetry(ctx, k.cfg.APITimeout, what, fromCache, func(ctx context.Context) (*corev1.Pod, error) {
+		p, err := k.client.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return nil, err
+		}
+		if uid != "" && string(p.UID) != uid {
+			return nil, permanent(fmt.Errorf("%s has uid %s in the API server, not %s: the pod being added was deleted", what, p.UID, uid))
+		}
+		return p, nil
+	})
+}
+
+func (k *KubeSource) lookupNamespace(ctx context.Context, ns string) (*corev1.Namespace, error) {
+	fromCache := func() (*corev1.Namespace, bool) {
+		n, err := k.ns.Get(ns)
+		return n, err == nil
+	}
+	if n, ok := fromCache(); ok {
+		return n, nil
+	}
+	return getWithRetry(ctx, k.cfg.APITimeout, "namespace "+ns, fromCache, func(ctx context.Context) (*corev1.Namespace, error) {
+		return k.client.CoreV1().Namespaces().Get(ctx, ns, metav1.GetOptions{})
+	})
+}
+
+type permanentError struct{ error }
+
+func (e permanentError) Unwrap() error { return e.error }
+
+func permanent(err error) error { return permanentError{err} }
+
+// getWithRetry asks the API server for an object the cache lacks, retrying
+// (and looking in the cache again between tries, where the watch may have put
+// it meanwhile) until it answers or timeout passes. Not found is retried too:
+// an object can reach this node's runtime before the API server's answer
+// settles for a brand-new pod, and a wrong "no" would be a guess.
+func getWithRetry[T any](ctx context.Context, timeout time.Duration, what string, cached func() (T, bool), get func(context.Context) (T, error)) (T, error) {
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	var (
+		obj      T
+		attempts int
+		lastErr  error
+	)
+	// The delay runs from the end of one try to the start of the next
+	// (sliding), as a try can take up to perAttemptTimeout.
+	retry := wait.Backoff{Duration: firstRetryDelay, Factor: 2, Cap: maxRetryDelay, Steps: math.MaxInt32}
+	err := retry.DelayFunc().Until(ctx, true, true, func(ctx context.Context) (bool, error) {
+		if attempts > 0 {
+			if o, ok := cached(); ok {
+				obj = o
+				return true, nil
+			}
+		}
+		attempts++
+		actx, acancel := context.WithTimeout(ctx, perAttemptTimeout)
+		o, err := get(actx)
+		acancel()
+		if err == nil {
+			obj = o
+			return true, nil
+		}
+		var perm permanentError
+		if errors.As(err, &perm) {
+			return false, perm.error
+		}
+		lastErr = err
+		return false, nil
+	})
+	var zero T
+	switch {
+	case err == nil:
+		return obj, nil
+	case lastErr != nil && errors.Is(err, ctx.Err()):
+		return zero, unknownError(what, start, attempts, lastErr)
+	default:
+		return zero, err
+	}
+}
+
+func unknownError(what string, start time.Time, attempts int, lastErr error) error {
+	waited := time.Since(start).Round(10 * time.Millisecond)
+	if apierrors.IsNotFound(lastErr) {
+		return fmt.Errorf("cannot decide enrollment: %s is not in the agent's cache and the API server does not know it (asked %d times over %s); refusing to start the pod unmeshed: %w",
+			what, attempts, waited, lastErr)
+	}
+	return fmt.Errorf("cannot decide enrollment: %s is not in the agent's cache and the API server did not answer (asked %d times over %s); refusing to start the pod unmeshed: %w",
+		what, attempts, waited, lastErr)
+}
+
+// Report implements agent.OutcomeReporter: the outcome is written to the pod's
+// mesh-cni.io/redirection annotation, and a failure also becomes a Warning
+// Event on the pod. It only queues: the writes happen in the background, with
+// retries.
+func (k *KubeSource) Report(_ context.Context, pod *gatepb.PodIdentity, outcome string, err error) {
+	k.reporter.report(pod.GetNamespace(), pod.GetName(), pod.GetUid(), outcome, err)
+}
+
+// trimPod keeps what decisions and the proxy handoff need: the cache then holds a small fraction of
+// each pod (no spec, status or managed fields).
+func trimPod(obj any) (any, error) {
+	p, ok := obj.(*corev1.Pod)
+	if !ok {
+		return obj, nil
+	}
+	return &corev1.Pod{
+		TypeMeta:   p.TypeMeta,
+		ObjectMeta: trimMeta(p.ObjectMeta),
+		// The service account goes to the node proxy with the pod (ZDS).
+		Spec: corev1.PodSpec{NodeName: p.Spec.NodeName, ServiceAccountName: p.Spec.ServiceAccountName},
+	}, nil
+}
+
+func trimNamespace(obj any) (any, error) {
+	n, ok := obj.(*corev1.Namespace)
+	if !ok {
+		return obj, nil
+	}
+	return &corev1.Namespace{TypeMeta: n.TypeMeta, ObjectMeta: trimMeta(n.ObjectMeta)}, nil
+}
+
+func trimMeta(m metav1.ObjectMeta) metav1.ObjectMeta {
+	return metav1.ObjectMeta{
+		Name:              m.Name,
+		Namespace:         m.Namespace,
+		UID:               m.UID,
+		ResourceVersion:   m.ResourceVersion,
+		DeletionTimestamp: m.DeletionTimestamp,
+		Labels:            m.Labels,
+		Annotations:       m.Annotations,
+	}
+}

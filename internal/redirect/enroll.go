@@ -1,0 +1,386 @@
+package redirect
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"go.uber.org/zap"
+
+	"github.com/mesh-cni/mesh-cni/internal/netns"
+)
+
+// Target is a pod to enroll.
+type Target struct {
+	// NetnsPath is the pod's network namespace (/proc/PID/ns/net or a bind mount).
+	NetnsPath string
+	Settings  Settings
+}
+
+// Enrollment is one enrolled pod, as the data path holds it.
+type Enrollment struct {
+	Cookie uint64
+	// NetnsInode is the inode of the namespace its inbound capture is attached
+	// to (0 when the link is missing).
+	NetnsInode uint64
+	Settings   Settings // normalized: sorted, deduplicated, masked
+}
+
+// Enroll puts redirection in place for the pod: its sk_lookup program attached to
+// its network namespace (pinned under PinRoot/pods/<cookie>/), then — last — the
+// settings entry every program keys on, so the pod is redirected in both directions
+// at once or not at all. It refuses the node's own namespace. Enrolling again with
+// the same or new settings is safe: an intact link is kept, one from an earlier
+// version is replaced.
+//
+// The namespace file is opened once, checked, and that descriptor is used for
+// every later step, so the path cannot be swapped between the check and the use.
+func (d *Datapath) Enroll(ctx context.Context, t Target) (Enrollment, error) {
+	if err := t.Settings.Validate(); err != nil {
+		return Enrollment{}, err
+	}
+	s := t.Settings.normalized()
+	nsFile, err := netns.Open(t.NetnsPath)
+	if err != nil {
+		return Enrollment{}, fmt.Errorf("enroll: %w", err)
+	}
+	defer nsFile.Close()
+	nsFd := int(nsFile.Fd())
+	ino, err := netns.InodeFd(nsFd)
+	if err != nil {
+		return Enrollment{}, fmt.Errorf("enroll %s: %w", t.NetnsPath, err)
+	}
+	// One visit to the pod's namespace: its cookie, and whether a proxy already
+	// listens there (which sockops would not have seen start).
+	var (
+		cookie    uint64
+		listening bool
+	)
+	err = netns.DoFd(nsFd, func() error {
+		var err error
+		if cookie, err = netns.CurrentCookie(); err != nil {
+			return fmt.Errorf("netns cookie: %w", err)
+		}
+		listening, err = listenerOnPort(s.InboundPort)
+		return err
+	})
+	if err != nil {
+		return Enrollment{}, fmt.Errorf("enroll %s: %w", t.NetnsPath, err)
+	}
+	if d.isNodeCookie(cookie) {
+		return Enrollment{}, fmt.Errorf("enroll %s: %w", t.NetnsPath, ErrNodeNamespace)
+	}
+	log := d.log.With(zap.Uint64("cookie", cookie), zap.String("netns", t.NetnsPath))
+
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	if d.closed {
+		return Enrollment{}, ErrClosed
+	}
+	defer d.pods.lock(cookie)()
+	if err := ctx.Err(); err != nil {
+		return Enrollment{}, err
+	}
+
+	var old redirectPodSettings
+	wasEnrolled := d.objs.Pods.Lookup(cookie, &old) == nil
+	podDir := d.pins.pod(cookie)
+	if err := os.MkdirAll(podDir, 0o700); err != nil {
+		return Enrollment{}, fmt.Errorf("enroll: create %s: %w", podDir, err)
+	}
+	existing, err := readPodPins(podDir)
+	if err != nil {
+		return Enrollment{}, fmt.Errorf("enroll: %w", err)
+	}
+	pin := filepath.Join(podDir, lookupPinName(ino))
+	created, err := d.attachLookup(cookie, nsFd, ino, pin, existing)
+	if err != nil {
+		if !wasEnrolled {
+			_ = os.Remove(podDir) // only succeeds when empty
+		}
+		return Enrollment{}, fmt.Errorf("enroll %s: %w", t.NetnsPath, err)
+	}
+	rollback := func() {
+		if created {
+			if err := detachPinned(pin); err != nil {
+				log.Warn("roll back sk_lookup link", zap.Error(err))
+			}
+		}
+		if !wasEnrolled {
+			_ = os.Remove(podDir)
+		}
+	}
+	if err := d.addListenPorts(s.InboundPort); err != nil {
+		rollback()
+		return Enrollment{}, fmt.Errorf("enroll %s: %w", t.NetnsPath, err)
+	}
+	// A proxy that was already listening before the pod's first enrollment (or
+	// before this data path existed) was not seen by sockops.
+	if listening {
+		if err := d.collectExisting(nsFd, cookie, s.InboundPort); err != nil {
+			log.Warn("collect existing inbound listeners", zap.Error(err))
+		}
+	}
+
+	err = func() error {
+		d.mapMu.Lock()
+		defer d.mapMu.Unlock()
+		var prev *redirectPodSettings
+		if wasEnrolled {
+			prev = &old
+		}
+		return d.putPod(cookie, s, prev)
+	}()
+	if err != nil {
+		rollback()
+		return Enrollment{}, fmt.Errorf("enroll %s: %w", t.NetnsPath, err)
+	}
+
+	// The entry is in place: now drop links this enrollment does not use (an
+	// earlier version's per-interface links, a link to a namespace inode that is
+	// no longer the pod's).
+	for _, p := range existing.all() {
+		if p != pin {
+			if err := detachPinned(p); err != nil {
+				log.Warn("remove an earlier link", zap.String("pin", p), zap.Error(err))
+			}
+		}
+	}
+	log.Info("enrolled", zap.Bool("update", wasEnrolled))
+	return Enrollment{Cookie: cookie, NetnsInode: ino, Settings: s}, nil
+}
+
+// attachLookup makes pin the pod's intact sk_lookup link: kept when it is, updated
+// in place when it runs another program, attached otherwise. created reports a new
+// attachment (for rollback).
+func (d *Datapath) attachLookup(cookie uint64, nsFd int, ino uint64, pin string, existing podPins) (created bool, _ error) {
+	if existing.lookup != nil && existing.lookup.path == pin {
+		if d.checkLookup(cookie, pin, ino) == nil {
+			return false, nil
+		}
+		if err := d.refreshLookup(cookie, pin); err == nil && d.checkLookup(cookie, pin, ino) == nil {
+			return false, nil
+		}
+		if err := detachPinned(pin); err != nil {
+			return false, err
+		}
+	}
+	prog, err := d.lookup.load(cookie)
+	if err != nil {
+		return false, err
+	}
+	defer prog.Close()
+	l, err := link.AttachNetNs(nsFd, prog)
+	if err != nil {
+		return false, fmt.Errorf("attach sk_lookup to netns: %w", err)
+	}
+	err = l.Pin(pin)
+	l.Close() // once pinned, the pin holds the link
+	if err != nil {
+		return false, fmt.Errorf("pin sk_lookup link: %w", err)
+	}
+	return true, nil
+}
+
+// Release removes the pod's redirection: the settings entry first (every program
+// stops acting on the netns at once), then its CIDR set references, links and pins.
+// It needs only the cookie, so it works after the netns is gone, and it is
+// idempotent.
+func (d *Datapath) Release(ctx context.Context, cookie uint64) error {
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	if d.closed {
+		return ErrClosed
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	defer d.pods.lock(cookie)()
+	err := func() error {
+		d.mapMu.Lock()
+		defer d.mapMu.Unlock()
+		return d.deletePod(cookie)
+	}()
+	if err != nil {
+		return fmt.Errorf("release %d: %w", cookie, err)
+	}
+	if err := removeLinkDir(d.pins.pod(cookie)); err != nil {
+		return fmt.Errorf("release %d: %w", cookie, err)
+	}
+	d.log.Info("released", zap.Uint64("cookie", cookie))
+	return nil
+}
+
+// Check reports whether the pod's redirection is intact: the settings entry exists,
+// the pod's sk_lookup link is attached to its namespace and runs its program, and
+// the cgroup programs are attached. The error says everything that is missing.
+// interfaces is accepted for callers that track them; inbound capture is per
+// namespace, so every interface of the pod is covered by the one link.
+func (d *Datapath) Check(ctx context.Context, cookie uint64, interfaces []string) error {
+	_ = interfaces
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	if d.closed {
+		return ErrClosed
+	}
+	defer d.pods.lock(cookie)()
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	var s redirectPodSettings
+	if err := d.objs.Pods.Lookup(cookie, &s); err != nil {
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			return fmt.Errorf("netns cookie %d: %w", cookie, ErrNotEnrolled)
+		}
+		return fmt.Errorf("check %d: %w", cookie, err)
+	}
+	pp, err := readPodPins(d.pins.pod(cookie))
+	if err != nil {
+		return fmt.Errorf("check %d: %w", cookie, err)
+	}
+	var errs []error
+	switch {
+	case pp.lookup != nil:
+		if err := d.checkLookup(cookie, pp.lookup.path, pp.lookup.ino); err != nil {
+			errs = append(errs, fmt.Errorf("inbound capture: %w", err))
+		}
+	case len(pp.legacy) > 0:
+		errs = append(errs, fmt.Errorf("inbound capture still by an earlier version's per-interface links: %w", ErrLinkBroken))
+	default:
+		errs = append(errs, fmt.Errorf("no inbound capture link: %w", ErrLinkBroken))
+	}
+	errs = append(errs, d.checkCgroupLinks())
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("netns cookie %d: %w", cookie, err)
+	}
+	return nil
+}
+
+// checkCgroupLinks verifies the socket programs are still attached to the cgroup
+// (something other than this Datapath, such as Uninstall, may have detached them).
+func (d *Datapath) checkCgroupLinks() error {
+	var errs []error
+	for _, h := range cgroupHooks {
+		l := d.cgLinks[h.name]
+		if l == nil {
+			errs = append(errs, fmt.Errorf("cgroup link %s missing", h.name))
+			continue
+		}
+		info, err := l.Info()
+		if err != nil {
+			errs = append(errs, fmt.Errorf("cgroup link %s: %w", h.name, err))
+			continue
+		}
+		if cg := info.Cgroup(); cg == nil || cg.CgroupId == 0 {
+			errs = append(errs, fmt.Errorf("cgroup link %s is detached", h.name))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// List returns every enrolled pod, read back from the pinned maps and pins, so an
+// agent that restarted sees what its predecessor enrolled. Sorted by cookie.
+func (d *Datapath) List(ctx context.Context) ([]Enrollment, error) {
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	if d.closed {
+		return nil, ErrClosed
+	}
+	d.mapMu.Lock()
+	defer d.mapMu.Unlock()
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	var (
+		out    []Enrollment
+		cookie uint64
+		value  redirectPodSettings
+	)
+	it := d.objs.Pods.Iterate()
+	for it.Next(&cookie, &value) {
+		e := Enrollment{
+			Cookie:   cookie,
+			Settings: d.settingsOf(value),
+		}
+		pp, err := readPodPins(d.pins.pod(cookie))
+		if err != nil {
+			return nil, fmt.Errorf("list: %w", err)
+		}
+		if pp.lookup != nil {
+			e.NetnsInode = pp.lookup.ino
+		}
+		out = append(out, e)
+	}
+	if err := it.Err(); err != nil {
+		return nil, fmt.Errorf("list pods: %w", err)
+	}
+	slices.SortFunc(out, func(a, b Enrollment) int { return cmpUint64(a.Cookie, b.Cookie) })
+	return out, nil
+}
+
+func cmpUint64(a, b uint64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+// podPins are the pins in one pod's directory.
+type podPins struct {
+	lookup *lookupPin
+	// legacy are per-interface links of an earlier version (tcx_<ifindex>_<name>)
+	// and anything else found there.
+	legacy []string
+}
+
+type lookupPin struct {
+	path string
+	ino  uint64
+}
+
+func (p podPins) all() []string {
+	out := slices.Clone(p.legacy)
+	if p.lookup != nil {
+		out = append(out, p.lookup.path)
+	}
+	return out
+}
+
+// readPodPins lists a pod's pins. A missing directory is an empty list. With more
+// than one lookup link (a namespace inode that changed), the others count as legacy.
+func readPodPins(dir string) (podPins, error) {
+	var pp podPins
+	entries, err := os.ReadDir(dir)
+	if errors.Is(err, os.ErrNotExist) {
+		return pp, nil
+	}
+	if err != nil {
+		return pp, fmt.Errorf("list pins in %s: %w", dir, err)
+	}
+	for _, e := range entries {
+		path := filepath.Join(dir, e.Name())
+		if v, ok := strings.CutPrefix(e.Name(), "lookup_"); ok {
+			if ino, err := strconv.ParseUint(v, 10, 64); err == nil && ino != 0 && pp.lookup == nil {
+				pp.lookup = &lookupPin{path: path, ino: ino}
+				continue
+			}
+		}
+		pp.legacy = append(pp.legacy, path)
+	}
+	return pp, nil
+}
+
+func parseCookie(s string) (uint64, bool) {
+	c, err := strconv.ParseUint(s, 10, 64)
+	return c, err == nil && c != 0
+}

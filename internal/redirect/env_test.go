@@ -1,0 +1,419 @@
+package redirect
+
+import (
+	"bufio"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/vishvananda/netlink"
+	"go.uber.org/zap/zaptest"
+	"golang.org/x/sys/unix"
+
+	"github.com/mesh-cni/mesh-cni/internal/netns"
+)
+
+// Test topology: two pod network namespaces joined by a veth pair, each end named
+// eth0 inside its pod. All addresses live only inside these namespaces.
+var (
+	podAddr4 = [2]netip.Addr{netip.MustParseAddr("10.77.0.1"), netip.MustParseAddr("10.77.0.2")}
+	podAddr6 = [2]netip.Addr{netip.MustParseAddr("fd00:77::1"), netip.MustParseAddr("fd00:77::2")}
+)
+
+const (
+	testMark = 0x539
+	ifName   = "eth0"
+)
+
+func requireRoot(t testing.TB) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (BPF, network namespaces, bpffs)")
+	}
+}
+
+// pod is a test network namespace.
+type pod struct {
+	name   string
+	path   string
+	cookie uint64
+	addr4  netip.Addr
+	addr6  netip.Addr
+}
+
+func newNetns(t testing.TB, name string) *pod {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), name)
+	if err := netns.Create(path); err != nil {
+		t.Fatalf("create netns: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := netns.Remove(path); err != nil {
+			t.Errorf("remove netns %s: %v", path, err)
+		}
+	})
+	cookie, err := netns.Cookie(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &pod{name: name, path: path, cookie: cookie}
+	p.do(t, func() error {
+		lo, err := netlink.LinkByName("lo")
+		if err != nil {
+			return err
+		}
+		return netlink.LinkSetUp(lo)
+	})
+	return p
+}
+
+// newPodPair makes pods a and b with eth0 <-> eth0 and addresses 10.77.0.1/.2 and
+// fd00:77::1/::2.
+func newPodPair(t testing.TB) (a, b *pod) {
+	t.Helper()
+	a, b = newNetns(t, "a"), newNetns(t, "b")
+	a.addr4, a.addr6 = podAddr4[0], podAddr6[0]
+	b.addr4, b.addr6 = podAddr4[1], podAddr6[1]
+	bFile, err := os.Open(b.path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer bFile.Close()
+	a.do(t, func() error {
+		veth := &netlink.Veth{
+			LinkAttrs:     netlink.LinkAttrs{Name: ifName},
+			PeerName:      ifName,
+			PeerNamespace: netlink.NsFd(int(bFile.Fd())),
+		}
+		if err := netlink.LinkAdd(veth); err != nil {
+			return fmt.Errorf("add veth: %w", err)
+		}
+		return nil
+	})
+	for _, p := range []*pod{a, b} {
+		p.do(t, func() error {
+			for _, pfx := range []netip.Prefix{netip.PrefixFrom(p.addr4, 24), netip.PrefixFrom(p.addr6, 64)} {
+				if err := addAddr(ifName, pfx); err != nil {
+					return err
+				}
+			}
+			l, err := netlink.LinkByName(ifName)
+			if err != nil {
+				return err
+			}
+			return netlink.LinkSetUp(l)
+		})
+	}
+	// Until the kernel's link watcher has seen the carrier, a veth drops what it is
+	// given (the first neighbor solicitation would be lost and retried a second
+	// later): wait for both ends to be operationally up.
+	for _, p := range []*pod{a, b} {
+		p.do(t, func() error { return waitOperUp(ifName, 10*time.Second) })
+	}
+	return a, b
+}
+
+func waitOperUp(ifname string, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		l, err := netlink.LinkByName(ifname)
+		if err != nil {
+			return err
+		}
+		if l.Attrs().OperState == netlink.OperUp {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s not up after %s (state %s)", ifname, timeout, l.Attrs().OperState)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// addAddr adds an address to an interface of the calling thread's netns.
+func addAddr(ifname string, pfx netip.Prefix) error {
+	l, err := netlink.LinkByName(ifname)
+	if err != nil {
+		return err
+	}
+	ipn := &net.IPNet{IP: pfx.Addr().AsSlice(), Mask: net.CIDRMask(pfx.Bits(), pfx.Addr().BitLen())}
+	// NODAD: the address is usable at once, no duplicate detection wait.
+	if err := netlink.AddrAdd(l, &netlink.Addr{IPNet: ipn, Flags: unix.IFA_F_NODAD}); err != nil {
+		return fmt.Errorf("add %s to %s: %w", pfx, ifname, err)
+	}
+	return nil
+}
+
+func (p *pod) do(t testing.TB, fn func() error) {
+	t.Helper()
+	if err := netns.Do(p.path, fn); err != nil {
+		t.Fatalf("in netns %s: %v", p.name, err)
+	}
+}
+
+// listen opens a TCP listener inside the pod. MPTCP is off: Go listens with MPTCP
+// by default, proxies like ztunnel and Envoy use plain TCP.
+func (p *pod) listen(t testing.TB, addr string) net.Listener {
+	t.Helper()
+	var ln net.Listener
+	p.do(t, func() error {
+		var lc net.ListenConfig
+		lc.SetMultipathTCP(false)
+		var err error
+		ln, err = lc.Listen(context.Background(), "tcp", addr)
+		return err
+	})
+	t.Cleanup(func() { ln.Close() })
+	return ln
+}
+
+// dialOpts tune a test connect.
+type dialOpts struct {
+	mark    uint32
+	timeout time.Duration
+	mptcp   bool
+}
+
+// dial connects from inside the pod. The socket belongs to the pod netns; the
+// connect runs on the same pod thread.
+func (p *pod) dial(addr string, o dialOpts) (net.Conn, error) {
+	var conn net.Conn
+	timeout := o.timeout
+	if timeout == 0 {
+		timeout = 5 * time.Second
+	}
+	err := netns.Do(p.path, func() error {
+		d := net.Dialer{Timeout: timeout}
+		d.SetMultipathTCP(o.mptcp)
+		if o.mark != 0 {
+			d.Control = func(_, _ string, c syscall.RawConn) error {
+				var serr error
+				if err := c.Control(func(fd uintptr) {
+					serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, int(o.mark))
+				}); err != nil {
+					return err
+				}
+				return serr
+			}
+		}
+		var err error
+		conn, err = d.Dial("tcp", addr)
+		return err
+	})
+	return conn, err
+}
+
+// fetch connects from the pod and reads every line the other end sends.
+func (p *pod) fetch(addr string, o dialOpts) ([]string, net.Addr, error) {
+	conn, err := p.dial(addr, o)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer conn.Close()
+	lines, err := readLines(conn)
+	return lines, conn.RemoteAddr(), err
+}
+
+func readLines(conn net.Conn) ([]string, error) {
+	if err := conn.SetDeadline(time.Now().Add(10 * time.Second)); err != nil {
+		return nil, err
+	}
+	var lines []string
+	sc := bufio.NewScanner(conn)
+	for sc.Scan() {
+		lines = append(lines, sc.Text())
+	}
+	return lines, sc.Err()
+}
+
+// serve runs handle for every connection ln accepts until the test ends.
+func serve(t testing.TB, ln net.Listener, handle func(net.Conn)) {
+	var wg sync.WaitGroup
+	t.Cleanup(func() {
+		ln.Close()
+		wg.Wait()
+	})
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer conn.Close()
+				handle(conn)
+			}()
+		}
+	}()
+}
+
+// startOutboundProxy listens on the pod's outbound port (dual-stack wildcard), reads
+// SO_ORIGINAL_DST, answers "OUT <orig>" and then relays what the original
+// destination says when dialed with the proxy mark from inside the pod.
+func startOutboundProxy(t testing.TB, p *pod, port uint16) {
+	ln := p.listen(t, fmt.Sprintf("[::]:%d", port))
+	serve(t, ln, func(conn net.Conn) {
+		orig, err := originalDst(conn)
+		if err != nil {
+			fmt.Fprintf(conn, "OUT ERR %v\n", err)
+			return
+		}
+		fmt.Fprintf(conn, "OUT %s\n", orig)
+		up, err := p.dial(orig.String(), dialOpts{mark: testMark})
+		if err != nil {
+			fmt.Fprintf(conn, "UPSTREAM ERR %v\n", err)
+			return
+		}
+		defer up.Close()
+		_ = up.SetDeadline(time.Now().Add(10 * time.Second))
+		_, _ = io.Copy(conn, up)
+	})
+}
+
+// startInboundProxy listens on the pod's inbound port and answers "IN <orig>".
+func startInboundProxy(t testing.TB, p *pod, port uint16) {
+	ln := p.listen(t, fmt.Sprintf("[::]:%d", port))
+	serve(t, ln, func(conn net.Conn) {
+		orig, err := originalDst(conn)
+		if err != nil {
+			fmt.Fprintf(conn, "IN ERR %v\n", err)
+			return
+		}
+		fmt.Fprintf(conn, "IN %s\n", orig)
+	})
+}
+
+// startApp listens on a pod port and answers "APP <local address>".
+func startApp(t testing.TB, p *pod, port uint16) {
+	ln := p.listen(t, fmt.Sprintf("[::]:%d", port))
+	serve(t, ln, func(conn net.Conn) {
+		fmt.Fprintf(conn, "APP %s\n", unmapAddrPort(conn.LocalAddr()))
+	})
+}
+
+func unmapAddrPort(a net.Addr) netip.AddrPort {
+	ap, err := netip.ParseAddrPort(a.String())
+	if err != nil {
+		return netip.AddrPort{}
+	}
+	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
+}
+
+// originalDst asks the way iptables-era proxies do: SOL_IP/SO_ORIGINAL_DST for an
+// IPv4 (or IPv4-mapped) connection, SOL_IPV6/IP6T_SO_ORIGINAL_DST for IPv6.
+func originalDst(conn net.Conn) (netip.AddrPort, error) {
+	rc, err := conn.(*net.TCPConn).SyscallConn()
+	if err != nil {
+		return netip.AddrPort{}, err
+	}
+	local := unmapAddrPort(conn.LocalAddr())
+	var (
+		out  netip.AddrPort
+		gerr error
+	)
+	err = rc.Control(func(fd uintptr) {
+		out, gerr = getOriginalDst(int(fd), local.Addr().Is4())
+	})
+	if err != nil {
+		return netip.AddrPort{}, err
+	}
+	return out, gerr
+}
+
+func getOriginalDst(fd int, v4 bool) (netip.AddrPort, error) {
+	if v4 {
+		var buf [16]byte
+		n := uint32(len(buf))
+		if err := getsockopt(fd, unix.SOL_IP, unix.SO_ORIGINAL_DST, buf[:], &n); err != nil {
+			return netip.AddrPort{}, fmt.Errorf("SO_ORIGINAL_DST: %w", err)
+		}
+		if n != 16 || binary.NativeEndian.Uint16(buf[0:]) != unix.AF_INET {
+			return netip.AddrPort{}, fmt.Errorf("SO_ORIGINAL_DST: bad sockaddr_in (len %d)", n)
+		}
+		return netip.AddrPortFrom(netip.AddrFrom4([4]byte(buf[4:8])), binary.BigEndian.Uint16(buf[2:])), nil
+	}
+	var buf [28]byte
+	n := uint32(len(buf))
+	if err := getsockopt(fd, unix.SOL_IPV6, ip6tSoOriginalDst, buf[:], &n); err != nil {
+		return netip.AddrPort{}, fmt.Errorf("IP6T_SO_ORIGINAL_DST: %w", err)
+	}
+	if n != 28 || binary.NativeEndian.Uint16(buf[0:]) != unix.AF_INET6 {
+		return netip.AddrPort{}, fmt.Errorf("IP6T_SO_ORIGINAL_DST: bad sockaddr_in6 (len %d)", n)
+	}
+	return netip.AddrPortFrom(netip.AddrFrom16([16]byte(buf[8:24])), binary.BigEndian.Uint16(buf[2:])), nil
+}
+
+func getsockopt(fd, level, name int, buf []byte, n *uint32) error {
+	_, _, errno := unix.Syscall6(unix.SYS_GETSOCKOPT, uintptr(fd), uintptr(level), uintptr(name),
+		uintptr(unsafe.Pointer(&buf[0])), uintptr(unsafe.Pointer(n)), 0)
+	if errno != 0 {
+		return errno
+	}
+	return nil
+}
+
+// testDatapath opens a Datapath on its own bpffs in a temporary directory and
+// uninstalls it (unmounting the bpffs) when the test ends.
+func testDatapath(t testing.TB) (*Datapath, Config) {
+	t.Helper()
+	cfg := Config{PinRoot: filepath.Join(t.TempDir(), "bpf"), Logger: zaptest.NewLogger(t)}
+	d, err := Open(context.Background(), cfg)
+	if err != nil {
+		t.Fatalf("open: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := d.Close(); err != nil {
+			t.Errorf("close: %v", err)
+		}
+		if err := Uninstall(context.Background(), cfg); err != nil {
+			t.Errorf("uninstall: %v", err)
+		}
+		if _, err := os.Stat(cfg.PinRoot); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("pin root %s still there after uninstall (%v)", cfg.PinRoot, err)
+			_ = unix.Unmount(cfg.PinRoot, unix.MNT_DETACH)
+		}
+	})
+	return d, cfg
+}
+
+func enroll(t testing.TB, d *Datapath, p *pod, s Settings) Enrollment {
+	t.Helper()
+	e, err := d.Enroll(context.Background(), Target{NetnsPath: p.path, Settings: s})
+	if err != nil {
+		t.Fatalf("enroll %s: %v", p.name, err)
+	}
+	return e
+}
+
+func hostPort(a netip.Addr, port uint16) string {
+	return netip.AddrPortFrom(a, port).String()
+}
+
+func joinLines(lines []string) string { return strings.Join(lines, " | ") }
+
+// ip6tSoOriginalDst is IP6T_SO_ORIGINAL_DST (linux/netfilter_ipv6/ip6_tables.h).
+const ip6tSoOriginalDst = 80
+
+// testSettings are the defaults with the proxy known by its mark (an opt-in): the
+// tests' proxies run in the test process, in its cgroup, and mark their connects.
+func testSettings() Settings {
+	s := DefaultSettings()
+	s.ProxyMark, s.ProxyMarkMask = ZtunnelMark, ZtunnelMarkMask
+	return s
+}
