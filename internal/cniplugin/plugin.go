@@ -70,7 +70,7 @@ func (p Plugin) guard(fn func(*skel.CmdArgs) error) func(*skel.CmdArgs) error {
 
 func (p Plugin) logger(conf *NetConf, args *skel.CmdArgs, cmd string) (*logger, func()) {
 	lvl, _ := parseLevel(conf.LogLevel) // validated in parseConfig
-	var out io.Writer = p.Stderr
+	out := p.Stderr
 	closeFn := func() {}
 	var openErr error
 	if conf.LogFile != "" {

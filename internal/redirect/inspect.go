@@ -47,7 +47,7 @@ type Snapshot struct {
 	Counters Counters    `json:"counters"`
 }
 
-// ErrNotInstalled: nothing is pinned under the root.
+// ErrNotInstalled is returned when nothing is pinned under the root.
 var ErrNotInstalled = errors.New("no data path is pinned there")
 
 // Inspect reads the data path pinned under pinRoot, read-only.
