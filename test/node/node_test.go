@@ -296,15 +296,22 @@ func (s *scenario) proxied(t *testing.T, pod string, dir proxy.Direction) []prox
 
 // connections counts a client's round trips: succeeded and failed.
 func (s *scenario) connections(t *testing.T, pod string) (ok, failed int) {
+	ok, failed, _ = s.connectionsLastError(t, pod)
+	return ok, failed
+}
+
+// connectionsLastError is connections with the last failure's error.
+func (s *scenario) connectionsLastError(t *testing.T, pod string) (ok, failed int, last string) {
 	t.Helper()
 	for _, c := range readLines[connection](t, filepath.Join(s.records(), pod+".jsonl")) {
 		if c.Error == "" {
 			ok++
 		} else {
 			failed++
+			last = c.Error
 		}
 	}
-	return ok, failed
+	return ok, failed, last
 }
 
 // waitConnections waits until pod's client has made at least n more
@@ -314,12 +321,12 @@ func (s *scenario) waitConnections(t *testing.T, ctx context.Context, pod string
 	start, _ := s.connections(t, pod)
 	deadline := time.Now().Add(time.Minute)
 	for {
-		ok, failed := s.connections(t, pod)
+		ok, failed, last := s.connectionsLastError(t, pod)
 		if ok >= start+n {
 			return
 		}
 		if time.Now().After(deadline) || ctx.Err() != nil {
-			t.Fatalf("client %s: %d round trips succeeded (%d before), %d failed; want %d more", pod, ok, start, failed, n)
+			t.Fatalf("client %s: %d round trips succeeded (%d before), %d failed (the last: %s); want %d more", pod, ok, start, failed, last, n)
 		}
 		time.Sleep(200 * time.Millisecond)
 	}

@@ -35,6 +35,18 @@ type opBlock struct {
 
 const rollout = "kubectl -n mesh-system rollout status ds/mesh-agent --timeout=3m"
 
+// markPatch is the overlay patch that turns on --proxy-mark for the sidecar
+// proxies of the walkthrough.
+const markPatch = `patches:
+  # Sidecar proxies that mark their sockets 0x539 (the reference proxy):
+  # an opt-in, since any pod's root can set a mark.
+  - target: {kind: DaemonSet, name: mesh-agent}
+    patch: |
+      - op: add
+        path: /spec/template/spec/containers/0/args/-
+        value: --proxy-mark=0x539
+`
+
 // importAgent puts `make image`'s agent image into the node's containerd.
 func importAgent() opCommand {
 	return opCommand{Run: "ctr -n k8s.io images import bin/image/mesh-agent.tar", OnNode: true}
@@ -46,7 +58,11 @@ func opBlocks() []opBlock {
 	return []opBlock{
 		{Name: "release", Cmds: []opCommand{
 			importAgent(),
-			{Run: "kubectl apply -k install/kubernetes/"},
+			{Run: `mkdir -p sidecars
+cat > sidecars/kustomization.yaml <<EOF
+resources: [../install/kubernetes]
+` + markPatch + `EOF`},
+			{Run: "kubectl apply -k sidecars/"},
 			{Run: rollout},
 		}},
 		{Name: "own-build", Cmds: []opCommand{
@@ -57,15 +73,7 @@ resources: [../install/kubernetes]
 images:
   - name: ghcr.io/mesh-cni/mesh-agent
     digest: $(cat bin/image/mesh-agent.tar.digest)
-patches:
-  # Sidecar proxies that mark their sockets 0x539 (the reference proxy):
-  # an opt-in, since any pod's root can set a mark.
-  - target: {kind: DaemonSet, name: mesh-agent}
-    patch: |
-      - op: add
-        path: /spec/template/spec/containers/0/args/-
-        value: --proxy-mark=0x539
-EOF
+` + markPatch + `EOF
 cat > overlay/uninstall/kustomization.yaml <<EOF
 resources: [../../install/kubernetes/uninstall]
 images:
