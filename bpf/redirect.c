@@ -67,6 +67,7 @@ enum setting_flags {
 	SETTING_DNS_CAPTURE = 1 << 7,    // DNS (port 53) goes to the proxy's dns_port
 	SETTING_DNS_FAIL_CLOSED = 1 << 8, // ... even when nothing listens there
 	SETTING_PROBE_NODE = 1 << 9,     // the node's addresses (NODE_SET) are probe sources
+	SETTING_DENY_RAW = 1 << 10,      // the pod cannot create raw IP sockets
 };
 
 // The set of probe_srcs holding the node's own addresses, kept current by the agent
@@ -171,6 +172,7 @@ enum counter {
 	COUNTER_DNS_REDIRECTED,
 	COUNTER_DNS_PASSED,
 	COUNTER_DNS_DROPPED,
+	COUNTER_RAW_REFUSED,
 	COUNTER_MAX,
 };
 
@@ -567,6 +569,25 @@ static __always_inline int redirect_common(struct bpf_sock_addr *ctx, bool v6, b
 	*st = d;
 	rewrite_to_loopback(ctx, v6, v4, s->outbound_port);
 	return 1;
+}
+
+// sock_create refuses raw IP sockets (AF_INET and AF_INET6 SOCK_RAW) in a pod
+// with SETTING_DENY_RAW. With the CAP_NET_RAW that runtimes grant by default, a
+// raw socket sends TCP, a SYN to anywhere, without connect(), so past the
+// outbound capture. Refused at creation, socket() fails with EPERM; the check
+// costs one lookup per socket created, nothing per packet. The kernel runs this
+// hook for IP sockets only: packet (AF_PACKET) sockets are not covered.
+SEC("cgroup/sock_create")
+int mesh_sock_create(struct bpf_sock *ctx)
+{
+	if (ctx->type != SOCK_RAW)
+		return 1;
+	__u64 netns = bpf_get_netns_cookie(ctx);
+	struct pod_settings *s = bpf_map_lookup_elem(&pods, &netns);
+	if (!s || !(s->flags & SETTING_DENY_RAW))
+		return 1;
+	count(COUNTER_RAW_REFUSED);
+	return 0;
 }
 
 SEC("cgroup/connect4")

@@ -233,6 +233,10 @@ func TestValues(t *testing.T) {
 		{"proxy mark", "proxyMark: '0x539'", func(t *testing.T, _ map[string]object, c map[string]any) {
 			wantArg(t, c, "--proxy-mark=0x539")
 		}},
+		{"DNS capture and raw sockets refused", "{dnsCapture: true, denyRawSockets: true}", func(t *testing.T, _ map[string]object, c map[string]any) {
+			wantArg(t, c, "--dns-capture")
+			wantArg(t, c, "--deny-raw-sockets")
+		}},
 		{"plugin log", "plugin: {logLevel: debug, logFile: /var/run/mesh-cni/plugin.log}", func(t *testing.T, _ map[string]object, c map[string]any) {
 			wantArg(t, c, "--plugin-log-level=debug")
 			wantArg(t, c, "--plugin-log-file=/var/run/mesh-cni/plugin.log")
@@ -287,6 +291,7 @@ func TestRejects(t *testing.T) {
 		{"excludeNamespaces: [Kube_System]", "excludeNamespaces"},
 		{"plugin: {logFile: relative.log}", "logFile"},
 		{"proxyMark: mark", "proxyMark"},
+		{"denyRawSockets: 'yes'", "denyRawSockets"},
 		{"imagee: {tag: x}", "imagee"},
 		{"admissionPolicy: {enabled: 'yes'}", "admissionPolicy"},
 	} {

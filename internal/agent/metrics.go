@@ -134,16 +134,21 @@ type datapathCollector struct {
 }
 
 var bpfDecisions = prometheus.NewDesc("meshcni_datapath_decisions_total",
-	"Redirection decisions of the eBPF data path: outbound connects and inbound new connections, by decision.",
+	"Redirection decisions of the eBPF data path: outbound connects, inbound new connections and, with DNS capture, DNS queries (direction dns), by decision.",
 	[]string{"direction", "decision"}, nil)
 
 var bpfListenersRefused = prometheus.NewDesc("meshcni_datapath_listeners_refused_total",
 	"Inbound proxy listeners the eBPF data path could not capture (an MPTCP listener, or every slot of its port taken): their pods' inbound connections fail closed.",
 	nil, nil)
 
+var bpfRawRefused = prometheus.NewDesc("meshcni_datapath_raw_sockets_refused_total",
+	"Raw IP sockets refused to enrolled pods (--deny-raw-sockets).",
+	nil, nil)
+
 func (c *datapathCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- bpfDecisions
 	ch <- bpfListenersRefused
+	ch <- bpfRawRefused
 }
 
 func (c *datapathCollector) Collect(ch chan<- prometheus.Metric) {
@@ -156,10 +161,11 @@ func (c *datapathCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.NewInvalidMetric(bpfDecisions, err)
 		return
 	}
-	for dir, d := range map[string]redirect.DirectionCounters{"outbound": counts.Outbound, "inbound": counts.Inbound} {
+	for dir, d := range map[string]redirect.DirectionCounters{"outbound": counts.Outbound, "inbound": counts.Inbound, "dns": counts.DNS} {
 		ch <- prometheus.MustNewConstMetric(bpfDecisions, prometheus.CounterValue, float64(d.Redirected), dir, "redirected")
 		ch <- prometheus.MustNewConstMetric(bpfDecisions, prometheus.CounterValue, float64(d.Passed), dir, "passed")
 		ch <- prometheus.MustNewConstMetric(bpfDecisions, prometheus.CounterValue, float64(d.Dropped), dir, "dropped")
 	}
 	ch <- prometheus.MustNewConstMetric(bpfListenersRefused, prometheus.CounterValue, float64(counts.ListenersRefused))
+	ch <- prometheus.MustNewConstMetric(bpfRawRefused, prometheus.CounterValue, float64(counts.RawSocketsRefused))
 }

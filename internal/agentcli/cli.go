@@ -65,6 +65,7 @@ type options struct {
 	dnsCapture            bool
 	dnsPort               uint
 	dnsFailClosed         bool
+	denyRawSockets        bool
 	failOpen              bool
 
 	// The CNI chain entry.
@@ -121,6 +122,7 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.BoolVar(&opts.dnsCapture, "dns-capture", false, "send enrolled pods' DNS (UDP and TCP to port 53) to the proxy's DNS listener on loopback (--dns-port); while nothing listens there, queries go to the resolver as sent")
 	fs.UintVar(&opts.dnsPort, "dns-port", uint(defaults.DNSPort), "the proxy's DNS listener port inside each pod (127.0.0.1 and ::1, UDP and TCP)")
 	fs.BoolVar(&opts.dnsFailClosed, "dns-fail-closed", false, "with --dns-capture, send DNS to the proxy's listener even when nothing listens there (queries then fail)")
+	fs.BoolVar(&opts.denyRawSockets, "deny-raw-sockets", false, "refuse enrolled pods raw IP sockets (socket() fails with EPERM): with CAP_NET_RAW, a default capability, a raw socket sends TCP past the outbound capture; packet sockets are not covered")
 	fs.BoolVar(&opts.failOpen, "fail-open", false, "pass traffic through when no proxy listens (default: refuse outbound connects and drop inbound SYNs)")
 
 	fs.BoolVar(&opts.cniInstall, "cni-install", true, "install the plugin binary and the chain entry, and keep the entry in place")
@@ -175,6 +177,7 @@ func (o options) redirectSettings() (redirect.Settings, error) {
 		return s, fmt.Errorf("--dns-port %d is not a port", o.dnsPort)
 	}
 	s.DNSCapture, s.DNSPort, s.DNSFailClosed = o.dnsCapture, uint16(o.dnsPort), o.dnsFailClosed
+	s.DenyRawSockets = o.denyRawSockets
 	s.FailOpen = o.failOpen
 	if err := s.Validate(); err != nil {
 		return s, fmt.Errorf("redirection settings: %w", err)

@@ -18,6 +18,7 @@ const (
 	counterDNSRedirected
 	counterDNSPassed
 	counterDNSDropped
+	counterRawRefused
 	counterMax
 )
 
@@ -50,6 +51,9 @@ type Counters struct {
 	// the resolver because nothing listened there, or sent to the closed port
 	// of a DNS fail-closed pod.
 	DNS DirectionCounters `json:"dns"`
+	// RawSocketsRefused counts raw IP sockets refused to pods with
+	// DenyRawSockets.
+	RawSocketsRefused uint64 `json:"rawSocketsRefused"`
 }
 
 // Counters reads the per-CPU counters.
@@ -91,5 +95,6 @@ func sumCounters(m *ebpf.Map) (Counters, error) {
 			Passed:     sums[counterDNSPassed],
 			Dropped:    sums[counterDNSDropped],
 		},
+		RawSocketsRefused: sums[counterRawRefused],
 	}, nil
 }

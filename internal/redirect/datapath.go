@@ -98,6 +98,7 @@ var cgroupHooks = []cgroupHook{
 	{"sockops", ebpf.AttachCGroupSockOps, func(p *programs) *ebpf.Program { return p.MeshSockops }},
 	{"sendmsg4", ebpf.AttachCGroupUDP4Sendmsg, func(p *programs) *ebpf.Program { return p.MeshSendmsg4 }},
 	{"sendmsg6", ebpf.AttachCGroupUDP6Sendmsg, func(p *programs) *ebpf.Program { return p.MeshSendmsg6 }},
+	{"sock_create", ebpf.AttachCGroupInetSockCreate, func(p *programs) *ebpf.Program { return p.MeshSockCreate }},
 	{"connect4", ebpf.AttachCGroupInet4Connect, func(p *programs) *ebpf.Program { return p.MeshConnect4 }},
 	{"connect6", ebpf.AttachCGroupInet6Connect, func(p *programs) *ebpf.Program { return p.MeshConnect6 }},
 }
@@ -116,6 +117,7 @@ type programs struct {
 	MeshRecvmsg4     *ebpf.Program `ebpf:"mesh_recvmsg4"`
 	MeshRecvmsg6     *ebpf.Program `ebpf:"mesh_recvmsg6"`
 	MeshLookupMain   *ebpf.Program `ebpf:"mesh_lookup_main"`
+	MeshSockCreate   *ebpf.Program `ebpf:"mesh_sock_create"`
 }
 
 type objects struct {
@@ -127,7 +129,7 @@ func (o *objects) Close() error {
 	return errors.Join(
 		closeAll(o.MeshSockops, o.MeshGetsockopt, o.MeshGetpeername4, o.MeshGetpeername6,
 			o.MeshConnect4, o.MeshConnect6, o.MeshSendmsg4, o.MeshSendmsg6, o.MeshRecvmsg4, o.MeshRecvmsg6,
-			o.MeshLookupMain),
+			o.MeshLookupMain, o.MeshSockCreate),
 		o.redirectMaps.Close(),
 	)
 }

@@ -97,6 +97,7 @@ const (
 	redirectSettingFlagsSETTING_DNS_CAPTURE     redirectSettingFlags = 128
 	redirectSettingFlagsSETTING_DNS_FAIL_CLOSED redirectSettingFlags = 256
 	redirectSettingFlagsSETTING_PROBE_NODE      redirectSettingFlags = 512
+	redirectSettingFlagsSETTING_DENY_RAW        redirectSettingFlags = 1024
 )
 
 type redirectTupleKey struct {
@@ -140,6 +141,7 @@ const (
 	redirectProgMeshRecvmsg6     = "mesh_recvmsg6"
 	redirectProgMeshSendmsg4     = "mesh_sendmsg4"
 	redirectProgMeshSendmsg6     = "mesh_sendmsg6"
+	redirectProgMeshSockCreate   = "mesh_sock_create"
 	redirectProgMeshSockops      = "mesh_sockops"
 )
 
@@ -196,6 +198,7 @@ type redirectProgramSpecs struct {
 	MeshRecvmsg6     *ebpf.ProgramSpec `ebpf:"mesh_recvmsg6"`
 	MeshSendmsg4     *ebpf.ProgramSpec `ebpf:"mesh_sendmsg4"`
 	MeshSendmsg6     *ebpf.ProgramSpec `ebpf:"mesh_sendmsg6"`
+	MeshSockCreate   *ebpf.ProgramSpec `ebpf:"mesh_sock_create"`
 	MeshSockops      *ebpf.ProgramSpec `ebpf:"mesh_sockops"`
 }
 
@@ -307,6 +310,7 @@ type redirectPrograms struct {
 	MeshRecvmsg6     *ebpf.Program `ebpf:"mesh_recvmsg6"`
 	MeshSendmsg4     *ebpf.Program `ebpf:"mesh_sendmsg4"`
 	MeshSendmsg6     *ebpf.Program `ebpf:"mesh_sendmsg6"`
+	MeshSockCreate   *ebpf.Program `ebpf:"mesh_sock_create"`
 	MeshSockops      *ebpf.Program `ebpf:"mesh_sockops"`
 }
 
@@ -323,6 +327,7 @@ func (p *redirectPrograms) Close() error {
 		p.MeshRecvmsg6,
 		p.MeshSendmsg4,
 		p.MeshSendmsg6,
+		p.MeshSockCreate,
 		p.MeshSockops,
 	)
 }

@@ -58,6 +58,11 @@ type Settings struct {
 	DNSCapture    bool
 	DNSPort       uint16
 	DNSFailClosed bool
+	// DenyRawSockets refuses the pod raw IP sockets (socket() fails with
+	// EPERM): with the CAP_NET_RAW runtimes grant by default, a raw socket
+	// sends TCP without connect(), past the outbound capture. Packet sockets
+	// are not covered.
+	DenyRawSockets bool
 }
 
 // ProxyPorts are the ports of ztunnel's in-pod listeners (outbound, inbound
@@ -228,6 +233,7 @@ func (s Settings) toBPF(ps podSets) redirectPodSettings {
 	flag(s.NodeProbeSources, redirectSettingFlagsSETTING_PROBE_NODE)
 	flag(s.DNSCapture, redirectSettingFlagsSETTING_DNS_CAPTURE)
 	flag(s.DNSFailClosed, redirectSettingFlagsSETTING_DNS_FAIL_CLOSED)
+	flag(s.DenyRawSockets, redirectSettingFlagsSETTING_DENY_RAW)
 	if s.ProxyUID != nil {
 		v.ProxyUid = *s.ProxyUID
 		v.Flags |= redirectSettingFlagsSETTING_PROXY_UID
@@ -249,6 +255,7 @@ func settingsFromBPF(v redirectPodSettings, excluded, probes []netip.Prefix, inP
 		DNSCapture:            v.Flags&redirectSettingFlagsSETTING_DNS_CAPTURE != 0,
 		DNSPort:               v.DnsPort,
 		DNSFailClosed:         v.Flags&redirectSettingFlagsSETTING_DNS_FAIL_CLOSED != 0,
+		DenyRawSockets:        v.Flags&redirectSettingFlagsSETTING_DENY_RAW != 0,
 	}
 	if v.Flags&redirectSettingFlagsSETTING_PROXY_MARK != 0 {
 		s.ProxyMark, s.ProxyMarkMask = v.ProxyMark, v.ProxyMarkMask
