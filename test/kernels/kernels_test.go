@@ -259,3 +259,17 @@ func TestCPIO(t *testing.T) {
 }
 
 func align4(n int) int { return (n + 3) &^ 3 }
+
+func TestCheckShared(t *testing.T) {
+	if err := checkShared("/work/mesh-cni", "/work/mesh-cni/bin"); err != nil {
+		t.Errorf("a checkout in /work: %v", err)
+	}
+	for _, d := range []string{"/tmp/mesh-cni", "/run/user/0/src", "/tmp"} {
+		if err := checkShared("/work/mesh-cni", d); err == nil || !strings.Contains(err.Error(), d) {
+			t.Errorf("checkShared(%q) = %v, want an error naming it", d, err)
+		}
+	}
+	if err := checkShared("/tmpfoo/mesh-cni"); err != nil {
+		t.Errorf("/tmpfoo is not /tmp: %v", err)
+	}
+}

@@ -57,6 +57,9 @@ func Run(ctx context.Context, o Options) ([]*KernelResult, error) {
 	if err := checkTools(o.BinDir); err != nil {
 		return nil, err
 	}
+	if err := checkShared(o.Root, o.BinDir); err != nil {
+		return nil, err
+	}
 	for _, d := range []string{o.Cache, o.Out} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			return nil, err
@@ -367,4 +370,21 @@ func ModuleRoot(ctx context.Context, dir string) (string, error) {
 		return "", fmt.Errorf("%s is not inside a Go module", dir)
 	}
 	return filepath.Dir(gomod), nil
+}
+
+// guestPrivate are the directories the guest mounts afresh over the host's
+// tree (see guest.go): what is below them on the host is not there.
+var guestPrivate = []string{"/tmp", "/run", "/dev", "/proc", "/sys"}
+
+// checkShared refuses a checkout or binaries the guest cannot see, with the
+// reason, instead of every suite failing on a missing directory.
+func checkShared(dirs ...string) error {
+	for _, d := range dirs {
+		for _, p := range guestPrivate {
+			if d == p || strings.HasPrefix(d, p+"/") {
+				return fmt.Errorf("%s is below %s, which the guest mounts afresh: run from a checkout elsewhere", d, p)
+			}
+		}
+	}
+	return nil
 }
