@@ -40,6 +40,15 @@ func sameRecord(a, b Record) bool {
 func normalized(r Record) Record {
 	if len(r.Interfaces) == 0 {
 		r.Interfaces = nil
+	} else {
+		ifs := make([]Interface, len(r.Interfaces))
+		copy(ifs, r.Interfaces)
+		for i := range ifs {
+			if len(ifs[i].Addresses) == 0 {
+				ifs[i].Addresses = nil
+			}
+		}
+		r.Interfaces = ifs
 	}
 	if len(r.Labels) == 0 {
 		r.Labels = nil
