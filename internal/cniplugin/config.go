@@ -35,6 +35,9 @@ const (
 
 // DefaultExcludeNamespaces keeps the cluster's own system pods out of the mesh,
 // so they can never wait on an agent that itself needs them to start.
+// defaultExcludeNamespaces is gate.DefaultExcludeNamespace, the other entry
+// points' default, written out: importing pkg/gate would link grpc-go into the
+// plugin (TestParseConfigDefaults holds them equal).
 var defaultExcludeNamespaces = []string{"kube-system"}
 
 // NetConf is the plugin's entry in the conflist.
