@@ -502,9 +502,9 @@ static __always_inline bool is_dns(const struct pod_settings *s, const struct or
 	return (s->flags & SETTING_DNS_CAPTURE) && d->port == bpf_htons(DNS_PORT) && !is_loopback_or_any(d->addr);
 }
 
-// redirect_common decides a TCP connect, a UDP connect or a UDP datagram (sendmsg)
-// from an enrolled netns.
-static __always_inline int redirect_common(struct bpf_sock_addr *ctx, bool v6, bool datagram)
+// redirect_common decides a TCP connect, a UDP connect or a UDP datagram (sendmsg,
+// which the kernel runs for UDP only) from an enrolled netns.
+static __always_inline int redirect_common(struct bpf_sock_addr *ctx, bool v6)
 {
 	__u32 proto = ctx->protocol;
 	if (proto != IPPROTO_TCP && proto != IPPROTO_UDP)
@@ -519,12 +519,17 @@ static __always_inline int redirect_common(struct bpf_sock_addr *ctx, bool v6, b
 	struct orig_dst d = {};
 	user_dst(ctx, v6, &d);
 	bool udp = proto == IPPROTO_UDP;
+	bool dns = is_dns(s, &d);
+	// Only DNS is captured among datagrams: every other one leaves before the
+	// proxy-identity checks, which would otherwise run for each UDP send.
+	if (udp && !dns)
+		return 1;
 
 	// A socket may connect again after a failed attempt: forget an earlier
 	// redirection so getpeername does not report a stale peer.
 	if (is_proxy_socket(sk, s)) {
 		bpf_sk_storage_delete(&sock_orig, sk);
-		if (!udp && !datagram) {
+		if (!udp) {
 			__u8 *p = bpf_sk_storage_get(&proxy_socks, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
 			if (p)
 				*p = 1;
@@ -532,10 +537,8 @@ static __always_inline int redirect_common(struct bpf_sock_addr *ctx, bool v6, b
 		}
 		return 1;
 	}
-	if (is_dns(s, &d))
+	if (dns)
 		return dns_redirect(ctx, s, sk, &d, v6, udp);
-	if (udp || datagram)
-		return 1; // only DNS is captured among datagrams
 	// Loopback and unspecified destinations stay inside the pod, like the
 	// `! -d 127.0.0.1/32` exclusion of iptables-based meshes.
 	if (is_loopback_or_any(d.addr) ||
@@ -593,13 +596,13 @@ int mesh_sock_create(struct bpf_sock *ctx)
 SEC("cgroup/connect4")
 int mesh_connect4(struct bpf_sock_addr *ctx)
 {
-	return redirect_common(ctx, false, false);
+	return redirect_common(ctx, false);
 }
 
 SEC("cgroup/connect6")
 int mesh_connect6(struct bpf_sock_addr *ctx)
 {
-	return redirect_common(ctx, true, false);
+	return redirect_common(ctx, true);
 }
 
 // sendmsg4/6 run for datagrams sent with an address (sendto, sendmsg with a name):
@@ -607,13 +610,13 @@ int mesh_connect6(struct bpf_sock_addr *ctx)
 SEC("cgroup/sendmsg4")
 int mesh_sendmsg4(struct bpf_sock_addr *ctx)
 {
-	return redirect_common(ctx, false, true);
+	return redirect_common(ctx, false);
 }
 
 SEC("cgroup/sendmsg6")
 int mesh_sendmsg6(struct bpf_sock_addr *ctx)
 {
-	return redirect_common(ctx, true, true);
+	return redirect_common(ctx, true);
 }
 
 // recvmsg4/6 show a DNS answer from the proxy's listener as coming from the
