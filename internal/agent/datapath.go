@@ -12,15 +12,15 @@ import (
 // runs the gate without redirection.
 type Datapath interface {
 	// Enroll puts redirection in place for the pod whose network namespace is at
-	// netnsPath, on the named interfaces inside it, and returns the namespace's
-	// cookie. It returns only once redirection is active. Idempotent.
-	Enroll(ctx context.Context, netnsPath string, interfaces []string) (uint64, error)
+	// netnsPath (every interface inside it) and returns the namespace's cookie.
+	// It returns only once redirection is active. Idempotent.
+	Enroll(ctx context.Context, netnsPath string) (uint64, error)
 	// Release removes redirection for the namespace with this cookie. Idempotent,
 	// and it works after the namespace is gone.
 	Release(ctx context.Context, cookie uint64) error
 	// Check returns an error describing what is missing when the namespace's
 	// redirection is not intact.
-	Check(ctx context.Context, cookie uint64, interfaces []string) error
+	Check(ctx context.Context, cookie uint64) error
 	// Enrolled lists the cookies of every namespace with redirection in place,
 	// including those enrolled by an earlier agent.
 	Enrolled(ctx context.Context) ([]uint64, error)
@@ -32,7 +32,7 @@ type Datapath interface {
 type RecordOnly struct{}
 
 // Enroll implements Datapath.
-func (RecordOnly) Enroll(_ context.Context, netnsPath string, _ []string) (uint64, error) {
+func (RecordOnly) Enroll(_ context.Context, netnsPath string) (uint64, error) {
 	cookie, err := netns.Cookie(netnsPath)
 	if err != nil {
 		return 0, fmt.Errorf("record-only enroll: %w", err)
@@ -44,7 +44,7 @@ func (RecordOnly) Enroll(_ context.Context, netnsPath string, _ []string) (uint6
 func (RecordOnly) Release(context.Context, uint64) error { return nil }
 
 // Check implements Datapath.
-func (RecordOnly) Check(context.Context, uint64, []string) error { return nil }
+func (RecordOnly) Check(context.Context, uint64) error { return nil }
 
 // Enrolled implements Datapath: a record-only data path holds nothing.
 func (RecordOnly) Enrolled(context.Context) ([]uint64, error) { return nil, nil }

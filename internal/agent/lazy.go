@@ -27,12 +27,12 @@ func (l *lazyDatapath) get() (Datapath, error) {
 	return *p, nil
 }
 
-func (l *lazyDatapath) Enroll(ctx context.Context, netnsPath string, interfaces []string) (uint64, error) {
+func (l *lazyDatapath) Enroll(ctx context.Context, netnsPath string) (uint64, error) {
 	dp, err := l.get()
 	if err != nil {
 		return 0, err
 	}
-	return dp.Enroll(ctx, netnsPath, interfaces)
+	return dp.Enroll(ctx, netnsPath)
 }
 
 func (l *lazyDatapath) Release(ctx context.Context, cookie uint64) error {
@@ -43,12 +43,12 @@ func (l *lazyDatapath) Release(ctx context.Context, cookie uint64) error {
 	return dp.Release(ctx, cookie)
 }
 
-func (l *lazyDatapath) Check(ctx context.Context, cookie uint64, interfaces []string) error {
+func (l *lazyDatapath) Check(ctx context.Context, cookie uint64) error {
 	dp, err := l.get()
 	if err != nil {
 		return err
 	}
-	return dp.Check(ctx, cookie, interfaces)
+	return dp.Check(ctx, cookie)
 }
 
 func (l *lazyDatapath) Enrolled(ctx context.Context) ([]uint64, error) {

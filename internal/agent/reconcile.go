@@ -161,13 +161,12 @@ func (s *Service) reconcileOne(ctx context.Context, key podstore.Key) (reconcile
 	if rec.Skipped {
 		return outcomeKept, nil
 	}
-	ifnames := recordIfnames(rec)
-	if err := s.datapath.Check(ctx, rec.NetnsCookie, ifnames); err == nil {
+	if err := s.datapath.Check(ctx, rec.NetnsCookie); err == nil {
 		return outcomeKept, nil
 	} else {
 		s.log.Warn("pod redirection broken; repairing", append(fields, zap.Error(err))...)
 	}
-	if _, err := s.datapath.Enroll(ctx, rec.NetnsPath, ifnames); err != nil {
+	if _, err := s.datapath.Enroll(ctx, rec.NetnsPath); err != nil {
 		return outcomeGone, fmt.Errorf("repair %s: %w", key, err)
 	}
 	return outcomeRepaired, nil

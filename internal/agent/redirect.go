@@ -45,7 +45,7 @@ func (r RedirectDatapath) SetProxyProcesses(pids []int32) error {
 }
 
 // Enroll implements Datapath.
-func (r RedirectDatapath) Enroll(ctx context.Context, netnsPath string, _ []string) (uint64, error) {
+func (r RedirectDatapath) Enroll(ctx context.Context, netnsPath string) (uint64, error) {
 	e, err := r.DP.Enroll(ctx, redirect.Target{NetnsPath: netnsPath, Settings: r.Settings})
 	if err != nil {
 		return 0, err
@@ -59,8 +59,8 @@ func (r RedirectDatapath) Release(ctx context.Context, cookie uint64) error {
 }
 
 // Check implements Datapath.
-func (r RedirectDatapath) Check(ctx context.Context, cookie uint64, interfaces []string) error {
-	return r.DP.Check(ctx, cookie, interfaces)
+func (r RedirectDatapath) Check(ctx context.Context, cookie uint64) error {
+	return r.DP.Check(ctx, cookie)
 }
 
 // Enrolled implements Datapath.

@@ -155,7 +155,7 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 // reason names the failing step for metrics.
 func (s *Service) enroll(ctx context.Context, rec podstore.Record) (podstore.Record, string, error) {
 	s.enrolling.RLock()
-	cookie, err := s.datapath.Enroll(ctx, rec.NetnsPath, recordIfnames(rec))
+	cookie, err := s.datapath.Enroll(ctx, rec.NetnsPath)
 	if err != nil {
 		s.enrolling.RUnlock()
 		return rec, "datapath", err
@@ -335,7 +335,7 @@ func (s *Service) Check(ctx context.Context, req *gatepb.CheckRequest) (*gatepb.
 	if !enrolled {
 		return nil, status.Errorf(codes.FailedPrecondition, "pod %s/%s should be enrolled but the agent has no record of attachment %s", req.GetPod().GetNamespace(), req.GetPod().GetName(), key)
 	}
-	if err := s.datapath.Check(ctx, rec.NetnsCookie, recordIfnames(rec)); err != nil {
+	if err := s.datapath.Check(ctx, rec.NetnsCookie); err != nil {
 		return nil, status.Errorf(codes.FailedPrecondition, "redirection of pod %s/%s is not intact: %v", req.GetPod().GetNamespace(), req.GetPod().GetName(), err)
 	}
 	return &gatepb.CheckResponse{Decision: gatepb.Decision_DECISION_ENROLLED, Reason: decision.Reason}, nil

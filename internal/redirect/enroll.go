@@ -221,10 +221,8 @@ func (d *Datapath) Release(ctx context.Context, cookie uint64) error {
 // Check reports whether the pod's redirection is intact: the settings entry exists,
 // the pod's sk_lookup link is attached to its namespace and runs its program, and
 // the cgroup programs are attached. The error says everything that is missing.
-// interfaces is accepted for callers that track them; inbound capture is per
-// namespace, so every interface of the pod is covered by the one link.
-func (d *Datapath) Check(ctx context.Context, cookie uint64, interfaces []string) error {
-	_ = interfaces
+// Inbound capture is per namespace: the one link covers every interface of the pod.
+func (d *Datapath) Check(ctx context.Context, cookie uint64) error {
 	d.mu.RLock()
 	defer d.mu.RUnlock()
 	if d.closed {

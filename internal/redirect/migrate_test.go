@@ -153,14 +153,14 @@ func TestMigrateFromTCXLayout(t *testing.T) {
 	}
 	t.Cleanup(func() { d.Close() })
 	for _, p := range []*pod{a, b} {
-		if err := d.Check(ctx, p.cookie, nil); !errors.Is(err, ErrLinkBroken) {
+		if err := d.Check(ctx, p.cookie); !errors.Is(err, ErrLinkBroken) {
 			t.Errorf("check %s before it is enrolled again: %v, want ErrLinkBroken (earlier links)", p.name, err)
 		}
 	}
 	time.Sleep(200 * time.Millisecond) // traffic through the switched cgroup programs
 	for _, p := range []*pod{a, b} {
 		enroll(t, d, p, testSettings())
-		if err := d.Check(ctx, p.cookie, nil); err != nil {
+		if err := d.Check(ctx, p.cookie); err != nil {
 			t.Errorf("check %s after it is enrolled again: %v", p.name, err)
 		}
 		pp, err := readPodPins(d.pins.pod(p.cookie))
@@ -345,7 +345,7 @@ func TestMigrateFromSkLookupV1(t *testing.T) {
 	}
 	for _, p := range []*pod{a, b} {
 		enroll(t, d, p, testSettings())
-		if err := d.Check(ctx, p.cookie, nil); err != nil {
+		if err := d.Check(ctx, p.cookie); err != nil {
 			t.Errorf("check %s after it is enrolled again: %v", p.name, err)
 		}
 	}

@@ -289,7 +289,7 @@ func TestReleaseAndReenroll(t *testing.T) {
 		t.Fatal(err)
 	}
 	expectLines(t, m.a, target, dialOpts{}, "IN "+target)
-	if err := m.d.Check(ctx, m.a.cookie, nil); !errors.Is(err, ErrNotEnrolled) {
+	if err := m.d.Check(ctx, m.a.cookie); !errors.Is(err, ErrNotEnrolled) {
 		t.Errorf("check after release: %v, want ErrNotEnrolled", err)
 	}
 	if err := m.d.Release(ctx, m.a.cookie); err != nil {
@@ -351,7 +351,7 @@ func TestCloseAndAdopt(t *testing.T) {
 		t.Errorf("list after adopt:\n%+v\nwant\n%+v", after, before)
 	}
 	for _, p := range []*pod{m.a, m.b} {
-		if err := d2.Check(ctx, p.cookie, []string{ifName}); err != nil {
+		if err := d2.Check(ctx, p.cookie); err != nil {
 			t.Errorf("check %s after adopt: %v", p.name, err)
 		}
 	}
@@ -373,7 +373,7 @@ func TestCheckAndReleaseGoneNetns(t *testing.T) {
 	a, _ := newPodPair(t)
 	ctx := context.Background()
 	enroll(t, d, a, testSettings())
-	if err := d.Check(ctx, a.cookie, []string{ifName}); err != nil {
+	if err := d.Check(ctx, a.cookie); err != nil {
 		t.Fatalf("check: %v", err)
 	}
 	if err := netns.Remove(a.path); err != nil {
@@ -382,7 +382,7 @@ func TestCheckAndReleaseGoneNetns(t *testing.T) {
 	// The namespace is freed asynchronously: wait for its link to notice.
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		err := d.Check(ctx, a.cookie, nil)
+		err := d.Check(ctx, a.cookie)
 		if errors.Is(err, ErrLinkBroken) {
 			break
 		}
