@@ -27,7 +27,7 @@ func InstallIPTables(ctx context.Context, netnsPath string, r Rules) (Cleanup, e
 		}
 		var errs []error
 		for _, bin := range []string{"iptables-restore", "ip6tables-restore"} {
-			if err := runIn(ctx, netnsPath, iptablesCleanup(), bin, "-w", "--noflush"); err != nil {
+			if err := runIn(ctx, netnsPath, iptablesCleanup(r), bin, "-w", "--noflush"); err != nil {
 				errs = append(errs, fmt.Errorf("remove capture rules: %w", err))
 			}
 		}
@@ -53,8 +53,9 @@ func iptablesRules(r Rules, v6 bool) string {
 	line("*nat")
 	line(":%s - [0:0]", iptOutputChain)
 	line(":%s - [0:0]", iptPreroutingChain)
-	line("-A OUTPUT -p tcp -j %s", iptOutputChain)
-	line("-A OUTPUT -p udp -j %s", iptOutputChain)
+	for _, j := range outputJumps(r) {
+		line("-A %s", j)
+	}
 	line("-A PREROUTING -p tcp -j %s", iptPreroutingChain)
 
 	// Outbound: the proxy's own connections, anything staying on loopback (which
@@ -88,18 +89,30 @@ func iptablesRules(r Rules, v6 bool) string {
 	return b.String()
 }
 
-// iptablesCleanup is the iptables-restore input that removes our jumps and chains.
-func iptablesCleanup() string {
-	return strings.Join([]string{
-		"*nat",
-		"-D OUTPUT -p tcp -j " + iptOutputChain,
-		"-D OUTPUT -p udp -j " + iptOutputChain,
-		"-D PREROUTING -p tcp -j " + iptPreroutingChain,
-		"-F " + iptOutputChain,
-		"-F " + iptPreroutingChain,
-		"-X " + iptOutputChain,
-		"-X " + iptPreroutingChain,
+// outputJumps are the OUTPUT rules into our chain: TCP, and UDP only for the
+// DNS redirect.
+func outputJumps(r Rules) []string {
+	jumps := []string{"OUTPUT -p tcp -j " + iptOutputChain}
+	if r.DNSPort != 0 {
+		jumps = append(jumps, "OUTPUT -p udp -j "+iptOutputChain)
+	}
+	return jumps
+}
+
+// iptablesCleanup is the iptables-restore input that removes the jumps and
+// chains iptablesRules(r) installed.
+func iptablesCleanup(r Rules) string {
+	lines := []string{"*nat"}
+	for _, j := range outputJumps(r) {
+		lines = append(lines, "-D "+j)
+	}
+	return strings.Join(append(lines,
+		"-D PREROUTING -p tcp -j "+iptPreroutingChain,
+		"-F "+iptOutputChain,
+		"-F "+iptPreroutingChain,
+		"-X "+iptOutputChain,
+		"-X "+iptPreroutingChain,
 		"COMMIT",
 		"",
-	}, "\n")
+	), "\n")
 }

@@ -42,14 +42,19 @@ func nftRuleset(r Rules) string {
 
 	line("\tchain output {")
 	line("\t\ttype nat hook output priority -100; policy accept;")
-	line("\t\tmeta l4proto != { tcp, udp } return")
+	// UDP enters the chain only for the DNS redirect.
+	protos := "tcp"
+	if r.DNSPort != 0 {
+		protos = "{ tcp, udp }"
+	}
+	line("\t\tmeta l4proto != %s return", protos)
 	line("\t\tmeta mark %#x return", r.Mark)
 	line("\t\toifname \"lo\" return")
 	if r.DNSPort != 0 {
 		line("\t\tudp dport 53 redirect to :%d", r.DNSPort)
 		line("\t\ttcp dport 53 redirect to :%d", r.DNSPort)
+		line("\t\tmeta l4proto != tcp return")
 	}
-	line("\t\tmeta l4proto != tcp return")
 	if len(r.ExcludedPorts) > 0 {
 		line("\t\ttcp dport { %s } return", portList(r.ExcludedPorts))
 	}

@@ -76,6 +76,41 @@ func TestNFTRulesetText(t *testing.T) {
 	}
 }
 
+// The DNS redirect (port 53, UDP and TCP) comes after the proxy's own and
+// loopback exemptions, and without a DNS port no UDP enters the chains.
+func TestDNSRulesText(t *testing.T) {
+	r := testRules()
+	r.DNSPort = 15053
+	ipt, cleanup := iptablesRules(r, false), iptablesCleanup(r)
+	for _, want := range []string{
+		"-A OUTPUT -p udp -j MESHCAP_OUTPUT\n",
+		"-A MESHCAP_OUTPUT -p udp --dport 53 -j REDIRECT --to-ports 15053\n",
+		"-A MESHCAP_OUTPUT -p tcp --dport 53 -j REDIRECT --to-ports 15053\n",
+	} {
+		if !strings.Contains(ipt, want) {
+			t.Errorf("iptables rules lack %q:\n%s", want, ipt)
+		}
+	}
+	if strings.Index(ipt, "--dport 53") < strings.Index(ipt, "-o lo -j RETURN") {
+		t.Errorf("DNS redirect before the loopback exemption:\n%s", ipt)
+	}
+	if !strings.Contains(cleanup, "-D OUTPUT -p udp -j MESHCAP_OUTPUT\n") {
+		t.Errorf("cleanup leaves the UDP jump:\n%s", cleanup)
+	}
+	nft := nftRuleset(r)
+	for _, want := range []string{"meta l4proto != { tcp, udp } return\n", "udp dport 53 redirect to :15053\n", "tcp dport 53 redirect to :15053\n"} {
+		if !strings.Contains(nft, want) {
+			t.Errorf("ruleset lacks %q:\n%s", want, nft)
+		}
+	}
+	plain := testRules()
+	for _, text := range []string{iptablesRules(plain, false), iptablesCleanup(plain), nftRuleset(plain)} {
+		if strings.Contains(text, "udp") {
+			t.Errorf("rules without a DNS port mention UDP:\n%s", text)
+		}
+	}
+}
+
 func TestRulesDefaultsAndValidation(t *testing.T) {
 	r := Rules{}.withDefaults()
 	if r.OutboundPort != 15001 || r.InboundPort != 15006 || r.Mark != 0x539 {
