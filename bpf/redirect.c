@@ -17,6 +17,14 @@
 // sockops when they start listening. Packets are never modified: the accepted
 // socket's local address is the original destination.
 //
+// The proxy's own connections into the pod (to the application, often from the
+// client's address with IP_TRANSPARENT) are left alone by the lookup, and the proxy's
+// socket gets the pod's reply mark before its SYN leaves: the pod accepts with
+// tcp_fwmark_accept, so the application's socket inherits the mark and a policy
+// route the agent puts in the pod's namespace delivers its replies back to the proxy
+// on loopback. Kubelet probes are exempt by the socket that sends them: connects of
+// the kubelet's cgroup in the node's namespace are recorded before their SYN leaves.
+//
 // Enrollment is one entry in `pods`, keyed by the pod's netns cookie, plus the pod's
 // sk_lookup link. Every cgroup program looks that entry up first and does nothing for
 // namespaces it does not know, which is what lets several independent copies of this
@@ -38,12 +46,17 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 #define AF_INET6 10
 #define SOL_IP 0
 #define SOL_IPV6 41
+#define SOL_SOCKET 1
+#define SO_MARK 36
 #define SO_ORIGINAL_DST 80      // linux/netfilter_ipv4.h
 #define IP6T_SO_ORIGINAL_DST 80 // linux/netfilter_ipv6/ip6_tables.h
 #define EEXIST 17
 
 // Limits shared with the Go side (internal/redirect reads them from the generated types).
 #define MAX_PROXY_CGROUPS 8
+// The pod's own addresses the data path knows (every address of its interfaces at
+// enrollment, lo's aside).
+#define MAX_POD_ADDRS 8
 // Listeners of one pod's inbound port and family that the data path holds at once:
 // proxies with one SO_REUSEPORT listener per worker put each in its own slot (the
 // kernel then picks within the whole group), so capture keeps working while any of
@@ -66,13 +79,16 @@ enum setting_flags {
 	SETTING_OUTBOUND_PORTS = 1 << 6, // outbound_port_set names a set in excluded_ports
 	SETTING_DNS_CAPTURE = 1 << 7,    // DNS (port 53) goes to the proxy's dns_port
 	SETTING_DNS_FAIL_CLOSED = 1 << 8, // ... even when nothing listens there
-	SETTING_PROBE_NODE = 1 << 9,     // the node's addresses (NODE_SET) are probe sources
-	SETTING_DENY_RAW = 1 << 10,      // the pod cannot create raw IP sockets
+	// 1 << 9 meant the node's addresses were probe sources (an earlier layout);
+	// never set now.
+	SETTING_DENY_RAW = 1 << 10,       // the pod cannot create raw IP sockets
+	SETTING_REPLY_MARK = 1 << 11,     // the proxy's connects into the pod get reply_mark
+	SETTING_BYPASS_INBOUND = 1 << 12, // inbound connections are not captured
+	// Copied from an earlier layout, without the pod's addresses: the agent
+	// enrolls the pod again (no program reads it).
+	SETTING_EARLIER = 1 << 13,
 };
 
-// The set of probe_srcs holding the node's own addresses, kept current by the agent
-// and shared by every pod with SETTING_PROBE_NODE.
-#define NODE_SET 0xffffffff
 #define DNS_PORT 53
 
 // Per-pod settings, keyed by netns cookie. Ports are in host byte order.
@@ -92,6 +108,22 @@ struct pod_settings {
 	// The proxy's DNS listener (UDP and TCP) on loopback, for SETTING_DNS_CAPTURE.
 	__u16 dns_port;
 	__u16 pad;
+	// SETTING_REPLY_MARK: the mark (bits under reply_mark_mask) the proxy's
+	// sockets connecting to one of the pod's addresses get, and with them the
+	// application's side: its replies are routed back to the proxy.
+	__u32 reply_mark;
+	__u32 reply_mark_mask;
+	// The interface a link-local original destination is scoped to (the
+	// pod's interface holding src6), for IP6T_SO_ORIGINAL_DST.
+	__u32 scope_id;
+	// Source addresses of the pod's redirected connects, so the proxy sees the
+	// pod's address as the peer, as after REDIRECT (0 / zero: none).
+	__u32 src4;
+	__u32 src6[4];
+	// The pod's own addresses, IPv4-mapped for IPv4: connects to them stay in
+	// the pod, and the proxy's connects to them carry the reply mark.
+	__u32 nr_addrs;
+	__u32 addrs[MAX_POD_ADDRS][4];
 };
 
 // A cgroup whose processes are the proxy: the node proxy's own cgroup (learned from
@@ -108,6 +140,15 @@ struct node_config {
 	__u32 nr_proxy_cgroups;
 	__u32 pad;
 	struct proxy_cgroup proxy_cgroups[MAX_PROXY_CGROUPS];
+};
+
+// Who may probe pods past their inbound capture: connects made in the node's own
+// network namespace by processes of these cgroups (the kubelet's). One entry.
+struct probe_config {
+	__u64 host_netns;
+	__u32 nr_cgroups;
+	__u32 pad;
+	struct proxy_cgroup cgroups[MAX_PROXY_CGROUPS];
 };
 
 // Key of the CIDR tries: a set of prefixes shared by every pod enrolled with the
@@ -230,7 +271,8 @@ struct {
 
 // A redirected connection's original destination between the client's side of the
 // handshake and the proxy's: entries live until the proxy's side is established
-// (moved into accepted_orig then); LRU so an abandoned handshake cannot pin one.
+// (moved into accepted_orig then) or the client's socket closes, whichever comes
+// first; LRU besides.
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 65536);
@@ -259,6 +301,8 @@ struct {
 // Connections the proxy opens from inside the pod (to the application, often with the
 // client's address as source), as their server side sees them: inbound capture
 // leaves them alone, like the `-i lo -j ACCEPT` of iptables-based in-pod capture.
+// An entry lives from the proxy's TCP_CONNECT until its side is established or
+// closes.
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 65536);
@@ -266,23 +310,42 @@ struct {
 	__type(value, __u8);
 } proxy_conns SEC(".maps");
 
-// The inbound proxies' listeners.
+// The probe_config entry.
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct probe_config);
+} probe_node SEC(".maps");
+
+// Sockets the connect hooks found to be the kubelet's (probe_node).
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, __u8);
+} probe_socks SEC(".maps");
+
+// The kubelet's connections mid-handshake, as their server side sees them, netns
+// 0 (the client does not know the pod's). Recorded at TCP_CONNECT, before the SYN
+// leaves, and removed when the client's side is established or closes, so an entry
+// lives for one handshake; an attacker would have to send the kubelet's exact
+// 4-tuple within it.
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct tuple_key);
+	__type(value, __u8);
+} probe_conns SEC(".maps");
+
+// The inbound proxies' listeners, only those of enrolled namespaces on their
+// pod's inbound port: at most LISTENER_SLOTS per family and pod.
 struct {
 	__uint(type, BPF_MAP_TYPE_SOCKHASH);
 	__uint(max_entries, 16384);
 	__type(key, struct listener_key);
 	__type(value, __u64);
 } listeners SEC(".maps");
-
-// Ports whose listeners go into `listeners`: the inbound ports of enrolled pods.
-// A listener is collected whether or not its netns is enrolled yet, so a proxy
-// may start listening before its pod is enrolled.
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(max_entries, 64);
-	__type(key, __u16);
-	__type(value, __u8);
-} listen_ports SEC(".maps");
 
 // Listeners that could not be collected, by (netns, port, family): an MPTCP
 // listener (a sockhash refuses it) or every slot taken.
@@ -370,42 +433,111 @@ static __always_inline bool in_cidrs(void *trie, __u32 set, const __u32 *addr)
 	return bpf_map_lookup_elem(trie, &key) != NULL;
 }
 
-// is_proxy_task reports whether the task making the call runs in one of the node's
-// proxy cgroups. A pod cannot move itself into another cgroup, so unlike a socket
-// mark (settable with CAP_NET_RAW, which runtimes grant by default) this cannot be
-// forged from inside a pod.
-static __always_inline bool is_proxy_task(void)
+// in_cgroups reports whether the task making the call runs in one of these
+// cgroups or below one. A pod cannot move itself into another cgroup, so unlike a
+// socket mark (settable with CAP_NET_RAW, which runtimes grant by default) this
+// cannot be forged from inside a pod.
+static __always_inline bool in_cgroups(const struct proxy_cgroup *cgs, __u32 nr)
 {
-	__u32 zero = 0;
-	struct node_config *n = bpf_map_lookup_elem(&node, &zero);
-	if (!n)
-		return false;
-	__u32 nr = n->nr_proxy_cgroups;
 	for (__u32 i = 0; i < MAX_PROXY_CGROUPS; i++) {
 		if (i >= nr)
 			break;
-		struct proxy_cgroup *c = &n->proxy_cgroups[i];
+		const struct proxy_cgroup *c = &cgs[i];
 		if (c->id && bpf_get_current_ancestor_cgroup_id(c->level) == c->id)
 			return true;
 	}
 	return false;
 }
 
-// proxy_listening reports whether the proxy listens on port of the loopback address
-// a connect or datagram is about to be rewritten to, in the socket's netns: a TCP
-// listener, or a bound UDP socket.
-static __always_inline bool proxy_listening(struct bpf_sock_addr *ctx, bool v4, __u16 port, bool udp)
+// is_proxy_task reports whether the task making the call runs in one of the node's
+// proxy cgroups.
+static __always_inline bool is_proxy_task(void)
+{
+	__u32 zero = 0;
+	struct node_config *n = bpf_map_lookup_elem(&node, &zero);
+	return n && in_cgroups(n->proxy_cgroups, n->nr_proxy_cgroups);
+}
+
+// is_pod_addr reports whether a (IPv4-mapped for IPv4) is one of the pod's own
+// addresses.
+static __always_inline bool is_pod_addr(const struct pod_settings *s, const __u32 *a)
+{
+	__u32 nr = s->nr_addrs;
+	for (__u32 i = 0; i < MAX_POD_ADDRS; i++) {
+		if (i >= nr)
+			break;
+		if (addr_eq(s->addrs[i], a))
+			return true;
+	}
+	return false;
+}
+
+static __always_inline bool is_link_local6(const __u32 *a)
+{
+	return (bpf_ntohl(a[0]) & 0xffc00000) == 0xfe800000;
+}
+
+// mark_probe_socket remembers a TCP socket of the node's own namespace connected
+// by the kubelet (probe_node): sockops records its connection so the pod's inbound
+// capture lets it through. Everything else on the node leaves after one lookup.
+static __always_inline void mark_probe_socket(struct bpf_sock *sk, __u64 netns)
+{
+	__u32 zero = 0;
+	struct probe_config *p = bpf_map_lookup_elem(&probe_node, &zero);
+	if (!p || !p->nr_cgroups || p->host_netns != netns)
+		return;
+	if (!in_cgroups(p->cgroups, p->nr_cgroups)) {
+		bpf_sk_storage_delete(&probe_socks, sk);
+		return;
+	}
+	__u8 *v = bpf_sk_storage_get(&probe_socks, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (v)
+		*v = 1;
+}
+
+// proxy_addr is where a redirected connect or datagram of sk goes, IPv4-mapped
+// for IPv4: loopback, as after iptables REDIRECT; for a socket bound to a device
+// (SO_BINDTODEVICE), which reaches loopback through no device but lo, the pod's own
+// address of that family, a local destination the kernel delivers whatever the
+// bound device (the proxy must then listen on the wildcard, as ztunnel does).
+static __always_inline void proxy_addr(const struct bpf_sock *sk, const struct pod_settings *s, bool v4, __u32 *a)
+{
+	a[0] = 0;
+	a[1] = 0;
+	if (v4) {
+		a[2] = bpf_htonl(0x0000ffff);
+		a[3] = sk->bound_dev_if && s->src4 ? s->src4 : bpf_htonl(0x7f000001);
+		return;
+	}
+	if (sk->bound_dev_if && (s->src6[0] | s->src6[1] | s->src6[2] | s->src6[3])) {
+		a[0] = s->src6[0];
+		a[1] = s->src6[1];
+		a[2] = s->src6[2];
+		a[3] = s->src6[3];
+		return;
+	}
+	a[2] = 0;
+	a[3] = bpf_htonl(1);
+}
+
+// proxy_listening reports whether the proxy listens on port of the address a (see
+// proxy_addr) a connect or datagram is about to be rewritten to, in the socket's
+// netns: a TCP listener, or a bound UDP socket.
+static __always_inline bool proxy_listening(struct bpf_sock_addr *ctx, const __u32 *a, bool v4, __u16 port, bool udp)
 {
 	struct bpf_sock_tuple t = {};
 	struct bpf_sock *sk;
 	__u32 size;
 
 	if (v4) {
-		t.ipv4.daddr = bpf_htonl(0x7f000001);
+		t.ipv4.daddr = a[3];
 		t.ipv4.dport = bpf_htons(port);
 		size = sizeof(t.ipv4);
 	} else {
-		t.ipv6.daddr[3] = bpf_htonl(1);
+		t.ipv6.daddr[0] = a[0];
+		t.ipv6.daddr[1] = a[1];
+		t.ipv6.daddr[2] = a[2];
+		t.ipv6.daddr[3] = a[3];
 		t.ipv6.dport = bpf_htons(port);
 		size = sizeof(t.ipv6);
 	}
@@ -424,24 +556,55 @@ static __always_inline bool proxy_listening(struct bpf_sock_addr *ctx, bool v4, 
 	return listening;
 }
 
-// rewrite_to_loopback points the connect or datagram at port on loopback, in the
-// form the socket's family and the destination's need.
-static __always_inline void rewrite_to_loopback(struct bpf_sock_addr *ctx, bool v6, bool v4dst, __u16 port)
+// rewrite_dst points the connect or datagram at port of a (IPv4-mapped for IPv4),
+// in the form the socket's family needs.
+static __always_inline void rewrite_dst(struct bpf_sock_addr *ctx, bool v6, const __u32 *a, __u16 port)
 {
 	ctx->user_port = bpf_htons(port);
 	if (!v6) {
-		ctx->user_ip4 = bpf_htonl(0x7f000001);
-	} else if (v4dst) {
-		ctx->user_ip6[0] = 0;
-		ctx->user_ip6[1] = 0;
-		ctx->user_ip6[2] = bpf_htonl(0x0000ffff);
-		ctx->user_ip6[3] = bpf_htonl(0x7f000001);
-	} else {
-		ctx->user_ip6[0] = 0;
-		ctx->user_ip6[1] = 0;
-		ctx->user_ip6[2] = 0;
-		ctx->user_ip6[3] = bpf_htonl(1);
+		ctx->user_ip4 = a[3];
+		return;
 	}
+	ctx->user_ip6[0] = a[0];
+	ctx->user_ip6[1] = a[1];
+	ctx->user_ip6[2] = a[2];
+	ctx->user_ip6[3] = a[3];
+}
+
+// bind_pod_source binds a connect that is being redirected and has no local
+// address yet to the pod's own address of the destination's family, which is the
+// source the kernel would have picked for the original destination: the proxy sees
+// the pod's address as the peer (as after iptables REDIRECT, where only the
+// destination changes) instead of loopback. Only the address is bound; the port is
+// chosen at connect. A failure leaves the connect as it was.
+static __always_inline void bind_pod_source(struct bpf_sock_addr *ctx, const struct bpf_sock *sk,
+					    const struct pod_settings *s, bool v6, bool v4dst)
+{
+	if (sk->bound_dev_if || sk->src_port)
+		return;
+	if (!v6) {
+		if (sk->src_ip4 || !s->src4)
+			return;
+		struct mesh_sockaddr_in sin = {.family = AF_INET, .addr = s->src4};
+		bpf_bind(ctx, (struct sockaddr *)&sin, sizeof(sin));
+		return;
+	}
+	if (sk->src_ip6[0] | sk->src_ip6[1] | sk->src_ip6[2] | sk->src_ip6[3])
+		return;
+	struct mesh_sockaddr_in6 sin6 = {.family = AF_INET6};
+	if (v4dst) {
+		if (!s->src4)
+			return;
+		map_v4(sin6.addr, s->src4);
+	} else {
+		if (!(s->src6[0] | s->src6[1] | s->src6[2] | s->src6[3]))
+			return;
+		sin6.addr[0] = s->src6[0];
+		sin6.addr[1] = s->src6[1];
+		sin6.addr[2] = s->src6[2];
+		sin6.addr[3] = s->src6[3];
+	}
+	bpf_bind(ctx, (struct sockaddr *)&sin6, sizeof(sin6));
 }
 
 // user_dst reads the connect's or datagram's destination, IPv4-mapped for IPv4.
@@ -476,10 +639,12 @@ static __always_inline bool is_proxy_socket(struct bpf_sock *sk, const struct po
 // the pod is DNS fail-closed. The original destination is kept in the socket's
 // storage: recvmsg shows answers as coming from it, as resolver libraries require.
 static __always_inline int dns_redirect(struct bpf_sock_addr *ctx, const struct pod_settings *s,
-					struct bpf_sock *sk, struct orig_dst *d, bool v6, bool udp)
+					struct bpf_sock *sk, struct orig_dst *d, bool v6, bool udp, bool connect)
 {
 	bool v4 = d->family == AF_INET;
-	if (!proxy_listening(ctx, v4, s->dns_port, udp)) {
+	__u32 a[4];
+	proxy_addr(sk, s, v4, a);
+	if (!proxy_listening(ctx, a, v4, s->dns_port, udp)) {
 		if (!(s->flags & SETTING_DNS_FAIL_CLOSED)) {
 			bpf_sk_storage_delete(&sock_orig, sk);
 			count(COUNTER_DNS_PASSED);
@@ -493,7 +658,9 @@ static __always_inline int dns_redirect(struct bpf_sock_addr *ctx, const struct 
 	if (!st)
 		return 0;
 	*st = *d;
-	rewrite_to_loopback(ctx, v6, v4, s->dns_port);
+	if (connect && !udp)
+		bind_pod_source(ctx, sk, s, v6, v4);
+	rewrite_dst(ctx, v6, a, s->dns_port);
 	return 1;
 }
 
@@ -503,19 +670,25 @@ static __always_inline bool is_dns(const struct pod_settings *s, const struct or
 }
 
 // redirect_common decides a TCP connect, a UDP connect or a UDP datagram (sendmsg,
-// which the kernel runs for UDP only) from an enrolled netns.
-static __always_inline int redirect_common(struct bpf_sock_addr *ctx, bool v6)
+// which the kernel runs for UDP only) from an enrolled netns. A TCP connect from
+// any other netns is only looked at for the kubelet's (mark_probe_socket). connect
+// is a constant: bpf_bind exists only for the connect hooks, so the sendmsg
+// programs must not contain the call.
+static __always_inline int redirect_common(struct bpf_sock_addr *ctx, bool v6, bool connect)
 {
 	__u32 proto = ctx->protocol;
 	if (proto != IPPROTO_TCP && proto != IPPROTO_UDP)
 		return 1;
-	__u64 netns = bpf_get_netns_cookie(ctx);
-	struct pod_settings *s = bpf_map_lookup_elem(&pods, &netns);
-	if (!s)
-		return 1;
 	struct bpf_sock *sk = ctx->sk;
 	if (!sk)
 		return 1;
+	__u64 netns = bpf_get_netns_cookie(ctx);
+	struct pod_settings *s = bpf_map_lookup_elem(&pods, &netns);
+	if (!s) {
+		if (proto == IPPROTO_TCP)
+			mark_probe_socket(sk, netns);
+		return 1;
+	}
 	struct orig_dst d = {};
 	user_dst(ctx, v6, &d);
 	bool udp = proto == IPPROTO_UDP;
@@ -538,10 +711,10 @@ static __always_inline int redirect_common(struct bpf_sock_addr *ctx, bool v6)
 		return 1;
 	}
 	if (dns)
-		return dns_redirect(ctx, s, sk, &d, v6, udp);
-	// Loopback and unspecified destinations stay inside the pod, like the
-	// `! -d 127.0.0.1/32` exclusion of iptables-based meshes.
-	if (is_loopback_or_any(d.addr) ||
+		return dns_redirect(ctx, s, sk, &d, v6, udp, connect);
+	// Loopback, unspecified and the pod's own addresses stay inside the pod, like
+	// the `! -d 127.0.0.1/32` and `-o lo` exclusions of iptables-based meshes.
+	if (is_loopback_or_any(d.addr) || is_pod_addr(s, d.addr) ||
 	    ((s->flags & SETTING_OUTBOUND_PORTS) && port_in(s->outbound_port_set, bpf_ntohs(d.port))) ||
 	    ((s->flags & SETTING_EXCLUDED_CIDRS) && in_cidrs(&excluded_dsts, s->excluded_set, d.addr))) {
 		bpf_sk_storage_delete(&sock_orig, sk);
@@ -550,7 +723,9 @@ static __always_inline int redirect_common(struct bpf_sock_addr *ctx, bool v6)
 	}
 
 	bool v4 = d.family == AF_INET;
-	if (!proxy_listening(ctx, v4, s->outbound_port, false)) {
+	__u32 a[4];
+	proxy_addr(sk, s, v4, a);
+	if (!proxy_listening(ctx, a, v4, s->outbound_port, false)) {
 		if (s->flags & SETTING_FAIL_OPEN) {
 			bpf_sk_storage_delete(&sock_orig, sk);
 			count(COUNTER_OUT_PASSED);
@@ -570,7 +745,9 @@ static __always_inline int redirect_common(struct bpf_sock_addr *ctx, bool v6)
 		return 0;
 	}
 	*st = d;
-	rewrite_to_loopback(ctx, v6, v4, s->outbound_port);
+	if (connect)
+		bind_pod_source(ctx, sk, s, v6, v4);
+	rewrite_dst(ctx, v6, a, s->outbound_port);
 	return 1;
 }
 
@@ -596,13 +773,13 @@ int mesh_sock_create(struct bpf_sock *ctx)
 SEC("cgroup/connect4")
 int mesh_connect4(struct bpf_sock_addr *ctx)
 {
-	return redirect_common(ctx, false);
+	return redirect_common(ctx, false, true);
 }
 
 SEC("cgroup/connect6")
 int mesh_connect6(struct bpf_sock_addr *ctx)
 {
-	return redirect_common(ctx, true);
+	return redirect_common(ctx, true, true);
 }
 
 // sendmsg4/6 run for datagrams sent with an address (sendto, sendmsg with a name):
@@ -610,13 +787,13 @@ int mesh_connect6(struct bpf_sock_addr *ctx)
 SEC("cgroup/sendmsg4")
 int mesh_sendmsg4(struct bpf_sock_addr *ctx)
 {
-	return redirect_common(ctx, false);
+	return redirect_common(ctx, false, false);
 }
 
 SEC("cgroup/sendmsg6")
 int mesh_sendmsg6(struct bpf_sock_addr *ctx)
 {
-	return redirect_common(ctx, true);
+	return redirect_common(ctx, true, false);
 }
 
 // recvmsg4/6 show a DNS answer from the proxy's listener as coming from the
@@ -736,17 +913,22 @@ static __always_inline void refuse_listener(struct listener_key *k, long err)
 	count(COUNTER_LISTENER_REFUSED);
 }
 
-// collect_listener puts a new listener of an inbound port into a free slot of its
-// family. An IPv6 listener also goes into the IPv4 slots: it may be dual-stack (its
-// IPV6_V6ONLY is not readable here), and bpf_sk_assign refuses it for IPv4 if not,
-// so the lookup of an IPv4 connection needs to search one family only.
+// collect_listener puts a new listener of an enrolled pod's inbound port into a
+// free slot of its family. Listeners of other namespaces are not collected, so no
+// namespace can fill the map: a pod holds at most LISTENER_SLOTS per family (the
+// agent collects those open before its pod was enrolled). An IPv6 listener also
+// goes into the IPv4 slots: it may be dual-stack (its IPV6_V6ONLY is not readable
+// here), and bpf_sk_assign refuses it for IPv4 if not, so the lookup of an IPv4
+// connection needs to search one family only.
 static __always_inline void collect_listener(struct bpf_sock_ops *ctx)
 {
 	__u16 port = (__u16)ctx->local_port;
-	if (!bpf_map_lookup_elem(&listen_ports, &port))
+	__u64 netns = bpf_get_netns_cookie(ctx);
+	struct pod_settings *s = bpf_map_lookup_elem(&pods, &netns);
+	if (!s || s->inbound_port != port)
 		return;
 	struct listener_key k = {
-		.netns = bpf_get_netns_cookie(ctx),
+		.netns = netns,
 		.port = port,
 		.family = (__u8)ctx->family,
 	};
@@ -791,29 +973,97 @@ static __always_inline void accepted(struct bpf_sock_ops *ctx)
 		bpf_map_delete_elem(&orig_dsts, &k);
 }
 
+// proxy_connect records a connection the proxy opens inside an enrolled pod (to
+// the application, often from the client's address with IP_TRANSPARENT), so the
+// pod's inbound capture leaves it alone, and when it goes to one of the pod's own
+// addresses gives its socket the pod's reply mark before the SYN leaves. The pod
+// accepts with tcp_fwmark_accept, so the SYN-ACK and the application's socket
+// carry the mark too, and the pod's policy route (fwmark -> local table) delivers
+// the application's replies to the proxy's socket on loopback instead of routing
+// them out to the client address they are sent to.
+static __always_inline void proxy_connect(struct bpf_sock_ops *ctx, struct bpf_sock *sk)
+{
+	struct tuple_key k = {};
+	if (!peer_key(ctx, &k))
+		return;
+	__u8 one = 1;
+	bpf_map_update_elem(&proxy_conns, &k, &one, BPF_ANY);
+	bpf_sock_ops_cb_flags_set(ctx, ctx->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
+	struct pod_settings *s = bpf_map_lookup_elem(&pods, &k.netns);
+	if (!s || !(s->flags & SETTING_REPLY_MARK) || !is_pod_addr(s, k.local))
+		return;
+	int mark = (int)((sk->mark & ~s->reply_mark_mask) | (s->reply_mark & s->reply_mark_mask));
+	bpf_setsockopt(ctx, SOL_SOCKET, SO_MARK, &mark, sizeof(mark));
+}
+
+// probe_connect records a kubelet connection (probe_socks) before its SYN leaves,
+// under netns 0: the kubelet's side does not know the pod's namespace.
+static __always_inline void probe_connect(struct bpf_sock_ops *ctx)
+{
+	struct tuple_key k = {};
+	if (!peer_key(ctx, &k))
+		return;
+	k.netns = 0;
+	__u8 one = 1;
+	bpf_map_update_elem(&probe_conns, &k, &one, BPF_ANY);
+	bpf_sock_ops_cb_flags_set(ctx, ctx->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
+}
+
+// forget removes what a client socket left in the node-wide maps: its hand-over
+// of the original destination and the record of a proxy or kubelet connection.
+// Runs when the socket's side is established (the records) or closes (all).
+static __always_inline void forget(struct bpf_sock_ops *ctx, struct bpf_sock *sk, bool closing)
+{
+	struct tuple_key k = {};
+	if (bpf_sk_storage_get(&proxy_socks, sk, 0, 0)) {
+		if (peer_key(ctx, &k))
+			bpf_map_delete_elem(&proxy_conns, &k);
+	} else if (bpf_sk_storage_get(&probe_socks, sk, 0, 0)) {
+		if (peer_key(ctx, &k)) {
+			k.netns = 0;
+			bpf_map_delete_elem(&probe_conns, &k);
+		}
+	} else if (closing && bpf_sk_storage_get(&sock_orig, sk, 0, 0)) {
+		if (peer_key(ctx, &k))
+			bpf_map_delete_elem(&orig_dsts, &k);
+	}
+}
+
 // mesh_sockops runs for every TCP socket on the host. It acts on:
 //   - ACTIVE_ESTABLISHED of sockets connect4/6 redirected (they carry sock_orig):
-//     hands the original destination over, before the proxy can accept;
+//     hands the original destination over, before the proxy can accept, and asks
+//     for the socket's state changes, to take it back should the proxy's side
+//     never be established; of proxy and kubelet sockets: drops their records
+//     (the state changes they asked for at TCP_CONNECT cover a failed connect);
 //   - PASSIVE_ESTABLISHED in enrolled netns: the accepted socket's SO_ORIGINAL_DST;
-//   - TCP_LISTEN: collects inbound proxy listeners;
-//   - TCP_CONNECT of the proxy's own sockets: remembers the tuple for inbound capture.
-// None of these callbacks needs a flag set with bpf_sock_ops_cb_flags_set.
+//   - TCP_LISTEN: collects inbound proxy listeners of enrolled netns;
+//   - TCP_CONNECT of the proxy's and the kubelet's sockets: records the tuple for
+//     inbound capture (and the proxy's reply mark);
+//   - STATE (asked for above), to TCP_CLOSE: drops what the socket left.
 SEC("sockops")
 int mesh_sockops(struct bpf_sock_ops *ctx)
 {
+	struct bpf_sock *sk = ctx->sk;
 	switch (ctx->op) {
 	case BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB: {
-		struct bpf_sock *sk = ctx->sk;
 		if (!sk)
 			return 1;
 		struct orig_dst *o = bpf_sk_storage_get(&sock_orig, sk, 0, 0);
-		if (!o)
+		if (!o) {
+			// Only the proxy's and the kubelet's sockets asked for state
+			// changes at TCP_CONNECT; any other socket leaves here. The
+			// flag stays: another data path sharing the cgroup root may
+			// have asked for it too.
+			if (ctx->bpf_sock_ops_cb_flags & BPF_SOCK_OPS_STATE_CB_FLAG)
+				forget(ctx, sk, false);
 			return 1;
+		}
 		struct tuple_key k = {};
 		if (!peer_key(ctx, &k))
 			return 1;
 		struct orig_dst v = *o;
 		bpf_map_update_elem(&orig_dsts, &k, &v, BPF_ANY);
+		bpf_sock_ops_cb_flags_set(ctx, ctx->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
 		return 1;
 	}
 	case BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB:
@@ -822,17 +1072,18 @@ int mesh_sockops(struct bpf_sock_ops *ctx)
 	case BPF_SOCK_OPS_TCP_LISTEN_CB:
 		collect_listener(ctx);
 		return 1;
-	case BPF_SOCK_OPS_TCP_CONNECT_CB: {
-		struct bpf_sock *sk = ctx->sk;
-		if (!sk || !bpf_sk_storage_get(&proxy_socks, sk, 0, 0))
+	case BPF_SOCK_OPS_TCP_CONNECT_CB:
+		if (!sk)
 			return 1;
-		struct tuple_key k = {};
-		if (!peer_key(ctx, &k))
-			return 1;
-		__u8 one = 1;
-		bpf_map_update_elem(&proxy_conns, &k, &one, BPF_ANY);
+		if (bpf_sk_storage_get(&proxy_socks, sk, 0, 0))
+			proxy_connect(ctx, sk);
+		else if (bpf_sk_storage_get(&probe_socks, sk, 0, 0))
+			probe_connect(ctx);
 		return 1;
-	}
+	case BPF_SOCK_OPS_STATE_CB:
+		if (sk && ctx->args[1] == BPF_TCP_CLOSE)
+			forget(ctx, sk, true);
+		return 1;
 	}
 	return 1;
 }
@@ -906,15 +1157,65 @@ int mesh_getsockopt(struct bpf_sockopt *ctx)
 		sin6->addr[1] = o->addr[1];
 		sin6->addr[2] = o->addr[2];
 		sin6->addr[3] = o->addr[3];
-		sin6->scope_id = 0;
+		// A link-local destination is only dialable with its interface: the
+		// pod's (the client's connect named it, but the hooks cannot read it).
+		__u32 scope = 0;
+		if (o->family == AF_INET6 && is_link_local6(o->addr)) {
+			__u64 netns = bpf_get_netns_cookie(ctx);
+			struct pod_settings *s = bpf_map_lookup_elem(&pods, &netns);
+			if (s)
+				scope = s->scope_id;
+		}
+		sin6->scope_id = scope;
 		ctx->optlen = sizeof(*sin6);
 	}
 	ctx->retval = 0;
 	return 1;
 }
 
+// mptcp_orig finds the original destination of an MPTCP socket: the connect hook
+// ran for its first subflow, a TCP socket of its own that holds sock_orig, and the
+// MPTCP socket reports that subflow's peer. The subflow is the socket of this netns
+// connected from the MPTCP socket's local address and port to that peer. v6ctx is
+// a constant (the context's address fields are those of the hook's family); v4
+// asks for an IPv4 tuple: an IPv4-mapped subflow is hashed as IPv4.
+static __always_inline struct orig_dst *mptcp_orig(struct bpf_sock_addr *ctx, struct bpf_sock *sk, bool v6ctx, bool v4)
+{
+	struct bpf_sock_tuple t = {};
+	__u32 size;
+	// Both fields read whatever the family: clang would otherwise pick the
+	// offset per branch, and the verifier refuses arithmetic on a socket pointer.
+	__u32 src4 = sk->src_ip4, src6 = sk->src_ip6[3];
+	asm volatile("" : "+r"(src4), "+r"(src6));
+	if (v4) {
+		t.ipv4.saddr = v6ctx ? ctx->user_ip6[3] : ctx->user_ip4;
+		t.ipv4.sport = (__u16)ctx->user_port;
+		t.ipv4.daddr = sk->family == AF_INET6 ? src6 : src4;
+		t.ipv4.dport = bpf_htons((__u16)sk->src_port);
+		size = sizeof(t.ipv4);
+	} else {
+		t.ipv6.saddr[0] = ctx->user_ip6[0];
+		t.ipv6.saddr[1] = ctx->user_ip6[1];
+		t.ipv6.saddr[2] = ctx->user_ip6[2];
+		t.ipv6.saddr[3] = ctx->user_ip6[3];
+		t.ipv6.sport = (__u16)ctx->user_port;
+		t.ipv6.daddr[0] = sk->src_ip6[0];
+		t.ipv6.daddr[1] = sk->src_ip6[1];
+		t.ipv6.daddr[2] = sk->src_ip6[2];
+		t.ipv6.daddr[3] = sk->src_ip6[3];
+		t.ipv6.dport = bpf_htons((__u16)sk->src_port);
+		size = sizeof(t.ipv6);
+	}
+	struct bpf_sock *sub = bpf_sk_lookup_tcp(ctx, &t, size, BPF_F_CURRENT_NETNS, 0);
+	if (!sub)
+		return NULL;
+	struct orig_dst *o = bpf_sk_storage_get(&sock_orig, sub, 0, 0);
+	bpf_sk_release(sub);
+	return o;
+}
+
 // getpeername on a redirected client socket reports the original destination, as it
-// does with iptables REDIRECT, instead of the loopback proxy address.
+// does with iptables REDIRECT, instead of the proxy's address.
 SEC("cgroup/getpeername4")
 int mesh_getpeername4(struct bpf_sock_addr *ctx)
 {
@@ -922,6 +1223,8 @@ int mesh_getpeername4(struct bpf_sock_addr *ctx)
 	if (!sk)
 		return 1;
 	struct orig_dst *o = bpf_sk_storage_get(&sock_orig, sk, 0, 0);
+	if (!o && sk->protocol == IPPROTO_MPTCP)
+		o = mptcp_orig(ctx, sk, false, true);
 	if (!o || o->family != AF_INET)
 		return 1;
 	ctx->user_ip4 = o->addr[3];
@@ -936,6 +1239,10 @@ int mesh_getpeername6(struct bpf_sock_addr *ctx)
 	if (!sk)
 		return 1;
 	struct orig_dst *o = bpf_sk_storage_get(&sock_orig, sk, 0, 0);
+	if (!o && sk->protocol == IPPROTO_MPTCP) {
+		__u32 peer[4] = {ctx->user_ip6[0], ctx->user_ip6[1], ctx->user_ip6[2], ctx->user_ip6[3]};
+		o = mptcp_orig(ctx, sk, true, is_v4_mapped(peer));
+	}
 	if (!o)
 		return 1;
 	// An AF_INET6 socket sees an IPv4 destination IPv4-mapped: addr already is.
@@ -1059,9 +1366,18 @@ int mesh_lookup_main(struct bpf_sk_lookup *ctx)
 	if (is_loopback_or_any(t.local) || addr_eq(t.local, t.remote) ||
 	    bpf_map_lookup_elem(&proxy_conns, &t))
 		return SK_PASS;
+	if (s->flags & SETTING_BYPASS_INBOUND) {
+		count(COUNTER_IN_PASSED);
+		return SK_PASS;
+	}
 	if (((s->flags & SETTING_INBOUND_PORTS) && port_in(s->inbound_port_set, lport)) ||
-	    ((s->flags & SETTING_PROBE_SOURCES) && in_cidrs(&probe_srcs, s->probe_set, t.remote)) ||
-	    ((s->flags & SETTING_PROBE_NODE) && in_cidrs(&probe_srcs, NODE_SET, t.remote))) {
+	    ((s->flags & SETTING_PROBE_SOURCES) && in_cidrs(&probe_srcs, s->probe_set, t.remote))) {
+		count(COUNTER_IN_PASSED);
+		return SK_PASS;
+	}
+	// The kubelet's probes, by the socket that sent them (probe_conns).
+	t.netns = 0;
+	if (bpf_map_lookup_elem(&probe_conns, &t)) {
 		count(COUNTER_IN_PASSED);
 		return SK_PASS;
 	}

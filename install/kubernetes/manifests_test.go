@@ -877,7 +877,7 @@ func checkBPFFSInit(t *testing.T, ds *appsv1.DaemonSet) {
 	sc := agent.SecurityContext
 	if sc == nil || (sc.Privileged != nil && *sc.Privileged) || sc.Capabilities == nil ||
 		!slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) ||
-		!slices.Equal(sc.Capabilities.Add, []corev1.Capability{"SYS_ADMIN", "SYS_PTRACE"}) {
-		t.Errorf("agent security context %+v: want not privileged, all capabilities dropped but SYS_ADMIN and SYS_PTRACE", sc)
+		!slices.Equal(sc.Capabilities.Add, []corev1.Capability{"SYS_ADMIN", "NET_ADMIN", "SYS_PTRACE"}) {
+		t.Errorf("agent security context %+v: want not privileged, all capabilities dropped but SYS_ADMIN, NET_ADMIN and SYS_PTRACE", sc)
 	}
 }

@@ -16,8 +16,10 @@ type Datapath interface {
 	// It returns only once redirection is active. Idempotent.
 	Enroll(ctx context.Context, netnsPath string) (uint64, error)
 	// Release removes redirection for the namespace with this cookie. Idempotent,
-	// and it works after the namespace is gone.
-	Release(ctx context.Context, cookie uint64) error
+	// and it works after the namespace is gone. netnsPath, when not empty, is
+	// where the namespace was enrolled from: while it still names that
+	// namespace, what enrollment put inside it is taken out too.
+	Release(ctx context.Context, cookie uint64, netnsPath string) error
 	// Check returns an error describing what is missing when the namespace's
 	// redirection is not intact.
 	Check(ctx context.Context, cookie uint64) error
@@ -41,7 +43,7 @@ func (RecordOnly) Enroll(_ context.Context, netnsPath string) (uint64, error) {
 }
 
 // Release implements Datapath.
-func (RecordOnly) Release(context.Context, uint64) error { return nil }
+func (RecordOnly) Release(context.Context, uint64, string) error { return nil }
 
 // Check implements Datapath.
 func (RecordOnly) Check(context.Context, uint64) error { return nil }

@@ -35,12 +35,12 @@ func (l *lazyDatapath) Enroll(ctx context.Context, netnsPath string) (uint64, er
 	return dp.Enroll(ctx, netnsPath)
 }
 
-func (l *lazyDatapath) Release(ctx context.Context, cookie uint64) error {
+func (l *lazyDatapath) Release(ctx context.Context, cookie uint64, netnsPath string) error {
 	dp, err := l.get()
 	if err != nil {
 		return err
 	}
-	return dp.Release(ctx, cookie)
+	return dp.Release(ctx, cookie, netnsPath)
 }
 
 func (l *lazyDatapath) Check(ctx context.Context, cookie uint64) error {
@@ -69,4 +69,16 @@ func (l *lazyDatapath) Refusals() ([]redirect.Refusal, error) {
 		return r.Refusals()
 	}
 	return nil, nil
+}
+
+// Recollect implements ListenerRecollector when the loaded data path does.
+func (l *lazyDatapath) Recollect(ctx context.Context, netnsPath string) error {
+	dp, err := l.get()
+	if err != nil {
+		return err
+	}
+	if r, ok := dp.(ListenerRecollector); ok {
+		return r.Recollect(ctx, netnsPath)
+	}
+	return nil
 }

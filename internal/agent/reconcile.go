@@ -69,7 +69,7 @@ func (s *Service) Reconcile(ctx context.Context) (ReconcileResult, error) {
 			s.log.Info("orphan redirection released", zap.Uint64("netnsCookie", c))
 		}
 	}
-	s.reportRefusals()
+	s.reportRefusals(ctx)
 	s.metrics.reconciled(res)
 	return res, errors.Join(errs...)
 }
@@ -79,10 +79,18 @@ type RefusalReader interface {
 	Refusals() ([]redirect.Refusal, error)
 }
 
+// ListenerRecollector is a data path that can try again to collect a pod's
+// proxy listeners it refused (every slot taken), once there may be room.
+type ListenerRecollector interface {
+	Recollect(ctx context.Context, netnsPath string) error
+}
+
 // reportRefusals logs each proxy listener the data path could not capture once,
 // and again when it is refused again, naming the pod: its inbound connections fail
-// closed until the proxy listens with plain TCP.
-func (s *Service) reportRefusals() {
+// closed until the proxy listens with plain TCP. Pods with a refusal have their
+// listeners collected again first: a listener refused while every slot was taken
+// is captured once one is free.
+func (s *Service) reportRefusals(ctx context.Context) {
 	r, ok := s.datapath.(RefusalReader)
 	if !ok {
 		return
@@ -95,6 +103,19 @@ func (s *Service) reportRefusals() {
 	byCookie := map[uint64]podstore.Record{}
 	for _, rec := range s.store.List() {
 		byCookie[rec.NetnsCookie] = rec
+	}
+	if rc, ok := s.datapath.(ListenerRecollector); ok && len(refusals) > 0 {
+		for _, ref := range refusals {
+			if rec, ok := byCookie[ref.Cookie]; ok && !rec.Skipped {
+				if err := rc.Recollect(ctx, rec.NetnsPath); err != nil {
+					s.log.Debug("recollect proxy listeners", zap.String("pod", rec.Namespace+"/"+rec.Name), zap.Error(err))
+				}
+			}
+		}
+		if refusals, err = r.Refusals(); err != nil {
+			s.log.Warn("read refused proxy listeners", zap.Error(err))
+			return
+		}
 	}
 	s.refusalsMu.Lock()
 	defer s.refusalsMu.Unlock()
@@ -125,7 +146,7 @@ func (s *Service) releaseOrphan(ctx context.Context, cookie uint64) (bool, error
 	if s.cookieClaimed(cookie) {
 		return false, nil
 	}
-	return true, s.datapath.Release(ctx, cookie)
+	return true, s.datapath.Release(ctx, cookie, "")
 }
 
 // cookieClaimed reports whether a record (possibly written since the pass began)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 
+	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
 )
 
@@ -14,8 +15,9 @@ import (
 type RedirectDatapath struct {
 	DP       *redirect.Datapath
 	Settings redirect.Settings
-	// ProxyCgroups are the configured cgroups of the proxies (sidecars); the
-	// connected node proxies' own cgroups are added to them.
+	// ProxyCgroups are the configured cgroups of the proxies (sidecars), below
+	// the data path's cgroup v2 root; the connected node proxies' own cgroups are
+	// added to them.
 	ProxyCgroups []string
 }
 
@@ -54,8 +56,18 @@ func (r RedirectDatapath) Enroll(ctx context.Context, netnsPath string) (uint64,
 }
 
 // Release implements Datapath.
-func (r RedirectDatapath) Release(ctx context.Context, cookie uint64) error {
+func (r RedirectDatapath) Release(ctx context.Context, cookie uint64, netnsPath string) error {
+	if netnsPath != "" {
+		if c, err := netns.Cookie(netnsPath); err == nil && c == cookie {
+			return r.DP.ReleaseNetns(ctx, netnsPath)
+		}
+	}
 	return r.DP.Release(ctx, cookie)
+}
+
+// Recollect implements ListenerRecollector.
+func (r RedirectDatapath) Recollect(ctx context.Context, netnsPath string) error {
+	return r.DP.Recollect(ctx, netnsPath)
 }
 
 // Check implements Datapath.

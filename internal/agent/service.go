@@ -163,7 +163,7 @@ func (s *Service) enroll(ctx context.Context, rec podstore.Record) (podstore.Rec
 	if prev, ok := s.store.Get(rec.Key); ok && prev.NetnsCookie != cookie {
 		// Same attachment, new network namespace (a sandbox re-created under the
 		// same id): the old namespace's redirection is stale.
-		if err := s.datapath.Release(ctx, prev.NetnsCookie); err != nil {
+		if err := s.datapath.Release(ctx, prev.NetnsCookie, prev.NetnsPath); err != nil {
 			s.log.Warn("release of replaced namespace failed", zap.String("attachment", rec.Key.String()), zap.Error(err))
 		}
 	}
@@ -171,7 +171,7 @@ func (s *Service) enroll(ctx context.Context, rec podstore.Record) (podstore.Rec
 	if err := s.store.Put(rec); err != nil {
 		// Without a record the agent would forget the pod on restart; undo so the
 		// caller can retry from a clean state.
-		if rerr := s.datapath.Release(ctx, cookie); rerr != nil {
+		if rerr := s.datapath.Release(ctx, cookie, rec.NetnsPath); rerr != nil {
 			err = errors.Join(err, rerr)
 		}
 		s.enrolling.RUnlock()
@@ -198,7 +198,7 @@ func (s *Service) enroll(ctx context.Context, rec podstore.Record) (podstore.Rec
 // same attachment. The caller holds the key's lock.
 func (s *Service) skip(ctx context.Context, rec podstore.Record) error {
 	if prev, ok := s.store.Get(rec.Key); ok && !prev.Skipped {
-		if err := s.datapath.Release(ctx, prev.NetnsCookie); err != nil {
+		if err := s.datapath.Release(ctx, prev.NetnsCookie, prev.NetnsPath); err != nil {
 			return fmt.Errorf("release %s: %w", rec.Key, err)
 		}
 		if s.handoff != nil && !s.uidStillEnrolled(prev.UID, prev.Key) {
@@ -269,7 +269,7 @@ func (s *Service) release(ctx context.Context, key podstore.Key) (bool, error) {
 		return false, nil
 	}
 	if !rec.Skipped {
-		if err := s.datapath.Release(ctx, rec.NetnsCookie); err != nil {
+		if err := s.datapath.Release(ctx, rec.NetnsCookie, rec.NetnsPath); err != nil {
 			return false, fmt.Errorf("release %s (netns cookie %d): %w", key, rec.NetnsCookie, err)
 		}
 	}

@@ -62,6 +62,7 @@ type options struct {
 	outboundExcludedPorts intList
 	excludedCIDRs         prefixList
 	probeSources          probeSourceList
+	probeCgroups          probeCgroupList
 	dnsCapture            bool
 	dnsPort               uint
 	dnsFailClosed         bool
@@ -117,8 +118,9 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.Var(&opts.inboundExcludedPorts, "inbound-excluded-ports", "comma-separated destination ports of inbound connections never captured (default: the proxy's own ports)")
 	fs.Var(&opts.outboundExcludedPorts, "outbound-excluded-ports", "comma-separated destination ports of outbound connects never redirected, to any host (default: none)")
 	fs.Var(&opts.excludedCIDRs, "excluded-cidrs", "comma-separated outbound destination CIDRs never redirected")
-	opts.probeSources = probeSourceList{node: true}
-	fs.Var(&opts.probeSources, "probe-sources", "inbound sources never captured, so kubelet probes reach the application: comma-separated CIDRs and \"node\" (the node's own addresses, kept current), or \"none\"")
+	fs.Var(&opts.probeSources, "probe-sources", "opt-in: inbound sources never captured, comma-separated CIDRs (anything able to send from them passes too: a masquerading node, a spoofing pod), or \"none\"; the kubelet's probes pass by --probe-cgroups")
+	opts.probeCgroups = probeCgroupList{kubelet: true}
+	fs.Var(&opts.probeCgroups, "probe-cgroups", "cgroups whose connects from the node's network namespace reach pods past their inbound capture, so kubelet probes pass a proxy that enforces mTLS or policy: \"kubelet\" (the kubelet's cgroup and namespace, found by its process and kept current), comma-separated cgroup v2 paths (connects from the agent's network namespace), or \"none\"")
 	fs.BoolVar(&opts.dnsCapture, "dns-capture", false, "send enrolled pods' DNS (UDP and TCP to port 53) to the proxy's DNS listener on loopback (--dns-port); while nothing listens there, queries go to the resolver as sent")
 	fs.UintVar(&opts.dnsPort, "dns-port", uint(defaults.DNSPort), "the proxy's DNS listener port inside each pod (127.0.0.1 and ::1, UDP and TCP)")
 	fs.BoolVar(&opts.dnsFailClosed, "dns-fail-closed", false, "with --dns-capture, send DNS to the proxy's listener even when nothing listens there (queries then fail)")
@@ -172,7 +174,6 @@ func (o options) redirectSettings() (redirect.Settings, error) {
 	}
 	s.ExcludedCIDRs = o.excludedCIDRs
 	s.ProbeSources = o.probeSources.cidrs
-	s.NodeProbeSources = o.probeSources.node
 	if o.dnsPort == 0 || o.dnsPort > 65535 {
 		return s, fmt.Errorf("--dns-port %d is not a port", o.dnsPort)
 	}
@@ -322,30 +323,30 @@ func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {
 		if cg != opts.cgroupRoot {
 			log.Info("hybrid cgroups: attaching to the cgroup v2 hierarchy inside --cgroup-root", zap.String("cgroupRoot", cg))
 		}
-		rcfg := redirect.Config{PinRoot: opts.bpffsRoot, CgroupRoot: cg, InboundPorts: []uint16{settings.InboundPort}, Logger: log.Named("datapath")}
+		rcfg := redirect.Config{PinRoot: opts.bpffsRoot, CgroupRoot: cg, Logger: log.Named("datapath")}
 		cfg.OpenDatapath = func(ctx context.Context) (agent.Datapath, func() error, error) {
 			dp, err := redirect.Open(ctx, rcfg)
 			if err != nil {
 				return nil, nil, err
 			}
-			rd := agent.RedirectDatapath{DP: dp, Settings: settings}
-			for _, p := range opts.proxyCgroups {
-				rd.ProxyCgroups = append(rd.ProxyCgroups, filepath.Join(cg, p))
-			}
+			rd := agent.RedirectDatapath{DP: dp, Settings: settings, ProxyCgroups: opts.proxyCgroups}
 			if err := rd.SetProxyProcesses(nil); err != nil {
 				dp.Close()
 				return nil, nil, fmt.Errorf("--proxy-cgroups: %w", err)
 			}
-			if !settings.NodeProbeSources {
+			if !opts.probeCgroups.kubelet {
+				if err := dp.SetProbeCgroups(0, opts.probeCgroups.paths); err != nil {
+					dp.Close()
+					return nil, nil, fmt.Errorf("--probe-cgroups: %w", err)
+				}
 				return rd, dp.Close, nil
 			}
-			// The node's addresses change (DHCP, a new interface): keep the
-			// probe sources current until the data path is closed.
-			stopWatch, err := agent.StartNodeAddressWatch(ctx, log.Named("node-addresses"), dp.SetNodeAddresses)
-			if err != nil {
-				dp.Close()
-				return nil, nil, err
-			}
+			// The kubelet's probes: its cgroup, kept current (a kubelet
+			// restarted into another cgroup is followed).
+			stopWatch := agent.ProbeWatch{
+				Log: log.Named("probes"), Datapath: dp, ProcRoot: "/proc",
+				Names: agent.KubeletProcessNames(), Interval: opts.reconcileInterval,
+			}.Start(ctx)
 			return rd, func() error {
 				stopWatch()
 				return dp.Close()

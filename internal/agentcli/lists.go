@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 )
@@ -90,25 +91,17 @@ func splitList(s string) []string {
 	return out
 }
 
-// probeSourceList is --probe-sources: CIDRs, and the word "node" for the node's own
-// addresses (kept current); "none" alone for no probe sources at all.
+// probeSourceList is --probe-sources: CIDRs, or "none". The word "node" (the
+// node's addresses, once the default) is refused with the reason.
 type probeSourceList struct {
-	node  bool
 	cidrs prefixList
 }
 
 func (l *probeSourceList) String() string {
-	var parts []string
-	if l.node {
-		parts = append(parts, "node")
-	}
 	if c := l.cidrs.String(); c != "" {
-		parts = append(parts, c)
+		return c
 	}
-	if len(parts) == 0 {
-		return "none"
-	}
-	return strings.Join(parts, ",")
+	return "none"
 }
 
 func (l *probeSourceList) Set(s string) error {
@@ -118,19 +111,60 @@ func (l *probeSourceList) Set(s string) error {
 		*l = out
 		return nil
 	}
-	var cidrs []string
 	for _, part := range parts {
 		switch part {
 		case "node":
-			out.node = true
+			return errors.New(`"node" is no longer a probe source: any traffic the node masquerades or forwards, and any pod that can send from a node address, would pass the inbound capture with it; the kubelet's probes are recognised by their socket instead (--probe-cgroups)`)
 		case "none":
 			return errors.New(`"none" cannot be combined with other probe sources`)
-		default:
-			cidrs = append(cidrs, part)
 		}
 	}
-	if err := out.cidrs.Set(strings.Join(cidrs, ",")); err != nil {
+	if err := out.cidrs.Set(strings.Join(parts, ",")); err != nil {
 		return err
+	}
+	*l = out
+	return nil
+}
+
+// probeCgroupList is --probe-cgroups: "kubelet" (the kubelet's process, found by
+// name), cgroup paths, or "none".
+type probeCgroupList struct {
+	kubelet bool
+	paths   []string
+}
+
+func (l *probeCgroupList) String() string {
+	parts := slices.Clone(l.paths)
+	if l.kubelet {
+		parts = append([]string{"kubelet"}, parts...)
+	}
+	if len(parts) == 0 {
+		return "none"
+	}
+	return strings.Join(parts, ",")
+}
+
+func (l *probeCgroupList) Set(s string) error {
+	var out probeCgroupList
+	parts := splitList(s)
+	if len(parts) == 1 && parts[0] == "none" {
+		*l = out
+		return nil
+	}
+	for _, part := range parts {
+		switch {
+		case part == "kubelet":
+			out.kubelet = true
+		case part == "none":
+			return errors.New(`"none" cannot be combined with other probe cgroups`)
+		case !strings.HasPrefix(part, "/"):
+			return fmt.Errorf("probe cgroup %q: want kubelet or an absolute cgroup path", part)
+		default:
+			out.paths = append(out.paths, part)
+		}
+	}
+	if out.kubelet && len(out.paths) > 0 {
+		return errors.New(`"kubelet" cannot be combined with cgroup paths: it follows the kubelet's own cgroup`)
 	}
 	*l = out
 	return nil

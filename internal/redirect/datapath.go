@@ -44,10 +44,6 @@ type Config struct {
 	// CgroupRoot is the cgroup v2 directory the socket programs attach to; empty
 	// means the root of the host's cgroup2 mount, found in /proc/self/mountinfo.
 	CgroupRoot string
-	// InboundPorts are the proxies' inbound listener ports, collected for capture
-	// from the start (every enrolled pod's InboundPort is added as well). Listing
-	// the node's port here lets a proxy start listening before its pod is enrolled.
-	InboundPorts []uint16
 	// Logger receives what the data path does; nil means no logging.
 	Logger *zap.Logger
 }
@@ -270,9 +266,7 @@ func Open(ctx context.Context, cfg Config) (_ *Datapath, err error) {
 	if err := d.loadSets(); err != nil {
 		return nil, err
 	}
-	if err := d.addListenPorts(cfg.InboundPorts...); err != nil {
-		return nil, err
-	}
+	d.dropLegacyNodeSet()
 	if legacy != nil {
 		// Entries first, then the programs: the cgroup links switch to programs
 		// that already know every pod.

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 
@@ -72,7 +73,10 @@ func TestEnrollIdempotentAndUpdate(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := []Enrollment{{Cookie: a.cookie, NetnsInode: first.NetnsInode, Settings: s2.normalized()}}
+	want := []Enrollment{{Cookie: a.cookie, NetnsInode: first.NetnsInode, Settings: s2.normalized(), Addresses: first.Addresses}}
+	if !slices.Contains(first.Addresses, a.addr4) || !slices.Contains(first.Addresses, a.addr6) {
+		t.Errorf("enrolled with addresses %v, want %s and %s among them", first.Addresses, a.addr4, a.addr6)
+	}
 	if !reflect.DeepEqual(list, want) || !reflect.DeepEqual(updated, want[0]) {
 		t.Errorf("after update: list %+v, enroll %+v, want %+v", list, updated, want[0])
 	}

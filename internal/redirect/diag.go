@@ -24,6 +24,7 @@ const (
 type diagSocket struct {
 	family uint8
 	inode  uint32
+	cookie uint64 // the socket cookie, what a SOCKHASH answers user space with
 }
 
 // listenerOnPort reports whether a TCP socket listens on the wildcard address at
@@ -115,7 +116,10 @@ func listenersOnPort(port uint16) ([]diagSocket, error) {
 						continue
 					}
 					if binary.BigEndian.Uint16(m.Data[4:]) == port {
-						out = append(out, diagSocket{family: m.Data[0], inode: binary.NativeEndian.Uint32(m.Data[68:])})
+						// inet_diag_msg: the socket cookie as two 32-bit halves,
+						// low first, at 44; the inode at 68.
+						cookie := uint64(binary.NativeEndian.Uint32(m.Data[44:])) | uint64(binary.NativeEndian.Uint32(m.Data[48:]))<<32
+						out = append(out, diagSocket{family: m.Data[0], inode: binary.NativeEndian.Uint32(m.Data[68:]), cookie: cookie})
 					}
 				}
 			}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -31,6 +32,10 @@ type Enrollment struct {
 	// to (0 when the link is missing).
 	NetnsInode uint64
 	Settings   Settings // normalized: sorted, deduplicated, masked
+	// Addresses are the pod's own addresses, read from its namespace when it
+	// was enrolled: connects to them are not redirected, and its proxy's
+	// connects to them get the reply mark.
+	Addresses []netip.Addr
 }
 
 // Enroll puts redirection in place for the pod: its sk_lookup program attached to
@@ -57,25 +62,35 @@ func (d *Datapath) Enroll(ctx context.Context, t Target) (Enrollment, error) {
 	if err != nil {
 		return Enrollment{}, fmt.Errorf("enroll %s: %w", t.NetnsPath, err)
 	}
-	// One visit to the pod's namespace: its cookie, and whether a proxy already
-	// listens there (which sockops would not have seen start).
+	// One visit to the pod's namespace: its cookie, whether a proxy already
+	// listens there (which sockops would not have seen start), its addresses and
+	// its reply route.
 	var (
 		cookie    uint64
 		listening bool
+		addrs     podAddrs
 	)
 	err = netns.DoFd(nsFd, func() error {
 		var err error
 		if cookie, err = netns.CurrentCookie(); err != nil {
 			return fmt.Errorf("netns cookie: %w", err)
 		}
-		listening, err = listenerOnPort(s.InboundPort)
-		return err
+		if d.isNodeCookie(cookie) {
+			return ErrNodeNamespace
+		}
+		if listening, err = listenerOnPort(s.InboundPort); err != nil {
+			return err
+		}
+		if addrs, err = readPodAddrs(); err != nil {
+			return err
+		}
+		if s.ReplyMark != 0 {
+			return setupReplyRoute(s)
+		}
+		return nil
 	})
 	if err != nil {
 		return Enrollment{}, fmt.Errorf("enroll %s: %w", t.NetnsPath, err)
-	}
-	if d.isNodeCookie(cookie) {
-		return Enrollment{}, fmt.Errorf("enroll %s: %w", t.NetnsPath, ErrNodeNamespace)
 	}
 	log := d.log.With(zap.Uint64("cookie", cookie), zap.String("netns", t.NetnsPath))
 
@@ -115,14 +130,17 @@ func (d *Datapath) Enroll(ctx context.Context, t Target) (Enrollment, error) {
 		}
 		if !wasEnrolled {
 			_ = os.Remove(podDir)
+			if s.ReplyMark != 0 {
+				if err := netns.DoFd(nsFd, func() error { return removeReplyRoute(s) }); err != nil {
+					log.Warn("roll back the reply route", zap.Error(err))
+				}
+			}
 		}
 	}
-	if err := d.addListenPorts(s.InboundPort); err != nil {
-		rollback()
-		return Enrollment{}, fmt.Errorf("enroll %s: %w", t.NetnsPath, err)
-	}
-	// A proxy that was already listening before the pod's first enrollment (or
-	// before this data path existed) was not seen by sockops.
+	// sockops collects only listeners of enrolled namespaces: a proxy already
+	// listening (a pod enrolled while running, or before this data path existed)
+	// is collected here, before the entry, and once more after it, for one that
+	// began listening in between.
 	if listening {
 		if err := d.collectExisting(nsFd, cookie, s.InboundPort); err != nil {
 			log.Warn("collect existing inbound listeners", zap.Error(err))
@@ -136,11 +154,16 @@ func (d *Datapath) Enroll(ctx context.Context, t Target) (Enrollment, error) {
 		if wasEnrolled {
 			prev = &old
 		}
-		return d.putPod(cookie, s, prev)
+		return d.putPod(cookie, s, addrs, prev)
 	}()
 	if err != nil {
 		rollback()
 		return Enrollment{}, fmt.Errorf("enroll %s: %w", t.NetnsPath, err)
+	}
+	if listening {
+		if err := d.collectExisting(nsFd, cookie, s.InboundPort); err != nil {
+			log.Warn("collect existing inbound listeners", zap.Error(err))
+		}
 	}
 
 	// The entry is in place: now drop links this enrollment does not use (an
@@ -153,8 +176,8 @@ func (d *Datapath) Enroll(ctx context.Context, t Target) (Enrollment, error) {
 			}
 		}
 	}
-	log.Info("enrolled", zap.Bool("update", wasEnrolled))
-	return Enrollment{Cookie: cookie, NetnsInode: ino, Settings: s}, nil
+	log.Info("enrolled", zap.Bool("update", wasEnrolled), zap.Stringers("addresses", addrs.all))
+	return Enrollment{Cookie: cookie, NetnsInode: ino, Settings: s, Addresses: addrs.all}, nil
 }
 
 // attachLookup makes pin the pod's intact sk_lookup link: kept when it is, updated
@@ -190,10 +213,33 @@ func (d *Datapath) attachLookup(cookie uint64, nsFd int, ino uint64, pin string,
 }
 
 // Release removes the pod's redirection: the settings entry first (every program
-// stops acting on the netns at once), then its CIDR set references, links and pins.
-// It needs only the cookie, so it works after the netns is gone, and it is
-// idempotent.
+// stops acting on the netns at once), then its CIDR set references, links, pins
+// and collected listeners. It needs only the cookie, so it works after the netns is
+// gone, and it is idempotent. A pod that leaves the mesh while its namespace lives
+// on is released with ReleaseNetns, which also takes its reply route out.
 func (d *Datapath) Release(ctx context.Context, cookie uint64) error {
+	return d.release(ctx, cookie, -1)
+}
+
+// ReleaseNetns releases the pod whose namespace is at netnsPath, as Release does,
+// and removes what Enroll put inside that namespace (the reply route).
+func (d *Datapath) ReleaseNetns(ctx context.Context, netnsPath string) error {
+	nsFile, err := netns.Open(netnsPath)
+	if err != nil {
+		return fmt.Errorf("release: %w", err)
+	}
+	defer nsFile.Close()
+	cookie, err := netns.CookieFd(int(nsFile.Fd()))
+	if err != nil {
+		return fmt.Errorf("release %s: %w", netnsPath, err)
+	}
+	if d.isNodeCookie(cookie) {
+		return fmt.Errorf("release %s: %w", netnsPath, ErrNodeNamespace)
+	}
+	return d.release(ctx, cookie, int(nsFile.Fd()))
+}
+
+func (d *Datapath) release(ctx context.Context, cookie uint64, nsFd int) error {
 	d.mu.RLock()
 	defer d.mu.RUnlock()
 	if d.closed {
@@ -203,6 +249,8 @@ func (d *Datapath) Release(ctx context.Context, cookie uint64) error {
 		return err
 	}
 	defer d.pods.lock(cookie)()
+	var v redirectPodSettings
+	enrolled := d.objs.Pods.Lookup(cookie, &v) == nil
 	err := func() error {
 		d.mapMu.Lock()
 		defer d.mapMu.Unlock()
@@ -211,7 +259,15 @@ func (d *Datapath) Release(ctx context.Context, cookie uint64) error {
 	if err != nil {
 		return fmt.Errorf("release %d: %w", cookie, err)
 	}
-	if err := removeLinkDir(d.pins.pod(cookie)); err != nil {
+	errs := []error{removeLinkDir(d.pins.pod(cookie))}
+	if enrolled {
+		d.dropListeners(cookie, v.InboundPort)
+		if nsFd >= 0 && v.Flags&redirectSettingFlagsSETTING_REPLY_MARK != 0 {
+			s := Settings{ReplyMark: v.ReplyMark, ReplyMarkMask: v.ReplyMarkMask}
+			errs = append(errs, netns.DoFd(nsFd, func() error { return removeReplyRoute(s) }))
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("release %d: %w", cookie, err)
 	}
 	d.log.Info("released", zap.Uint64("cookie", cookie))
@@ -244,6 +300,9 @@ func (d *Datapath) Check(ctx context.Context, cookie uint64) error {
 		return fmt.Errorf("check %d: %w", cookie, err)
 	}
 	var errs []error
+	if s.Flags&redirectSettingFlagsSETTING_EARLIER != 0 {
+		errs = append(errs, fmt.Errorf("settings copied from an earlier version, without the pod's addresses: %w", ErrLinkBroken))
+	}
 	switch {
 	case pp.lookup != nil:
 		if err := d.checkLookup(cookie, pp.lookup.path, pp.lookup.ino); err != nil {
@@ -304,8 +363,9 @@ func (d *Datapath) List(ctx context.Context) ([]Enrollment, error) {
 	it := d.objs.Pods.Iterate()
 	for it.Next(&cookie, &value) {
 		e := Enrollment{
-			Cookie:   cookie,
-			Settings: d.settingsOf(value),
+			Cookie:    cookie,
+			Settings:  d.settingsOf(value),
+			Addresses: podAddrsFromBPF(value),
 		}
 		pp, err := readPodPins(d.pins.pod(cookie))
 		if err != nil {

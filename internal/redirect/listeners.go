@@ -1,6 +1,7 @@
 package redirect
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -22,46 +23,19 @@ const (
 	afInet6 = 10
 )
 
-// addListenPorts makes sockops collect the listeners of these ports.
-func (d *Datapath) addListenPorts(ports ...uint16) error {
-	for _, p := range ports {
-		if p == 0 {
-			continue
-		}
-		if err := d.objs.ListenPorts.Update(p, uint8(1), ebpf.UpdateAny); err != nil {
-			return fmt.Errorf("add inbound port %d: %w", p, err)
-		}
-	}
-	return nil
-}
-
-// hasListener reports whether any listener of the pod's inbound port is collected.
-func hasListener(m *ebpf.Map, cookie uint64, port uint16) bool {
-	for _, fam := range []uint8{afInet6, afInet} {
-		for slot := range uint8(listenerSlots) {
-			var sockCookie uint64
-			k := redirectListenerKey{Netns: cookie, Port: port, Family: fam, Slot: slot}
-			if m.Lookup(&k, &sockCookie) == nil {
-				return true
-			}
-		}
-	}
-	return false
-}
-
-// collectExisting collects listeners of port that were open in the pod's netns
-// before sockops could see them start listening (a proxy already running when its
-// pod is enrolled, or when this data path was installed). Enroll calls it only when
-// its sock_diag lookup in the pod's namespace found something listening on the port
-// (a new pod, the common case, costs that lookup alone). It lists the listeners,
-// finds the processes holding them, takes a descriptor of each (pidfd_getfd) and
-// puts it into its slots, as sockops would have. (A BPF TCP iterator could insert
-// them from the kernel, but updating a SOCKHASH from one deadlocks on Linux 5.15,
-// where the iterator holds the socket's lock: seen in the kernel matrix.)
+// collectExisting collects the listeners of port open in the pod's netns that no
+// slot holds yet: listeners sockops did not see start because their pod was not
+// enrolled then (a proxy already running when its pod is enrolled, or when this
+// data path was installed), or that were refused while the map was full. Enroll
+// calls it only when its sock_diag lookup in the pod's namespace found something
+// listening on the port (a new pod, the common case, costs that lookup alone); the
+// reconcile pass, for pods with a refused listener. It lists the listeners, finds
+// the processes holding those not collected yet, takes a descriptor of each
+// (pidfd_getfd) and puts it into its slots, as sockops would have. (A BPF TCP
+// iterator could insert them from the kernel, but updating a SOCKHASH from one
+// deadlocks on Linux 5.15, where the iterator holds the socket's lock: seen in the
+// kernel matrix.)
 func (d *Datapath) collectExisting(nsFd int, cookie uint64, port uint16) error {
-	if hasListener(d.objs.Listeners, cookie, port) {
-		return nil
-	}
 	var listeners []diagSocket
 	err := netns.DoFd(nsFd, func() error {
 		var err error
@@ -70,6 +44,11 @@ func (d *Datapath) collectExisting(nsFd int, cookie uint64, port uint16) error {
 	})
 	if err != nil || len(listeners) == 0 {
 		return err
+	}
+	slotted := slottedSockets(d.objs.Listeners, cookie, port)
+	listeners = slices.DeleteFunc(listeners, func(l diagSocket) bool { return slotted[l.cookie] })
+	if len(listeners) == 0 {
+		return nil
 	}
 	fds, err := socketsByInode(listeners)
 	defer func() {
@@ -84,6 +63,70 @@ func (d *Datapath) collectExisting(nsFd int, cookie uint64, port uint16) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// slottedSockets are the socket cookies in a pod's slots of port.
+func slottedSockets(m *ebpf.Map, cookie uint64, port uint16) map[uint64]bool {
+	out := map[uint64]bool{}
+	for _, fam := range []uint8{afInet6, afInet} {
+		for slot := range uint8(listenerSlots) {
+			var sockCookie uint64
+			k := redirectListenerKey{Netns: cookie, Port: port, Family: fam, Slot: slot}
+			if m.Lookup(&k, &sockCookie) == nil {
+				out[sockCookie] = true
+			}
+		}
+	}
+	return out
+}
+
+// dropListeners removes a released pod's listeners from their slots and its
+// refusal records.
+func (d *Datapath) dropListeners(cookie uint64, port uint16) {
+	for _, fam := range []uint8{afInet6, afInet} {
+		for slot := range uint8(listenerSlots) {
+			_ = d.objs.Listeners.Delete(&redirectListenerKey{Netns: cookie, Port: port, Family: fam, Slot: slot})
+		}
+		_ = d.objs.ListenRefused.Delete(&redirectListenerKey{Netns: cookie, Port: port, Family: fam})
+	}
+}
+
+// Recollect collects the pod's listeners that are open but not held (refused
+// while the map was full, or open before the pod was enrolled and missed), so a
+// pod whose proxy was refused is captured again once there is room, without its
+// proxy having to listen again. The reconcile pass calls it for pods with a
+// refusal on record.
+func (d *Datapath) Recollect(ctx context.Context, netnsPath string) error {
+	nsFile, err := netns.Open(netnsPath)
+	if err != nil {
+		return fmt.Errorf("recollect: %w", err)
+	}
+	defer nsFile.Close()
+	cookie, err := netns.CookieFd(int(nsFile.Fd()))
+	if err != nil {
+		return fmt.Errorf("recollect %s: %w", netnsPath, err)
+	}
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	if d.closed {
+		return ErrClosed
+	}
+	defer d.pods.lock(cookie)()
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	var s redirectPodSettings
+	if err := d.objs.Pods.Lookup(cookie, &s); err != nil {
+		return fmt.Errorf("recollect %s: %w", netnsPath, ErrNotEnrolled)
+	}
+	// A listener refused again is recorded again by slotListener.
+	for _, fam := range []uint8{afInet6, afInet} {
+		_ = d.objs.ListenRefused.Delete(&redirectListenerKey{Netns: cookie, Port: s.InboundPort, Family: fam})
+	}
+	if err := d.collectExisting(int(nsFile.Fd()), cookie, s.InboundPort); err != nil {
+		return fmt.Errorf("recollect %s: %w", netnsPath, err)
+	}
+	return nil
 }
 
 // slotListener puts a listener into the first free slot of its family, and an

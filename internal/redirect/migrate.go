@@ -47,41 +47,67 @@ type podSettingsV2 struct {
 	OutboundPortSet uint32
 }
 
+// podSettingsV3 is the second socket-lookup layout's: V2 and the DNS port, no
+// addresses or reply mark. Its flag 1 << 9 made the node's addresses probe
+// sources; it means nothing now.
+type podSettingsV3 struct {
+	podSettingsV2
+	DNSPort uint16
+	Pad     uint16
+}
+
 // migratePods copies the pods of an earlier socket-lookup layout into this build's
-// map. Its per-pod programs keep the earlier map (which still holds every entry)
-// until the agent enrolls each pod again.
+// map, marked SETTING_EARLIER: without their addresses, which only their namespace
+// tells, Check reports them and the agent's reconcile at start enrolls them again.
+// Their per-pod programs keep the earlier map (which still holds every entry)
+// until then.
 func (d *Datapath) migratePods(l *legacyMaps) error {
 	pods := l.maps["pods"]
 	if pods == nil {
 		return nil
 	}
-	if pods.ValueSize() != uint32(binarySize[podSettingsV2]()) {
+	var read func(*uint64) (podSettingsV3, bool)
+	it := pods.Iterate()
+	switch pods.ValueSize() {
+	case uint32(binarySize[podSettingsV2]()):
+		read = func(cookie *uint64) (podSettingsV3, bool) {
+			var v podSettingsV2
+			ok := it.Next(cookie, &v)
+			return podSettingsV3{podSettingsV2: v, DNSPort: DefaultSettings().DNSPort}, ok
+		}
+	case uint32(binarySize[podSettingsV3]()):
+		read = func(cookie *uint64) (podSettingsV3, bool) {
+			var v podSettingsV3
+			ok := it.Next(cookie, &v)
+			return v, ok
+		}
+	default:
 		return fmt.Errorf("legacy pods map has %d-byte values, a layout this build does not know", pods.ValueSize())
 	}
+	const earlierProbeNode = 1 << 9
 	var (
 		cookie uint64
-		v      podSettingsV2
 		n      int
 	)
-	it := pods.Iterate()
-	for it.Next(&cookie, &v) {
+	for {
+		v, ok := read(&cookie)
+		if !ok {
+			break
+		}
 		var cur redirectPodSettings
 		if d.objs.Pods.Lookup(cookie, &cur) == nil {
 			continue // migrated by an earlier, interrupted start
 		}
 		nv := redirectPodSettings{
 			OutboundPort: v.OutboundPort, InboundPort: v.InboundPort,
-			Flags:     redirectSettingFlags(v.Flags),
+			Flags:     redirectSettingFlags(v.Flags&^earlierProbeNode) | redirectSettingFlagsSETTING_EARLIER,
 			ProxyMark: v.ProxyMark, ProxyMarkMask: v.ProxyMarkMask, ProxyUid: v.ProxyUID,
 			ExcludedSet: v.ExcludedSet, ProbeSet: v.ProbeSet,
 			InboundPortSet: v.InboundPortSet, OutboundPortSet: v.OutboundPortSet,
-			DnsPort: DefaultSettings().DNSPort,
+			DnsPort: v.DNSPort,
 		}
 		if err := d.objs.Pods.Put(cookie, nv); err != nil {
 			return fmt.Errorf("migrate pod %d: %w", cookie, err)
-		}
-		if err := d.addListenPorts(v.InboundPort); err != nil {
-			return err
 		}
 		n++
 	}
@@ -232,10 +258,7 @@ func (d *Datapath) migrate(l *legacyMaps) error {
 			d.log.Warn("legacy pod settings not migrated", zap.Uint64("cookie", cookie), zap.Error(err))
 			continue
 		}
-		if err := d.addListenPorts(s.InboundPort); err != nil {
-			return err
-		}
-		if err := d.putPod(cookie, s, nil); err != nil {
+		if err := d.putPod(cookie, s, podAddrs{}, nil); err != nil {
 			return fmt.Errorf("migrate pod %d: %w", cookie, err)
 		}
 		n++

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"sync"
@@ -68,7 +69,7 @@ func installTCXLayout(t *testing.T, cfg Config, cgroup string, pods ...*pod) {
 	}
 	for _, p := range pods {
 		v := legacyPodSettings{OutboundPort: 15001, InboundPort: 15006, ProxyMark: testMark, ProxyMarkMask: 0xfff}
-		ports := ProxyPorts()
+		ports := earlierProxyPorts
 		v.NrExcludedPorts = uint32(copy(v.ExcludedPorts[:], ports))
 		if err := coll.Maps["settings"].Put(p.cookie, v); err != nil {
 			t.Fatal(err)
@@ -91,6 +92,9 @@ func installTCXLayout(t *testing.T, cfg Config, cgroup string, pods ...*pod) {
 		})
 	}
 }
+
+// earlierProxyPorts are the inbound exclusions of the earlier releases.
+var earlierProxyPorts = []uint16{15001, 15006, 15008, 15020, 15021, 15053, 15090}
 
 // A node running the earlier release (TCX inbound capture) is upgraded: the pinned
 // maps are migrated, the cgroup programs switched, each pod re-enrolled onto socket
@@ -179,12 +183,61 @@ func TestMigrateFromTCXLayout(t *testing.T) {
 	}
 }
 
-// testdata/sklookup-v1.o is the data path's object as the first socket-lookup release
-// built it (socket-lookup capture with a whole decision program per pod, pods
-// without a DNS port). installSkLookupV1 pins it the way that release did.
-func installSkLookupV1(t *testing.T, cfg Config, cgroup string, pods ...*pod) {
+// An earlier socket-lookup release, as installRelease pins it.
+type release struct {
+	// object is its data path's object in testdata.
+	object string
+	// hooks are the cgroup programs it attached, by pin name.
+	hooks []string
+	// podValue is a pod's settings entry as it wrote it.
+	podValue func() any
+	// nodeAddrs: it kept the node's addresses in probe_srcs.
+	nodeAddrs bool
+}
+
+// releaseSkLookupV1 is the first socket-lookup release: a whole decision program
+// per pod, pods without a DNS port.
+func releaseSkLookupV1() release {
+	return release{
+		object: "testdata/sklookup-v1.o",
+		hooks:  []string{"getsockopt", "getpeername4", "getpeername6", "sockops", "connect4", "connect6"},
+		podValue: func() any {
+			return podSettingsV2{OutboundPort: 15001, InboundPort: 15006, ProxyMark: testMark, ProxyMarkMask: 0xfff,
+				Flags: uint32(redirectSettingFlagsSETTING_PROXY_MARK | redirectSettingFlagsSETTING_INBOUND_PORTS), InboundPortSet: 1}
+		},
+	}
+}
+
+// releaseSkLookupV2 is the release the manifests pinned before pods' addresses
+// and the reply mark: a small per-pod program tail-calling the shared decision,
+// DNS capture, the node's addresses as every pod's probe sources.
+func releaseSkLookupV2() release {
+	return release{
+		object: "testdata/sklookup-v2.o",
+		hooks: []string{"getsockopt", "getpeername4", "getpeername6", "recvmsg4", "recvmsg6", "sockops",
+			"sendmsg4", "sendmsg6", "connect4", "connect6"},
+		podValue: func() any {
+			const probeNode = 1 << 9
+			return podSettingsV3{podSettingsV2: podSettingsV2{OutboundPort: 15001, InboundPort: 15006, ProxyMark: testMark, ProxyMarkMask: 0xfff,
+				Flags: uint32(redirectSettingFlagsSETTING_PROXY_MARK|redirectSettingFlagsSETTING_INBOUND_PORTS) | probeNode, InboundPortSet: 1}, DNSPort: 15053}
+		},
+		nodeAddrs: true,
+	}
+}
+
+var hookAttach = map[string]ebpf.AttachType{
+	"getsockopt": ebpf.AttachCGroupGetsockopt, "getpeername4": ebpf.AttachCgroupInet4GetPeername,
+	"getpeername6": ebpf.AttachCgroupInet6GetPeername, "recvmsg4": ebpf.AttachCGroupUDP4Recvmsg,
+	"recvmsg6": ebpf.AttachCGroupUDP6Recvmsg, "sockops": ebpf.AttachCGroupSockOps,
+	"sendmsg4": ebpf.AttachCGroupUDP4Sendmsg, "sendmsg6": ebpf.AttachCGroupUDP6Sendmsg,
+	"connect4": ebpf.AttachCGroupInet4Connect, "connect6": ebpf.AttachCGroupInet6Connect,
+}
+
+// installRelease pins rel's data path the way that release did, with pods
+// enrolled.
+func installRelease(t *testing.T, rel release, cfg Config, cgroup string, pods ...*pod) {
 	t.Helper()
-	spec, err := ebpf.LoadCollectionSpec("testdata/sklookup-v1.o")
+	spec, err := ebpf.LoadCollectionSpec(rel.object)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -204,22 +257,17 @@ func installSkLookupV1(t *testing.T, cfg Config, cgroup string, pods ...*pod) {
 		t.Fatalf("load the release's objects: %v", err)
 	}
 	defer coll.Close()
-	for _, h := range []struct {
-		name, prog string
-		attach     ebpf.AttachType
-	}{
-		{"getsockopt", "mesh_getsockopt", ebpf.AttachCGroupGetsockopt},
-		{"getpeername4", "mesh_getpeername4", ebpf.AttachCgroupInet4GetPeername},
-		{"getpeername6", "mesh_getpeername6", ebpf.AttachCgroupInet6GetPeername},
-		{"sockops", "mesh_sockops", ebpf.AttachCGroupSockOps},
-		{"connect4", "mesh_connect4", ebpf.AttachCGroupInet4Connect},
-		{"connect6", "mesh_connect6", ebpf.AttachCGroupInet6Connect},
-	} {
-		l, err := link.AttachCgroup(link.CgroupOptions{Path: cgroup, Attach: h.attach, Program: coll.Programs[h.prog]})
+	if main := coll.Programs["mesh_lookup_main"]; main != nil {
+		if err := coll.Maps["lookup_main"].Update(uint32(0), main, ebpf.UpdateAny); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, h := range rel.hooks {
+		l, err := link.AttachCgroup(link.CgroupOptions{Path: cgroup, Attach: hookAttach[h], Program: coll.Programs["mesh_"+h]})
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := l.Pin(filepath.Join(pins.links(), h.name)); err != nil {
+		if err := l.Pin(filepath.Join(pins.links(), h)); err != nil {
 			t.Fatal(err)
 		}
 		l.Close()
@@ -228,18 +276,21 @@ func installSkLookupV1(t *testing.T, cfg Config, cgroup string, pods ...*pod) {
 	if err := coll.Maps["listen_ports"].Put(uint16(15006), uint8(1)); err != nil {
 		t.Fatal(err)
 	}
-	for _, port := range ProxyPorts() {
+	for _, port := range earlierProxyPorts {
 		if err := coll.Maps["excluded_ports"].Put(redirectPortKey{Set: 1, Port: port}, uint8(1)); err != nil {
 			t.Fatal(err)
 		}
 	}
-	for _, p := range pods {
-		v := podSettingsV2{OutboundPort: 15001, InboundPort: 15006, ProxyMark: testMark, ProxyMarkMask: 0xfff,
-			Flags: uint32(redirectSettingFlagsSETTING_PROXY_MARK | redirectSettingFlagsSETTING_INBOUND_PORTS), InboundPortSet: 1}
-		if err := coll.Maps["pods"].Put(p.cookie, v); err != nil {
+	if rel.nodeAddrs {
+		if err := coll.Maps["probe_srcs"].Put(lpmKey(legacyNodeSet, netip.MustParsePrefix("192.0.2.1/32")), uint8(1)); err != nil {
 			t.Fatal(err)
 		}
-		// The release's per-pod program: its whole decision, the cookie built in.
+	}
+	for _, p := range pods {
+		if err := coll.Maps["pods"].Put(p.cookie, rel.podValue()); err != nil {
+			t.Fatal(err)
+		}
+		// The release's per-pod program, its cookie built in.
 		ps := perPod.Copy()
 		for i := range ps.Instructions {
 			ins := &ps.Instructions[i]
@@ -281,13 +332,23 @@ func installSkLookupV1(t *testing.T, cfg Config, cgroup string, pods ...*pod) {
 	}
 }
 
-// A node running the first socket-lookup release (socket-lookup capture, pods without
-// a DNS port) is upgraded to this build under a client loop: the pods are migrated
-// before the cgroup programs switch, the release's per-pod programs keep working
-// until the agent enrolls each pod again, and no connection fails or bypasses a
-// proxy.
-func TestMigrateFromSkLookupV1(t *testing.T) {
+// A node running an earlier socket-lookup release (the first one, pods without a
+// DNS port; the one the manifests pinned, pods without addresses) is upgraded to
+// this build under a client loop: the pods are migrated before the cgroup
+// programs switch, the release's per-pod programs keep working until the agent
+// enrolls each pod again (Check reports the migrated ones), and no connection fails
+// or bypasses a proxy.
+func TestMigrateFromSkLookup(t *testing.T) {
 	t.Parallel()
+	for name, rel := range map[string]release{"v1": releaseSkLookupV1(), "v2": releaseSkLookupV2()} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			testMigrateFromSkLookup(t, rel)
+		})
+	}
+}
+
+func testMigrateFromSkLookup(t *testing.T, rel release) {
 	requireRoot(t)
 	ctx := context.Background()
 	cgroup, err := findCgroup2()
@@ -305,7 +366,7 @@ func TestMigrateFromSkLookupV1(t *testing.T) {
 		}
 	})
 	a, b := newPodPair(t)
-	installSkLookupV1(t, cfg, cgroup, a, b)
+	installRelease(t, rel, cfg, cgroup, a, b)
 	// The proxies start once the release runs: its sockops collects their listeners.
 	for _, p := range []*pod{a, b} {
 		startOutboundProxy(t, p, 15001)
@@ -344,6 +405,9 @@ func TestMigrateFromSkLookupV1(t *testing.T) {
 		t.Errorf("after open: %d pods (%v), want both migrated", len(list), err)
 	}
 	for _, p := range []*pod{a, b} {
+		if err := d.Check(ctx, p.cookie); err == nil {
+			t.Errorf("check %s after the migration: intact, want it reported for enrolling again", p.name)
+		}
 		enroll(t, d, p, testSettings())
 		if err := d.Check(ctx, p.cookie); err != nil {
 			t.Errorf("check %s after it is enrolled again: %v", p.name, err)
@@ -354,6 +418,9 @@ func TestMigrateFromSkLookupV1(t *testing.T) {
 	wg.Wait()
 	if good.Load() == 0 || bad.Load() != 0 {
 		t.Errorf("during the upgrade %d connections went through both proxies, %d did not", good.Load(), bad.Load())
+	}
+	if n := mapLen(t, d.objs.ProbeSrcs); n != 0 {
+		t.Errorf("probe_srcs holds %d entries after the migration: the release's node addresses stayed", n)
 	}
 }
 

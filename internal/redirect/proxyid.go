@@ -2,16 +2,14 @@ package redirect
 
 import (
 	"bufio"
-	"errors"
+	"bytes"
 	"fmt"
-	"maps"
-	"net/netip"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 
-	"github.com/cilium/ebpf"
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
 )
@@ -22,30 +20,20 @@ const MaxProxyCgroups = len(redirectNodeConfig{}.ProxyCgroups)
 
 // SetProxyCgroups names the cgroups whose processes are the mesh proxy: their
 // connects are never redirected, and their connections into pods never captured.
-// Each path is a cgroup v2 directory (absolute, below the cgroup2 mount this data
-// path attaches to); processes in its descendants count too. A pod cannot put its
-// processes into another cgroup, so unlike a socket mark (which CAP_NET_RAW, a
-// default capability, lets any pod set) this identity cannot be forged from a pod.
-// The list replaces the previous one; empty clears it.
+// Each path is a cgroup v2 directory below the cgroup2 hierarchy this data path
+// attaches to, absolute or relative to its root (so "/mesh-proxies" means that
+// cgroup of the hierarchy whether or not the caller knows where it is mounted);
+// processes in its descendants count too. A pod cannot put its processes into
+// another cgroup, so unlike a socket mark (which CAP_NET_RAW, a default
+// capability, lets any pod set) this identity cannot be forged from a pod. The list
+// replaces the previous one; empty clears it.
 func (d *Datapath) SetProxyCgroups(paths []string) error {
-	cfg := redirectNodeConfig{}
-	seen := map[string]bool{}
-	for _, p := range paths {
-		p = filepath.Clean(p)
-		if seen[p] {
-			continue
-		}
-		seen[p] = true
-		if int(cfg.NrProxyCgroups) == MaxProxyCgroups {
-			return fmt.Errorf("more than %d proxy cgroups", MaxProxyCgroups)
-		}
-		id, level, err := cgroupIDLevel(d.cgroup, p)
-		if err != nil {
-			return err
-		}
-		cfg.ProxyCgroups[cfg.NrProxyCgroups] = redirectProxyCgroup{Id: id, Level: level}
-		cfg.NrProxyCgroups++
+	var cfg redirectNodeConfig
+	names, n, err := d.cgroupList(paths, cfg.ProxyCgroups[:])
+	if err != nil {
+		return fmt.Errorf("proxy cgroups: %w", err)
 	}
+	cfg.NrProxyCgroups = n
 	d.mu.RLock()
 	defer d.mu.RUnlock()
 	if d.closed {
@@ -54,8 +42,82 @@ func (d *Datapath) SetProxyCgroups(paths []string) error {
 	if err := d.objs.Node.Put(uint32(0), cfg); err != nil {
 		return fmt.Errorf("write proxy cgroups: %w", err)
 	}
-	d.log.Info("proxy cgroups", zap.Strings("cgroups", slices.Sorted(maps.Keys(seen))))
+	d.log.Info("proxy cgroups", zap.Strings("cgroups", names))
 	return nil
+}
+
+// SetProbeCgroups names the cgroups whose processes probe pods: the kubelet's.
+// Their TCP connects in the network namespace with cookie netns (the kubelet's;
+// 0: this process's) are recorded before the SYN leaves, and a pod's inbound capture lets those exact
+// connections through to the application, so probes pass a proxy that would
+// refuse them (mTLS, policy) while nothing else reaches a pod past its proxy:
+// not traffic the node forwards or masquerades to a node address, not another
+// host-network process, not a packet forged with a node address. Paths are as
+// for SetProxyCgroups; a cgroup at the root of the hierarchy is refused (it
+// would make every process of the node a prober). Empty clears it.
+func (d *Datapath) SetProbeCgroups(netns uint64, paths []string) error {
+	var cfg redirectProbeConfig
+	names, n, err := d.cgroupList(paths, cfg.Cgroups[:])
+	if err != nil {
+		return fmt.Errorf("probe cgroups: %w", err)
+	}
+	for _, c := range cfg.Cgroups[:n] {
+		if c.Level == 0 {
+			return fmt.Errorf("probe cgroups: %s is the root of the cgroup hierarchy, which holds every process of the node", d.cgroup)
+		}
+	}
+	cfg.NrCgroups = n
+	if n > 0 {
+		cfg.HostNetns = netns
+		if netns == 0 {
+			cfg.HostNetns = d.nodeCookies[0]
+		}
+	}
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	if d.closed {
+		return ErrClosed
+	}
+	if err := d.objs.ProbeNode.Put(uint32(0), cfg); err != nil {
+		return fmt.Errorf("write probe cgroups: %w", err)
+	}
+	d.log.Info("probe cgroups", zap.Strings("cgroups", names))
+	return nil
+}
+
+// cgroupList resolves paths (deduplicated) into out and returns their cleaned
+// names and how many there are.
+func (d *Datapath) cgroupList(paths []string, out []redirectProxyCgroup) ([]string, uint32, error) {
+	var names []string
+	n := uint32(0)
+	for _, p := range paths {
+		p = d.cgroupPath(p)
+		if slices.Contains(names, p) {
+			continue
+		}
+		if int(n) == len(out) {
+			return nil, 0, fmt.Errorf("more than %d cgroups", len(out))
+		}
+		id, level, err := cgroupIDLevel(d.cgroup, p)
+		if err != nil {
+			return nil, 0, err
+		}
+		out[n] = redirectProxyCgroup{Id: id, Level: level}
+		names = append(names, p)
+		n++
+	}
+	slices.Sort(names)
+	return names, n, nil
+}
+
+// cgroupPath is p below this data path's cgroup v2 root: kept when it already is,
+// joined to the root otherwise.
+func (d *Datapath) cgroupPath(p string) string {
+	p = filepath.Clean(p)
+	if rel, err := filepath.Rel(d.cgroup, p); err == nil && rel != ".." && !strings.HasPrefix(rel, "../") {
+		return p
+	}
+	return filepath.Join(d.cgroup, p)
 }
 
 // cgroupIDLevel returns the cgroup id of dir (its inode on cgroupfs, what
@@ -86,65 +148,76 @@ func cgroupIDLevel(root, dir string) (id uint64, level uint32, _ error) {
 // ProcessCgroup returns the cgroup v2 directory of process pid, below the cgroup2
 // mount this data path attaches to.
 func (d *Datapath) ProcessCgroup(pid int) (string, error) {
-	f, err := os.Open(fmt.Sprintf("/proc/%d/cgroup", pid))
+	b, err := readHostCgroupFile(fmt.Sprintf("/proc/%d/cgroup", pid))
 	if err != nil {
 		return "", fmt.Errorf("cgroup of process %d: %w", pid, err)
 	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
+	sc := bufio.NewScanner(bytes.NewReader(b))
 	for sc.Scan() {
 		// The v2 hierarchy's line is "0::<path>".
 		if path, ok := strings.CutPrefix(sc.Text(), "0::"); ok {
 			return filepath.Join(d.cgroup, path), nil
 		}
 	}
-	if err := sc.Err(); err != nil {
-		return "", fmt.Errorf("cgroup of process %d: %w", pid, err)
-	}
 	return "", fmt.Errorf("process %d has no cgroup v2 entry", pid)
 }
 
-// SetNodeAddresses replaces the node's own addresses: the probe sources of every
-// pod enrolled with NodeProbeSources (kubelet probes come from them). They are kept
-// once, in a set all those pods share, so a change is one map update per address,
-// whatever the number of pods.
-func (d *Datapath) SetNodeAddresses(addrs []netip.Prefix) error {
-	want := normalizePrefixes(addrs)
-	d.mu.RLock()
-	defer d.mu.RUnlock()
-	if d.closed {
-		return ErrClosed
+// readHostCgroupFile reads a /proc/<pid>/cgroup file as the init process's cgroup
+// namespace renders it. The kernel writes those paths relative to the reader's
+// cgroup namespace: an agent container on a cgroup v2 node has one of its own,
+// where another process's cgroup reads as "/../../<path>", which names nothing
+// below the host's hierarchy the agent attaches to. The read is done on a thread
+// that joins the init process's cgroup namespace and is thrown away after.
+func readHostCgroupFile(path string) ([]byte, error) {
+	host, err := os.Open("/proc/1/ns/cgroup")
+	if err != nil {
+		return os.ReadFile(path) // no cgroup namespaces to cross
 	}
+	defer host.Close()
+	var hostSt, ownSt unix.Stat_t
+	if unix.Fstat(int(host.Fd()), &hostSt) != nil || unix.Stat("/proc/thread-self/ns/cgroup", &ownSt) != nil || hostSt.Ino == ownSt.Ino {
+		return os.ReadFile(path)
+	}
+	type result struct {
+		b   []byte
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		// Never unlocked: the thread ends with the goroutine, so no other
+		// goroutine runs in the host's cgroup namespace.
+		runtime.LockOSThread()
+		if err := unix.Setns(int(host.Fd()), unix.CLONE_NEWCGROUP); err != nil {
+			ch <- result{err: fmt.Errorf("join the host's cgroup namespace: %w", err)}
+			return
+		}
+		b, err := os.ReadFile(path)
+		ch <- result{b, err}
+	}()
+	r := <-ch
+	return r.b, r.err
+}
+
+// dropLegacyNodeSet removes the node's addresses an earlier layout kept as every
+// pod's probe sources: kubelet probes are now recognised by their socket.
+func (d *Datapath) dropLegacyNodeSet() {
 	d.mapMu.Lock()
 	defer d.mapMu.Unlock()
 	var (
-		have []netip.Prefix
+		keys []redirectLpmKey
 		k    redirectLpmKey
 		v    uint8
 	)
 	it := d.objs.ProbeSrcs.Iterate()
 	for it.Next(&k, &v) {
-		if id, p, ok := prefixFromLPM(k); ok && id == nodeSet {
-			have = append(have, p)
+		if k.Set == legacyNodeSet {
+			keys = append(keys, k)
 		}
 	}
-	if err := it.Err(); err != nil {
-		return fmt.Errorf("read node addresses: %w", err)
+	for _, k := range keys {
+		_ = d.objs.ProbeSrcs.Delete(&k)
 	}
-	for _, p := range want {
-		if !slices.Contains(have, p) {
-			if err := d.objs.ProbeSrcs.Put(lpmKey(nodeSet, p), uint8(1)); err != nil {
-				return fmt.Errorf("add node address %s: %w", p, err)
-			}
-		}
+	if len(keys) > 0 {
+		d.log.Info("removed the node addresses an earlier version exempted from inbound capture", zap.Int("addresses", len(keys)))
 	}
-	for _, p := range have {
-		if !slices.Contains(want, p) {
-			if err := d.objs.ProbeSrcs.Delete(lpmKey(nodeSet, p)); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-				return fmt.Errorf("remove node address %s: %w", p, err)
-			}
-		}
-	}
-	d.log.Info("node addresses (probe sources)", zap.Stringers("addresses", want))
-	return nil
 }

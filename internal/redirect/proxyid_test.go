@@ -3,6 +3,7 @@ package redirect
 import (
 	"bufio"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"net/netip"
 	"os"
@@ -126,6 +127,15 @@ func TestProxyCgroup(t *testing.T) {
 			}
 		}
 	}
+	// The same cgroup named from the root of the hierarchy, as --proxy-cgroups
+	// takes it without knowing where the hierarchy is mounted.
+	if err := d.SetProxyCgroups([]string{"/" + filepath.Base(proxies)}); err != nil {
+		t.Fatal(err)
+	}
+	target9000 := hostPort(b.addr4, 9000)
+	if got := dialFromCgroup(t, worker, a, target9000, 0); len(got) != 1 || got[0] != "APP "+target9000 {
+		t.Errorf("proxy cgroup named from the hierarchy's root: %q, want straight to the application", got)
+	}
 	// Cleared, the proxy's cgroup is redirected like any other.
 	if err := d.SetProxyCgroups(nil); err != nil {
 		t.Fatal(err)
@@ -136,37 +146,60 @@ func TestProxyCgroup(t *testing.T) {
 	}
 }
 
-// The node's addresses as probe sources: kept once for every pod that uses them,
-// and changed in place when the node's addresses change.
-func TestNodeProbeSources(t *testing.T) {
+// Kubelet probes are let through by the socket that sends them, never by an
+// address: connects of the kubelet's cgroup in the node's namespace reach the
+// application while its proxy is down; the same node address used by any other
+// process (a masquerading node, another host-network process), the kubelet's
+// cgroup in another namespace, and a SYN forged from the node's address with a
+// raw socket are captured, and fail closed. a stands for the node here.
+func TestKubeletProbes(t *testing.T) {
 	t.Parallel()
 	requireRoot(t)
 	d, _ := testDatapath(t)
 	a, b := newPodPair(t)
-	startInboundProxy(t, b, 15006)
+	c := newNetns(t, "c")
 	startApp(t, b, appPort)
-	s := testSettings()
-	s.NodeProbeSources = true
-	enroll(t, d, b, s)
-	// a stands for the node here: a probe from its addresses.
-	if err := d.SetNodeAddresses([]netip.Prefix{netip.PrefixFrom(a.addr4, 32), netip.PrefixFrom(a.addr6, 128)}); err != nil {
+	enroll(t, d, b, testSettings())
+
+	kubelet := newCgroup(t, d.cgroup, fmt.Sprintf("mesh-test-kubelet-%d", os.Getpid()))
+	other := newCgroup(t, d.cgroup, fmt.Sprintf("mesh-test-host-%d", os.Getpid()))
+	if err := d.SetProbeCgroups(a.cookie, []string{kubelet}); err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { _ = d.SetProbeCgroups(0, nil) })
+	if err := d.SetProbeCgroups(a.cookie, []string{d.cgroup}); err == nil {
+		t.Error("the root cgroup was taken as the kubelet's: every process would probe past capture")
+	}
+
+	refused := func(got []string) bool { return len(got) == 1 && strings.HasPrefix(got[0], "ERR") }
 	for _, dst := range []netip.Addr{b.addr4, b.addr6} {
 		target := hostPort(dst, appPort)
-		expectLines(t, a, target, dialOpts{}, "APP "+target)
+		if got := dialFromCgroup(t, kubelet, a, target, 0); len(got) != 1 || got[0] != "APP "+target {
+			t.Errorf("kubelet probe to %s: %q, want the application with no proxy running", target, got)
+		}
+		if got := dialFromCgroup(t, other, a, target, 0); !refused(got) {
+			t.Errorf("another node process to %s: %q, want captured (reset, no proxy)", target, got)
+		}
+		if got := dialFromCgroup(t, kubelet, c, target, 0); !refused(got) {
+			t.Errorf("the kubelet's cgroup in another namespace to %s: %q, want captured", target, got)
+		}
 	}
-	// Once they are not the node's any more, the same connection is captured.
-	if err := d.SetNodeAddresses([]netip.Prefix{netip.MustParsePrefix("192.0.2.1/32")}); err != nil {
+	for _, fam := range []struct{ src, dst netip.Addr }{{a.addr4, b.addr4}, {a.addr6, b.addr6}} {
+		sport := uint16(20000 + rand.IntN(20000))
+		flags, ok := rawExchange(t, a, fam.src, fam.dst, sport, appPort, plainSYN(fam.src, fam.dst, sport, appPort))
+		if !ok || flags&tcpRST == 0 || flags&tcpSYN != 0 {
+			t.Errorf("raw SYN from the node's address %s: reply flags %#x (seen %v), want a reset", fam.src, flags, ok)
+		}
+	}
+	// Every handshake is over: nothing of the kubelet's is left in the map.
+	if n := mapLen(t, d.objs.ProbeConns); n != 0 {
+		t.Errorf("probe_conns holds %d entries after the probes finished", n)
+	}
+	if err := d.SetProbeCgroups(0, nil); err != nil {
 		t.Fatal(err)
 	}
-	for _, dst := range []netip.Addr{b.addr4, b.addr6} {
-		target := hostPort(dst, appPort)
-		expectLines(t, a, target, dialOpts{}, "IN "+target)
-	}
-	// The node's addresses are not any pod's own list.
-	list, err := d.List(t.Context())
-	if err != nil || len(list) != 1 || len(list[0].Settings.ProbeSources) != 0 || !list[0].Settings.NodeProbeSources {
-		t.Errorf("list %+v, %v", list, err)
+	target := hostPort(b.addr4, appPort)
+	if got := dialFromCgroup(t, kubelet, a, target, 0); !refused(got) {
+		t.Errorf("kubelet cgroup cleared: %q, want captured", got)
 	}
 }

@@ -68,6 +68,13 @@ type redirectPodSettings struct {
 	OutboundPortSet uint32
 	DnsPort         uint16
 	Pad             uint16
+	ReplyMark       uint32
+	ReplyMarkMask   uint32
+	ScopeId         uint32
+	Src4            uint32
+	Src6            [4]uint32
+	NrAddrs         uint32
+	Addrs           [8][4]uint32
 }
 
 type redirectPortKey struct {
@@ -75,6 +82,14 @@ type redirectPortKey struct {
 	Set  uint32
 	Port uint16
 	Pad  uint16
+}
+
+type redirectProbeConfig struct {
+	_         structs.HostLayout
+	HostNetns uint64
+	NrCgroups uint32
+	Pad       uint32
+	Cgroups   [8]redirectProxyCgroup
 }
 
 type redirectProxyCgroup struct {
@@ -96,8 +111,10 @@ const (
 	redirectSettingFlagsSETTING_OUTBOUND_PORTS  redirectSettingFlags = 64
 	redirectSettingFlagsSETTING_DNS_CAPTURE     redirectSettingFlags = 128
 	redirectSettingFlagsSETTING_DNS_FAIL_CLOSED redirectSettingFlags = 256
-	redirectSettingFlagsSETTING_PROBE_NODE      redirectSettingFlags = 512
 	redirectSettingFlagsSETTING_DENY_RAW        redirectSettingFlags = 1024
+	redirectSettingFlagsSETTING_REPLY_MARK      redirectSettingFlags = 2048
+	redirectSettingFlagsSETTING_BYPASS_INBOUND  redirectSettingFlags = 4096
+	redirectSettingFlagsSETTING_EARLIER         redirectSettingFlags = 8192
 )
 
 type redirectTupleKey struct {
@@ -118,7 +135,6 @@ const (
 	redirectMapCounters          = "counters"
 	redirectMapExcludedDsts      = "excluded_dsts"
 	redirectMapExcludedPorts     = "excluded_ports"
-	redirectMapListenPorts       = "listen_ports"
 	redirectMapListenRefused     = "listen_refused"
 	redirectMapListeners         = "listeners"
 	redirectMapLookupMain        = "lookup_main"
@@ -126,6 +142,9 @@ const (
 	redirectMapNode              = "node"
 	redirectMapOrigDsts          = "orig_dsts"
 	redirectMapPods              = "pods"
+	redirectMapProbeConns        = "probe_conns"
+	redirectMapProbeNode         = "probe_node"
+	redirectMapProbeSocks        = "probe_socks"
 	redirectMapProbeSrcs         = "probe_srcs"
 	redirectMapProxyConns        = "proxy_conns"
 	redirectMapProxySocks        = "proxy_socks"
@@ -210,7 +229,6 @@ type redirectMapSpecs struct {
 	Counters      *ebpf.MapSpec `ebpf:"counters"`
 	ExcludedDsts  *ebpf.MapSpec `ebpf:"excluded_dsts"`
 	ExcludedPorts *ebpf.MapSpec `ebpf:"excluded_ports"`
-	ListenPorts   *ebpf.MapSpec `ebpf:"listen_ports"`
 	ListenRefused *ebpf.MapSpec `ebpf:"listen_refused"`
 	Listeners     *ebpf.MapSpec `ebpf:"listeners"`
 	LookupMain    *ebpf.MapSpec `ebpf:"lookup_main"`
@@ -218,6 +236,9 @@ type redirectMapSpecs struct {
 	Node          *ebpf.MapSpec `ebpf:"node"`
 	OrigDsts      *ebpf.MapSpec `ebpf:"orig_dsts"`
 	Pods          *ebpf.MapSpec `ebpf:"pods"`
+	ProbeConns    *ebpf.MapSpec `ebpf:"probe_conns"`
+	ProbeNode     *ebpf.MapSpec `ebpf:"probe_node"`
+	ProbeSocks    *ebpf.MapSpec `ebpf:"probe_socks"`
 	ProbeSrcs     *ebpf.MapSpec `ebpf:"probe_srcs"`
 	ProxyConns    *ebpf.MapSpec `ebpf:"proxy_conns"`
 	ProxySocks    *ebpf.MapSpec `ebpf:"proxy_socks"`
@@ -254,7 +275,6 @@ type redirectMaps struct {
 	Counters      *ebpf.Map `ebpf:"counters"`
 	ExcludedDsts  *ebpf.Map `ebpf:"excluded_dsts"`
 	ExcludedPorts *ebpf.Map `ebpf:"excluded_ports"`
-	ListenPorts   *ebpf.Map `ebpf:"listen_ports"`
 	ListenRefused *ebpf.Map `ebpf:"listen_refused"`
 	Listeners     *ebpf.Map `ebpf:"listeners"`
 	LookupMain    *ebpf.Map `ebpf:"lookup_main"`
@@ -262,6 +282,9 @@ type redirectMaps struct {
 	Node          *ebpf.Map `ebpf:"node"`
 	OrigDsts      *ebpf.Map `ebpf:"orig_dsts"`
 	Pods          *ebpf.Map `ebpf:"pods"`
+	ProbeConns    *ebpf.Map `ebpf:"probe_conns"`
+	ProbeNode     *ebpf.Map `ebpf:"probe_node"`
+	ProbeSocks    *ebpf.Map `ebpf:"probe_socks"`
 	ProbeSrcs     *ebpf.Map `ebpf:"probe_srcs"`
 	ProxyConns    *ebpf.Map `ebpf:"proxy_conns"`
 	ProxySocks    *ebpf.Map `ebpf:"proxy_socks"`
@@ -274,7 +297,6 @@ func (m *redirectMaps) Close() error {
 		m.Counters,
 		m.ExcludedDsts,
 		m.ExcludedPorts,
-		m.ListenPorts,
 		m.ListenRefused,
 		m.Listeners,
 		m.LookupMain,
@@ -282,6 +304,9 @@ func (m *redirectMaps) Close() error {
 		m.Node,
 		m.OrigDsts,
 		m.Pods,
+		m.ProbeConns,
+		m.ProbeNode,
+		m.ProbeSocks,
 		m.ProbeSrcs,
 		m.ProxyConns,
 		m.ProxySocks,

@@ -10,9 +10,9 @@ import (
 	"github.com/cilium/ebpf"
 )
 
-// nodeSet is NODE_SET of bpf/redirect.c: the node's own addresses in probe_srcs,
-// managed by SetNodeAddresses, not by a pod's list.
-const nodeSet = 0xffffffff
+// legacyNodeSet is the set id an earlier layout kept the node's own addresses
+// under in probe_srcs (its probe sources by default). Open removes them.
+const legacyNodeSet = 0xffffffff
 
 // maxSets bounds the set ids of one map: far more distinct lists than a node has
 // settings profiles.
@@ -50,7 +50,7 @@ func listKey[E comparable](es []E) string {
 func newSets[E comparable](m *ebpf.Map, key func(uint32, E) any, read func(func(uint32, E)) error, normalize func([]E) []E) (*sets[E], error) {
 	s := &sets[E]{m: m, key: key, byKey: map[string]*set[E]{}, byID: map[uint32]*set[E]{}}
 	err := read(func(id uint32, e E) {
-		if id == 0 || id == nodeSet {
+		if id == 0 || id == legacyNodeSet {
 			return
 		}
 		st := s.byID[id]
@@ -236,9 +236,9 @@ func (d *Datapath) settingsOf(v redirectPodSettings) Settings {
 		d.ports.members(ps.inPorts), d.ports.members(ps.outPorts))
 }
 
-// putPod writes a pod's entry with its sets, replacing an earlier one (old, when
+// putPod writes a pod's entry with its sets and addresses, replacing an earlier one (old, when
 // not nil) and releasing the sets that one named. Callers hold mapMu.
-func (d *Datapath) putPod(cookie uint64, s Settings, old *redirectPodSettings) error {
+func (d *Datapath) putPod(cookie uint64, s Settings, addrs podAddrs, old *redirectPodSettings) error {
 	var (
 		ps   podSets
 		errs []error
@@ -259,7 +259,7 @@ func (d *Datapath) putPod(cookie uint64, s Settings, old *redirectPodSettings) e
 		d.releaseSets(ps)
 		return err
 	}
-	if err := d.objs.Pods.Put(cookie, s.toBPF(ps)); err != nil {
+	if err := d.objs.Pods.Put(cookie, s.toBPF(ps, addrs)); err != nil {
 		d.releaseSets(ps)
 		return fmt.Errorf("write pod entry: %w", err)
 	}

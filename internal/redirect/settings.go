@@ -41,15 +41,27 @@ type Settings struct {
 	OutboundExcludedPorts []uint16
 	// ExcludedCIDRs are outbound destinations never redirected.
 	ExcludedCIDRs []netip.Prefix
-	// ProbeSources are inbound sources never captured (the node's addresses, so
-	// kubelet probes reach the application).
+	// ProbeSources are inbound sources never captured: an opt-in by address,
+	// which anything able to use such an address (a masquerading node, a
+	// spoofing pod) passes too. The kubelet's probes are recognised by their
+	// socket instead (Datapath.SetProbeCgroups).
 	ProbeSources []netip.Prefix
 	// FailOpen passes traffic through unredirected while no proxy listens, instead
 	// of refusing outbound connects and resetting inbound connections.
 	FailOpen bool
-	// NodeProbeSources makes the node's own addresses (Datapath.SetNodeAddresses)
-	// probe sources too: kubelet probes come from them.
-	NodeProbeSources bool
+	// ReplyMark, when not 0, is given (the bits under ReplyMarkMask) to the
+	// proxy's sockets that connect to one of the pod's own addresses, and with
+	// tcp_fwmark_accept to the application's side of those connections; a
+	// policy route in the pod's namespace (fwmark ReplyMark -> table
+	// ReplyTable, local 0/0 dev lo) then delivers the application's replies
+	// back to the proxy on loopback. That is what a proxy connecting with the
+	// client's address as source (IP_TRANSPARENT, as ztunnel does by default)
+	// needs; Istio's in-pod rules use the same mark and table.
+	ReplyMark     uint32
+	ReplyMarkMask uint32
+	// BypassInbound leaves the pod's inbound connections uncaptured (its
+	// outbound ones are still redirected).
+	BypassInbound bool
 	// DNSCapture sends the pod's DNS (UDP datagrams and connects, and TCP
 	// connects, to port 53 of any address) to the proxy's DNS listener on
 	// loopback, DNSPort (15053). While nothing listens there, queries go to the
@@ -65,10 +77,9 @@ type Settings struct {
 	DenyRawSockets bool
 }
 
-// ProxyPorts are the ports of ztunnel's in-pod listeners (outbound, inbound
-// plaintext, HBONE, readiness, health, DNS, metrics): inbound connections to them
-// reach the proxy itself.
-func ProxyPorts() []uint16 { return []uint16{15001, 15006, 15008, 15020, 15021, 15053, 15090} }
+// HBONEPort is ztunnel's in-pod HBONE listener, the one port of a pod's proxy
+// that peers reach directly: inbound connections to it are never captured.
+const HBONEPort = 15008
 
 // DefaultSettings are ztunnel's in-pod conventions for ports. The proxy is told
 // apart by its cgroup (Datapath.SetProxyCgroups); the mark and uid exemptions are
@@ -77,8 +88,10 @@ func DefaultSettings() Settings {
 	return Settings{
 		OutboundPort:         15001,
 		InboundPort:          15006,
-		InboundExcludedPorts: ProxyPorts(),
+		InboundExcludedPorts: []uint16{HBONEPort},
 		DNSPort:              15053,
+		ReplyMark:            ReplyMark,
+		ReplyMarkMask:        ReplyMarkMask,
 	}
 }
 
@@ -88,6 +101,18 @@ func DefaultSettings() Settings {
 const (
 	ZtunnelMark     = 0x539
 	ZtunnelMarkMask = 0xfff
+)
+
+// ReplyMark, ReplyMarkMask and ReplyTable are Settings.ReplyMark's defaults and
+// the routing table of the pod's reply route: istio-cni's values (its connmark
+// 0x111 under 0xfff, table 100), so the two agree on what a mark means in a pod.
+const (
+	ReplyMark     = 0x111
+	ReplyMarkMask = 0xfff
+	ReplyTable    = 100
+	// ReplyRulePriority is the priority of the pod's fwmark rule, before the
+	// main table's (32766).
+	ReplyRulePriority = 32764
 )
 
 // Validate reports what is wrong with s, all problems at once.
@@ -110,6 +135,9 @@ func (s Settings) Validate() error {
 	}
 	if s.ProxyMark&^s.markMask() != 0 {
 		errs = append(errs, fmt.Errorf("proxy mark %#x has bits outside mask %#x", s.ProxyMark, s.ProxyMarkMask))
+	}
+	if s.ReplyMark != 0 && s.ReplyMark&^s.replyMask() != 0 {
+		errs = append(errs, fmt.Errorf("reply mark %#x has bits outside mask %#x", s.ReplyMark, s.ReplyMarkMask))
 	}
 	errs = append(errs, validatePorts("inbound", s.InboundExcludedPorts)...)
 	errs = append(errs, validatePorts("outbound", s.OutboundExcludedPorts)...)
@@ -152,6 +180,13 @@ func (s Settings) markMask() uint32 {
 	return s.ProxyMarkMask
 }
 
+func (s Settings) replyMask() uint32 {
+	if s.ReplyMarkMask == 0 {
+		return ^uint32(0)
+	}
+	return s.ReplyMarkMask
+}
+
 // normalized returns s in the canonical form the data path stores and List returns:
 // ports and prefixes sorted and deduplicated, prefixes masked, IPv4-mapped prefixes
 // as IPv4, empty lists nil.
@@ -165,6 +200,11 @@ func (s Settings) normalized() Settings {
 	if s.ProxyUID != nil {
 		uid := *s.ProxyUID
 		n.ProxyUID = &uid
+	}
+	if n.ReplyMark == 0 {
+		n.ReplyMarkMask = 0
+	} else {
+		n.ReplyMarkMask = s.replyMask()
 	}
 	n.InboundExcludedPorts = normalizePorts(s.InboundExcludedPorts)
 	n.OutboundExcludedPorts = normalizePorts(s.OutboundExcludedPorts)
@@ -206,8 +246,8 @@ func normalizePrefixes(ps []netip.Prefix) []netip.Prefix {
 }
 
 // toBPF converts normalized settings to the map value; ps names the pod's lists in
-// the set maps (0: none).
-func (s Settings) toBPF(ps podSets) redirectPodSettings {
+// the set maps (0: none), a are the pod's own addresses.
+func (s Settings) toBPF(ps podSets, a podAddrs) redirectPodSettings {
 	v := redirectPodSettings{
 		OutboundPort:    s.OutboundPort,
 		InboundPort:     s.InboundPort,
@@ -218,7 +258,10 @@ func (s Settings) toBPF(ps podSets) redirectPodSettings {
 		InboundPortSet:  ps.inPorts,
 		OutboundPortSet: ps.outPorts,
 		DnsPort:         s.DNSPort,
+		ReplyMark:       s.ReplyMark,
+		ReplyMarkMask:   s.ReplyMarkMask,
 	}
+	a.fill(&v)
 	flag := func(on bool, f redirectSettingFlags) {
 		if on {
 			v.Flags |= f
@@ -230,10 +273,11 @@ func (s Settings) toBPF(ps podSets) redirectPodSettings {
 	flag(ps.probes != 0, redirectSettingFlagsSETTING_PROBE_SOURCES)
 	flag(ps.inPorts != 0, redirectSettingFlagsSETTING_INBOUND_PORTS)
 	flag(ps.outPorts != 0, redirectSettingFlagsSETTING_OUTBOUND_PORTS)
-	flag(s.NodeProbeSources, redirectSettingFlagsSETTING_PROBE_NODE)
 	flag(s.DNSCapture, redirectSettingFlagsSETTING_DNS_CAPTURE)
 	flag(s.DNSFailClosed, redirectSettingFlagsSETTING_DNS_FAIL_CLOSED)
 	flag(s.DenyRawSockets, redirectSettingFlagsSETTING_DENY_RAW)
+	flag(s.ReplyMark != 0, redirectSettingFlagsSETTING_REPLY_MARK)
+	flag(s.BypassInbound, redirectSettingFlagsSETTING_BYPASS_INBOUND)
 	if s.ProxyUID != nil {
 		v.ProxyUid = *s.ProxyUID
 		v.Flags |= redirectSettingFlagsSETTING_PROXY_UID
@@ -251,14 +295,17 @@ func settingsFromBPF(v redirectPodSettings, excluded, probes []netip.Prefix, inP
 		OutboundExcludedPorts: normalizePorts(outPorts),
 		ExcludedCIDRs:         normalizePrefixes(excluded),
 		ProbeSources:          normalizePrefixes(probes),
-		NodeProbeSources:      v.Flags&redirectSettingFlagsSETTING_PROBE_NODE != 0,
 		DNSCapture:            v.Flags&redirectSettingFlagsSETTING_DNS_CAPTURE != 0,
 		DNSPort:               v.DnsPort,
 		DNSFailClosed:         v.Flags&redirectSettingFlagsSETTING_DNS_FAIL_CLOSED != 0,
 		DenyRawSockets:        v.Flags&redirectSettingFlagsSETTING_DENY_RAW != 0,
+		BypassInbound:         v.Flags&redirectSettingFlagsSETTING_BYPASS_INBOUND != 0,
 	}
 	if v.Flags&redirectSettingFlagsSETTING_PROXY_MARK != 0 {
 		s.ProxyMark, s.ProxyMarkMask = v.ProxyMark, v.ProxyMarkMask
+	}
+	if v.Flags&redirectSettingFlagsSETTING_REPLY_MARK != 0 {
+		s.ReplyMark, s.ReplyMarkMask = v.ReplyMark, v.ReplyMarkMask
 	}
 	if v.Flags&redirectSettingFlagsSETTING_PROXY_UID != 0 {
 		uid := v.ProxyUid

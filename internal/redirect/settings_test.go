@@ -62,8 +62,10 @@ func TestSettingsRoundTrip(t *testing.T) {
 			netip.MustParsePrefix("fd00::/8"),
 			netip.MustParsePrefix("10.0.0.0/8"),
 		},
-		ProbeSources: []netip.Prefix{netip.MustParsePrefix("169.254.7.1/32")},
-		FailOpen:     true,
+		ProbeSources:  []netip.Prefix{netip.MustParsePrefix("169.254.7.1/32")},
+		FailOpen:      true,
+		ReplyMark:     0x111,
+		BypassInbound: true,
 	}
 	n := s.normalized()
 	want := Settings{
@@ -79,8 +81,11 @@ func TestSettingsRoundTrip(t *testing.T) {
 			netip.MustParsePrefix("192.168.0.0/16"),
 			netip.MustParsePrefix("fd00::/8"),
 		},
-		ProbeSources: []netip.Prefix{netip.MustParsePrefix("169.254.7.1/32")},
-		FailOpen:     true,
+		ProbeSources:  []netip.Prefix{netip.MustParsePrefix("169.254.7.1/32")},
+		FailOpen:      true,
+		ReplyMark:     0x111,
+		ReplyMarkMask: 0xffffffff,
+		BypassInbound: true,
 	}
 	if !reflect.DeepEqual(n, want) {
 		t.Fatalf("normalized:\n%+v\nwant\n%+v", n, want)
@@ -100,12 +105,19 @@ func TestSettingsRoundTrip(t *testing.T) {
 		_, back, _ := prefixFromLPM(lpmKey(set, p))
 		probes = append(probes, back)
 	}
-	v := n.toBPF(podSets{excluded: 1, probes: 2, inPorts: 3, outPorts: 4})
+	addrs := podAddrs{
+		all:  []netip.Addr{netip.MustParseAddr("10.1.2.3"), netip.MustParseAddr("fd00::3"), netip.MustParseAddr("fe80::3")},
+		src4: netip.MustParseAddr("10.1.2.3"), src6: netip.MustParseAddr("fd00::3"), scope: 2,
+	}
+	v := n.toBPF(podSets{excluded: 1, probes: 2, inPorts: 3, outPorts: 4}, addrs)
+	if got := podAddrsFromBPF(v); !reflect.DeepEqual(got, addrs.all) {
+		t.Errorf("addresses read back as %v, want %v", got, addrs.all)
+	}
 	if got := settingsFromBPF(v, excluded, probes, n.InboundExcludedPorts, n.OutboundExcludedPorts); !reflect.DeepEqual(got, n) {
 		t.Errorf("map round trip:\n%+v\nwant\n%+v", got, n)
 	}
 	d := DefaultSettings().normalized()
-	if got := settingsFromBPF(d.toBPF(podSets{inPorts: 1}), nil, nil, d.InboundExcludedPorts, nil); !reflect.DeepEqual(got, d) {
+	if got := settingsFromBPF(d.toBPF(podSets{inPorts: 1}, podAddrs{}), nil, nil, d.InboundExcludedPorts, nil); !reflect.DeepEqual(got, d) {
 		t.Errorf("defaults do not round-trip: %+v", got)
 	}
 }

@@ -65,8 +65,12 @@ func TestRedirectBothWays(t *testing.T) {
 			if got := unmapAddrPort(peer).String(); got != target {
 				t.Errorf("client's peer address %s, want %s", got, target)
 			}
-			// An MPTCP client is redirected through its subflow.
-			expectLines(t, m.a, target, dialOpts{mptcp: true}, "OUT "+target, "IN "+target)
+			// An MPTCP client is redirected through its subflow, and sees its
+			// original peer too.
+			peer = expectLines(t, m.a, target, dialOpts{mptcp: true}, "OUT "+target, "IN "+target)
+			if got := unmapAddrPort(peer).String(); got != target {
+				t.Errorf("MPTCP client's peer address %s, want %s", got, target)
+			}
 		})
 	}
 	c, err := m.d.Counters()
@@ -468,20 +472,22 @@ func fetchFrom(p *pod, local *net.TCPAddr, addr string, timeout time.Duration) (
 	}
 }
 
-// The proxy's own ports are excluded inbound only: a pod connecting to another
-// host's 15021 (or any of them) still goes through its outbound proxy, so nobody
-// reaches any host on those ports without it.
-func TestProxyPortsNotExemptOutbound(t *testing.T) {
+// Only the proxy's HBONE port is excluded inbound, and only inbound: a pod
+// connecting to another host's 15008 still goes through its outbound proxy, and
+// an application listening on another of ztunnel's well-known ports (15001,
+// 15020, 15021, 15053, 15090) is captured like any other, so nobody reaches it
+// past the proxy.
+func TestProxyPortsCaptured(t *testing.T) {
 	t.Parallel()
 	m := newMeshPair(t, testSettings(), testSettings())
-	for _, port := range ProxyPorts() {
-		if port == 15001 || port == 15006 {
-			continue // b's own proxies listen there
-		}
+	startApp(t, m.b, HBONEPort)
+	target := hostPort(m.b.addr4, HBONEPort)
+	// Through a's outbound proxy, then straight to b's listener on its HBONE
+	// port, which is b's proxy's own.
+	expectLines(t, m.a, target, dialOpts{}, "OUT "+target, "APP "+target)
+	for _, port := range []uint16{15020, 15021, 15053, 15090} {
 		startApp(t, m.b, port)
 		target := hostPort(m.b.addr4, port)
-		// Through a's outbound proxy, then straight to b's application: inbound,
-		// b's proxy ports are its own.
-		expectLines(t, m.a, target, dialOpts{}, "OUT "+target, "APP "+target)
+		expectLines(t, m.a, target, dialOpts{}, "OUT "+target, "IN "+target)
 	}
 }

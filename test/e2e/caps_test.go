@@ -15,11 +15,13 @@ import (
 )
 
 // agentCapabilities is the set the agent needs, as SECURITY.md says: sys_admin for
-// setns into pods and mounting bpffs, which the kernel also accepts for every BPF
-// and network check CAP_BPF, CAP_PERFMON and CAP_NET_ADMIN would pass (so those
-// three add nothing), and sys_ptrace to take a descriptor of a proxy's listener from
-// its process. Without either the test fails (checked by hand, each dropped in turn).
-var agentCapabilities = []string{"sys_admin", "sys_ptrace"}
+// setns into pods and mounting bpffs, which the kernel also accepts for the BPF
+// checks CAP_BPF and CAP_PERFMON would pass (so those add nothing); net_admin for
+// the reply route in each pod's namespace (rtnetlink and the net sysctls check for
+// it alone); and sys_ptrace to take a descriptor of a proxy's listener from its
+// process. Without any of them the test fails (each dropped in turn: an ADD fails
+// without net_admin).
+func agentCapabilities() []string { return []string{"sys_admin", "net_admin", "sys_ptrace"} }
 
 // TestAgentWithLeastCapabilities runs the real agent, and its uninstall, with only
 // agentCapabilities in its bounding set (so a root process has no other): pods held
@@ -30,7 +32,7 @@ var agentCapabilities = []string{"sys_admin", "sys_ptrace"}
 func TestAgentWithLeastCapabilities(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
-	setpriv := []string{"setpriv", "--bounding-set=-all,+" + strings.Join(agentCapabilities, ",+"), "--"}
+	setpriv := []string{"setpriv", "--bounding-set=-all,+" + strings.Join(agentCapabilities(), ",+"), "--"}
 	a := newAgent(t)
 	a.Wrapper = setpriv
 	node := meshNode(t)
@@ -56,7 +58,7 @@ func TestAgentWithLeastCapabilities(t *testing.T) {
 			t.Fatalf("ADD held at the gate: %v", err)
 		}
 	}
-	if got, want := capEff(t, a.Proc.Pid()), capMask(t, agentCapabilities); got != want {
+	if got, want := capEff(t, a.Proc.Pid()), capMask(t, agentCapabilities()); got != want {
 		t.Fatalf("the agent runs with capabilities %#x, want exactly %#x", got, want)
 	}
 

@@ -8,6 +8,10 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -19,16 +23,18 @@ import (
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
-// TestKubeletProbesBypassProxy: with the defaults, a readiness-style check from the
-// node's own network namespace (where kubelet runs) reaches the application
-// directly, so a proxy enforcing mTLS or policy cannot fail it, while pod-to-pod
-// connections still go through both proxies. The agent runs in the node's
-// namespace, as the DaemonSet does, and learns the node's addresses there.
+// TestKubeletProbesBypassProxy: a readiness-style check by the kubelet (a process
+// of the kubelet's cgroup, in the node's network namespace, where kubelet runs)
+// reaches the application directly, so a proxy enforcing mTLS or policy cannot
+// fail it; a connection from the same node address by any other process of the
+// node is captured like a pod's, and pod-to-pod connections go through both
+// proxies. The agent runs in the node's namespace, as the DaemonSet does.
 func TestKubeletProbesBypassProxy(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
 	node := meshNode(t)
-	a := newAgent(t)
+	kubelet := harness.NewCgroup(t, "kubelet")
+	a := newAgent(t, "--probe-cgroups", kubelet)
 	a.NetNSPath = node.NetNSPath
 	a.start(ctx)
 	list := chain(t, node, a, "30s")
@@ -40,53 +46,98 @@ func TestKubeletProbesBypassProxy(t *testing.T) {
 	app.serve(t, srv.Pod, 8080)
 
 	waitNodeAddresses(ctx, t, node)
-	for i, dst := range []netip.Addr{srv.IPv4(t), srv.IPv6(t)} {
+	records := 0
+	for _, dst := range []netip.Addr{srv.IPv4(t), srv.IPv6(t)} {
 		target := netip.AddrPortFrom(dst, 8080)
-		// The probe, from the node. The bridge (and with it the node's address
-		// on the pods' network) appeared with the first ADD, after the agent
-		// started: the agent learns it within a moment.
-		var (
-			before int
-			err    error
-			seen   []netip.Addr
-		)
-		if !harness.Eventually(ctx, 10*time.Second, 100*time.Millisecond, func() bool {
-			before = len(srv.proxyRecords(t))
-			err = probeFrom(ctx, t, node, target)
-			seen = app.seen()
-			return err == nil && len(srv.proxyRecords(t)) == before && len(seen) > 0 && isNodeAddress(t, node, seen[len(seen)-1].WithZone(""))
-		}) {
-			t.Fatalf("probe from the node to %s: %v; the application saw %v, the inbound proxy %d new records: want it straight from a node address",
-				target, err, seen, len(srv.proxyRecords(t))-before)
+		// The probe: the kubelet's cgroup, from the node.
+		before := len(srv.proxyRecords(t))
+		if err := probeFromCgroup(ctx, t, node, kubelet, target); err != nil {
+			t.Fatalf("kubelet probe to %s: %v", target, err)
+		}
+		seen := app.seen()
+		if got := len(srv.proxyRecords(t)); got != before || len(seen) == 0 || !isNodeAddress(t, node, seen[len(seen)-1].WithZone("")) {
+			t.Fatalf("kubelet probe to %s: the application saw %v, the inbound proxy %d new records: want it straight from a node address", target, seen, got-before)
+		}
+		// The same node address, another process: through the inbound proxy.
+		if err := probeFrom(ctx, t, node, target); err != nil {
+			t.Fatalf("node process -> %s: %v", target, err)
+		}
+		records++
+		if in := srv.waitRecords(ctx, t, records)[records-1]; in.Direction != "inbound" || !sameAddrPort(in.OriginalDst, target) {
+			t.Fatalf("server proxy record %+v, want the node process's connection to %s", in, target)
 		}
 		// A pod's connection: through both proxies.
 		if err := roundTrip(ctx, client.Pod, target, []byte("pod to pod")); err != nil {
 			t.Fatalf("pod -> %s: %v", target, err)
 		}
-		in := srv.waitRecords(ctx, t, i+1)[i]
-		if in.Direction != "inbound" || !sameAddrPort(in.OriginalDst, target) {
+		records++
+		if in := srv.waitRecords(ctx, t, records)[records-1]; in.Direction != "inbound" || !sameAddrPort(in.OriginalDst, target) {
 			t.Fatalf("server proxy record %+v, want the pod's connection to %s", in, target)
 		}
 	}
+}
+
+// TestHelperProbe is not a test: it is the process probeFromCgroup starts in a
+// cgroup, as the kubelet is in its own. It probes MESH_PROBE_TARGET from the
+// network namespace it was started in and prints OK or the error.
+func TestHelperProbe(t *testing.T) {
+	target := os.Getenv("MESH_PROBE_TARGET")
+	if target == "" {
+		t.Skip("helper process of probeFromCgroup")
+	}
+	if err := echoLine(context.Background(), target); err != nil {
+		fmt.Println("ERR", err)
+		return
+	}
+	fmt.Println("OK")
+}
+
+// probeFromCgroup probes target from the node's namespace in a process of cgroup.
+func probeFromCgroup(ctx context.Context, t *testing.T, node *harness.Node, cgroup string, target netip.AddrPort) error {
+	t.Helper()
+	cg, err := os.Open(cgroup)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cg.Close()
+	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestHelperProbe$", "-test.v=false")
+	cmd.Env = append(os.Environ(), "MESH_PROBE_TARGET="+target.String())
+	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: int(cg.Fd())}
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	cmd.WaitDelay = 10 * time.Second
+	if err := netns.Do(node.NetNSPath, cmd.Start); err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Wait(); err != nil {
+		return fmt.Errorf("probe helper: %w (%s)", err, out.String())
+	}
+	if line := strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(out.String()), "PASS")); line != "OK" {
+		return errors.New(line)
+	}
+	return nil
 }
 
 // probeFrom connects from the node's namespace and echoes a line, as an HTTP or
 // TCP probe would reach the port.
 func probeFrom(ctx context.Context, t *testing.T, node *harness.Node, target netip.AddrPort) error {
 	t.Helper()
+	return node.Do(func() error { return echoLine(ctx, target.String()) })
+}
+
+// echoLine connects to target from the calling thread's namespace and has a line
+// echoed, retrying while the node's IPv6 address is still tentative.
+func echoLine(ctx context.Context, target string) error {
 	payload := []byte("GET /ready HTTP/1.0\r\n\r\n")
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	var c net.Conn
+	var (
+		c   net.Conn
+		err error
+	)
 	for {
-		err := netns.Do(node.NetNSPath, func() error {
-			var (
-				d   net.Dialer
-				err error
-			)
-			c, err = d.DialContext(ctx, "tcp", target.String())
-			return err
-		})
+		var d net.Dialer
+		c, err = d.DialContext(ctx, "tcp", target)
 		// The node's IPv6 address on the bridge stays tentative until duplicate
 		// address detection is done.
 		if errors.Is(err, syscall.EADDRNOTAVAIL) && ctx.Err() == nil {
@@ -158,4 +209,15 @@ func waitNodeAddresses(ctx context.Context, t *testing.T, node *harness.Node) {
 		case <-time.After(50 * time.Millisecond):
 		}
 	}
+}
+
+// TestProxyCgroupsFromRoot: --proxy-cgroups names cgroups from the root of the
+// cgroup v2 hierarchy, so the agent starts with one however the hierarchy is
+// mounted (here at the hybrid layout's unified/), without --cgroup-root.
+func TestProxyCgroupsFromRoot(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	sidecars := harness.NewCgroup(t, "sidecars")
+	a := newAgent(t, "--proxy-cgroups", "/"+filepath.Base(sidecars))
+	a.start(ctx)
 }

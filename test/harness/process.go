@@ -66,6 +66,15 @@ type Process struct {
 // Cgroup is the cgroup v2 directory the process was started in with OwnCgroup.
 func (p *Process) Cgroup() string { return p.cgroup }
 
+// NewCgroup makes a cgroup v2 directory below the root for the test's processes
+// (the kubelet's, say) and removes it at the end, once its processes are gone.
+func NewCgroup(tb testing.TB, name string) string {
+	tb.Helper()
+	dir, fd := newCgroup(tb, name)
+	fd.Close()
+	return dir
+}
+
 // newCgroup makes a cgroup for one process below the cgroup v2 root and removes it
 // in cleanup, after the process (whose cleanup is registered later, so runs
 // earlier) is gone.
