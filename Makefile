@@ -17,7 +17,7 @@ CNI_PLUGINS := main/bridge main/ptp main/ipvlan main/macvlan ipam/host-local mai
 	meta/portmap meta/bandwidth meta/tuning
 build:
 	@mkdir -p $(BIN)
-	$(GO) build -o $(BIN)/ ./cmd/mesh-cni ./cmd/mesh-agent ./test/cmd/refproxy
+	$(GO) build -o $(BIN)/ ./cmd/mesh-cni ./cmd/mesh-agent ./test/cmd/refproxy ./test/cmd/ztunnel
 	$(GO) build -o $(BIN)/ $(addprefix github.com/containernetworking/plugins/plugins/,$(CNI_PLUGINS))
 
 # OCI images, built without a container daemon or a registry (hack/image, with

@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/internal/podstore"
 )
 
 // Datapath is the seam between the gate and whatever puts redirection in place.
@@ -12,9 +13,10 @@ import (
 // runs the gate without redirection.
 type Datapath interface {
 	// Enroll puts redirection in place for the pod whose network namespace is at
-	// netnsPath (every interface inside it) and returns the namespace's cookie.
-	// It returns only once redirection is active. Idempotent.
-	Enroll(ctx context.Context, netnsPath string) (uint64, error)
+	// netnsPath (every interface inside it), with the pod's own deviations from
+	// the node's settings, and returns the namespace's cookie. It returns only
+	// once redirection is active. Idempotent.
+	Enroll(ctx context.Context, netnsPath string, capture podstore.Capture) (uint64, error)
 	// Release removes redirection for the namespace with this cookie. Idempotent,
 	// and it works after the namespace is gone. netnsPath, when not empty, is
 	// where the namespace was enrolled from: while it still names that
@@ -34,7 +36,7 @@ type Datapath interface {
 type RecordOnly struct{}
 
 // Enroll implements Datapath.
-func (RecordOnly) Enroll(_ context.Context, netnsPath string) (uint64, error) {
+func (RecordOnly) Enroll(_ context.Context, netnsPath string, _ podstore.Capture) (uint64, error) {
 	cookie, err := netns.Cookie(netnsPath)
 	if err != nil {
 		return 0, fmt.Errorf("record-only enroll: %w", err)

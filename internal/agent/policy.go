@@ -6,6 +6,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/mesh-cni/mesh-cni/internal/podstore"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 )
 
@@ -17,6 +18,8 @@ type Decision struct {
 	// read the pod from the API server; empty when it cannot know it. It is
 	// stored in the pod's record and handed to the node proxy over ZDS.
 	ServiceAccount string
+	// Capture is how this pod's redirection differs from the node's settings.
+	Capture podstore.Capture
 }
 
 // ServiceAccountSource is a policy that reads each pod's service account

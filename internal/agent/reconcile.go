@@ -187,7 +187,7 @@ func (s *Service) reconcileOne(ctx context.Context, key podstore.Key) (reconcile
 	} else {
 		s.log.Warn("pod redirection broken; repairing", append(fields, zap.Error(err))...)
 	}
-	if _, err := s.datapath.Enroll(ctx, rec.NetnsPath); err != nil {
+	if _, err := s.datapath.Enroll(ctx, rec.NetnsPath, rec.Capture); err != nil {
 		return outcomeGone, fmt.Errorf("repair %s: %w", key, err)
 	}
 	return outcomeRepaired, nil

@@ -7,6 +7,7 @@ import (
 	"slices"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/internal/podstore"
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
 )
 
@@ -47,12 +48,23 @@ func (r RedirectDatapath) SetProxyProcesses(pids []int32) error {
 }
 
 // Enroll implements Datapath.
-func (r RedirectDatapath) Enroll(ctx context.Context, netnsPath string) (uint64, error) {
-	e, err := r.DP.Enroll(ctx, redirect.Target{NetnsPath: netnsPath, Settings: r.Settings})
+func (r RedirectDatapath) Enroll(ctx context.Context, netnsPath string, capture podstore.Capture) (uint64, error) {
+	e, err := r.DP.Enroll(ctx, redirect.Target{NetnsPath: netnsPath, Settings: r.settingsFor(capture)})
 	if err != nil {
 		return 0, err
 	}
 	return e.Cookie, nil
+}
+
+// settingsFor is the node's settings with a pod's own deviations.
+func (r RedirectDatapath) settingsFor(c podstore.Capture) redirect.Settings {
+	s := r.Settings
+	if c.DNS != nil {
+		s.DNSCapture = *c.DNS
+		s.DNSFailClosed = s.DNSFailClosed && s.DNSCapture
+	}
+	s.BypassInbound = s.BypassInbound || c.BypassInbound
+	return s
 }
 
 // Release implements Datapath.

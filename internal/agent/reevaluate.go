@@ -49,7 +49,7 @@ func (s *Service) reevaluateOne(ctx context.Context, key podstore.Key) (changed,
 	}
 	switch {
 	case decision.Enroll && rec.Skipped:
-		rec.ServiceAccount = decision.ServiceAccount
+		rec.ServiceAccount, rec.Capture = decision.ServiceAccount, decision.Capture
 		if _, reason, err := s.enroll(ctx, rec); err != nil {
 			s.metrics.enrollFailed(reason)
 			s.report(ctx, pod, OutcomeFailed, err)

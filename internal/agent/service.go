@@ -108,6 +108,7 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 		UID:            req.GetPod().GetUid(),
 		NetnsPath:      req.GetNetnsPath(),
 		ServiceAccount: decision.ServiceAccount,
+		Capture:        decision.Capture,
 		Interfaces:     toRecordInterfaces(req.GetInterfaces()),
 		Source:         req.GetSource().String(),
 		Labels:         req.GetPod().GetLabels(),
@@ -155,7 +156,7 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 // reason names the failing step for metrics.
 func (s *Service) enroll(ctx context.Context, rec podstore.Record) (podstore.Record, string, error) {
 	s.enrolling.RLock()
-	cookie, err := s.datapath.Enroll(ctx, rec.NetnsPath)
+	cookie, err := s.datapath.Enroll(ctx, rec.NetnsPath, rec.Capture)
 	if err != nil {
 		s.enrolling.RUnlock()
 		return rec, "datapath", err

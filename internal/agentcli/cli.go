@@ -4,6 +4,7 @@ package agentcli
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/internal/agent"
 	"github.com/mesh-cni/mesh-cni/internal/cniplugin"
+	"github.com/mesh-cni/mesh-cni/internal/enroll"
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
 	"github.com/mesh-cni/mesh-cni/pkg/gate"
 	"github.com/mesh-cni/mesh-cni/pkg/zds"
@@ -84,6 +86,32 @@ type options struct {
 
 	entry  entryOptions
 	enroll enrollOptions
+
+	// explicit are the flags the command line set: a profile's defaults
+	// apply only to the others.
+	explicit map[string]bool
+}
+
+// applyProfileDefaults sets what the istio selector profile changes in the
+// defaults, for flags the command line left alone: DNS capture on (the istio-cni
+// chart's default), and a pod's ADD waiting for the node proxy's ack (istio-cni
+// fails an ambient pod's ADD while no ztunnel is connected; here it waits at the
+// gate), so ambient.istio.io/redirection is only ever written for a pod ztunnel
+// serves.
+func (o *options) applyProfileDefaults() error {
+	if o.enroll.profile != enroll.ProfileIstio {
+		return nil
+	}
+	if !o.explicit["dns-capture"] {
+		o.dnsCapture = true
+	}
+	if !o.explicit["zds-wait"] {
+		o.zdsWait = string(agent.WaitAlways)
+	}
+	if o.zdsSocket == "" {
+		return errors.New("--selector-profile=istio enrolls ambient pods, which ztunnel serves over ZDS: --zds-socket cannot be off")
+	}
+	return nil
 }
 
 // flagSet declares every flag of `mesh-agent run`; the configuration reference in
@@ -106,7 +134,7 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	opts.zdsAllowedUIDs = intList{0}
 	fs.Var(&opts.zdsAllowedUIDs, "zds-allowed-uids", "comma-separated user ids a node proxy may connect to the ZDS socket as (checked with SO_PEERCRED)")
 	fs.BoolVar(&opts.zdsNoServiceAcct, "zds-without-service-accounts", false, "serve ZDS although --enrollment cannot know pods' service accounts (file, all): every pod is handed over with an empty service_account, which ztunnel cannot serve (it finds the workload and its SPIFFE identity by it); only for a node proxy that does not use it")
-	fs.StringVar(&opts.zdsWait, "zds-wait", string(agent.WaitAuto), "when a pod's ADD waits for the node proxy's ack: auto (once a proxy has ever connected), always or never")
+	fs.StringVar(&opts.zdsWait, "zds-wait", string(agent.WaitAuto), "when a pod's ADD waits for the node proxy's ack: auto (once a proxy has ever connected), always or never (default always with --selector-profile=istio)")
 	fs.DurationVar(&opts.reconcileInterval, "reconcile-interval", 30*time.Second, "period of the reconcile pass that releases pods whose namespace is gone and repairs broken redirection")
 
 	fs.UintVar(&opts.outboundPort, "outbound-port", uint(defaults.OutboundPort), "proxy's outbound listener port inside each pod (127.0.0.1 and ::1)")
@@ -121,7 +149,7 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.Var(&opts.probeSources, "probe-sources", "opt-in: inbound sources never captured, comma-separated CIDRs (anything able to send from them passes too: a masquerading node, a spoofing pod), or \"none\"; the kubelet's probes pass by --probe-cgroups")
 	opts.probeCgroups = probeCgroupList{kubelet: true}
 	fs.Var(&opts.probeCgroups, "probe-cgroups", "cgroups whose connects from the node's network namespace reach pods past their inbound capture, so kubelet probes pass a proxy that enforces mTLS or policy: \"kubelet\" (the kubelet's cgroup and namespace, found by its process and kept current), comma-separated cgroup v2 paths (connects from the agent's network namespace), or \"none\"")
-	fs.BoolVar(&opts.dnsCapture, "dns-capture", false, "send enrolled pods' DNS (UDP and TCP to port 53) to the proxy's DNS listener on loopback (--dns-port); while nothing listens there, queries go to the resolver as sent")
+	fs.BoolVar(&opts.dnsCapture, "dns-capture", false, "send enrolled pods' DNS (UDP and TCP to port 53) to the proxy's DNS listener on loopback (--dns-port); while nothing listens there, queries go to the resolver as sent (default true with --selector-profile=istio)")
 	fs.UintVar(&opts.dnsPort, "dns-port", uint(defaults.DNSPort), "the proxy's DNS listener port inside each pod (127.0.0.1 and ::1, UDP and TCP)")
 	fs.BoolVar(&opts.dnsFailClosed, "dns-fail-closed", false, "with --dns-capture, send DNS to the proxy's listener even when nothing listens there (queries then fail)")
 	fs.BoolVar(&opts.denyRawSockets, "deny-raw-sockets", false, "refuse enrolled pods raw IP sockets (socket() fails with EPERM): with CAP_NET_RAW, a default capability, a raw socket sends TCP past the outbound capture; packet sockets are not covered")
@@ -238,6 +266,8 @@ func parseWithLogger(command string, args []string, stderr io.Writer) (opts opti
 	if err := fs.Parse(args); err != nil {
 		return opts, nil, false
 	}
+	opts.explicit = map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { opts.explicit[f.Name] = true })
 	log, err := newLogger(opts.logLevel, stderr)
 	if err != nil {
 		fmt.Fprintf(stderr, "mesh-agent: %v\n", err)
@@ -253,6 +283,10 @@ func runCommand(ctx context.Context, args []string, stderr io.Writer) int {
 	}
 	defer log.Sync() //nolint:errcheck // nothing useful to do when stderr is gone
 
+	if err := opts.applyProfileDefaults(); err != nil {
+		log.Error("invalid configuration", zap.Error(err))
+		return 2
+	}
 	cfg, err := agentConfig(opts, log)
 	if err != nil {
 		log.Error("invalid configuration", zap.Error(err))

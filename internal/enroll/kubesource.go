@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strconv"
 	"sync"
 	"time"
 
@@ -21,6 +22,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/mesh-cni/mesh-cni/internal/agent"
+	"github.com/mesh-cni/mesh-cni/internal/podstore"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 )
 
@@ -175,7 +177,7 @@ func StartKubeSource(ctx context.Context, cfg KubeConfig) (*KubeSource, error) {
 		return nil, fmt.Errorf("kubernetes enrollment source: %w", err)
 	}
 	ctx, k.cancel = context.WithCancel(ctx)
-	k.reporter = startReporter(ctx, k.log, cfg.Client, cfg.NodeName, k.cachedPod)
+	k.reporter = startReporter(ctx, k.log, cfg.Client, cfg.NodeName, cfg.Selectors.Profile == ProfileIstio, k.cachedPod)
 	for _, inf := range []cache.SharedIndexInformer{k.podInf, k.nsInf} {
 		k.informers.Add(1)
 		go func() {
@@ -303,7 +305,26 @@ func (k *KubeSource) Decide(ctx context.Context, pod *gatepb.PodIdentity) (agent
 	}
 	d := k.cfg.Selectors.Decide(ns, nsObj.Labels, p.Labels, p.Annotations)
 	d.ServiceAccount = serviceAccountOf(p)
+	if k.cfg.Selectors.Profile == ProfileIstio {
+		d.Capture = IstioCapture(p.Annotations)
+	}
 	return d, nil
+}
+
+// IstioCapture reads the per-pod capture annotations istio-cni honours: a
+// boolean (strconv.ParseBool) ambient.istio.io/dns-capture overrides the node's
+// DNS capture, ambient.istio.io/bypass-inbound-capture=true leaves the pod's
+// inbound connections uncaptured. A value that does not parse is ignored, as
+// istio-cni ignores it.
+func IstioCapture(annotations map[string]string) podstore.Capture {
+	var c podstore.Capture
+	if v, err := strconv.ParseBool(annotations[IstioAnnotationDNSCapture]); err == nil {
+		c.DNS = &v
+	}
+	if v, err := strconv.ParseBool(annotations[IstioAnnotationBypassInbound]); err == nil {
+		c.BypassInbound = v
+	}
+	return c
 }
 
 // serviceAccountOf is the pod's service account as the API server admitted it:

@@ -63,6 +63,9 @@ type reporter struct {
 	log    *zap.Logger
 	client kubernetes.Interface
 	node   string
+	// istio also keeps istiod's ambient.istio.io/redirection in step: enabled
+	// while the pod is enrolled, absent otherwise.
+	istio  bool
 	cached func(namespace, name string) *corev1.Pod
 	queue  workqueue.TypedRateLimitingInterface[podKey]
 	done   chan struct{}
@@ -75,11 +78,12 @@ type reporter struct {
 	written map[podKey]writtenOutcome
 }
 
-func startReporter(ctx context.Context, log *zap.Logger, client kubernetes.Interface, node string, cached func(string, string) *corev1.Pod) *reporter {
+func startReporter(ctx context.Context, log *zap.Logger, client kubernetes.Interface, node string, istio bool, cached func(string, string) *corev1.Pod) *reporter {
 	r := &reporter{
 		log:    log,
 		client: client,
 		node:   node,
+		istio:  istio,
 		cached: cached,
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
 			workqueue.NewTypedItemExponentialFailureRateLimiter[podKey](reportBaseDelay, reportMaxDelay),
@@ -213,6 +217,10 @@ func (r *reporter) write(ctx context.Context, key podKey) error {
 		// cache showing the value is good enough.
 		c := r.cached(key.namespace, key.name)
 		skip = c != nil && (uid == "" || string(c.UID) == uid) && c.Annotations[AnnotationRedirection] == outcome
+		if r.istio && c != nil {
+			v, ok := c.Annotations[IstioAnnotationRedirection]
+			skip = skip && (outcome == OutcomeEnabled) == ok && (!ok || v == OutcomeEnabled)
+		}
 	}
 	if !skip {
 		if err := r.annotate(ctx, key, uid, outcome); err != nil {
@@ -237,7 +245,15 @@ func (r *reporter) forget(namespace, name string) {
 }
 
 func (r *reporter) annotate(ctx context.Context, key podKey, uid, outcome string) error {
-	meta := map[string]any{"annotations": map[string]string{AnnotationRedirection: outcome}}
+	annotations := map[string]any{AnnotationRedirection: outcome}
+	if r.istio {
+		// null removes it (a merge patch).
+		annotations[IstioAnnotationRedirection] = nil
+		if outcome == OutcomeEnabled {
+			annotations[IstioAnnotationRedirection] = OutcomeEnabled
+		}
+	}
+	meta := map[string]any{"annotations": annotations}
 	if uid != "" {
 		// The API server refuses a patch whose uid differs from the stored
 		// pod's: the outcome never lands on a re-created pod of the same name.

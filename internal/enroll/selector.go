@@ -40,6 +40,15 @@ const (
 // decision in an annotation, and an Event when enrollment failed.
 const (
 	AnnotationRedirection = "mesh-cni.io/redirection"
+	// IstioAnnotationRedirection is what istiod reads (and istio-cni writes):
+	// a pod with it "enabled" is given tunnel protocol HBONE, so its peers
+	// reach it through its node proxy's 15008 with mTLS. Under the istio
+	// profile the Kubernetes source sets it on enrolled pods once the node
+	// proxy has acked them, and removes it when they leave the mesh.
+	IstioAnnotationRedirection = "ambient.istio.io/redirection"
+	// The per-pod capture annotations of the istio profile (IstioCapture).
+	IstioAnnotationDNSCapture    = "ambient.istio.io/dns-capture"
+	IstioAnnotationBypassInbound = "ambient.istio.io/bypass-inbound-capture"
 	// Outcomes, as the agent reports them and as the annotation's value.
 	OutcomeEnabled  = agent.OutcomeEnabled
 	OutcomeDisabled = agent.OutcomeDisabled

@@ -69,6 +69,21 @@ type Record struct {
 	// re-deciding the pod later.
 	Labels      map[string]string `json:"labels,omitempty"`
 	Annotations map[string]string `json:"annotations,omitempty"`
+	// Capture is how the pod's own redirection differs from the node's
+	// settings, as the enrollment source decided: kept so a repair or an
+	// agent restart applies the same.
+	Capture Capture `json:"capture,omitzero"`
+}
+
+// Capture are a pod's own deviations from the node's redirection settings, from
+// its annotations (Istio's ambient.istio.io/dns-capture and
+// ambient.istio.io/bypass-inbound-capture under the istio profile).
+type Capture struct {
+	// DNS, when set, turns the pod's DNS capture on or off whatever the node's
+	// setting.
+	DNS *bool `json:"dns,omitempty"`
+	// BypassInbound leaves the pod's inbound connections uncaptured.
+	BypassInbound bool `json:"bypassInbound,omitempty"`
 }
 
 const (

@@ -17,7 +17,6 @@ import (
 	"time"
 
 	"github.com/vishvananda/netlink"
-	"golang.org/x/sys/unix"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/test/harness"
@@ -45,7 +44,7 @@ func TestKubeletProbesBypassProxy(t *testing.T) {
 	var app server
 	app.serve(t, srv.Pod, 8080)
 
-	waitNodeAddresses(ctx, t, node)
+	node.WaitAddressesUsable(ctx, t)
 	records := 0
 	for _, dst := range []netip.Addr{srv.IPv4(t), srv.IPv6(t)} {
 		target := netip.AddrPortFrom(dst, 8080)
@@ -181,34 +180,6 @@ func isNodeAddress(t *testing.T, node *harness.Node, a netip.Addr) bool {
 		t.Fatal(err)
 	}
 	return found
-}
-
-// waitNodeAddresses waits until the node's addresses are past duplicate address
-// detection (a tentative IPv6 address cannot be a source).
-func waitNodeAddresses(ctx context.Context, t *testing.T, node *harness.Node) {
-	t.Helper()
-	for {
-		var tentative bool
-		if err := node.Do(func() error {
-			addrs, err := netlink.AddrList(nil, netlink.FAMILY_V6)
-			for _, a := range addrs {
-				if a.Flags&unix.IFA_F_TENTATIVE != 0 {
-					tentative = true
-				}
-			}
-			return err
-		}); err != nil {
-			t.Fatal(err)
-		}
-		if !tentative {
-			return
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatal("the node's IPv6 addresses stayed tentative")
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
 }
 
 // TestProxyCgroupsFromRoot: --proxy-cgroups names cgroups from the root of the

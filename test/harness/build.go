@@ -39,13 +39,14 @@ func ReferencePlugins() map[string]string {
 	}
 }
 
-// ProductBinaries returns mesh-cni's own binaries and the reference proxy used by the
-// end-to-end tests, by binary name -> import path.
+// ProductBinaries returns mesh-cni's own binaries, the reference proxy used by the
+// end-to-end tests and the ztunnel double, by binary name -> import path.
 func ProductBinaries() map[string]string {
 	return map[string]string{
 		"mesh-cni":   "github.com/mesh-cni/mesh-cni/cmd/mesh-cni",
 		"mesh-agent": "github.com/mesh-cni/mesh-cni/cmd/mesh-agent",
 		"refproxy":   "github.com/mesh-cni/mesh-cni/test/cmd/refproxy",
+		"ztunnel":    "github.com/mesh-cni/mesh-cni/test/cmd/ztunnel",
 	}
 }
 

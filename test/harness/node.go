@@ -1,6 +1,7 @@
 package harness
 
 import (
+	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
@@ -14,11 +15,13 @@ import (
 	"sort"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/containernetworking/cni/libcni"
 	"github.com/containernetworking/cni/pkg/invoke"
 	"github.com/containernetworking/cni/pkg/version"
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 )
@@ -428,4 +431,34 @@ func randomBytes(tb testing.TB, n int) []byte {
 func randomHex(tb testing.TB, n int) string {
 	tb.Helper()
 	return hex.EncodeToString(randomBytes(tb, n))
+}
+
+// WaitAddressesUsable waits until none of the node's IPv6 addresses is still
+// tentative: until duplicate address detection is done (a second or two after
+// the primary made the bridge) the node neither sends from its gateway address
+// nor answers neighbour solicitations for it, so pods cannot reach it.
+func (n *Node) WaitAddressesUsable(ctx context.Context, tb testing.TB) {
+	tb.Helper()
+	for {
+		var tentative bool
+		if err := n.Do(func() error {
+			addrs, err := netlink.AddrList(nil, netlink.FAMILY_V6)
+			for _, a := range addrs {
+				if a.Flags&unix.IFA_F_TENTATIVE != 0 {
+					tentative = true
+				}
+			}
+			return err
+		}); err != nil {
+			tb.Fatal(err)
+		}
+		if !tentative {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			tb.Fatal("the node's IPv6 addresses stayed tentative")
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
 }

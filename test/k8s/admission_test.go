@@ -105,6 +105,7 @@ func TestAgentAdmissionPolicy(t *testing.T) {
 		{"AnnotationOnOwnNode", testPolicyAnnotationOnOwnNode},
 		{"AnnotationOnOtherNode", testPolicyAnnotationOnOtherNode},
 		{"OtherAnnotation", testPolicyOtherAnnotation},
+		{"IstioAnnotation", testPolicyIstioAnnotation},
 		{"Label", testPolicyLabel},
 		{"Spec", testPolicySpec},
 		{"TokenWithoutNode", testPolicyTokenWithoutNode},
@@ -449,9 +450,32 @@ func testPolicyOtherAnnotation(t *testing.T, pc *policyCluster) {
 		if _, ok := tc.annos["team"]; ok {
 			say = "team"
 		}
-		expectRefused(t, tc.what, err, "may change only the "+enroll.AnnotationRedirection+" annotation of a pod, not "+say)
+		expectRefused(t, tc.what, err, "may change only the "+enroll.AnnotationRedirection+" and "+enroll.IstioAnnotationRedirection+" annotations of a pod, not "+say)
 	}
 	pc.unchanged(ctx, t, p)
+}
+
+// testPolicyIstioAnnotation: istiod's ambient.istio.io/redirection may be set to
+// enabled, next to the agent's own outcome, and removed; any other value (such
+// as istio-cni's pending, which the agent never writes) is refused.
+func testPolicyIstioAnnotation(t *testing.T, pc *policyCluster) {
+	ctx := apiContext(t)
+	p := pc.workload(t, "istio", pc.nodeA)
+	both := func(outcome string, istio any) map[string]any {
+		return map[string]any{"annotations": map[string]any{enroll.AnnotationRedirection: outcome, enroll.IstioAnnotationRedirection: istio}}
+	}
+	got, err := patchMeta(ctx, pc.agent, p, both(enroll.OutcomeEnabled, "enabled"))
+	if err != nil || got.Annotations[enroll.IstioAnnotationRedirection] != "enabled" {
+		t.Fatalf("setting %s=enabled: %v (annotations %v)", enroll.IstioAnnotationRedirection, err, got.Annotations)
+	}
+	got, err = patchMeta(ctx, pc.agent, p, both(enroll.OutcomeDisabled, nil))
+	if _, still := got.Annotations[enroll.IstioAnnotationRedirection]; err != nil || still {
+		t.Fatalf("removing %s: %v (annotations %v)", enroll.IstioAnnotationRedirection, err, got.Annotations)
+	}
+	before := pc.get(ctx, t, p)
+	_, err = patchMeta(ctx, pc.agent, p, both(enroll.OutcomeEnabled, "pending"))
+	expectRefused(t, "a value the agent never writes", err, "only set "+enroll.IstioAnnotationRedirection+" to enabled, or remove it")
+	pc.unchanged(ctx, t, before)
 }
 
 // testPolicyLabel: labels and finalizers are refused, with or without the

@@ -18,6 +18,16 @@ func TestMain(m *testing.M) {
 		fmt.Fprintf(os.Stderr, "k8s: kube-apiserver and etcd: %v\n", err)
 		os.Exit(1)
 	}
+	// istiod and istio-cni, the peers of TestIstioAmbient: built once with
+	// hack/build-istio.sh into its cache (or found there).
+	if os.Getenv(envIstioBinDir) == "" {
+		dir, err := kubeenv.CachedBuild(context.Background(), "build-istio.sh")
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "k8s: istiod and istio-cni: %v\n", err)
+			os.Exit(1)
+		}
+		os.Setenv(envIstioBinDir, dir)
+	}
 	pkgs := harness.ReferencePlugins()
 	maps.Copy(pkgs, harness.ProductBinaries())
 	harness.Main(m, harness.Options{Packages: pkgs})

@@ -31,6 +31,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/podsock"
 )
 
 // Defaults match Istio ambient / ztunnel and mesh-cni's data path.
@@ -262,7 +263,7 @@ func (p *Proxy) listen(ctx context.Context, network, addr string) (net.Listener,
 // dial connects to dst with the proxy's mark, from the proxy's namespace.
 func (p *Proxy) dial(dst netip.AddrPort) (*net.TCPConn, error) {
 	if p.ns != nil {
-		return dialFrom(p.ctx, int(p.ns.Fd()), dst, p.cfg.Mark, p.cfg.DialTimeout)
+		return podsock.Dial(p.ctx, int(p.ns.Fd()), dst, podsock.DialOptions{Mark: p.cfg.Mark, Timeout: p.cfg.DialTimeout})
 	}
 	d := net.Dialer{Timeout: p.cfg.DialTimeout, Control: markControl(p.cfg.Mark)}
 	network := "tcp4"
@@ -424,7 +425,7 @@ func (p *Proxy) isOnward(a netip.AddrPort) bool {
 // only getsockopt; inbound ones fall back to the socket's local address, which is the
 // original destination when the capture assigns the connection without rewriting it.
 func (p *Proxy) destination(c *net.TCPConn, dir Direction, local netip.AddrPort) (netip.AddrPort, DstSource, error) {
-	dst, err := originalDst(c, local)
+	dst, err := podsock.OriginalDst(c)
 	if err == nil {
 		return dst, SourceGetsockopt, nil
 	}

@@ -1,4 +1,4 @@
-package proxy
+package podsock
 
 import (
 	"context"
@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"syscall"
 	"testing"
 	"time"
 
@@ -15,6 +16,14 @@ import (
 	"github.com/mesh-cni/mesh-cni/test/capture"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
+
+// testMark is ztunnel's mark, what the node proxies set.
+const testMark = 0x539
+
+func addrPortOf(a net.Addr) netip.AddrPort {
+	ap, _ := netip.ParseAddrPort(a.String())
+	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
+}
 
 // acceptAndClose accepts on ln until it is closed, closing every connection at once.
 func acceptAndClose(tb testing.TB, ln net.Listener) {
@@ -55,9 +64,9 @@ func podListener(tb testing.TB, pod capture.Pod) (netip.AddrPort, *os.File) {
 	return addrPortOf(ln.Addr()), ns
 }
 
-// TestDialFrom checks that dialFrom's socket lives in the pod's namespace and
+// TestDial checks that Dial's socket lives in the pod's namespace and
 // carries the mark, and that failures come back as errors.
-func TestDialFrom(t *testing.T) {
+func TestDial(t *testing.T) {
 	harness.RequireRoot(t, "creates network namespaces")
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
@@ -65,7 +74,7 @@ func TestDialFrom(t *testing.T) {
 	dst, ns := podListener(t, pod)
 	// The listener is only reachable inside the pod: a dial from the host
 	// namespace would be refused or reach something else.
-	c, err := dialFrom(ctx, int(ns.Fd()), dst, DefaultMark, time.Second)
+	c, err := Dial(ctx, int(ns.Fd()), dst, DialOptions{Mark: testMark, Timeout: time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -78,8 +87,8 @@ func TestDialFrom(t *testing.T) {
 	if err := raw.Control(func(fd uintptr) { mark, optErr = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK) }); err != nil || optErr != nil {
 		t.Fatal(err, optErr)
 	}
-	if mark != DefaultMark {
-		t.Errorf("onward socket mark %#x, want %#x", mark, DefaultMark)
+	if mark != testMark {
+		t.Errorf("onward socket mark %#x, want %#x", mark, testMark)
 	}
 	if got := addrPortOf(c.RemoteAddr()); got != dst {
 		t.Errorf("connected to %s, want %s", got, dst)
@@ -88,21 +97,21 @@ func TestDialFrom(t *testing.T) {
 
 	// Nothing listens on the port any more: refused, not hung.
 	closed := netip.AddrPortFrom(dst.Addr(), 1)
-	if _, err := dialFrom(ctx, int(ns.Fd()), closed, DefaultMark, time.Second); err == nil {
+	if _, err := Dial(ctx, int(ns.Fd()), closed, DialOptions{Mark: testMark, Timeout: time.Second}); err == nil {
 		t.Error("dial to a closed port succeeded")
 	}
 	// A cancelled context ends a dial that would otherwise wait: nobody owns this
 	// address in the pod's subnet, so the SYN waits for neighbour discovery.
 	cctx, ccancel := context.WithCancel(ctx)
 	ccancel()
-	if _, err := dialFrom(cctx, int(ns.Fd()), netip.MustParseAddrPort("10.199.0.99:9"), DefaultMark, time.Minute); !errors.Is(err, context.Canceled) {
+	if _, err := Dial(cctx, int(ns.Fd()), netip.MustParseAddrPort("10.199.0.99:9"), DialOptions{Mark: testMark, Timeout: time.Minute}); !errors.Is(err, context.Canceled) {
 		t.Errorf("dial with a cancelled context: %v", err)
 	}
 }
 
 // BenchmarkPodDial measures what a node proxy pays per onward connection to have
 // its socket in the pod's namespace: socket-only creates just the socket inside
-// netns.DoFd and connects from any thread (what dialFrom does); whole-dial runs
+// netns.DoFd and connects from any thread (what Dial does); whole-dial runs
 // the entire net.Dialer dial inside netns.DoFd (the thread stays locked in the
 // pod for the handshake); same-netns is a plain dial with no namespace switch, the
 // floor. Each iteration is connect + close against an accept-and-close listener
@@ -119,7 +128,7 @@ func BenchmarkPodDial(b *testing.B) {
 	}
 	b.Run("socket-only", func(b *testing.B) {
 		for b.Loop() {
-			c, err := dialFrom(ctx, int(ns.Fd()), dst, DefaultMark, time.Second)
+			c, err := Dial(ctx, int(ns.Fd()), dst, DialOptions{Mark: testMark, Timeout: time.Second})
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -127,7 +136,9 @@ func BenchmarkPodDial(b *testing.B) {
 		}
 	})
 	b.Run("whole-dial", func(b *testing.B) {
-		d := net.Dialer{Timeout: time.Second, Control: markControl(DefaultMark)}
+		d := net.Dialer{Timeout: time.Second, Control: func(_, _ string, c syscall.RawConn) error {
+			return c.Control(func(fd uintptr) { _ = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, testMark) })
+		}}
 		for b.Loop() {
 			var c net.Conn
 			err := netns.DoFd(int(ns.Fd()), func() error {
@@ -147,7 +158,9 @@ func BenchmarkPodDial(b *testing.B) {
 			b.Fatal(err)
 		}
 		acceptAndClose(b, ln)
-		d := net.Dialer{Timeout: time.Second, Control: markControl(DefaultMark)}
+		d := net.Dialer{Timeout: time.Second, Control: func(_, _ string, c syscall.RawConn) error {
+			return c.Control(func(fd uintptr) { _ = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, testMark) })
+		}}
 		for b.Loop() {
 			c, err := d.DialContext(ctx, "tcp4", ln.Addr().String())
 			if err != nil {

@@ -1,0 +1,738 @@
+package k8s
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/net/dns/dnsmessage"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/util/retry"
+
+	"github.com/mesh-cni/mesh-cni/internal/enroll"
+	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
+	"github.com/mesh-cni/mesh-cni/test/ztunnel"
+)
+
+// The node agents of an Istio ambient node, side by side: the real istio-cni
+// (its node agent and plugin, from istio.io/istio) and mesh-cni in its place,
+// each under the real istiod and with the ztunnel double (test/ztunnel) as the
+// node proxy, with identical assertions. istio-cni with the double is what runs
+// in production but for ztunnel itself, so whatever passes there and fails on
+// mesh-cni is mesh-cni's to fix, and whatever fails there is the double's.
+
+// istioVersion is the istio.io/istio module hack/build-istio.sh builds.
+const istioVersion = "v0.0.0-20260827124520-eed52ebb66ad"
+
+// Names the double answers over DNS, and the resolver the pods ask (nothing
+// listens there: only a captured query gets an answer).
+const (
+	istioDNSName = "mesh-check.istio.test"
+	podResolver  = "10.96.0.10:53"
+)
+
+var istioDNSAddr = netip.MustParseAddr("192.0.2.53")
+
+// istioBins is the directory of pilot-discovery, install-cni and istio-cni.
+func istioBins(t *testing.T) string {
+	t.Helper()
+	dir := os.Getenv(envIstioBinDir)
+	if dir == "" {
+		t.Fatalf("$%s is not set: TestMain builds Istio with hack/build-istio.sh", envIstioBinDir)
+	}
+	return dir
+}
+
+const envIstioBinDir = "MESH_CNI_ISTIO_BIN_DIR"
+
+// ambientNode is one node of an Istio ambient cluster of its own: etcd, the API
+// server and istiod on a link the node's namespace reaches, a harness node, the
+// kubelet's cgroup, and the pods' namespaces in the API.
+type ambientNode struct {
+	node     *harness.Node
+	api      *kubeenv.APIServer
+	admin    kubernetes.Interface
+	name     string
+	istiod   string // istiod's debug base URL
+	kubelet  string // the kubelet's cgroup
+	dir      string // short: sockets live here
+	zds      string // the ZDS socket the node agent serves
+	records  string // the ztunnel double's records
+	ambient  string // a namespace labelled istio.io/dataplane-mode=ambient
+	plain    string // a namespace outside the mesh
+	listName string
+}
+
+// newAmbientNode starts the cluster and the node; the node agent is the caller's.
+func newAmbientNode(t *testing.T) *ambientNode {
+	t.Helper()
+	bins, err := kubeenv.FromEnv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir, err := os.MkdirTemp("", "mesh-istio-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	n := &ambientNode{
+		node:     harness.NewNode(t, harness.NodeOptions{Plugins: append(harness.ReferencePluginNames(), "mesh-cni")}),
+		name:     "ambient-" + randomHex(t, 3),
+		dir:      dir,
+		zds:      filepath.Join(dir, "ztunnel.sock"),
+		records:  filepath.Join(dir, "ztunnel.jsonl"),
+		kubelet:  harness.NewCgroup(t, "kubelet"),
+		listName: "ambientnet",
+	}
+	// The API server listens on a link between the test's namespace and the
+	// node's: istiod reaches it from here, the node's agents from there.
+	hostAddr := apiLink(t, n.node)
+	etcd := kubeenv.StartEtcd(t, bins)
+	n.api = kubeenv.StartAPIServerWith(t, bins, etcd, n.name, kubeenv.APIServerOptions{Address: hostAddr.String()})
+	n.api.GrantAgent(t)
+	n.admin = n.api.Client(t, kubeenv.AdminUser)
+	ctx := apiContext(t)
+	for _, ns := range []*corev1.Namespace{
+		{ObjectMeta: metav1.ObjectMeta{Name: "istio-system"}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "ambient-" + randomHex(t, 3), Labels: map[string]string{enroll.IstioLabelDataplaneMode: enroll.IstioValueAmbient}}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "plain-" + randomHex(t, 3)}},
+	} {
+		created, err := n.admin.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatalf("create namespace %s: %v", ns.Name, err)
+		}
+		switch {
+		case strings.HasPrefix(created.Name, "ambient-"):
+			n.ambient = created.Name
+		case strings.HasPrefix(created.Name, "plain-"):
+			n.plain = created.Name
+		}
+	}
+	n.istiod = startIstiod(t, n.api)
+	return n
+}
+
+// apiLink makes a veth pair between the test's network namespace and the node's
+// with a random /30 of 169.254.0.0/16 and returns the test side's address.
+func apiLink(t *testing.T, node *harness.Node) netip.Addr {
+	t.Helper()
+	r := randomHex(t, 2)
+	b, _ := strconv.ParseUint(r, 16, 16)
+	base := netip.AddrFrom4([4]byte{169, 254, byte(64 + b%128), byte(b>>7) &^ 3})
+	host, peer := base.Next(), base.Next().Next()
+	name := "mcapi" + r
+	nodeNS, err := os.Open(node.NetNSPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nodeNS.Close()
+	veth := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: name}, PeerName: name + "n", PeerNamespace: netlink.NsFd(int(nodeNS.Fd()))}
+	if err := netlink.LinkAdd(veth); err != nil {
+		t.Fatalf("API link: %v", err)
+	}
+	t.Cleanup(func() {
+		if l, err := netlink.LinkByName(name); err == nil {
+			_ = netlink.LinkDel(l)
+		}
+	})
+	setUp := func(ifname string, a netip.Addr) error {
+		l, err := netlink.LinkByName(ifname)
+		if err != nil {
+			return err
+		}
+		ipn := &net.IPNet{IP: a.AsSlice(), Mask: net.CIDRMask(30, 32)}
+		if err := netlink.AddrAdd(l, &netlink.Addr{IPNet: ipn}); err != nil {
+			return err
+		}
+		return netlink.LinkSetUp(l)
+	}
+	if err := setUp(name, host); err != nil {
+		t.Fatalf("API link: %v", err)
+	}
+	if err := node.Do(func() error { return setUp(name+"n", peer) }); err != nil {
+		t.Fatalf("API link in the node: %v", err)
+	}
+	return host
+}
+
+// startIstiod runs pilot-discovery against the API server with ambient on, as
+// Istio's ambient profile does, every listener on loopback, and returns its debug
+// address once /ready answers.
+func startIstiod(t *testing.T, api *kubeenv.APIServer) string {
+	t.Helper()
+	cwd := t.TempDir()
+	kubeconfig := api.WriteKubeconfig(t, kubeenv.AdminUser, filepath.Join(cwd, "kubeconfig"))
+	ports := map[string]int{}
+	for _, name := range []string{"http", "https", "grpc", "securegrpc", "monitoring", "ctrlz"} {
+		ports[name] = freeLoopbackPort(t)
+	}
+	addr := func(name string) string { return fmt.Sprintf("127.0.0.1:%d", ports[name]) }
+	proc := harness.StartProcess(t, harness.ProcessOptions{
+		Path: filepath.Join(istioBins(t), "pilot-discovery"),
+		Name: "istiod",
+		Dir:  cwd,
+		Args: []string{"discovery", "--kubeconfig", kubeconfig,
+			"--httpAddr", addr("http"), "--httpsAddr", addr("https"), "--grpcAddr", addr("grpc"),
+			"--secureGRPCAddr", addr("securegrpc"), "--monitoringAddr", addr("monitoring"),
+			"--ctrlz_port", strconv.Itoa(ports["ctrlz"]), "--log_output_level", "default:warn"},
+		Env: []string{"POD_NAMESPACE=istio-system", "PILOT_ENABLE_AMBIENT=true", "INJECT_ENABLED=false",
+			"PILOT_ENABLE_GATEWAY_API=false", "REVISION=default", "KUBECONFIG=" + kubeconfig},
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	err := harness.PollUntil(ctx, proc, 200*time.Millisecond, func(ctx context.Context) error {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr("http")+"/ready", nil)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			return err
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			return fmt.Errorf("istiod /ready: %s", resp.Status)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("istiod did not become ready: %v", err)
+	}
+	return "http://" + addr("monitoring")
+}
+
+func freeLoopbackPort(t *testing.T) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
+}
+
+// startZtunnel runs the double against the node agent's ZDS socket, in a cgroup
+// of its own (mesh-cni knows the node proxy by it).
+func (n *ambientNode) startZtunnel(t *testing.T) {
+	t.Helper()
+	harness.StartProcess(t, harness.ProcessOptions{
+		Path: harness.Bins(t).Path("ztunnel"), Name: "ztunnel", OwnCgroup: true,
+		Args: []string{"-zds", n.zds, "-istiod", n.istiod, "-record", n.records,
+			"-dns", istioDNSName + "=" + istioDNSAddr.String(), "-require-service-account", "-log-level", "debug"},
+	})
+}
+
+// startIstioCNI runs istio-cni's node agent (install-cni) on the node as its
+// DaemonSet runs it: in the node's network namespace, with the host paths it
+// expects under /host and its service account's files (in a PID namespace of its
+// own, where it is process 1: it reads the "host" namespace from /host/proc/1, and
+// the node here is the test's namespace, not the machine's), ambient on with DNS
+// capture and IPv6, and the chart's enablement selector. It installs its plugin
+// into the node's bin dir and chains it into the primary's conflist, which it
+// returns once it is there.
+func (n *ambientNode) startIstioCNI(t *testing.T) *libcni.NetworkConfigList {
+	t.Helper()
+	primary, err := n.node.ConflistJSON(n.listName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conf := filepath.Join(n.node.ConfDir, "10-"+n.listName+".conflist")
+	if err := os.WriteFile(conf, primary, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	// The files of its service account, and the plugin alone in its image's
+	// /opt/cni/bin.
+	sa := filepath.Join(n.dir, "sa")
+	src := filepath.Join(n.dir, "cnibin")
+	run := filepath.Join(n.dir, "run")
+	for _, d := range []string{sa, src, run} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(sa, "token"), []byte(n.api.Token(kubeenv.AdminUser)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ca, err := os.ReadFile(n.api.CAFile())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(sa, "ca.crt"), ca, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	plugin, err := os.ReadFile(filepath.Join(istioBins(t), "istio-cni"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(src, "istio-cni"), plugin, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	root := filepath.Join(n.dir, "root")
+	apiURL := strings.TrimPrefix(n.api.URL, "https://")
+	host, port, _ := net.SplitHostPort(apiURL)
+	selector := `[{"podSelector":{"matchLabels":{"istio.io/dataplane-mode":"ambient"}}},` +
+		`{"podSelector":{"matchExpressions":[{"key":"istio.io/dataplane-mode","operator":"NotIn","values":["none"]}]},` +
+		`"namespaceSelector":{"matchLabels":{"istio.io/dataplane-mode":"ambient"}}}]`
+	harness.StartProcess(t, harness.ProcessOptions{
+		Path:      "unshare",
+		Args:      []string{"--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--propagation", "slave", "--", "sh", "-c", istioCNIRoot, "istio-cni-root", root, sa, src, n.node.BinDir, istioBins(t)},
+		Name:      "istio-cni",
+		NetNSPath: n.node.NetNSPath,
+		Env: []string{
+			"KUBERNETES_SERVICE_HOST=" + host, "KUBERNETES_SERVICE_PORT=" + port, "KUBECONFIG=",
+			"NODE_NAME=" + n.name, "KUBERNETES_NODE_NAME=" + n.name, "POD_NAMESPACE=istio-system",
+			"MOUNTED_CNI_NET_DIR=" + n.node.ConfDir, "CNI_AGENT_RUN_DIR=" + run, "ZTUNNEL_UDS_ADDRESS=" + n.zds,
+			"AMBIENT_ENABLED=true", "AMBIENT_DNS_CAPTURE=true", "AMBIENT_IPV6=true",
+			"AMBIENT_ENABLEMENT_SELECTOR=" + selector, "EXCLUDE_NAMESPACES=kube-system,istio-system",
+			"REPAIR_ENABLED=false", "MONITORING_PORT=15014", "PLUGIN_LOG_LEVEL=debug",
+		},
+	})
+	var list *libcni.NetworkConfigList
+	poll(t, time.Minute, "istio-cni chained into the primary's conflist", func() bool {
+		l, err := libcni.ConfListFromFile(conf)
+		if err != nil {
+			return false
+		}
+		if _, err := os.Stat(n.zds); err != nil {
+			return false
+		}
+		for _, p := range l.Plugins {
+			if p.Network.Type == "istio-cni" {
+				list = l
+				return true
+			}
+		}
+		return false
+	})
+	return list
+}
+
+// istioCNIRoot is the root install-cni sees, as its DaemonSet's mounts make it: a
+// tmpfs with the machine's system directories, its service account's files, its
+// image's /opt/cni/bin, and the node's CNI bin dir, /proc and namespaces under
+// /host. Arguments: root, service account dir, plugin source dir, node bin dir,
+// the directory of install-cni.
+const istioCNIRoot = `set -eu
+root=$1 sa=$2 src=$3 bin=$4 istio=$5
+mkdir -p "$root"
+mount -t tmpfs tmpfs "$root"
+for d in bin sbin lib lib64 usr etc dev proc sys tmp run; do
+	[ -e "/$d" ] || continue
+	if [ -L "/$d" ]; then ln -s "$(readlink "/$d")" "$root/$d"; continue; fi
+	mkdir -p "$root/$d"
+	mount --rbind "/$d" "$root/$d"
+done
+mkdir -p "$root/var/run/secrets/kubernetes.io/serviceaccount" "$root/opt/cni/bin" "$root/host/opt/cni/bin" \
+	"$root/host/proc" "$root/host/run/netns" "$root/host/var/run/netns" "$root/istio"
+mount --bind "$sa" "$root/var/run/secrets/kubernetes.io/serviceaccount"
+mount --bind "$src" "$root/opt/cni/bin"
+mount --bind "$bin" "$root/host/opt/cni/bin"
+mount --rbind /proc "$root/host/proc"
+mount --rbind /run/netns "$root/host/run/netns"
+mount --rbind /run/netns "$root/host/var/run/netns"
+mount --bind "$istio" "$root/istio"
+exec chroot "$root" /istio/install-cni
+`
+
+// startMeshAgent runs mesh-agent in istio-cni's place: the Kubernetes source
+// with the istio profile, ZDS on the socket the double connects to, the kubelet
+// by its cgroup, in the node's network namespace (as the DaemonSet runs it on the
+// host network). The node proxy is known by its cgroup only (no mark).
+func (n *ambientNode) startMeshAgent(t *testing.T) *libcni.NetworkConfigList {
+	t.Helper()
+	a := prepareAgent(t)
+	a.Kubeconfig = n.api.WriteKubeconfig(t, kubeenv.AgentUser, filepath.Join(a.dir, "kubeconfig"))
+	a.Args = append(a.Args, "--enrollment", "kubernetes", "--kubeconfig", a.Kubeconfig, "--node-name", n.name,
+		"--selector-profile", "istio", "--zds-socket", n.zds, "--proxy-mark", "0", "--probe-cgroups", n.kubelet)
+	a.Proc = harness.StartProcess(t, harness.ProcessOptions{Path: harness.Bins(t).Path("mesh-agent"), Args: a.Args, Name: "mesh-agent", NetNSPath: n.node.NetNSPath})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := harness.WaitForHealthy(ctx, a.Socket); err != nil {
+		t.Fatalf("agent did not become ready: %v\n%s", err, a.Proc.Output())
+	}
+	return n.node.Conflist(t, n.listName, a.meshEntry())
+}
+
+// ambientPod is a pod in the API and on the node.
+type ambientPod struct {
+	api *corev1.Pod
+	cni *harness.Pod
+	app *peerServer
+}
+
+// addPod creates the pod in the API (as the scheduler leaves it), ADDs it on the
+// node through list, and reports its addresses and readiness as kubelet would:
+// istiod indexes pods by their status.
+func (n *ambientNode) addPod(t *testing.T, list *libcni.NetworkConfigList, namespace, name string) *ambientPod {
+	t.Helper()
+	ctx := apiContext(t)
+	p, err := n.admin.CoreV1().Pods(namespace).Create(ctx, &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: namespace, Labels: map[string]string{"app": name}},
+		Spec: corev1.PodSpec{
+			NodeName:                      n.name,
+			ServiceAccountName:            name + "-sa",
+			Containers:                    []corev1.Container{{Name: "app", Image: "registry.invalid/app:never-pulled"}},
+			TerminationGracePeriodSeconds: new(int64),
+		},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hp := cniPod(t, n.node, p)
+	add(ctx, t, n.node, list, hp)
+	err = retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		cur, err := n.admin.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		cur.Status.Phase = corev1.PodRunning
+		cur.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}
+		cur.Status.PodIPs = nil
+		for _, a := range []netip.Addr{hp.IPv4(t), hp.IPv6(t)} {
+			cur.Status.PodIPs = append(cur.Status.PodIPs, corev1.PodIP{IP: a.String()})
+		}
+		cur.Status.PodIP = cur.Status.PodIPs[0].IP
+		p, err = n.admin.CoreV1().Pods(namespace).UpdateStatus(ctx, cur, metav1.UpdateOptions{})
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ap := &ambientPod{api: p, cni: hp, app: &peerServer{}}
+	ap.app.serve(t, hp, 8080)
+	return ap
+}
+
+// peerServer answers each connection with the address it came from.
+type peerServer struct {
+	mu    sync.Mutex
+	peers []netip.Addr
+}
+
+func (s *peerServer) serve(t *testing.T, p *harness.Pod, port int) {
+	t.Helper()
+	ln := p.Listen(t, "tcp", fmt.Sprintf("[::]:%d", port))
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			peer := netip.MustParseAddrPort(c.RemoteAddr().String()).Addr().Unmap()
+			s.mu.Lock()
+			s.peers = append(s.peers, peer)
+			s.mu.Unlock()
+			go func() {
+				defer c.Close()
+				fmt.Fprintf(c, "FROM %s\n", peer)
+			}()
+		}
+	}()
+}
+
+func (s *peerServer) count() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.peers)
+}
+
+// ask connects from p to target and returns the address the server saw.
+func ask(t *testing.T, p *harness.Pod, target netip.AddrPort) (netip.Addr, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := p.Dial(ctx, "tcp", target.String())
+	if err != nil {
+		return netip.Addr{}, err
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	line, err := bufio.NewReader(c).ReadString('\n')
+	if err != nil {
+		return netip.Addr{}, fmt.Errorf("read from %s: %w", target, err)
+	}
+	return netip.ParseAddr(strings.TrimSpace(strings.TrimPrefix(line, "FROM ")))
+}
+
+// probe connects to target from the node's namespace in the kubelet's cgroup and
+// returns the address the server saw.
+func (n *ambientNode) probe(t *testing.T, target netip.AddrPort) (netip.Addr, error) {
+	t.Helper()
+	cg, err := os.Open(n.kubelet)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cg.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestHelperAsk$", "-test.v=false")
+	cmd.Env = append(os.Environ(), "MESH_ASK_TARGET="+target.String())
+	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: int(cg.Fd())}
+	cmd.WaitDelay = 5 * time.Second
+	var out strings.Builder
+	cmd.Stdout = &out
+	if err := netns.Do(n.node.NetNSPath, cmd.Start); err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Wait(); err != nil {
+		return netip.Addr{}, fmt.Errorf("prober: %w (%s)", err, out.String())
+	}
+	line := strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(out.String()), "PASS"))
+	if rest, ok := strings.CutPrefix(line, "FROM "); ok {
+		return netip.ParseAddr(rest)
+	}
+	return netip.Addr{}, errors.New(line)
+}
+
+// TestHelperAsk is not a test: it is the kubelet's probe in probe, run in the
+// kubelet's cgroup in the node's namespace.
+func TestHelperAsk(t *testing.T) {
+	target := os.Getenv("MESH_ASK_TARGET")
+	if target == "" {
+		t.Skip("helper process of probe")
+	}
+	c, err := net.DialTimeout("tcp", target, 10*time.Second)
+	if err != nil {
+		fmt.Println("ERR", err)
+		return
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	line, err := bufio.NewReader(c).ReadString('\n')
+	if err != nil {
+		fmt.Println("ERR", err)
+		return
+	}
+	fmt.Print(line)
+}
+
+// resolve sends an A query for name from p to the resolver address podResolver,
+// over UDP, and returns the answers.
+func resolve(t *testing.T, p *harness.Pod, name string) ([]netip.Addr, error) {
+	t.Helper()
+	var c net.Conn
+	err := p.Do(func() error {
+		var err error
+		c, err = net.Dial("udp", podResolver)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	defer c.Close()
+	b := dnsmessage.NewBuilder(nil, dnsmessage.Header{ID: 0x4d43, RecursionDesired: true})
+	_ = b.StartQuestions()
+	_ = b.Question(dnsmessage.Question{Name: dnsmessage.MustNewName(name + "."), Type: dnsmessage.TypeA, Class: dnsmessage.ClassINET})
+	q, err := b.Finish()
+	if err != nil {
+		return nil, err
+	}
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := c.Write(q); err != nil {
+		return nil, err
+	}
+	buf := make([]byte, 1500)
+	m, err := c.Read(buf)
+	if err != nil {
+		return nil, err
+	}
+	var msg dnsmessage.Message
+	if err := msg.Unpack(buf[:m]); err != nil {
+		return nil, err
+	}
+	var out []netip.Addr
+	for _, a := range msg.Answers {
+		if r, ok := a.Body.(*dnsmessage.AResource); ok {
+			out = append(out, netip.AddrFrom4(r.A))
+		}
+	}
+	return out, nil
+}
+
+// waitRecord waits until the double has a record matching ok and returns it.
+func (n *ambientNode) waitRecord(t *testing.T, what string, ok func(ztunnel.Record) bool) ztunnel.Record {
+	t.Helper()
+	var found ztunnel.Record
+	poll(t, 20*time.Second, what, func() bool {
+		recs, _ := ztunnel.ReadRecords(n.records)
+		i := slices.IndexFunc(recs, ok)
+		if i >= 0 {
+			found = recs[i]
+		}
+		return i >= 0
+	})
+	return found
+}
+
+func (n *ambientNode) recordCount(t *testing.T) int {
+	t.Helper()
+	recs, err := ztunnel.ReadRecords(n.records)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		t.Fatal(err)
+	}
+	return len(recs)
+}
+
+func poll(t *testing.T, limit time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(limit)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("waiting for %s: gave up after %s", what, limit)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// TestIstioAmbient runs one ambient node with istio-cni and one with mesh-cni in
+// its place, with the same assertions.
+func TestIstioAmbient(t *testing.T) {
+	for _, variant := range []struct {
+		name  string
+		agent func(*ambientNode, *testing.T) *libcni.NetworkConfigList
+	}{
+		{"istio-cni", (*ambientNode).startIstioCNI},
+		{"mesh-cni", (*ambientNode).startMeshAgent},
+	} {
+		t.Run(variant.name, func(t *testing.T) {
+			t.Parallel()
+			n := newAmbientNode(t)
+			list := variant.agent(n, t)
+			n.startZtunnel(t)
+			testAmbientNode(t, n, list)
+		})
+	}
+}
+
+func testAmbientNode(t *testing.T, n *ambientNode, list *libcni.NetworkConfigList) {
+	client := n.addPod(t, list, n.ambient, "client")
+	server := n.addPod(t, list, n.ambient, "server")
+	outsider := n.addPod(t, list, n.plain, "outsider")
+
+	// istiod: the meshed pods are HBONE workloads with their service accounts,
+	// the one outside the mesh is not; the node agent said so on the pods.
+	poll(t, 30*time.Second, "istiod's ambient index", func() bool {
+		ws, err := ztunnel.FetchAmbient(context.Background(), n.istiod)
+		if err != nil {
+			return false
+		}
+		byName := map[string]ztunnel.Workload{}
+		for _, w := range ws {
+			byName[w.Namespace+"/"+w.Name] = w
+		}
+		for _, p := range []*ambientPod{client, server} {
+			w, ok := byName[p.api.Namespace+"/"+p.api.Name]
+			if !ok || !w.HBONE || w.ServiceAccount != p.api.Spec.ServiceAccountName || w.Node != n.name ||
+				!slices.Contains(w.Addresses, p.cni.IPv4(t)) {
+				return false
+			}
+		}
+		w, ok := byName[outsider.api.Namespace+"/"+outsider.api.Name]
+		return ok && !w.HBONE
+	})
+	for _, p := range []*ambientPod{client, server, outsider} {
+		got, err := n.admin.CoreV1().Pods(p.api.Namespace).Get(apiContext(t), p.api.Name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := ""
+		if p != outsider {
+			want = "enabled"
+		}
+		if v := got.Annotations[enroll.IstioAnnotationRedirection]; v != want {
+			t.Errorf("%s: %s=%q, want %q", p.api.Name, enroll.IstioAnnotationRedirection, v, want)
+		}
+	}
+
+	n.node.WaitAddressesUsable(apiContext(t), t)
+	for _, fam := range []struct {
+		name string
+		addr func(*harness.Pod, testing.TB) netip.Addr
+	}{{"ipv4", (*harness.Pod).IPv4}, {"ipv6", (*harness.Pod).IPv6}} {
+		t.Run(fam.name, func(t *testing.T) {
+			clientIP, serverIP, outsiderIP := fam.addr(client.cni, t), fam.addr(server.cni, t), fam.addr(outsider.cni, t)
+			serverApp := netip.AddrPortFrom(serverIP, 8080)
+
+			// Meshed to meshed: HBONE through the server's 15008; the server's
+			// application sees the client's address, the client's ztunnel the
+			// client's address as the source, with the original destination.
+			if got, err := ask(t, client.cni, serverApp); err != nil || got != clientIP {
+				t.Errorf("client -> server: the application saw %s (%v), want the client's %s", got, err, clientIP)
+			}
+			n.waitRecord(t, "the client's outbound HBONE", func(r ztunnel.Record) bool {
+				return r.Pod == client.api.Namespace+"/client" && r.Dir == "outbound" && r.Proto == "hbone" &&
+					r.Dst == serverApp && r.Src.Addr() == clientIP && r.Err == ""
+			})
+			n.waitRecord(t, "the server's inbound HBONE", func(r ztunnel.Record) bool {
+				return r.Pod == server.api.Namespace+"/server" && r.Dir == "inbound" && r.Proto == "hbone" &&
+					r.Dst == serverApp && r.Src.Addr() == clientIP && r.Err == ""
+			})
+
+			// From outside the mesh: plaintext through the server's 15006, the
+			// application still sees the client's address.
+			if got, err := ask(t, outsider.cni, serverApp); err != nil || got != outsiderIP {
+				t.Errorf("outsider -> server: the application saw %s (%v), want the outsider's %s", got, err, outsiderIP)
+			}
+			n.waitRecord(t, "the server's inbound plaintext", func(r ztunnel.Record) bool {
+				return r.Pod == server.api.Namespace+"/server" && r.Dir == "inbound" && r.Proto == "tcp" &&
+					r.Dst == serverApp && r.Src.Addr() == outsiderIP && r.Err == ""
+			})
+
+			// To outside the mesh: plain TCP from the client's ztunnel, with the
+			// original destination and the client's address as the source.
+			outsiderApp := netip.AddrPortFrom(outsiderIP, 8080)
+			if got, err := ask(t, client.cni, outsiderApp); err != nil || got != clientIP {
+				t.Errorf("client -> outsider: the application saw %s (%v), want the client's %s", got, err, clientIP)
+			}
+			n.waitRecord(t, "the client's outbound plaintext", func(r ztunnel.Record) bool {
+				return r.Pod == client.api.Namespace+"/client" && r.Dir == "outbound" && r.Proto == "tcp" &&
+					r.Dst == outsiderApp && r.Src.Addr() == clientIP && r.Err == ""
+			})
+
+			// The kubelet's probe: answered by the application, past the server's
+			// ztunnel.
+			before, recs := server.app.count(), n.recordCount(t)
+			if _, err := n.probe(t, serverApp); err != nil {
+				t.Errorf("kubelet probe of %s: %v", serverApp, err)
+				if os.Getenv("MESH_ISTIO_DEBUG") != "" {
+					for _, c := range [][]string{{"ip6tables-save"}, {"ipset", "list"}, {"ip", "-6", "route"}, {"ip", "-6", "addr"}} {
+						out, _ := exec.Command("ip", append([]string{"netns", "exec", filepath.Base(n.node.NetNSPath)}, c...)...).CombinedOutput()
+						t.Logf("node %v:\n%s", c, out)
+						out, _ = exec.Command("ip", append([]string{"netns", "exec", filepath.Base(server.cni.NetNSPath)}, c...)...).CombinedOutput()
+						t.Logf("server %v:\n%s", c, out)
+					}
+				}
+			}
+			if server.app.count() != before+1 || n.recordCount(t) != recs {
+				t.Errorf("kubelet probe of %s: the application answered %d, ztunnel handled %d: want the application directly",
+					serverApp, server.app.count()-before, n.recordCount(t)-recs)
+			}
+		})
+	}
+
+	// DNS through the pod's ztunnel.
+	got, err := resolve(t, client.cni, istioDNSName)
+	if err != nil || !slices.Contains(got, istioDNSAddr) {
+		t.Errorf("DNS from the client: %v (%v), want the client's ztunnel's answer %s", got, err, istioDNSAddr)
+	}
+	n.waitRecord(t, "the client's DNS query", func(r ztunnel.Record) bool {
+		return r.Pod == client.api.Namespace+"/client" && r.Dir == "dns" && r.Name == istioDNSName && r.Err == ""
+	})
+}

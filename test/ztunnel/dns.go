@@ -1,0 +1,105 @@
+package ztunnel
+
+import (
+	"encoding/binary"
+	"io"
+	"net"
+	"net/netip"
+	"strings"
+
+	"golang.org/x/net/dns/dnsmessage"
+
+	"github.com/mesh-cni/mesh-cni/test/podsock"
+)
+
+// serveDNS is ztunnel's DNS proxy on one localhost address of the pod, UDP and
+// TCP (dns/server.rs): it answers A and AAAA queries for the names it knows
+// (ztunnel's come from istiod; the double's from its configuration) and refuses
+// the rest with SERVFAIL, where ztunnel forwards them to the resolvers of its own
+// resolv.conf. The client is the pod the listener belongs to, never the source
+// address.
+func (p *pod) serveDNS(addr netip.AddrPort) error {
+	uc, err := podsock.ListenUDP(int(p.ns.Fd()), addr, podsock.ListenOptions{Mark: Mark, ReusePort: true})
+	if err != nil {
+		if addr.Addr().Is6() {
+			return nil // no IPv6 on the pod's lo
+		}
+		return err
+	}
+	p.track(uc)
+	p.wg.Go(func() {
+		buf := make([]byte, 4096)
+		for {
+			n, from, err := uc.ReadFromUDPAddrPort(buf)
+			if err != nil {
+				return
+			}
+			if answer := p.answer(buf[:n], from); answer != nil {
+				_, _ = uc.WriteToUDPAddrPort(answer, from)
+			}
+		}
+	})
+	return p.listenTCP(addr, func(c *net.TCPConn, peer netip.AddrPort) {
+		for {
+			var size [2]byte
+			if _, err := io.ReadFull(c, size[:]); err != nil {
+				return
+			}
+			q := make([]byte, binary.BigEndian.Uint16(size[:]))
+			if _, err := io.ReadFull(c, q); err != nil {
+				return
+			}
+			answer := p.answer(q, peer)
+			if answer == nil {
+				return
+			}
+			out := binary.BigEndian.AppendUint16(nil, uint16(len(answer)))
+			if _, err := c.Write(append(out, answer...)); err != nil {
+				return
+			}
+		}
+	})
+}
+
+// answer builds the reply to one query, or nil for a packet that is not one.
+func (p *pod) answer(query []byte, from netip.AddrPort) []byte {
+	var parser dnsmessage.Parser
+	h, err := parser.Start(query)
+	if err != nil {
+		return nil
+	}
+	q, err := parser.Question()
+	if err != nil {
+		return nil
+	}
+	name := strings.TrimSuffix(strings.ToLower(q.Name.String()), ".")
+	rcode := dnsmessage.RCodeServerFailure
+	var answers []netip.Addr
+	if addrs, ok := p.dp.cfg.DNS[name]; ok {
+		rcode = dnsmessage.RCodeSuccess
+		for _, a := range addrs {
+			if (q.Type == dnsmessage.TypeA && a.Is4()) || (q.Type == dnsmessage.TypeAAAA && a.Is6()) {
+				answers = append(answers, a)
+			}
+		}
+	}
+	p.record(Record{Dir: "dns", Proto: "dns", Src: from, Name: name, Err: map[bool]string{true: "", false: "not answered"}[rcode == dnsmessage.RCodeSuccess]})
+	b := dnsmessage.NewBuilder(nil, dnsmessage.Header{ID: h.ID, Response: true, RecursionDesired: h.RecursionDesired, RecursionAvailable: true, RCode: rcode})
+	b.EnableCompression()
+	if b.StartQuestions() != nil || b.Question(q) != nil || b.StartAnswers() != nil {
+		return nil
+	}
+	rh := dnsmessage.ResourceHeader{Name: q.Name, Class: dnsmessage.ClassINET, TTL: 30}
+	for _, a := range answers {
+		if a.Is4() {
+			_ = b.AResource(rh, dnsmessage.AResource{A: a.As4()})
+		} else {
+			_ = b.AAAAResource(rh, dnsmessage.AAAAResource{AAAA: a.As16()})
+		}
+	}
+	out, err := b.Finish()
+	if err != nil {
+		return nil
+	}
+	return out
+}
