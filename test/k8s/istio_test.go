@@ -41,9 +41,6 @@ import (
 // in production but for ztunnel itself, so whatever passes there and fails on
 // mesh-cni is mesh-cni's to fix, and whatever fails there is the double's.
 
-// istioVersion is the istio.io/istio module hack/build-istio.sh builds.
-const istioVersion = "v0.0.0-20260827124520-eed52ebb66ad"
-
 // Names the double answers over DNS, and the resolver the pods ask (nothing
 // listens there: only a captured query gets an answer).
 const (

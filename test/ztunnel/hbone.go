@@ -11,8 +11,6 @@ import (
 	"net/url"
 	"slices"
 	"sync"
-
-	"golang.org/x/net/http2"
 )
 
 // HBONE as ztunnel speaks it, without its mTLS: an HTTP/2 CONNECT to the
@@ -30,7 +28,7 @@ import (
 type tunnel struct {
 	w    *io.PipeWriter
 	body io.ReadCloser
-	cc   *http2.ClientConn
+	cc   *http.ClientConn
 }
 
 func (t *tunnel) Read(b []byte) (int, error)  { return t.body.Read(b) }
@@ -43,8 +41,13 @@ func (t *tunnel) Close() error {
 // connectHBONE opens a CONNECT stream to dst over conn (a connection to the
 // destination's HBONE port).
 func connectHBONE(ctx context.Context, conn net.Conn, dst, src netip.AddrPort, from WorkloadInfo) (*tunnel, error) {
-	tr := &http2.Transport{AllowHTTP: true}
-	cc, err := tr.NewClientConn(conn)
+	var protocols http.Protocols
+	protocols.SetUnencryptedHTTP2(true)
+	tr := &http.Transport{
+		Protocols:   &protocols,
+		DialContext: func(context.Context, string, string) (net.Conn, error) { return conn, nil },
+	}
+	cc, err := tr.NewClientConn(ctx, "http", conn.RemoteAddr().String())
 	if err != nil {
 		return nil, fmt.Errorf("hbone: %w", err)
 	}
@@ -80,8 +83,11 @@ func connectHBONE(ctx context.Context, conn net.Conn, dst, src netip.AddrPort, f
 func (p *pod) inboundHBONE(c *net.TCPConn, src netip.AddrPort) {
 	local, _ := netip.ParseAddrPort(c.LocalAddr().String())
 	local = netip.AddrPortFrom(local.Addr().Unmap(), local.Port())
-	var srv http2.Server
-	srv.ServeConn(c, &http2.ServeConnOpts{Context: p.ctx, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	var protocols http.Protocols
+	protocols.SetUnencryptedHTTP2(true)
+	srv := &http.Server{Protocols: &protocols, BaseContext: func(net.Listener) context.Context { return p.ctx }}
+	ln := &oneConn{conn: c, done: make(chan struct{})}
+	srv.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		rec := Record{Dir: "inbound", Proto: "hbone", Src: src, Forwarded: r.Header.Get("Forwarded")}
 		if r.Method != http.MethodConnect {
 			w.WriteHeader(http.StatusBadRequest)
@@ -130,5 +136,39 @@ func (p *pod) inboundHBONE(c *net.TCPConn, src netip.AddrPort) {
 			}
 		}
 		wg.Wait()
-	})})
+	})
+	// The connection's end (or the pod's) ends the server.
+	srv.ConnState = func(_ net.Conn, st http.ConnState) {
+		if st == http.StateClosed {
+			ln.close()
+		}
+	}
+	stop := context.AfterFunc(p.ctx, func() { srv.Close() })
+	defer stop()
+	_ = srv.Serve(ln)
 }
+
+// oneConn is a listener that accepts one connection, then blocks until closed.
+type oneConn struct {
+	conn net.Conn
+	once sync.Once
+	done chan struct{}
+	used bool
+	mu   sync.Mutex
+}
+
+func (l *oneConn) Accept() (net.Conn, error) {
+	l.mu.Lock()
+	if !l.used {
+		l.used = true
+		l.mu.Unlock()
+		return l.conn, nil
+	}
+	l.mu.Unlock()
+	<-l.done
+	return nil, net.ErrClosed
+}
+
+func (l *oneConn) close()         { l.once.Do(func() { close(l.done) }) }
+func (l *oneConn) Close() error   { l.close(); return nil }
+func (l *oneConn) Addr() net.Addr { return l.conn.LocalAddr() }
