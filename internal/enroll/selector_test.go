@@ -1,8 +1,11 @@
 package enroll
 
 import (
+	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/mesh-cni/mesh-cni/internal/podstore"
 )
 
 type labelCase struct {
@@ -78,5 +81,26 @@ func TestParseSelectorsRejectsEmpty(t *testing.T) {
 	}
 	if _, err := parseSelectors("x", SelectorSpec{Pod: []string{"a in (b"}}); err == nil {
 		t.Fatal("a malformed selector was accepted")
+	}
+}
+
+// The per-pod capture annotations of the istio profile, read as istio-cni reads
+// them: booleans by strconv.ParseBool, an unparseable value ignored.
+func TestIstioCapture(t *testing.T) {
+	yes, no := true, false
+	for _, tc := range []struct {
+		annotations map[string]string
+		want        podstore.Capture
+	}{
+		{nil, podstore.Capture{}},
+		{map[string]string{IstioAnnotationDNSCapture: "false"}, podstore.Capture{DNS: &no}},
+		{map[string]string{IstioAnnotationDNSCapture: "1"}, podstore.Capture{DNS: &yes}},
+		{map[string]string{IstioAnnotationDNSCapture: "maybe"}, podstore.Capture{}},
+		{map[string]string{IstioAnnotationBypassInbound: "true"}, podstore.Capture{BypassInbound: true}},
+		{map[string]string{IstioAnnotationBypassInbound: "False", IstioAnnotationDNSCapture: "T"}, podstore.Capture{DNS: &yes}},
+	} {
+		if got := IstioCapture(tc.annotations); !reflect.DeepEqual(got, tc.want) {
+			t.Errorf("%v: %+v, want %+v", tc.annotations, got, tc.want)
+		}
 	}
 }
