@@ -168,6 +168,8 @@ type Datapath struct {
 	ports    *sets[uint16]
 	// pods serializes Enroll, Release and Check of one netns cookie (its pins).
 	pods cookieLocks
+	// proc writes pods' net sysctls.
+	proc procfs
 }
 
 // cookieLocks is a mutex per netns cookie, dropped when unused.
@@ -503,6 +505,7 @@ func (d *Datapath) closeAll() error {
 	if err := d.objs.Close(); err != nil {
 		errs = append(errs, fmt.Errorf("close BPF objects: %w", err))
 	}
+	d.proc.close()
 	return errors.Join(errs...)
 }
 

@@ -85,7 +85,7 @@ func (d *Datapath) Enroll(ctx context.Context, t Target) (Enrollment, error) {
 			return err
 		}
 		if s.ReplyMark != 0 {
-			return setupReplyRoute(s)
+			return setupReplyRoute(&d.proc, s)
 		}
 		return nil
 	})
@@ -131,7 +131,7 @@ func (d *Datapath) Enroll(ctx context.Context, t Target) (Enrollment, error) {
 		if !wasEnrolled {
 			_ = os.Remove(podDir)
 			if s.ReplyMark != 0 {
-				if err := netns.DoFd(nsFd, func() error { return removeReplyRoute(s) }); err != nil {
+				if err := netns.DoFd(nsFd, func() error { return removeReplyRoute(&d.proc, s) }); err != nil {
 					log.Warn("roll back the reply route", zap.Error(err))
 				}
 			}
@@ -264,7 +264,7 @@ func (d *Datapath) release(ctx context.Context, cookie uint64, nsFd int) error {
 		d.dropListeners(cookie, v.InboundPort)
 		if nsFd >= 0 && v.Flags&redirectSettingFlagsSETTING_REPLY_MARK != 0 {
 			s := Settings{ReplyMark: v.ReplyMark, ReplyMarkMask: v.ReplyMarkMask}
-			errs = append(errs, netns.DoFd(nsFd, func() error { return removeReplyRoute(s) }))
+			errs = append(errs, netns.DoFd(nsFd, func() error { return removeReplyRoute(&d.proc, s) }))
 		}
 	}
 	if err := errors.Join(errs...); err != nil {

@@ -166,7 +166,7 @@ func TestReplyRouteReleased(t *testing.T) {
 				}
 				routes += len(rts)
 			}
-			b, err := os.ReadFile(fwmarkAcceptSysctl)
+			b, err := os.ReadFile("/proc/" + fwmarkAcceptSysctl)
 			accept = strings.TrimSpace(string(b))
 			return err
 		})
@@ -329,4 +329,30 @@ func TestBypassInbound(t *testing.T) {
 	expectLines(t, m.a, target, dialOpts{}, "OUT "+target, "APP "+target)
 	back := hostPort(m.a.addr4, appPort)
 	expectLines(t, m.b, back, dialOpts{}, "OUT "+back, "IN "+back)
+}
+
+// Where /proc/sys is read-only (every container that is not privileged), the
+// agent writes a pod's net sysctls through a procfs of its own, mounted detached:
+// the value lands in the namespace of the thread that writes it.
+func TestSysctlThroughDetachedProcfs(t *testing.T) {
+	t.Parallel()
+	requireRoot(t)
+	a := newNetns(t, "a")
+	fd, err := detachedProcfs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &procfs{fd: fd}
+	p.once.Do(func() {})
+	defer p.close()
+	a.do(t, func() error { return p.writeSysctl(fwmarkAcceptSysctl, "1") })
+	var got []byte
+	a.do(t, func() error {
+		var err error
+		got, err = os.ReadFile("/proc/" + fwmarkAcceptSysctl)
+		return err
+	})
+	if strings.TrimSpace(string(got)) != "1" {
+		t.Errorf("tcp_fwmark_accept in the pod: %q, want 1", got)
+	}
 }

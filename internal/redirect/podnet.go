@@ -8,6 +8,7 @@ import (
 	"os"
 	"slices"
 	"strings"
+	"sync"
 
 	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/vishvananda/netlink"
@@ -113,7 +114,71 @@ func readPodAddrs() (podAddrs, error) {
 // with another address as source (the client's, IP_TRANSPARENT) carry the reply
 // mark (sockops gives it to the proxy's socket; tcp_fwmark_accept to the accepted
 // one) and are delivered locally, back to the proxy, instead of being routed out.
-const fwmarkAcceptSysctl = "/proc/sys/net/ipv4/tcp_fwmark_accept"
+const fwmarkAcceptSysctl = "sys/net/ipv4/tcp_fwmark_accept"
+
+// procfs is the procfs whose sys/net the agent writes a pod's net sysctls through
+// (net sysctls are those of the namespace of the thread that opens them). It is
+// /proc unless /proc/sys is read-only, as container runtimes mount it in every
+// container that is not privileged: then a procfs instance of the agent's own,
+// mounted detached (fsopen, fsmount: CAP_SYS_ADMIN), never attached anywhere.
+type procfs struct {
+	once sync.Once
+	fd   int
+	err  error
+}
+
+func (p *procfs) root() (int, error) {
+	p.once.Do(func() {
+		var st unix.Statfs_t
+		if err := unix.Statfs("/proc/sys", &st); err == nil && st.Flags&unix.ST_RDONLY == 0 {
+			p.fd, p.err = unix.Open("/proc", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+			return
+		}
+		p.fd, p.err = detachedProcfs()
+	})
+	return p.fd, p.err
+}
+
+func (p *procfs) close() {
+	p.once.Do(func() { p.err = ErrClosed })
+	if p.err == nil {
+		unix.Close(p.fd)
+		p.err = ErrClosed
+	}
+}
+
+func detachedProcfs() (int, error) {
+	fs, err := unix.Fsopen("proc", unix.FSOPEN_CLOEXEC)
+	if err != nil {
+		return -1, fmt.Errorf("/proc/sys is read-only, and a procfs of the agent's own cannot be made: fsopen: %w", err)
+	}
+	defer unix.Close(fs)
+	if err := unix.FsconfigCreate(fs); err != nil {
+		return -1, fmt.Errorf("/proc/sys is read-only, and a procfs of the agent's own cannot be made: fsconfig: %w", err)
+	}
+	m, err := unix.Fsmount(fs, unix.FSMOUNT_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("/proc/sys is read-only, and a procfs of the agent's own cannot be made: fsmount: %w", err)
+	}
+	return m, nil
+}
+
+// writeSysctl writes a net sysctl of the calling thread's namespace.
+func (p *procfs) writeSysctl(name, value string) error {
+	root, err := p.root()
+	if err != nil {
+		return err
+	}
+	fd, err := unix.Openat(root, name, unix.O_WRONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open %s: %w", name, err)
+	}
+	defer unix.Close(fd)
+	if _, err := unix.Write(fd, []byte(value)); err != nil {
+		return fmt.Errorf("write %s: %w", name, err)
+	}
+	return nil
+}
 
 func replyRules(s Settings) []*netlink.Rule {
 	var out []*netlink.Rule
@@ -148,8 +213,8 @@ func ipv6Enabled() bool {
 // setupReplyRoute puts the reply route in place in the calling thread's
 // namespace: tcp_fwmark_accept, the fwmark rules and the local routes of the
 // reply table, for IPv4 and (where the namespace has it) IPv6. Idempotent.
-func setupReplyRoute(s Settings) error {
-	if err := os.WriteFile(fwmarkAcceptSysctl, []byte("1"), 0o644); err != nil {
+func setupReplyRoute(proc *procfs, s Settings) error {
+	if err := proc.writeSysctl(fwmarkAcceptSysctl, "1"); err != nil {
 		return fmt.Errorf("set tcp_fwmark_accept: %w", err)
 	}
 	lo, err := netlinksafe.LinkByName("lo")
@@ -178,7 +243,7 @@ func setupReplyRoute(s Settings) error {
 
 // removeReplyRoute takes the reply route out of the calling thread's namespace.
 // What is not there is fine.
-func removeReplyRoute(s Settings) error {
+func removeReplyRoute(proc *procfs, s Settings) error {
 	var errs []error
 	for _, r := range replyRules(s) {
 		if err := netlink.RuleDel(r); err != nil && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.EAFNOSUPPORT) {
@@ -192,7 +257,7 @@ func removeReplyRoute(s Settings) error {
 			}
 		}
 	}
-	if err := os.WriteFile(fwmarkAcceptSysctl, []byte("0"), 0o644); err != nil {
+	if err := proc.writeSysctl(fwmarkAcceptSysctl, "0"); err != nil {
 		errs = append(errs, fmt.Errorf("reset tcp_fwmark_accept: %w", err))
 	}
 	return errors.Join(errs...)
