@@ -38,12 +38,16 @@
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
+#include <bpf/bpf_tracing.h>
+#include <bpf/bpf_core_read.h>
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
 // Constants the kernel headers define as macros (vmlinux.h carries only types/enums).
 #define AF_INET 2
 #define AF_INET6 10
+#define AF_PACKET 17
+#define EPERM 1
 #define SOL_IP 0
 #define SOL_IPV6 41
 #define SOL_SOCKET 1
@@ -87,6 +91,7 @@ enum setting_flags {
 	// Copied from an earlier layout, without the pod's addresses: the agent
 	// enrolls the pod again (no program reads it).
 	SETTING_EARLIER = 1 << 13,
+	SETTING_DENY_PACKET = 1 << 14, // the pod cannot create packet sockets (BPF LSM)
 };
 
 #define DNS_PORT 53
@@ -214,6 +219,7 @@ enum counter {
 	COUNTER_DNS_PASSED,
 	COUNTER_DNS_DROPPED,
 	COUNTER_RAW_REFUSED,
+	COUNTER_PACKET_REFUSED,
 	COUNTER_MAX,
 };
 
@@ -768,6 +774,27 @@ int mesh_sock_create(struct bpf_sock *ctx)
 		return 1;
 	count(COUNTER_RAW_REFUSED);
 	return 0;
+}
+
+// mesh_socket_create (BPF LSM, loaded only where the node runs the BPF LSM and
+// a pod asks for it) refuses packet sockets (AF_PACKET) to a pod with
+// SETTING_DENY_PACKET: the cgroup socket hook never sees them, and with the
+// CAP_NET_RAW runtimes grant by default a packet socket sends any frame, a TCP
+// handshake as another address (answering ARP for it) included. The pod is the
+// creating task's network namespace, read through its BTF (the one CO-RE
+// access of this file). Costs one map lookup per packet socket created.
+SEC("lsm/socket_create")
+int BPF_PROG(mesh_socket_create, int family, int type, int protocol, int kern, int ret)
+{
+	if (ret || kern || family != AF_PACKET)
+		return ret;
+	struct task_struct *task = bpf_get_current_task_btf();
+	__u64 netns = BPF_CORE_READ(task, nsproxy, net_ns, net_cookie);
+	struct pod_settings *s = bpf_map_lookup_elem(&pods, &netns);
+	if (!s || !(s->flags & SETTING_DENY_PACKET))
+		return 0;
+	count(COUNTER_PACKET_REFUSED);
+	return -EPERM;
 }
 
 SEC("cgroup/connect4")

@@ -145,10 +145,15 @@ var bpfRawRefused = prometheus.NewDesc("meshcni_datapath_raw_sockets_refused_tot
 	"Raw IP sockets refused to enrolled pods (--deny-raw-sockets).",
 	nil, nil)
 
+var bpfPacketRefused = prometheus.NewDesc("meshcni_datapath_packet_sockets_refused_total",
+	"Packet sockets refused to enrolled pods (--deny-packet-sockets).",
+	nil, nil)
+
 func (c *datapathCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- bpfDecisions
 	ch <- bpfListenersRefused
 	ch <- bpfRawRefused
+	ch <- bpfPacketRefused
 }
 
 func (c *datapathCollector) Collect(ch chan<- prometheus.Metric) {
@@ -168,4 +173,5 @@ func (c *datapathCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	ch <- prometheus.MustNewConstMetric(bpfListenersRefused, prometheus.CounterValue, float64(counts.ListenersRefused))
 	ch <- prometheus.MustNewConstMetric(bpfRawRefused, prometheus.CounterValue, float64(counts.RawSocketsRefused))
+	ch <- prometheus.MustNewConstMetric(bpfPacketRefused, prometheus.CounterValue, float64(counts.PacketSocketsRefused))
 }

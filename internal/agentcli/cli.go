@@ -10,6 +10,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -69,6 +70,7 @@ type options struct {
 	dnsPort               uint
 	dnsFailClosed         bool
 	denyRawSockets        bool
+	denyPacketSockets     bool
 	failOpen              bool
 
 	// The CNI chain entry.
@@ -153,6 +155,7 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.UintVar(&opts.dnsPort, "dns-port", uint(defaults.DNSPort), "the proxy's DNS listener port inside each pod (127.0.0.1 and ::1, UDP and TCP)")
 	fs.BoolVar(&opts.dnsFailClosed, "dns-fail-closed", false, "with --dns-capture, send DNS to the proxy's listener even when nothing listens there (queries then fail)")
 	fs.BoolVar(&opts.denyRawSockets, "deny-raw-sockets", false, "refuse enrolled pods raw IP sockets (socket() fails with EPERM): with CAP_NET_RAW, a default capability, a raw socket sends TCP past the outbound capture; packet sockets are not covered")
+	fs.BoolVar(&opts.denyPacketSockets, "deny-packet-sockets", false, "refuse enrolled pods packet (AF_PACKET) sockets, which send any frame (a TCP handshake as another address after answering ARP for it) with CAP_NET_RAW; needs the BPF LSM on the node (its lsm= list names bpf): the agent refuses to start without it")
 	fs.BoolVar(&opts.failOpen, "fail-open", false, "pass traffic through when no proxy listens (default: refuse outbound connects and drop inbound SYNs)")
 
 	fs.BoolVar(&opts.cniInstall, "cni-install", true, "install the plugin binary and the chain entry, and keep the entry in place")
@@ -207,6 +210,7 @@ func (o options) redirectSettings() (redirect.Settings, error) {
 	}
 	s.DNSCapture, s.DNSPort, s.DNSFailClosed = o.dnsCapture, uint16(o.dnsPort), o.dnsFailClosed
 	s.DenyRawSockets = o.denyRawSockets
+	s.DenyPacketSockets = o.denyPacketSockets
 	s.FailOpen = o.failOpen
 	if err := s.Validate(); err != nil {
 		return s, fmt.Errorf("redirection settings: %w", err)
@@ -228,7 +232,7 @@ func portList(flag string, in intList) ([]uint16, error) {
 // Main runs the mesh-agent command line and returns the process exit code.
 func Main(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	cmd := "run"
-	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
+	if len(args) > 0 && (!strings.HasPrefix(args[0], "-") || slices.Contains([]string{"-h", "-help", "--help", "-version", "--version"}, args[0])) {
 		cmd, args = args[0], args[1:]
 	}
 	switch cmd {
@@ -242,8 +246,11 @@ func Main(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return checkCommand(ctx, args, stdout, stderr)
 	case "mount-bpffs":
 		return mountBPFFSCommand(args, stderr)
-	case "help":
+	case "help", "-h", "-help", "--help":
 		fmt.Fprintln(stdout, usage)
+		return 0
+	case "version", "-version", "--version":
+		fmt.Fprintln(stdout, versionLine())
 		return 0
 	default:
 		fmt.Fprintf(stderr, "mesh-agent: unknown command %q\n%s\n", cmd, usage)
@@ -256,30 +263,61 @@ const usage = `usage: mesh-agent [run] [flags]    run the node agent (default)
        mesh-agent check [flags]      run the node checks; exits 1 listing what is wrong
        mesh-agent uninstall [flags]  remove the chain entry, the plugin binary, the pinned data path and its cgroup attachments
        mesh-agent mount-bpffs        mount a bpffs at /sys/fs/bpf unless one is there (the DaemonSet's init container)
-Run "mesh-agent run -h" for the flags.`
+       mesh-agent version            the build: module version, Go release, data path object
+Run "mesh-agent run -h" for the flags; each is also read from $MESH_AGENT_<FLAG> (upper case, - as _).`
 
 // parseWithLogger parses args as the flags of command (run's flags) and builds
 // the logger they ask for. ok is false when the command must exit 2: the flag
 // package or this function has said why on stderr.
-func parseWithLogger(command string, args []string, stderr io.Writer) (opts options, log *zap.Logger, ok bool) {
+func parseWithLogger(command string, args []string, stderr io.Writer) (opts options, log *zap.Logger, exit int) {
 	fs := flagSet(command, &opts, stderr)
-	if err := fs.Parse(args); err != nil {
-		return opts, nil, false
+	if err := parseFlags(fs, args, os.LookupEnv); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return opts, nil, 0
+		}
+		fmt.Fprintf(stderr, "mesh-agent: %v\n", err)
+		return opts, nil, 2
 	}
 	opts.explicit = map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { opts.explicit[f.Name] = true })
 	log, err := newLogger(opts.logLevel, stderr)
 	if err != nil {
 		fmt.Fprintf(stderr, "mesh-agent: %v\n", err)
-		return opts, nil, false
+		return opts, nil, 2
 	}
-	return opts, log, true
+	return opts, log, -1
+}
+
+// EnvPrefix: every flag of `mesh-agent run` (and uninstall) is also read from the
+// environment variable MESH_AGENT_<FLAG> (upper case, "-" as "_"), the way charts
+// usually pass settings; the command line wins over the environment.
+const EnvPrefix = "MESH_AGENT_"
+
+// EnvName is the environment variable of a flag.
+func EnvName(flagName string) string {
+	return EnvPrefix + strings.ToUpper(strings.ReplaceAll(flagName, "-", "_"))
+}
+
+// parseFlags sets each flag from its environment variable, then parses args.
+func parseFlags(fs *flag.FlagSet, args []string, lookupEnv func(string) (string, bool)) error {
+	var errs []error
+	fs.VisitAll(func(f *flag.Flag) {
+		if v, ok := lookupEnv(EnvName(f.Name)); ok {
+			if err := fs.Set(f.Name, v); err != nil {
+				errs = append(errs, fmt.Errorf("$%s=%q: %w", EnvName(f.Name), v, err))
+			}
+		}
+	})
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	return fs.Parse(args)
 }
 
 func runCommand(ctx context.Context, args []string, stderr io.Writer) int {
-	opts, log, ok := parseWithLogger("mesh-agent run", args, stderr)
-	if !ok {
-		return 2
+	opts, log, exit := parseWithLogger("mesh-agent run", args, stderr)
+	if exit >= 0 {
+		return exit
 	}
 	defer log.Sync() //nolint:errcheck // nothing useful to do when stderr is gone
 
@@ -357,7 +395,7 @@ func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {
 		if cg != opts.cgroupRoot {
 			log.Info("hybrid cgroups: attaching to the cgroup v2 hierarchy inside --cgroup-root", zap.String("cgroupRoot", cg))
 		}
-		rcfg := redirect.Config{PinRoot: opts.bpffsRoot, CgroupRoot: cg, Logger: log.Named("datapath")}
+		rcfg := redirect.Config{PinRoot: opts.bpffsRoot, CgroupRoot: cg, PacketSockets: opts.denyPacketSockets, Logger: log.Named("datapath")}
 		cfg.OpenDatapath = func(ctx context.Context) (agent.Datapath, func() error, error) {
 			dp, err := redirect.Open(ctx, rcfg)
 			if err != nil {

@@ -78,9 +78,9 @@ func newCNIInstaller(opts options, log *zap.Logger) (agent.CNIConfigInstaller, e
 // entry (the primary config returns to its original bytes), the owned config,
 // the plugin binary, the pinned data path and its cgroup attachments.
 func uninstallCommand(ctx context.Context, args []string, stderr io.Writer) int {
-	opts, log, ok := parseWithLogger("mesh-agent uninstall", args, stderr)
-	if !ok {
-		return 2
+	opts, log, exit := parseWithLogger("mesh-agent uninstall", args, stderr)
+	if exit >= 0 {
+		return exit
 	}
 	// A running agent keeps its chain entry in place and would write it back
 	// at once, leaving new pods waiting for an agent that is about to go.

@@ -19,6 +19,7 @@ const (
 	counterDNSPassed
 	counterDNSDropped
 	counterRawRefused
+	counterPacketRefused
 	counterMax
 )
 
@@ -54,6 +55,9 @@ type Counters struct {
 	// RawSocketsRefused counts raw IP sockets refused to pods with
 	// DenyRawSockets.
 	RawSocketsRefused uint64 `json:"rawSocketsRefused"`
+	// PacketSocketsRefused counts packet sockets refused to pods with
+	// DenyPacketSockets.
+	PacketSocketsRefused uint64 `json:"packetSocketsRefused"`
 }
 
 // Counters reads the per-CPU counters.
@@ -95,6 +99,7 @@ func sumCounters(m *ebpf.Map) (Counters, error) {
 			Passed:     sums[counterDNSPassed],
 			Dropped:    sums[counterDNSDropped],
 		},
-		RawSocketsRefused: sums[counterRawRefused],
+		RawSocketsRefused:    sums[counterRawRefused],
+		PacketSocketsRefused: sums[counterPacketRefused],
 	}, nil
 }

@@ -44,6 +44,10 @@ type Config struct {
 	// CgroupRoot is the cgroup v2 directory the socket programs attach to; empty
 	// means the root of the host's cgroup2 mount, found in /proc/self/mountinfo.
 	CgroupRoot string
+	// PacketSockets attaches the BPF LSM program that refuses packet sockets to
+	// pods enrolled with DenyPacketSockets (the node's kernel must run the BPF
+	// LSM); without it such pods are refused (ErrNoPacketHook).
+	PacketSockets bool
 	// Logger receives what the data path does; nil means no logging.
 	Logger *zap.Logger
 }
@@ -159,6 +163,8 @@ type Datapath struct {
 	objs    objects
 	lookup  *lookupTemplate
 	cgLinks map[string]link.Link
+	// packetHook is the BPF LSM link of Config.PacketSockets (nil: none).
+	packetHook link.Link
 
 	// mapMu serializes the multi-step map updates (CIDR sets, then the pod
 	// entry) so that readers see whole enrollments.
@@ -278,6 +284,17 @@ func Open(ctx context.Context, cfg Config) (_ *Datapath, err error) {
 	}
 	if err := d.attachCgroup(ctx, &undo); err != nil {
 		return nil, err
+	}
+	if cfg.PacketSockets {
+		spec, err := loadRedirect()
+		if err != nil {
+			return nil, fmt.Errorf("load BPF spec: %w", err)
+		}
+		if err := d.attachPacketHook(spec, &undo); err != nil {
+			return nil, err
+		}
+	} else {
+		d.dropPacketHook()
 	}
 	if legacy != nil {
 		d.finishMigration(legacy)
@@ -502,6 +519,10 @@ func (d *Datapath) closeAll() error {
 		}
 	}
 	d.cgLinks = nil
+	if d.packetHook != nil {
+		errs = append(errs, d.packetHook.Close())
+		d.packetHook = nil
+	}
 	if err := d.objs.Close(); err != nil {
 		errs = append(errs, fmt.Errorf("close BPF objects: %w", err))
 	}

@@ -51,6 +51,9 @@ func (d *Datapath) Enroll(ctx context.Context, t Target) (Enrollment, error) {
 	if err := t.Settings.Validate(); err != nil {
 		return Enrollment{}, err
 	}
+	if t.Settings.DenyPacketSockets && !d.cfg.PacketSockets {
+		return Enrollment{}, fmt.Errorf("enroll %s: %w", t.NetnsPath, ErrNoPacketHook)
+	}
 	s := t.Settings.normalized()
 	nsFile, err := netns.Open(t.NetnsPath)
 	if err != nil {

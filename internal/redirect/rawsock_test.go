@@ -1,10 +1,13 @@
 package redirect
 
 import (
+	"context"
 	"errors"
 	"math/rand/v2"
+	"path/filepath"
 	"testing"
 
+	"go.uber.org/zap/zaptest"
 	"golang.org/x/sys/unix"
 )
 
@@ -96,5 +99,79 @@ func TestDenyRawSockets(t *testing.T) {
 	}
 	if err := open(a, unix.AF_INET, unix.SOCK_RAW, unix.IPPROTO_RAW); err != nil {
 		t.Errorf("raw socket in the released pod: %v", err)
+	}
+}
+
+// With the BPF LSM on the node, packet sockets (which the cgroup socket hook never
+// sees: a frame from one is anything the pod builds, a TCP handshake as the
+// node's address after answering ARP for it included) are refused to a pod
+// enrolled with DenyPacketSockets; every other socket, other pods and the pod
+// once released are unaffected. A pod asking for it from a data path without the
+// hook is refused at enrollment.
+func TestDenyPacketSockets(t *testing.T) {
+	t.Parallel()
+	requireRoot(t)
+	without, _ := testDatapath(t)
+	a, b := newPodPair(t)
+	s := testSettings()
+	s.DenyPacketSockets = true
+	if _, err := without.Enroll(t.Context(), Target{NetnsPath: a.path, Settings: s}); !errors.Is(err, ErrNoPacketHook) {
+		t.Fatalf("enroll with DenyPacketSockets on a data path without the hook: %v, want %v", err, ErrNoPacketHook)
+	}
+	cfg := Config{PinRoot: filepath.Join(t.TempDir(), "bpf"), Logger: zaptest.NewLogger(t), PacketSockets: true}
+	d, err := Open(t.Context(), cfg)
+	if err != nil {
+		// The kernel refuses every BPF LSM program without the BPF LSM in its
+		// lsm= list, and under some lockdown policies (this project's own
+		// test machine, where even a program that returns 0 is refused).
+		if active, _ := BPFLSMActive(); !active || errors.Is(err, unix.EPERM) {
+			t.Skipf("BPF LSM programs cannot run on this kernel: %v", err)
+		}
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		d.Close()
+		if err := Uninstall(context.Background(), cfg); err != nil {
+			t.Errorf("uninstall: %v", err)
+		}
+	})
+	enroll(t, d, a, s)
+	packet := func(p *pod) (err error) {
+		p.do(t, func() error {
+			fd, serr := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, int(htons(unix.ETH_P_ALL)))
+			if serr == nil {
+				unix.Close(fd)
+			}
+			err = serr
+			return nil
+		})
+		return err
+	}
+	if err := packet(a); !errors.Is(err, unix.EPERM) {
+		t.Errorf("packet socket in the enrolled pod: %v, want EPERM", err)
+	}
+	if err := packet(b); err != nil {
+		t.Errorf("packet socket in a pod not enrolled: %v", err)
+	}
+	var tcpErr error
+	a.do(t, func() error {
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+		if err == nil {
+			unix.Close(fd)
+		}
+		tcpErr = err
+		return nil
+	})
+	if tcpErr != nil {
+		t.Errorf("TCP socket in the enrolled pod: %v", tcpErr)
+	}
+	if c, err := d.Counters(); err != nil || c.PacketSocketsRefused == 0 {
+		t.Errorf("counters %+v (%v): the refusal is not counted", c, err)
+	}
+	if err := d.Release(t.Context(), a.cookie); err != nil {
+		t.Fatal(err)
+	}
+	if err := packet(a); err != nil {
+		t.Errorf("packet socket after the release: %v", err)
 	}
 }

@@ -115,6 +115,7 @@ const (
 	redirectSettingFlagsSETTING_REPLY_MARK      redirectSettingFlags = 2048
 	redirectSettingFlagsSETTING_BYPASS_INBOUND  redirectSettingFlags = 4096
 	redirectSettingFlagsSETTING_EARLIER         redirectSettingFlags = 8192
+	redirectSettingFlagsSETTING_DENY_PACKET     redirectSettingFlags = 16384
 )
 
 type redirectTupleKey struct {
@@ -161,6 +162,7 @@ const (
 	redirectProgMeshSendmsg4     = "mesh_sendmsg4"
 	redirectProgMeshSendmsg6     = "mesh_sendmsg6"
 	redirectProgMeshSockCreate   = "mesh_sock_create"
+	redirectProgMeshSocketCreate = "mesh_socket_create"
 	redirectProgMeshSockops      = "mesh_sockops"
 )
 
@@ -218,6 +220,7 @@ type redirectProgramSpecs struct {
 	MeshSendmsg4     *ebpf.ProgramSpec `ebpf:"mesh_sendmsg4"`
 	MeshSendmsg6     *ebpf.ProgramSpec `ebpf:"mesh_sendmsg6"`
 	MeshSockCreate   *ebpf.ProgramSpec `ebpf:"mesh_sock_create"`
+	MeshSocketCreate *ebpf.ProgramSpec `ebpf:"mesh_socket_create"`
 	MeshSockops      *ebpf.ProgramSpec `ebpf:"mesh_sockops"`
 }
 
@@ -336,6 +339,7 @@ type redirectPrograms struct {
 	MeshSendmsg4     *ebpf.Program `ebpf:"mesh_sendmsg4"`
 	MeshSendmsg6     *ebpf.Program `ebpf:"mesh_sendmsg6"`
 	MeshSockCreate   *ebpf.Program `ebpf:"mesh_sock_create"`
+	MeshSocketCreate *ebpf.Program `ebpf:"mesh_socket_create"`
 	MeshSockops      *ebpf.Program `ebpf:"mesh_sockops"`
 }
 
@@ -353,6 +357,7 @@ func (p *redirectPrograms) Close() error {
 		p.MeshSendmsg4,
 		p.MeshSendmsg6,
 		p.MeshSockCreate,
+		p.MeshSocketCreate,
 		p.MeshSockops,
 	)
 }

@@ -73,8 +73,12 @@ type Settings struct {
 	// DenyRawSockets refuses the pod raw IP sockets (socket() fails with
 	// EPERM): with the CAP_NET_RAW runtimes grant by default, a raw socket
 	// sends TCP without connect(), past the outbound capture. Packet sockets
-	// are not covered.
+	// are not covered: see DenyPacketSockets.
 	DenyRawSockets bool
+	// DenyPacketSockets refuses the pod packet (AF_PACKET) sockets, which send
+	// any frame (a TCP handshake as another address, ARP answers for it). It
+	// needs the BPF LSM on the node (Config.PacketSockets).
+	DenyPacketSockets bool
 }
 
 // HBONEPort is ztunnel's in-pod HBONE listener, the one port of a pod's proxy
@@ -276,6 +280,7 @@ func (s Settings) toBPF(ps podSets, a podAddrs) redirectPodSettings {
 	flag(s.DNSCapture, redirectSettingFlagsSETTING_DNS_CAPTURE)
 	flag(s.DNSFailClosed, redirectSettingFlagsSETTING_DNS_FAIL_CLOSED)
 	flag(s.DenyRawSockets, redirectSettingFlagsSETTING_DENY_RAW)
+	flag(s.DenyPacketSockets, redirectSettingFlagsSETTING_DENY_PACKET)
 	flag(s.ReplyMark != 0, redirectSettingFlagsSETTING_REPLY_MARK)
 	flag(s.BypassInbound, redirectSettingFlagsSETTING_BYPASS_INBOUND)
 	if s.ProxyUID != nil {
@@ -299,6 +304,7 @@ func settingsFromBPF(v redirectPodSettings, excluded, probes []netip.Prefix, inP
 		DNSPort:               v.DnsPort,
 		DNSFailClosed:         v.Flags&redirectSettingFlagsSETTING_DNS_FAIL_CLOSED != 0,
 		DenyRawSockets:        v.Flags&redirectSettingFlagsSETTING_DENY_RAW != 0,
+		DenyPacketSockets:     v.Flags&redirectSettingFlagsSETTING_DENY_PACKET != 0,
 		BypassInbound:         v.Flags&redirectSettingFlagsSETTING_BYPASS_INBOUND != 0,
 	}
 	if v.Flags&redirectSettingFlagsSETTING_PROXY_MARK != 0 {

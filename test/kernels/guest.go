@@ -182,6 +182,7 @@ func guestSetup(p *plan) error {
 		{"overlay", newRoot, "overlay", 0, "lowerdir=/lower,upperdir=/upper/upper,workdir=/upper/work"},
 		{"proc", r("/proc"), "proc", 0, ""},
 		{"sysfs", r("/sys"), "sysfs", 0, ""},
+		{"securityfs", r("/sys/kernel/security"), "securityfs", 0, ""},
 		{"cgroup2", r("/sys/fs/cgroup"), "cgroup2", 0, ""},
 		{"bpf", r("/sys/fs/bpf"), "bpf", 0, ""},
 		{"devtmpfs", r("/dev"), "devtmpfs", 0, ""},

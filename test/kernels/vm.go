@@ -45,8 +45,10 @@ func (v vm) run(ctx context.Context) error {
 		// blocked for two, panics it: a hung kernel ends its suite then, not at
 		// the suite's timeout. random.trust_cpu seeds the entropy from the
 		// emulated RDRAND at once instead of waiting for it.
+		// lsm= adds the BPF LSM (where the kernel has it) for the data path's
+		// packet-socket hook.
 		"-append", "console=ttyS0 panic=-1 watchdog_thresh=30 softlockup_panic=1 hung_task_panic=1 random.trust_cpu=on " +
-			suiteParam + v.suite,
+			"lsm=lockdown,capability,landlock,yama,bpf " + suiteParam + v.suite,
 		"-virtfs", "local,path=/,mount_tag=" + hostTag + ",security_model=none,readonly=on,multidevs=remap",
 		"-virtfs", "local,path=" + v.results + ",mount_tag=" + resultsTag + ",security_model=none,multidevs=remap",
 	}

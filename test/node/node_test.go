@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"os"
@@ -17,10 +18,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vishvananda/netlink"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/mesh-cni/mesh-cni/install/kubernetes"
+	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/test/node/nodeenv"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
@@ -97,6 +101,7 @@ func TestNode(t *testing.T) {
 		{"1-install-release", s.installRelease},
 		{"3-meshed-pods-talk", s.meshedPodsTalk},
 		{"4c-rollout-to-this-build", s.rolloutOwnBuild},
+		{"4d-nodeport-captured-probes-pass", s.nodePortAndProbes},
 		{"2-pod-waits-for-agent", s.podWaitsForAgent},
 		{"4a-containerd-restart", s.containerdRestart},
 		{"4b-agent-pod-replaced", s.agentPodReplaced},
@@ -493,6 +498,129 @@ func (s *scenario) agentPodReplaced(t *testing.T, ctx context.Context) {
 			t.Fatalf("agent pod %s not replaced", old.Name)
 		}
 	})
+}
+
+// nodePortAndProbes: a meshed server behind a NodePort Service whose traffic
+// kube-proxy masquerades (externalTrafficPolicy Cluster) to the node's own
+// address on the pods' network, and with a readiness probe on the same port,
+// which the kubelet makes from that same address. Connections from off the
+// node to the node port reach the application only through its proxy; the
+// kubelet's probes reach it directly, past the proxy, and the pod turns Ready.
+func (s *scenario) nodePortAndProbes(t *testing.T, ctx context.Context) {
+	p := s.server("shop", "probed", true)
+	p.Spec.Containers[0].ReadinessProbe = &corev1.Probe{
+		ProbeHandler:  corev1.ProbeHandler{TCPSocket: &corev1.TCPSocketAction{Port: intstr.FromInt32(serverPort)}},
+		PeriodSeconds: 1,
+	}
+	s.create(ctx, p)
+	pod, _ := s.until(ctx, "shop", "probed", "ready", func(p *corev1.Pod) bool {
+		for _, c := range p.Status.Conditions {
+			if c.Type == corev1.PodReady && c.Status == corev1.ConditionTrue {
+				return true
+			}
+		}
+		return false
+	})
+	svc, err := s.n.Admin.CoreV1().Services("shop").Create(ctx, &corev1.Service{
+		ObjectMeta: metav1.ObjectMeta{Name: "probed"},
+		Spec: corev1.ServiceSpec{
+			Type:                  corev1.ServiceTypeNodePort,
+			ExternalTrafficPolicy: corev1.ServiceExternalTrafficPolicyCluster,
+			Selector:              map[string]string{"app": "probed"},
+			Ports:                 []corev1.ServicePort{{Port: serverPort, TargetPort: intstr.FromInt32(serverPort)}},
+		},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	nodePort := netip.AddrPortFrom(s.n.NodeIP, uint16(svc.Spec.Ports[0].NodePort))
+	// From the host, off the node: kube-proxy DNATs to the pod and masquerades.
+	const through = 3
+	for i := 0; i < through; {
+		if err := echoFromHost(ctx, nodePort); err != nil {
+			if ctx.Err() != nil {
+				t.Fatalf("node port %s: %v", nodePort, err)
+			}
+			time.Sleep(200 * time.Millisecond) // kube-proxy's rules are not in place yet
+			continue
+		}
+		i++
+	}
+	podAddr := netip.MustParseAddr(pod.Status.PodIP)
+	nodeAddrs := s.nodeAddresses(t)
+	// The node port's connections carry a line; the kubelet's TCP probes of
+	// the application connect and close. (The kubelet's startup probe of the
+	// proxy's own port reaches the proxy as it should, and is not counted.)
+	var viaProxy int
+	for _, r := range readLines[proxy.Record](t, filepath.Join(s.records(), "probed-proxy.jsonl")) {
+		if r.Direction != proxy.Inbound || !slices.Contains(nodeAddrs, r.Client.Addr()) || r.OriginalDst.Port() != serverPort {
+			continue
+		}
+		if r.BytesToDst == 0 {
+			t.Errorf("the proxy took a connection from %s that carried nothing (a kubelet probe?): %+v", r.Client, r)
+			continue
+		}
+		viaProxy++
+	}
+	var probes int
+	for _, r := range readLines[accepted](t, filepath.Join(s.records(), "probed.jsonl")) {
+		client := netip.MustParseAddrPort(r.Client).Addr()
+		switch {
+		case client == podAddr: // its proxy
+		case slices.Contains(nodeAddrs, client):
+			probes++
+		default:
+			t.Errorf("the application accepted a connection from %s, neither its proxy nor the kubelet", r.Client)
+		}
+	}
+	if viaProxy < through {
+		t.Errorf("the proxy took %d connections through the node port from the node's addresses %v, want the %d made", viaProxy, nodeAddrs, through)
+	}
+	if probes == 0 {
+		t.Errorf("no kubelet probe reached the application directly, though the pod is Ready")
+	}
+	t.Logf("node port %s: %d connections masqueraded to the node's address, all through the proxy; %d kubelet probes from the same address reached the application directly", nodePort, viaProxy, probes)
+}
+
+// echoFromHost has a line echoed by the server at target, from the test's own
+// network namespace.
+func echoFromHost(ctx context.Context, target netip.AddrPort) error {
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "tcp", target.String())
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(3 * time.Second))
+	if _, err := c.Write([]byte("node port\n")); err != nil {
+		return err
+	}
+	buf := make([]byte, len("node port\n"))
+	if _, err := io.ReadFull(c, buf); err != nil {
+		return err
+	}
+	return nil
+}
+
+// nodeAddresses are the addresses of the node's network namespace.
+func (s *scenario) nodeAddresses(t *testing.T) []netip.Addr {
+	t.Helper()
+	var out []netip.Addr
+	err := netns.Do(s.n.NetNS, func() error {
+		addrs, err := netlink.AddrList(nil, netlink.FAMILY_ALL)
+		for _, a := range addrs {
+			if ip, ok := netip.AddrFromSlice(a.IP); ok {
+				out = append(out, ip.Unmap())
+			}
+		}
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
 }
 
 // rolloutOwnBuild rolls the DaemonSet from the release to this tree's build: the

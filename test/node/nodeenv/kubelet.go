@@ -74,7 +74,9 @@ func startKubelet(tb testing.TB, m *Machine, bins Binaries, cp *ControlPlane) *h
 		writeNodeFile(tb, m, p, data, 0o644)
 	}
 	cp.API.WriteKubeconfig(tb, nodeUser(m.Name), m.Path(kubeletKubeconfig))
-	p := m.Start(tb, "kubelet", bins.kube("kubelet"),
+	// In a cgroup of its own, as systemd runs it: the agent lets the kubelet's
+	// probes into pods by its cgroup.
+	p := m.StartInOwnCgroup(tb, "kubelet", bins.kube("kubelet"),
 		"--config", kubeletConfig,
 		"--kubeconfig", kubeletKubeconfig,
 		"--hostname-override", m.Name,

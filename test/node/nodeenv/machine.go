@@ -330,6 +330,13 @@ func (m *Machine) Start(tb testing.TB, name, path string, args ...string) *harne
 	return harness.StartProcess(tb, harness.ProcessOptions{Path: "nsenter", Args: m.onNode(path, args...), Dir: "/", Name: name})
 }
 
+// StartInOwnCgroup is Start in a cgroup v2 of the process's own, as a node's
+// systemd runs kubelet in kubelet.service's.
+func (m *Machine) StartInOwnCgroup(tb testing.TB, name, path string, args ...string) *harness.Process {
+	tb.Helper()
+	return harness.StartProcess(tb, harness.ProcessOptions{Path: "nsenter", Args: m.onNode(path, args...), Dir: "/", Name: name, OwnCgroup: true})
+}
+
 // Command is a command that runs on the node, with env added to the test's
 // environment.
 func (m *Machine) Command(ctx context.Context, env []string, path string, args ...string) *exec.Cmd {

@@ -1,0 +1,51 @@
+package agentcli
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"strings"
+	"testing"
+)
+
+// Every flag of `mesh-agent run` is also read from its environment variable, the
+// command line winning; a value that does not parse names the variable.
+func TestFlagsFromEnvironment(t *testing.T) {
+	env := map[string]string{
+		"MESH_AGENT_INBOUND_PORT": "16006",
+		"MESH_AGENT_LOG_LEVEL":    "debug",
+		"MESH_AGENT_DNS_CAPTURE":  "true",
+	}
+	lookup := func(k string) (string, bool) { v, ok := env[k]; return v, ok }
+	var opts options
+	fs := flagSet("mesh-agent run", &opts, io.Discard)
+	if err := parseFlags(fs, []string{"--log-level", "warn"}, lookup); err != nil {
+		t.Fatal(err)
+	}
+	if opts.inboundPort != 16006 || !opts.dnsCapture || opts.logLevel != "warn" {
+		t.Errorf("inbound port %d, dns capture %v, log level %q: want 16006 and true from the environment, warn from the command line", opts.inboundPort, opts.dnsCapture, opts.logLevel)
+	}
+	env["MESH_AGENT_OUTBOUND_PORT"] = "port"
+	fs = flagSet("mesh-agent run", &opts, io.Discard)
+	if err := parseFlags(fs, nil, lookup); err == nil || !strings.Contains(err.Error(), "$MESH_AGENT_OUTBOUND_PORT") {
+		t.Errorf("a bad value from the environment: %v, want an error naming the variable", err)
+	}
+	if got := EnvName("zds-without-service-accounts"); got != "MESH_AGENT_ZDS_WITHOUT_SERVICE_ACCOUNTS" {
+		t.Errorf("EnvName: %s", got)
+	}
+}
+
+// Asking for help or the version is not an error.
+func TestHelpAndVersionExitZero(t *testing.T) {
+	for _, args := range [][]string{{"--help"}, {"help"}, {"run", "-h"}, {"version"}, {"--version"}} {
+		var out, errOut bytes.Buffer
+		if code := Main(context.Background(), args, &out, &errOut); code != 0 {
+			t.Errorf("mesh-agent %v exited %d: %s", args, code, errOut.String())
+		}
+	}
+	var out bytes.Buffer
+	Main(context.Background(), []string{"version"}, &out, io.Discard)
+	if !strings.HasPrefix(out.String(), "mesh-agent ") || !strings.Contains(out.String(), "data path ") {
+		t.Errorf("version: %q", out.String())
+	}
+}
