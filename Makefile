@@ -60,7 +60,7 @@ test-kernels: build
 
 # The node test alone (test/node; make test runs it too): a real node on this
 # machine (kubelet, containerd with runc, kube-proxy and the control plane, all
-# built from modules and cached), the README's install and uninstall commands
+# built from modules and cached), the install and uninstall commands of docs/install.md
 # run as written, then its measured times into docs/benchmarks.md's node
 # section, leaving the rest of the report as it is.
 e2e-node: build

@@ -8,10 +8,10 @@ import (
 	"testing"
 )
 
-// TestEveryConfigFieldDocumented keeps the README's plugin configuration table
+// TestEveryConfigFieldDocumented keeps the plugin configuration table of docs/configuration.md
 // and the plugin's own config fields equal.
 func TestEveryConfigFieldDocumented(t *testing.T) {
-	readme, err := os.ReadFile("../../README.md")
+	readme, err := os.ReadFile("../../docs/configuration.md")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -30,7 +30,7 @@ func TestEveryConfigFieldDocumented(t *testing.T) {
 			continue // set by the runtime, not by operators
 		}
 		if !documented[name] {
-			t.Errorf("config field %q is not in the README's plugin configuration table", name)
+			t.Errorf("config field %q is not in the plugin configuration table of docs/configuration.md", name)
 		}
 	}
 }

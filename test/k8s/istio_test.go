@@ -393,7 +393,7 @@ func (n *ambientNode) addPod(t *testing.T, list *libcni.NetworkConfigList, names
 		t.Fatal(err)
 	}
 	hp := cniPod(t, n.node, p)
-	add(ctx, t, n.node, list, hp)
+	addAsKubelet(ctx, t, n.node, list, hp)
 	err = retry.RetryOnConflict(retry.DefaultRetry, func() error {
 		cur, err := n.admin.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
 		if err != nil {
@@ -415,6 +415,29 @@ func (n *ambientNode) addPod(t *testing.T, list *libcni.NetworkConfigList, names
 	ap := &ambientPod{api: p, cni: hp, app: &peerServer{}}
 	ap.app.serve(t, hp, 8080)
 	return ap
+}
+
+// addAsKubelet runs ADD the way kubelet creates a sandbox: a failed ADD is
+// torn down with DEL and tried again. istio-cni's plugin fails ADD while its
+// node agent's informer has not yet seen the pod, which kubelet rides out
+// with this retry.
+func addAsKubelet(ctx context.Context, t *testing.T, node *harness.Node, list *libcni.NetworkConfigList, p *harness.Pod) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		_, err := node.Add(ctx, p, list)
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("ADD %s/%s: %v", p.Namespace, p.Name, err)
+		}
+		t.Logf("ADD %s/%s failed, retrying as kubelet would: %v", p.Namespace, p.Name, err)
+		if err := node.Del(ctx, p, list); err != nil {
+			t.Logf("DEL after the failed ADD: %v", err)
+		}
+		time.Sleep(time.Second)
+	}
 }
 
 // peerServer answers each connection with the address it came from.

@@ -1,13 +1,13 @@
 // Package kernels runs the project's kernel matrix: the data-path tests and a
 // fast end-to-end subset, on each kernel the project makes a claim about,
 // booted in a QEMU VM on the test machine. It is how every kernel claim in the
-// README is proved; `make test-kernels` runs it (test/cmd/kernels), CI too.
+// docs (docs/compatibility.md) is proved; `make test-kernels` runs it (test/cmd/kernels), CI too.
 //
 // The matrix (matrix.txt, embedded) lists each kernel, where its packages come
 // from, and for each suite (suites.go) whether it must pass or must fail there.
 // Both directions are checked: a suite that fails where the matrix says pass is
 // a regression, one that passes where it says fail is a gap closed without the
-// matrix (and so the README, generated from it) saying so. Either fails the run.
+// matrix (and so docs/compatibility.md, generated from it) saying so. Either fails the run.
 //
 // For each kernel, on the host:
 //

@@ -22,7 +22,7 @@ type Suite struct {
 	// (datapath 30 s, gate 25 s, traffic 100 s), which runs several times
 	// slower than the host.
 	Timeout time.Duration
-	// Claim is what a pass proves, for the README.
+	// Claim is what a pass proves, for docs/compatibility.md.
 	Claim string
 }
 

@@ -93,7 +93,7 @@ func (b *nodeBench) write(t *testing.T) {
 		Name:  resultName,
 		Title: "A real node: kubelet, containerd, the DaemonSet",
 		Description: "TestNode (test/node) on one node of a real cluster on this machine: kubelet and containerd " +
-			"(CRI, runc) with the bridge primary, the agent installed with the README's commands. " +
+			"(CRI, runc) with the bridge primary, the agent installed with the commands of docs/install.md. " +
 			"**Agent ready → waiting pod Running**: two pods of an enrolled namespace created while the DaemonSet was deleted, " +
 			"one with the reference proxy as a sidecar and one without, their ADDs held at the gate (kubelet retries each " +
 			"after `gateTimeout` and its back-off; the test applies the manifests again while both are held); from the first " +

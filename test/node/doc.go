@@ -1,8 +1,8 @@
 // Package node tests mesh-cni on a real Kubernetes node on this machine, as an
 // operator installs it: TestNode starts a one-node cluster (nodeenv: containerd
 // with the CRI and runc, kubelet, kube-proxy, the control plane) and runs the
-// README's install and uninstall commands as written (ops_test.go holds them;
-// TestReadmeInstall keeps the README the same), with kustomize and with Helm,
+// install and uninstall commands of docs/install.md as written (ops_test.go holds them;
+// TestReadmeInstall keeps docs/install.md the same), with kustomize and with Helm,
 // checking at each step what an operator would see: pods held at the gate while
 // the agent is away, meshed pods talking through their proxies, nothing
 // bypassing them through restarts and a rollout, the CNI verbs containerd

@@ -22,7 +22,7 @@ const pluginLog = "/run/mesh-cni/plugin.log"
 // helm installs the chart with its defaults (the pinned release) over a
 // primary of CNI spec 1.1.0, so that the runtime also calls STATUS; records which CNI verbs
 // containerd sends; shows STATUS taking the node's network readiness while
-// the chain entry has no agent; and uninstalls as the README says.
+// the chain entry has no agent; and uninstalls as docs/install.md says.
 func (s *scenario) helm(t *testing.T, ctx context.Context) {
 	// The primary CNI upgraded to a config of spec 1.1.0, as its installer
 	// would: containerd reloads it.

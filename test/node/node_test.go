@@ -49,7 +49,7 @@ type connection struct {
 }
 
 // TestNode installs mesh-cni on a real node as an operator does, with the
-// README's commands: containerd with the CRI and runc, kubelet, kube-proxy
+// commands of docs/install.md: containerd with the CRI and runc, kubelet, kube-proxy
 // and the control plane, all built from modules (nodeenv). With kustomize: the
 // pinned release, meshed pods talking through their proxies, pods created
 // while the agent is away, containerd restarted, the agent pod replaced, the
@@ -79,7 +79,7 @@ func TestNode(t *testing.T) {
 
 	n := nodeenv.Start(t, nodeenv.Options{PrimaryCNIVersion: "1.0.0"})
 	c := &cluster{t: t, n: n, im: current}
-	// The test's own images; the agent's come with the README's steps.
+	// The test's own images; the agent's come with the steps of docs/install.md.
 	var tars []string
 	for _, name := range []string{"refproxy", "echoserver", "echoclient", "pause"} {
 		tars = append(tars, current[name].Tar)
@@ -112,7 +112,7 @@ func TestNode(t *testing.T) {
 		{"helm-5-verbs-and-status", s.helm},
 	}
 	// -run TestNode/... picks steps (each needs the ones before it that set
-	// up its state); only a whole run checks that every README command ran.
+	// up its state); only a whole run checks that every command of docs/install.md ran.
 	ran := 0
 	for _, st := range steps {
 		if !t.Run(st.name, func(t *testing.T) { ran++; st.fn(t, ctx) }) {
@@ -123,7 +123,7 @@ func TestNode(t *testing.T) {
 		return
 	}
 	if left := op.unused("release", "own-build", "uninstall", "helm", "helm-uninstall"); len(left) > 0 {
-		t.Errorf("README commands the test never ran: %q", left)
+		t.Errorf("docs/install.md commands the test never ran: %q", left)
 	}
 	bench.write(t)
 }

@@ -16,7 +16,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/test/node/nodeenv"
 )
 
-// opCommand is one command of the README's "Installing on a cluster", run by
+// opCommand is one command of docs/install.md, run by
 // the test exactly as written, with bash, from a checkout.
 type opCommand struct {
 	// Run is the bash command (a heredoc included).
@@ -26,9 +26,9 @@ type opCommand struct {
 	OnNode bool
 }
 
-// opBlock is one code block of the README.
+// opBlock is one code block of docs/install.md.
 type opBlock struct {
-	// Name marks the block in the README: <!-- begin install: NAME -->.
+	// Name marks the block in docs/install.md: <!-- begin install: NAME -->.
 	Name string
 	Cmds []opCommand
 }
@@ -52,7 +52,7 @@ func importAgent() opCommand {
 	return opCommand{Run: "ctr -n k8s.io images import bin/image/mesh-agent.tar", OnNode: true}
 }
 
-// opBlocks are the README's install and uninstall steps. Each is a function
+// opBlocks are docs/install.md's install and uninstall steps. Each is a function
 // so that nothing here is shared state.
 func opBlocks() []opBlock {
 	return []opBlock{
@@ -106,7 +106,7 @@ EOF`},
 	}
 }
 
-// markdown is the block as the README shows it.
+// markdown is the block as docs/install.md shows it.
 func (b opBlock) markdown() string {
 	var w strings.Builder
 	w.WriteString("```sh\n")
@@ -121,7 +121,7 @@ func (b opBlock) markdown() string {
 	return w.String()
 }
 
-// operator runs the README's commands against the node, from a checkout: a
+// operator runs the commands of docs/install.md against the node, from a checkout: a
 // directory with install/ (the repository's) and bin/image/ (one build's
 // images), as after `make image`.
 type operator struct {
@@ -183,7 +183,7 @@ func (o *operator) run(ctx context.Context, dir, block string, idx ...int) {
 		}
 	}
 	if blk == nil {
-		o.t.Fatalf("no README block %q", block)
+		o.t.Fatalf("no docs/install.md block %q", block)
 	}
 	if len(idx) == 0 {
 		for i := range blk.Cmds {
@@ -197,7 +197,7 @@ func (o *operator) run(ctx context.Context, dir, block string, idx ...int) {
 		o.t.Logf("$ %s\n%s(%s, %v)", c.Run, out, block, time.Since(start).Round(time.Millisecond))
 		if err != nil {
 			o.diagnose(ctx)
-			o.t.Fatalf("README step %q of %s failed: %v", c.Run, block, err)
+			o.t.Fatalf("docs/install.md step %q of %s failed: %v", c.Run, block, err)
 		}
 		o.mu.Lock()
 		o.used[fmt.Sprintf("%s/%d", block, i)] = true
@@ -240,7 +240,7 @@ func (o *operator) diagnose(ctx context.Context) {
 }
 
 // unused lists the commands of the blocks named that the test never ran: each
-// must run, or the README would show a step the test does not take.
+// must run, or docs/install.md would show a step the test does not take.
 func (o *operator) unused(blocks ...string) []string {
 	o.mu.Lock()
 	defer o.mu.Unlock()

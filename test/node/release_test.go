@@ -27,18 +27,18 @@ func TestReleaseImageReproducible(t *testing.T) {
 	}
 }
 
-// readmeMarkers are the lines around block name in the README.
+// readmeMarkers are the lines around block name in docs/install.md.
 func readmeMarkers(name string) (begin, end string) {
-	return "<!-- begin install: " + name + " (run as written by test/node; MESH_UPDATE_README=1 go test ./test/node/ -run TestReadmeInstall rewrites it) -->",
+	return "<!-- begin install: " + name + " (run as written by test/node; MESH_UPDATE_DOCS=1 go test ./test/node/ -run TestReadmeInstall rewrites it) -->",
 		"<!-- end install: " + name + " -->"
 }
 
-// TestReadmeInstall keeps the README's install and uninstall commands the
-// ones TestNode runs: each block of opBlocks sits in the README between its
+// TestReadmeInstall keeps the install and uninstall commands of docs/install.md the
+// ones TestNode runs: each block of opBlocks sits in docs/install.md between its
 // markers, word for word.
 func TestReadmeInstall(t *testing.T) {
 	for _, b := range opBlocks() {
 		begin, end := readmeMarkers(b.Name)
-		harness.ReadmeSection(t, begin, end, b.markdown())
+		harness.DocSection(t, "docs/install.md", begin, end, b.markdown())
 	}
 }

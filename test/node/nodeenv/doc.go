@@ -18,7 +18,7 @@
 // v1), so kubelet runs with the cgroupfs driver and failCgroupV1: false, its
 // pods under a cgroup of the test's own in every hierarchy. Root here lacks
 // CAP_SYS_RESOURCE: containerd restricts oom_score_adj to its own and kubelet
-// leaves its own alone. The README's Testing section says why.
+// leaves its own alone. docs/testing.md says why.
 //
 // Everything is removed in the test's cleanup, also on failure: pods,
 // containers, shims and any process left in the node's cgroups or mount
