@@ -3,15 +3,13 @@ package agent
 import (
 	"context"
 	"fmt"
-	"os"
 	"path/filepath"
-	"slices"
 	"strconv"
-	"strings"
 	"time"
 
 	"go.uber.org/zap"
 
+	"github.com/mesh-cni/mesh-cni/internal/hostproc"
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 )
 
@@ -51,7 +49,7 @@ func (w ProbeWatch) Start(ctx context.Context) (stop func()) {
 	done := make(chan struct{})
 	var last string
 	apply := func() {
-		pid, err := findProcess(w.ProcRoot, w.Names)
+		pid, err := hostproc.Procfs{Root: w.ProcRoot}.FindByName(w.Names)
 		if err != nil {
 			if last != "missing" {
 				w.Log.Warn("kubelet not found: its probes are captured like any connection until it is", zap.Strings("names", w.Names), zap.Error(err))
@@ -99,30 +97,4 @@ func (w ProbeWatch) Start(ctx context.Context) (stop func()) {
 		cancel()
 		<-done
 	}
-}
-
-// findProcess returns the lowest pid whose comm is one of names.
-func findProcess(procRoot string, names []string) (int, error) {
-	entries, err := os.ReadDir(procRoot)
-	if err != nil {
-		return 0, fmt.Errorf("list processes: %w", err)
-	}
-	var pids []int
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		comm, err := os.ReadFile(filepath.Join(procRoot, e.Name(), "comm"))
-		if err != nil {
-			continue
-		}
-		if slices.Contains(names, strings.TrimSpace(string(comm))) {
-			pids = append(pids, pid)
-		}
-	}
-	if len(pids) == 0 {
-		return 0, fmt.Errorf("no process named %s in %s", strings.Join(names, " or "), procRoot)
-	}
-	return slices.Min(pids), nil
 }

@@ -44,6 +44,19 @@ type Config struct {
 	// EntryPoints are the other ways pods reach the gate (KNI, the network
 	// plugin hook). Each starts once the gate is serving and stops with it.
 	EntryPoints []EntryPoint
+	// Adopt, when set and the policy can list the node's running pods,
+	// enrolls the pods that were running before the agent was installed
+	// (Service.Adopt): once the agent is ready, then on every reconcile
+	// interval.
+	Adopt *AdoptConfig
+}
+
+// AdoptConfig configures adopting running pods.
+type AdoptConfig struct {
+	Find SandboxFinder
+	// ExcludeNamespaces are the namespaces whose pods never reach the gate:
+	// they are not adopted either.
+	ExcludeNamespaces []string
 }
 
 // EntryPoint starts a server that admits pods through gate; the returned func
@@ -216,6 +229,17 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 			log.Info("agent ready", zap.Int("enrolledPods", len(svc.enrolled())))
 		}
 	}()
+	if cfg.Adopt != nil {
+		if lister, ok := policy.(RunningPodLister); ok {
+			background.Add(1)
+			go func() {
+				defer background.Done()
+				adoptLoop(bgCtx, log, svc, lister, *cfg.Adopt, readiness, interval)
+			}()
+		} else {
+			log.Info("pods running before the agent started are not adopted: the enrollment source cannot list the node's pods")
+		}
+	}
 	select {
 	case <-ctx.Done():
 		log.Info("agent stopping; data path, chain entry and pod records stay in place")
@@ -231,5 +255,34 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 	case e := <-serveErr:
 		serveErr <- e
 		return e
+	}
+}
+
+// adoptLoop adopts running pods once the agent is ready, and again every
+// interval: a pod the host could not place yet is tried again.
+func adoptLoop(ctx context.Context, log *zap.Logger, svc *Service, lister RunningPodLister, cfg AdoptConfig, readiness *Readiness, interval time.Duration) {
+	if readiness.Wait(ctx) != nil {
+		return
+	}
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		pods, err := lister.RunningPods()
+		if err != nil {
+			log.Debug("running pods not listed; adopting them later", zap.Error(err))
+		} else {
+			res, err := svc.Adopt(ctx, pods, cfg.Find, cfg.ExcludeNamespaces)
+			if res != (AdoptResult{}) {
+				log.Info("running pods adopted", zap.Int("enrolled", res.Enrolled), zap.Int("skipped", res.Skipped), zap.Int("failed", res.Failed))
+			}
+			if err != nil {
+				log.Debug("adopting running pods", zap.Error(err))
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
 	}
 }

@@ -44,6 +44,9 @@ type Service struct {
 
 	refusalsMu sync.Mutex
 	refusals   map[redirect.Refusal]bool // proxy listeners already reported
+
+	adoptMu       sync.Mutex
+	adoptFailures map[string]string // by pod uid: the last reported adoption failure
 }
 
 // NewService wires the gate to its collaborators.
@@ -249,6 +252,19 @@ func (s *Service) Del(ctx context.Context, req *gatepb.DelRequest) (*gatepb.DelR
 	}
 	if released {
 		s.log.Info("pod released", podFields(req.GetPod(), key)...)
+		return &gatepb.DelResponse{Released: true}, nil
+	}
+	// A pod adopted while running is recorded under the agent's reading of
+	// its attachment, which the runtime may name differently.
+	for _, k := range s.adoptedFor(req.GetPod().GetUid(), req.GetNetnsPath()) {
+		ok, err := s.releaseLocked(ctx, k)
+		if err != nil {
+			return nil, releaseStatus(err)
+		}
+		if ok {
+			released = true
+			s.log.Info("pod released", podFields(req.GetPod(), k)...)
+		}
 	}
 	return &gatepb.DelResponse{Released: released}, nil
 }
@@ -343,7 +359,8 @@ func (s *Service) Check(ctx context.Context, req *gatepb.CheckRequest) (*gatepb.
 }
 
 // GC implements gatepb.GateServer: every attachment of the network that the
-// runtime no longer lists is released.
+// runtime no longer lists is released, but an adopted pod's while its
+// namespace lives.
 func (s *Service) GC(ctx context.Context, req *gatepb.GCRequest) (*gatepb.GCResponse, error) {
 	if err := gate.ValidateGC(req); err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
@@ -356,6 +373,11 @@ func (s *Service) GC(ctx context.Context, req *gatepb.GCRequest) (*gatepb.GCResp
 	var errs []error
 	for _, rec := range s.store.List() {
 		if rec.Key.Network != req.GetNetwork() || valid[rec.Key] {
+			continue
+		}
+		if rec.Source == podstore.SourceAdopted && s.namespaceAlive(rec) {
+			// Its key is the agent's reading of the host, not necessarily
+			// the runtime's: only a namespace that is gone says it is stale.
 			continue
 		}
 		released, err := s.releaseLocked(ctx, rec.Key)

@@ -17,6 +17,8 @@ type CNIStatus struct {
 	Mode    string
 	Primary string
 	File    string
+	// Network is the chain's CNI network name.
+	Network string
 	Repairs uint64
 }
 

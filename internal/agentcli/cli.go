@@ -20,6 +20,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/agent"
 	"github.com/mesh-cni/mesh-cni/internal/cniplugin"
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
+	"github.com/mesh-cni/mesh-cni/internal/hostproc"
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
 	"github.com/mesh-cni/mesh-cni/pkg/gate"
 	"github.com/mesh-cni/mesh-cni/pkg/zds"
@@ -36,6 +37,9 @@ const (
 	DefaultCNIConfDir  = "/etc/cni/net.d"
 	DefaultInstallDir  = "/var/run/mesh-cni/install"
 	DefaultMetricsAddr = "127.0.0.1:15099"
+	// DefaultNetnsDir is where containerd and CRI-O bind mount pods' network
+	// namespaces (the path they give CNI).
+	DefaultNetnsDir = "/var/run/netns"
 )
 
 // options are the flags of `mesh-agent run` (most are shared by uninstall).
@@ -49,6 +53,8 @@ type options struct {
 	logLevel          string
 	shutdownGrace     time.Duration
 	reconcileInterval time.Duration
+	adoptRunning      bool
+	netnsDir          string
 	metricsAddr       string
 	zdsSocket         string
 	zdsWait           string
@@ -138,6 +144,8 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.BoolVar(&opts.zdsNoServiceAcct, "zds-without-service-accounts", false, "serve ZDS although --enrollment cannot know pods' service accounts (file, all): every pod is handed over with an empty service_account, which ztunnel cannot serve (it finds the workload and its SPIFFE identity by it); only for a node proxy that does not use it")
 	fs.StringVar(&opts.zdsWait, "zds-wait", string(agent.WaitAuto), "when a pod's ADD waits for the node proxy's ack: auto (once a proxy has ever connected), always or never (default always with --selector-profile=istio)")
 	fs.DurationVar(&opts.reconcileInterval, "reconcile-interval", 30*time.Second, "period of the reconcile pass that releases pods whose namespace is gone and repairs broken redirection")
+	fs.BoolVar(&opts.adoptRunning, "adopt-running", true, "with --enrollment=kubernetes, enroll in place the running pods the agent has no record of (pods started before it was installed), once ready and every --reconcile-interval; their namespaces are found from the host's processes (the agent needs the host's PID namespace) in --netns-dir")
+	fs.StringVar(&opts.netnsDir, "netns-dir", DefaultNetnsDir, "where the container runtime bind mounts pods' network namespaces: the only namespaces --adopt-running takes for a pod's")
 
 	fs.UintVar(&opts.outboundPort, "outbound-port", uint(defaults.OutboundPort), "proxy's outbound listener port inside each pod (127.0.0.1 and ::1)")
 	fs.UintVar(&opts.inboundPort, "inbound-port", uint(defaults.InboundPort), "proxy's inbound listener port inside each pod")
@@ -432,6 +440,15 @@ func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {
 		return cfg, err
 	}
 	cfg.EntryPoints = eps
+	if opts.adoptRunning {
+		procfs, netnsDir := hostproc.Procfs{Root: "/proc"}, opts.netnsDir
+		cfg.Adopt = &agent.AdoptConfig{
+			Find: func(uids []string) (map[string]hostproc.Sandbox, map[string]error, error) {
+				return procfs.Sandboxes(netnsDir, uids)
+			},
+			ExcludeNamespaces: opts.excludeNamespaces,
+		}
+	}
 	if opts.cniInstall {
 		inst, err := newCNIInstaller(opts, log)
 		if err != nil {

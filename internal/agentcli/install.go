@@ -65,7 +65,7 @@ func newCNIInstaller(opts options, log *zap.Logger) (agent.CNIConfigInstaller, e
 			if reason == "" && !st.Ready {
 				reason = "chain entry missing"
 			}
-			report(agent.CNIStatus{InPlace: st.Ready, Reason: reason, Mode: st.Mode.String(), Primary: st.Primary, File: st.File, Repairs: st.Repairs})
+			report(agent.CNIStatus{InPlace: st.Ready, Reason: reason, Mode: st.Mode.String(), Primary: st.Primary, File: st.File, Network: st.Network, Repairs: st.Repairs})
 		}))
 		if err != nil {
 			return err

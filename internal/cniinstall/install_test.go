@@ -2,6 +2,7 @@ package cniinstall
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"os"
 	"path/filepath"
@@ -55,6 +56,11 @@ func TestChainInstall(t *testing.T) {
 			targetPath := filepath.Join(dir, tc.target)
 			got := readFile(t, targetPath)
 			golden(t, tc.name, got)
+			// The network name the runtime passes for pods of that list.
+			var list struct{ Name string }
+			if err := json.Unmarshal(got, &list); err != nil || list.Name == "" || st.Network != list.Name {
+				t.Errorf("status network %q, the list's name %q (%v)", st.Network, list.Name, err)
+			}
 			checkMerged(t, tc.primary, []byte(before[tc.primary].data), got)
 
 			// The runtime now picks the merged list.

@@ -188,7 +188,10 @@ func (in *Installer) setReady(p *plan) {
 	in.wasReady = true
 	in.updateStatus(func(s *Status) {
 		s.Ready, s.Reason = true, ""
-		s.Primary, s.File = p.primary.name, p.target
+		s.Primary, s.File, s.Network = p.primary.name, p.target, ""
+		if p.primary.list != nil {
+			s.Network = p.primary.list.Name
+		}
 	})
 }
 

@@ -20,6 +20,9 @@ type Status struct {
 	Primary string
 	// File is the base name of the file carrying the entry.
 	File string
+	// Network is the network name of the chain carrying the entry: what the
+	// runtime passes as CNI's network name for pods set up with it.
+	Network string
 	// Reason says why the installer is not ready ("" when ready).
 	Reason string
 	// Repairs counts how often the entry was put back after it had been in

@@ -14,6 +14,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/apimachinery/pkg/watch"
@@ -82,6 +83,7 @@ var (
 	_ agent.OutcomeReporter = (*KubeSource)(nil)
 
 	_ agent.ServiceAccountSource = (*KubeSource)(nil)
+	_ agent.RunningPodLister     = (*KubeSource)(nil)
 )
 
 // StartKubeSource starts the informers; they run until ctx is cancelled or
@@ -311,6 +313,39 @@ func (k *KubeSource) Decide(ctx context.Context, pod *gatepb.PodIdentity) (agent
 	return d, nil
 }
 
+// RunningPods implements agent.RunningPodLister: the pods of this node that
+// run in a network namespace of their own, as the cache has them. Pods being
+// deleted are left out: they are on their way out of the mesh anyway.
+func (k *KubeSource) RunningPods() ([]agent.RunningPod, error) {
+	if ok, why := k.Synced(); !ok {
+		return nil, fmt.Errorf("kubernetes enrollment source not synced: %s", why)
+	}
+	pods, err := k.pods.List(labels.Everything())
+	if err != nil {
+		return nil, fmt.Errorf("list this node's pods: %w", err)
+	}
+	var out []agent.RunningPod
+	for _, p := range pods {
+		if p.Spec.NodeName != k.cfg.NodeName || p.Spec.HostNetwork || p.Status.Phase != corev1.PodRunning || p.DeletionTimestamp != nil {
+			continue
+		}
+		rp := agent.RunningPod{
+			Pod:       &gatepb.PodIdentity{Namespace: p.Namespace, Name: p.Name, Uid: string(p.UID), Labels: p.Labels, Annotations: p.Annotations},
+			CgroupUID: string(p.UID),
+		}
+		// A static pod's containers run under the uid of its manifest (the
+		// hash its mirror pod carries), not the mirror pod's.
+		if hash := p.Annotations[corev1.MirrorPodAnnotationKey]; hash != "" {
+			rp.CgroupUID = hash
+		}
+		for _, ip := range p.Status.PodIPs {
+			rp.IPs = append(rp.IPs, ip.IP)
+		}
+		out = append(out, rp)
+	}
+	return out, nil
+}
+
 // IstioCapture reads the per-pod capture annotations istio-cni honours: a
 // boolean (strconv.ParseBool) ambient.istio.io/dns-capture overrides the node's
 // DNS capture, ambient.istio.io/bypass-inbound-capture=true leaves the pod's
@@ -463,8 +498,9 @@ func (k *KubeSource) Report(_ context.Context, pod *gatepb.PodIdentity, outcome 
 	k.reporter.report(pod.GetNamespace(), pod.GetName(), pod.GetUid(), outcome, err)
 }
 
-// trimPod keeps what decisions and the proxy handoff need: the cache then holds a small fraction of
-// each pod (no spec, status or managed fields).
+// trimPod keeps what decisions, the proxy handoff and adopting running pods
+// need: the cache then holds a small fraction of each pod (no containers, no
+// status but phase and addresses, no managed fields).
 func trimPod(obj any) (any, error) {
 	p, ok := obj.(*corev1.Pod)
 	if !ok {
@@ -474,7 +510,8 @@ func trimPod(obj any) (any, error) {
 		TypeMeta:   p.TypeMeta,
 		ObjectMeta: trimMeta(p.ObjectMeta),
 		// The service account goes to the node proxy with the pod (ZDS).
-		Spec: corev1.PodSpec{NodeName: p.Spec.NodeName, ServiceAccountName: p.Spec.ServiceAccountName},
+		Spec:   corev1.PodSpec{NodeName: p.Spec.NodeName, ServiceAccountName: p.Spec.ServiceAccountName, HostNetwork: p.Spec.HostNetwork},
+		Status: corev1.PodStatus{Phase: p.Status.Phase, PodIPs: p.Status.PodIPs},
 	}, nil
 }
 

@@ -60,8 +60,10 @@ type Record struct {
 	NetnsPath      string      `json:"netnsPath"`
 	NetnsCookie    uint64      `json:"netnsCookie"`
 	Interfaces     []Interface `json:"interfaces,omitempty"`
-	Source         string      `json:"source"`
-	EnrolledAt     time.Time   `json:"enrolledAt"`
+	// Source is the entry point the pod came through (the gate request's
+	// source, such as SOURCE_CNI), or SourceAdopted.
+	Source     string    `json:"source"`
+	EnrolledAt time.Time `json:"enrolledAt"`
 	// Skipped: the pod reached the agent but the policy keeps it out of the mesh.
 	// It is recorded so that a later policy or label change can enroll it.
 	Skipped bool `json:"skipped,omitempty"`
@@ -85,6 +87,12 @@ type Capture struct {
 	// BypassInbound leaves the pod's inbound connections uncaptured.
 	BypassInbound bool `json:"bypassInbound,omitempty"`
 }
+
+// SourceAdopted is the Source of a record the agent made for a pod that was
+// already running when it started (installed on a live node): no entry point
+// ever asked for it, so its key is the agent's reading of the host, and the
+// runtime's DEL may name the attachment differently (matched by pod uid).
+const SourceAdopted = "ADOPTED"
 
 const (
 	recordSuffix = ".json"

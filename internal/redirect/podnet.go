@@ -6,13 +6,14 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"slices"
 	"strings"
 	"sync"
 
 	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/mesh-cni/mesh-cni/internal/podif"
 )
 
 // maxPodAddrs is MAX_POD_ADDRS of bpf/redirect.c.
@@ -61,32 +62,20 @@ func podAddrsFromBPF(v redirectPodSettings) []netip.Addr {
 // a link-local address.
 func readPodAddrs() (podAddrs, error) {
 	var a podAddrs
-	links, err := netlinksafe.LinkList()
+	ifs, err := podif.List()
 	if err != nil {
-		return a, fmt.Errorf("list the pod's interfaces: %w", err)
+		return a, fmt.Errorf("the pod's interfaces: %w", err)
 	}
-	slices.SortFunc(links, func(x, y netlink.Link) int { return x.Attrs().Index - y.Attrs().Index })
 	var global, local []netip.Addr
 	var linkLocalIf uint32
-	for _, l := range links {
-		if l.Attrs().Flags&net.FlagLoopback != 0 {
-			continue
-		}
-		addrs, err := netlinksafe.AddrList(l, netlink.FAMILY_ALL)
-		if err != nil {
-			return a, fmt.Errorf("list the addresses of %s: %w", l.Attrs().Name, err)
-		}
-		for _, ad := range addrs {
-			ip, ok := netip.AddrFromSlice(ad.IP)
-			if !ok {
-				continue
-			}
-			ip = ip.Unmap()
+	for _, l := range ifs {
+		for _, p := range l.Addrs {
+			ip := p.Addr()
 			switch {
 			case ip.IsLinkLocalUnicast():
 				local = append(local, ip)
 				if ip.Is6() && linkLocalIf == 0 {
-					linkLocalIf = uint32(l.Attrs().Index)
+					linkLocalIf = uint32(l.Index)
 				}
 			default:
 				global = append(global, ip)
@@ -95,7 +84,7 @@ func readPodAddrs() (podAddrs, error) {
 				}
 				if ip.Is6() && !a.src6.IsValid() {
 					a.src6 = ip
-					a.scope = uint32(l.Attrs().Index)
+					a.scope = uint32(l.Index)
 				}
 			}
 		}

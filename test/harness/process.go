@@ -48,6 +48,10 @@ type ProcessOptions struct {
 	// data path tells a node proxy apart from the pods by its cgroup, and every
 	// process a test starts otherwise shares the test's.
 	OwnCgroup bool
+	// Cgroup starts the process in this existing cgroup v2 directory (one
+	// that MkCgroup made, say), as the runtime starts a pod's container in
+	// the cgroup the kubelet named.
+	Cgroup string
 }
 
 // Process is a running child process whose stdout and stderr go to a log file (and
@@ -106,6 +110,30 @@ func newCgroup(tb testing.TB, name string) (string, *os.File) {
 	return dir, fd
 }
 
+// MkCgroup makes the cgroup v2 directory dir (below one of the test's, such as
+// NewCgroup's) and, at cleanup, kills whatever still runs in it (cgroup.kill:
+// the children of a killed process too) and removes it. Cleanups run last
+// registered first, so a cgroup made inside another goes before it.
+func MkCgroup(tb testing.TB, dir string) string {
+	tb.Helper()
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		tb.Fatalf("make cgroup: %v", err)
+	}
+	tb.Cleanup(func() {
+		if err := os.WriteFile(filepath.Join(dir, "cgroup.kill"), []byte("1"), 0); err != nil && !errors.Is(err, os.ErrNotExist) {
+			tb.Errorf("kill cgroup %s: %v", dir, err)
+		}
+		var err error
+		if !Eventually(context.Background(), 10*time.Second, WaitInterval, func() bool {
+			err = os.Remove(dir)
+			return err == nil || errors.Is(err, os.ErrNotExist)
+		}) {
+			tb.Errorf("remove cgroup %s: %v", dir, err)
+		}
+	})
+	return dir
+}
+
 // StartProcess starts a process; see ProcessOptions.
 func StartProcess(tb testing.TB, opts ProcessOptions) *Process {
 	tb.Helper()
@@ -141,6 +169,15 @@ func StartProcess(tb testing.TB, opts ProcessOptions) *Process {
 		dir, fd := newCgroup(tb, name)
 		defer fd.Close()
 		cgroup = dir
+		cmd.SysProcAttr.UseCgroupFD, cmd.SysProcAttr.CgroupFD = true, int(fd.Fd())
+	}
+	if opts.Cgroup != "" {
+		fd, err := os.Open(opts.Cgroup)
+		if err != nil {
+			file.Close()
+			tb.Fatalf("process %s: cgroup: %v", name, err)
+		}
+		defer fd.Close()
 		cmd.SysProcAttr.UseCgroupFD, cmd.SysProcAttr.CgroupFD = true, int(fd.Fd())
 	}
 	if opts.NetNSPath != "" {

@@ -51,6 +51,7 @@ func TestKubernetes(t *testing.T) {
 		{"AgentPluginGetsNoCredential", testAgentPluginGetsNoCredential},
 		{"AgentAddWithAPIServerDown", testAgentAddWithAPIServerDown},
 		{"AgentZDSEntryPoints", testAgentZDSEntryPoints},
+		{"AgentAdoptsRunningPods", testAgentAdoptsRunningPods},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()

@@ -1,4 +1,4 @@
-package agent
+package hostproc
 
 import (
 	"os"
@@ -6,9 +6,9 @@ import (
 	"testing"
 )
 
-// The kubelet is found by its process name, k3s' and MicroK8s' in-process ones
-// included; the lowest pid wins, and a procfs without any says so.
-func TestFindKubeletProcess(t *testing.T) {
+// A process is found by its name (the kubelet, or k3s' and MicroK8s' binaries
+// that run it in-process); the lowest pid wins, and a procfs without any says so.
+func TestFindByName(t *testing.T) {
 	proc := t.TempDir()
 	for pid, comm := range map[string]string{"1": "init", "40": "kubelite", "7": "containerd", "90": "kubelet", "self": "kubelet"} {
 		if err := os.MkdirAll(filepath.Join(proc, pid), 0o755); err != nil {
@@ -18,13 +18,13 @@ func TestFindKubeletProcess(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if pid, err := findProcess(proc, KubeletProcessNames()); err != nil || pid != 40 {
+	if pid, err := (Procfs{Root: proc}).FindByName([]string{"kubelet", "k3s-server", "k3s-agent", "kubelite"}); err != nil || pid != 40 {
 		t.Errorf("found %d, %v; want 40 (kubelite, the lowest pid among the names)", pid, err)
 	}
-	if pid, err := findProcess(proc, []string{"kubelet"}); err != nil || pid != 90 {
+	if pid, err := (Procfs{Root: proc}).FindByName([]string{"kubelet"}); err != nil || pid != 90 {
 		t.Errorf("found %d, %v; want 90", pid, err)
 	}
-	if _, err := findProcess(proc, []string{"k3s-agent"}); err == nil {
+	if _, err := (Procfs{Root: proc}).FindByName([]string{"k3s-agent"}); err == nil {
 		t.Error("found a process no entry is named after")
 	}
 }

@@ -1,0 +1,258 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"slices"
+
+	"go.uber.org/zap"
+
+	"github.com/mesh-cni/mesh-cni/internal/hostproc"
+	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/internal/podif"
+	"github.com/mesh-cni/mesh-cni/internal/podstore"
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+)
+
+// RunningPod is a pod the enrollment source knows to be running on this node in
+// a network namespace of its own.
+type RunningPod struct {
+	Pod *gatepb.PodIdentity
+	// CgroupUID is the uid the pod's cgroups are named after: the pod's own,
+	// or a static pod's manifest hash.
+	CgroupUID string
+	// IPs are the pod's addresses as the API server has them.
+	IPs []string
+}
+
+// RunningPodLister is an enrollment source that can list the pods running on
+// the node, so that the agent adopts those that started before it was
+// installed (the Kubernetes source).
+type RunningPodLister interface {
+	RunningPods() ([]RunningPod, error)
+}
+
+// SandboxFinder finds running pods' network namespaces on the host, by the uids
+// their cgroups are named after (hostproc.Procfs.Sandboxes with the runtime's
+// netns directory).
+type SandboxFinder func(uids []string) (map[string]hostproc.Sandbox, map[string]error, error)
+
+// AdoptNetwork is the network name of adopted records on a node whose agent
+// installs no chain entry (KNI, hook): there is no CNI network to name.
+const AdoptNetwork = "adopted"
+
+// AdoptResult counts what one adoption pass did.
+type AdoptResult struct {
+	Enrolled, Skipped, Failed int
+}
+
+// Adopt brings running pods the agent has no record of under its policy, as
+// if their ADD had just reached the gate: the ones it selects are enrolled in
+// place (no restart), the others recorded as skipped so a later label change
+// enrolls them, and the outcome is reported on each. Those are the pods that
+// started before the agent was installed: a pod started since went through
+// the gate, which recorded it. A pod of an excluded namespace, or known by uid
+// or by network namespace, is left alone. find locates the namespaces; a pod it
+// cannot place is reported failed and tried again on the next pass.
+func (s *Service) Adopt(ctx context.Context, pods []RunningPod, find SandboxFinder, exclude []string) (AdoptResult, error) {
+	var res AdoptResult
+	var todo []RunningPod
+	var uids []string
+	for _, p := range pods {
+		if slices.Contains(exclude, p.Pod.GetNamespace()) || s.knownUID(p.Pod.GetUid()) {
+			continue
+		}
+		todo = append(todo, p)
+		uids = append(uids, p.CgroupUID)
+	}
+	if len(todo) == 0 {
+		return res, nil
+	}
+	found, problems, err := find(uids)
+	if err != nil {
+		return res, fmt.Errorf("find running pods' network namespaces: %w", err)
+	}
+	var errs []error
+	for _, p := range todo {
+		sb, ok := found[p.CgroupUID]
+		if !ok {
+			err := problems[p.CgroupUID]
+			if err == nil {
+				err = errors.New("not found")
+			}
+			res.Failed++
+			s.adoptFailed(ctx, p.Pod, "adopt-netns", err)
+			errs = append(errs, err)
+			continue
+		}
+		enrolled, err := s.adoptOne(ctx, p, sb)
+		switch {
+		case err != nil:
+			res.Failed++
+			errs = append(errs, err)
+		case enrolled:
+			res.Enrolled++
+		case !enrolled:
+			res.Skipped++
+		}
+	}
+	return res, errors.Join(errs...)
+}
+
+// adoptFailed reports a running pod the agent could not adopt. Passes repeat
+// every reconcile interval: the same failure of the same pod is counted and
+// reported (annotation, Event, warning) once, and logged at debug after that.
+func (s *Service) adoptFailed(ctx context.Context, pod *gatepb.PodIdentity, step string, err error) {
+	fields := []zap.Field{zap.String("pod", pod.GetNamespace()+"/"+pod.GetName()), zap.String("podUID", pod.GetUid()), zap.String("step", step), zap.Error(err)}
+	s.adoptMu.Lock()
+	if s.adoptFailures == nil {
+		s.adoptFailures = map[string]string{}
+	}
+	seen := s.adoptFailures[pod.GetUid()] == err.Error()
+	s.adoptFailures[pod.GetUid()] = err.Error()
+	s.adoptMu.Unlock()
+	if seen {
+		s.log.Debug("running pod still not adopted", fields...)
+		return
+	}
+	s.metrics.enrollFailed(step)
+	s.report(ctx, pod, OutcomeFailed, err)
+	s.log.Warn("running pod not adopted", fields...)
+}
+
+// adopted forgets a pod's earlier failure.
+func (s *Service) adopted(uid string) {
+	s.adoptMu.Lock()
+	delete(s.adoptFailures, uid)
+	s.adoptMu.Unlock()
+}
+
+// adoptOne records and, if the policy says so, enrolls one running pod found
+// in sb.
+func (s *Service) adoptOne(ctx context.Context, p RunningPod, sb hostproc.Sandbox) (enrolled bool, err error) {
+	network := AdoptNetwork
+	if st := s.cni.Load(); st != nil && st.Network != "" {
+		network = st.Network
+	}
+	ifs, err := podInterfaces(sb.NetnsPath)
+	if err != nil {
+		s.adoptFailed(ctx, p.Pod, "adopt-netns", err)
+		return false, err
+	}
+	key := podstore.Key{Network: network, ContainerID: sb.ContainerID, Ifname: ifnameOf(ifs, p.IPs)}
+	unlock := s.locks.Lock(key.String())
+	defer unlock()
+	cookie, err := netns.Cookie(sb.NetnsPath)
+	if err != nil {
+		s.adoptFailed(ctx, p.Pod, "adopt-netns", err)
+		return false, err
+	}
+	// Looked at again under the lock: an ADD or a pass may have recorded it.
+	if _, ok := s.store.Get(key); ok || s.knownUID(p.Pod.GetUid()) || s.knownCookie(cookie) {
+		return false, nil
+	}
+	fields := podFields(p.Pod, key)
+	decision, err := s.policy.Decide(ctx, p.Pod)
+	if err != nil {
+		s.adoptFailed(ctx, p.Pod, "policy", err)
+		return false, err
+	}
+	rec := podstore.Record{
+		Key:            key,
+		Namespace:      p.Pod.GetNamespace(),
+		Name:           p.Pod.GetName(),
+		UID:            p.Pod.GetUid(),
+		NetnsPath:      sb.NetnsPath,
+		ServiceAccount: decision.ServiceAccount,
+		Capture:        decision.Capture,
+		Interfaces:     ifs,
+		Source:         podstore.SourceAdopted,
+		Labels:         p.Pod.GetLabels(),
+		Annotations:    p.Pod.GetAnnotations(),
+	}
+	if !decision.Enroll {
+		if err := s.skip(ctx, rec); err != nil {
+			s.adoptFailed(ctx, p.Pod, "record", err)
+			return false, err
+		}
+		s.adopted(p.Pod.GetUid())
+		s.report(ctx, p.Pod, OutcomeDisabled, nil)
+		s.log.Info("running pod recorded, not enrolled", append(fields, zap.String("reason", decision.Reason))...)
+		return false, nil
+	}
+	rec, reason, err := s.enroll(ctx, rec)
+	if err != nil {
+		s.adoptFailed(ctx, p.Pod, reason, err)
+		return false, fmt.Errorf("adopt pod %s/%s: %w", p.Pod.GetNamespace(), p.Pod.GetName(), err)
+	}
+	s.adopted(p.Pod.GetUid())
+	s.report(ctx, p.Pod, OutcomeEnabled, nil)
+	s.log.Info("running pod enrolled in place", append(fields,
+		zap.Uint64("netnsCookie", rec.NetnsCookie), zap.String("netns", rec.NetnsPath), zap.Ints("pids", sb.PIDs))...)
+	return true, nil
+}
+
+// knownUID: a record of the pod exists, enrolled or skipped.
+func (s *Service) knownUID(uid string) bool {
+	return uid != "" && slices.ContainsFunc(s.store.List(), func(r podstore.Record) bool { return r.UID == uid })
+}
+
+// knownCookie: a record of the network namespace exists.
+func (s *Service) knownCookie(cookie uint64) bool {
+	return slices.ContainsFunc(s.store.List(), func(r podstore.Record) bool { return r.NetnsCookie == cookie })
+}
+
+// adoptedFor returns the adopted records that a DEL of the pod with uid, for
+// the namespace at netnsPath, must release: their key was read from the host
+// and may not be the runtime's, so they are matched by pod and namespace.
+func (s *Service) adoptedFor(uid, netnsPath string) []podstore.Key {
+	if uid == "" {
+		return nil
+	}
+	var keys []podstore.Key
+	for _, r := range s.store.List() {
+		if r.Source == podstore.SourceAdopted && r.UID == uid && (r.NetnsPath == netnsPath || !s.namespaceAlive(r)) {
+			keys = append(keys, r.Key)
+		}
+	}
+	return keys
+}
+
+// podInterfaces lists the namespace's interfaces but loopback, with their
+// addresses, for the record.
+func podInterfaces(netnsPath string) ([]podstore.Interface, error) {
+	var ifs []podif.Interface
+	err := netns.Do(netnsPath, func() error {
+		var err error
+		ifs, err = podif.List()
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("interfaces of %s: %w", netnsPath, err)
+	}
+	out := make([]podstore.Interface, 0, len(ifs))
+	for _, i := range ifs {
+		r := podstore.Interface{Name: i.Name, MAC: i.MAC.String()}
+		for _, a := range i.Addrs {
+			r.Addresses = append(r.Addresses, a.String())
+		}
+		out = append(out, r)
+	}
+	return out, nil
+}
+
+// ifnameOf is the interface holding one of the pod's addresses, else eth0,
+// the name runtimes give CNI.
+func ifnameOf(ifs []podstore.Interface, ips []string) string {
+	for _, i := range ifs {
+		for _, a := range i.Addresses {
+			p, err := netip.ParsePrefix(a)
+			if err == nil && slices.Contains(ips, p.Addr().String()) {
+				return i.Name
+			}
+		}
+	}
+	return "eth0"
+}

@@ -1,0 +1,163 @@
+// Package hostproc reads the host's processes from its procfs. The agent runs
+// in the host's PID namespace; it finds the kubelet there (whose probes pass the
+// inbound capture by their socket) and the network namespaces of pods that were
+// already running when it was installed.
+//
+// Everything here reads files a process cannot forge about itself from inside
+// a pod: its cgroup (set by the runtime, read-only to a pod), its network
+// namespace's inode and its parent. Names and command lines are read only to
+// find the runtime's own processes (the kubelet, the containerd shim), which a
+// pod cannot start on the host.
+package hostproc
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+)
+
+// Procfs is a procfs mount: /proc, as the agent sees the host's.
+type Procfs struct {
+	Root string
+}
+
+// PIDs lists the processes, in no particular order.
+func (p Procfs) PIDs() ([]int, error) {
+	entries, err := os.ReadDir(p.Root)
+	if err != nil {
+		return nil, fmt.Errorf("list processes in %s: %w", p.Root, err)
+	}
+	pids := make([]int, 0, len(entries))
+	for _, e := range entries {
+		if pid, err := strconv.Atoi(e.Name()); err == nil && pid > 0 {
+			pids = append(pids, pid)
+		}
+	}
+	return pids, nil
+}
+
+func (p Procfs) path(pid int, elem ...string) string {
+	return filepath.Join(append([]string{p.Root, strconv.Itoa(pid)}, elem...)...)
+}
+
+// Comm is the process's name as the kernel keeps it (at most 15 bytes).
+func (p Procfs) Comm(pid int) (string, error) {
+	b, err := os.ReadFile(p.path(pid, "comm"))
+	if err != nil {
+		return "", err
+	}
+	return strings.TrimSuffix(string(b), "\n"), nil
+}
+
+// FindByName returns the lowest pid whose name is one of names.
+func (p Procfs) FindByName(names []string) (int, error) {
+	pids, err := p.PIDs()
+	if err != nil {
+		return 0, err
+	}
+	found := 0
+	for _, pid := range pids {
+		if found != 0 && pid > found {
+			continue
+		}
+		if comm, err := p.Comm(pid); err == nil && slices.Contains(names, comm) {
+			found = pid
+		}
+	}
+	if found == 0 {
+		return 0, fmt.Errorf("no process named %s in %s", strings.Join(names, " or "), p.Root)
+	}
+	return found, nil
+}
+
+// Stat is what the process's stat file says about its place in the tree.
+type Stat struct {
+	PPID int
+	// StartTime is when the process started, in clock ticks after boot.
+	StartTime uint64
+}
+
+// Stat reads the process's parent and start time.
+func (p Procfs) Stat(pid int) (Stat, error) {
+	b, err := os.ReadFile(p.path(pid, "stat"))
+	if err != nil {
+		return Stat{}, err
+	}
+	// The name, in parentheses, may hold spaces and parentheses itself: the
+	// fields start after the last ')'.
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return Stat{}, fmt.Errorf("%s: no ')' in stat", p.path(pid, "stat"))
+	}
+	// After the name: state(3) ppid(4) ... starttime(22).
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 20 {
+		return Stat{}, fmt.Errorf("%s: %d fields after the name, want at least 20", p.path(pid, "stat"), len(f))
+	}
+	ppid, err := strconv.Atoi(f[1])
+	if err != nil {
+		return Stat{}, fmt.Errorf("%s: ppid: %w", p.path(pid, "stat"), err)
+	}
+	start, err := strconv.ParseUint(f[19], 10, 64)
+	if err != nil {
+		return Stat{}, fmt.Errorf("%s: starttime: %w", p.path(pid, "stat"), err)
+	}
+	return Stat{PPID: ppid, StartTime: start}, nil
+}
+
+// Cmdline is the process's argument vector.
+func (p Procfs) Cmdline(pid int) ([]string, error) {
+	b, err := os.ReadFile(p.path(pid, "cmdline"))
+	if err != nil {
+		return nil, err
+	}
+	return strings.Split(strings.TrimRight(string(b), "\x00"), "\x00"), nil
+}
+
+// Cgroups are the process's cgroup paths, one per hierarchy (cgroup v2 has one,
+// a hybrid host one per v1 controller more), as the reader's cgroup namespace
+// sees them: relative ones start with "/..".
+func (p Procfs) Cgroups(pid int) ([]string, error) {
+	b, err := os.ReadFile(p.path(pid, "cgroup"))
+	if err != nil {
+		return nil, err
+	}
+	var paths []string
+	for _, line := range strings.Split(string(b), "\n") {
+		// hierarchy-ID:controllers:path
+		parts := strings.SplitN(line, ":", 3)
+		if len(parts) == 3 && parts[2] != "" {
+			paths = append(paths, parts[2])
+		}
+	}
+	return paths, nil
+}
+
+// NamespaceID tells namespaces apart: the device and inode of their nsfs file.
+type NamespaceID struct {
+	Dev, Ino uint64
+}
+
+// NetNS is the network namespace the process is in. Reading it takes ptrace
+// access to the process (CAP_SYS_PTRACE for another user's).
+func (p Procfs) NetNS(pid int) (NamespaceID, error) {
+	return namespaceID(p.path(pid, "ns", "net"))
+}
+
+func namespaceID(path string) (NamespaceID, error) {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return NamespaceID{}, err
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !ok {
+		return NamespaceID{}, errors.New("no stat_t for " + path)
+	}
+	return NamespaceID{Dev: st.Dev, Ino: st.Ino}, nil
+}

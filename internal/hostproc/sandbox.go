@@ -1,0 +1,209 @@
+package hostproc
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strings"
+)
+
+// Sandbox is a running pod's network namespace as its runtime made it.
+type Sandbox struct {
+	// UID is the pod's, as its cgroup names it.
+	UID string
+	// NetnsPath is the namespace's file in the runtime's netns directory:
+	// the path the runtime gave CNI when it set the pod's network up.
+	NetnsPath string
+	// ContainerID is the pod sandbox's id as the runtime gave it to CNI
+	// (CNI_CONTAINERID), as far as the host tells it: the id its containerd
+	// shim runs under, else the container of the pod that started first (the
+	// sandbox's own, where the runtime runs one).
+	ContainerID string
+	// PIDs are the pod's processes in that namespace.
+	PIDs []int
+}
+
+// ErrNoSandbox is returned (wrapped) for a pod none of whose processes is in a
+// namespace of the runtime's netns directory.
+var ErrNoSandbox = errors.New("no network namespace of the pod's runtime found")
+
+// podCgroup matches the pod's level of a kubelet cgroup path and the container
+// level below it: ".../pod<uid>/<container>" (cgroupfs driver) or
+// ".../kubepods-<class>-pod<uid>.slice/<runtime>-<container>.scope" (systemd
+// driver, with the uid's dashes written as underscores).
+var podCgroup = regexp.MustCompile(`(?:^|/)(?:kubepods-(?:[a-z]+-)?)?pod([0-9a-fA-F_-]+)(?:\.slice)?/([^/]+)$`)
+
+// containerPrefixes are how runtimes name a container's systemd scope.
+var containerPrefixes = []string{"cri-containerd-", "crio-conmon-", "crio-", "docker-", "containerd-"}
+
+// podOf reads a cgroup path: the pod uid (dashed) and the container id, or
+// ok false for a cgroup that is not a pod container's.
+func podOf(path string) (uid, container string, ok bool) {
+	m := podCgroup.FindStringSubmatch(path)
+	if m == nil {
+		return "", "", false
+	}
+	container = strings.TrimSuffix(m[2], ".scope")
+	for _, p := range containerPrefixes {
+		if c, ok := strings.CutPrefix(container, p); ok {
+			container = c
+			break
+		}
+	}
+	return strings.ReplaceAll(m[1], "_", "-"), container, container != ""
+}
+
+// Sandboxes finds the network namespaces of the pods whose uids are given,
+// from their processes: a process belongs to the pod whose cgroup it is in,
+// and the pod's namespace is the one of its processes that the runtime bind
+// mounted under netnsDir. Namespaces anywhere else are not the runtime's (a
+// process in a pod can make its own with an unprivileged user namespace) and
+// are passed over. A pod with processes in more than one of the runtime's
+// namespaces, or in none, gets an error instead of a sandbox.
+func (p Procfs) Sandboxes(netnsDir string, uids []string) (map[string]Sandbox, map[string]error, error) {
+	runtimeNS, err := runtimeNamespaces(netnsDir)
+	if err != nil {
+		return nil, nil, err
+	}
+	wanted := map[string]bool{}
+	for _, u := range uids {
+		wanted[strings.ToLower(u)] = true
+	}
+	pids, err := p.PIDs()
+	if err != nil {
+		return nil, nil, err
+	}
+	members := map[string][]podProcess{}
+	for _, pid := range pids {
+		cgs, err := p.Cgroups(pid)
+		if err != nil {
+			continue // gone meanwhile
+		}
+		for _, cg := range cgs {
+			uid, container, ok := podOf(cg)
+			if !ok || !wanted[strings.ToLower(uid)] {
+				continue
+			}
+			ns, err := p.NetNS(pid)
+			if err != nil {
+				break
+			}
+			members[strings.ToLower(uid)] = append(members[strings.ToLower(uid)], podProcess{pid, container, ns})
+			break
+		}
+	}
+	found, problems := map[string]Sandbox{}, map[string]error{}
+	for _, u := range uids {
+		uid := strings.ToLower(u)
+		var paths []string
+		var inNS []podProcess
+		for _, m := range members[uid] {
+			path, ok := runtimeNS[m.ns]
+			if !ok {
+				continue
+			}
+			if !slices.Contains(paths, path) {
+				paths = append(paths, path)
+			}
+			inNS = append(inNS, m)
+		}
+		switch {
+		case len(members[uid]) == 0:
+			problems[u] = fmt.Errorf("pod %s: no process in its cgroup: %w", u, ErrNoSandbox)
+			continue
+		case len(paths) == 0:
+			problems[u] = fmt.Errorf("pod %s: none of its %d processes is in a namespace under %s: %w", u, len(members[uid]), netnsDir, ErrNoSandbox)
+			continue
+		case len(paths) > 1:
+			problems[u] = fmt.Errorf("pod %s: its processes are in %d of the runtime's network namespaces (%s): refusing to pick one", u, len(paths), strings.Join(paths, ", "))
+			continue
+		}
+		sb := Sandbox{UID: u, NetnsPath: paths[0]}
+		containers := map[string]bool{}
+		for _, m := range inNS {
+			sb.PIDs = append(sb.PIDs, m.pid)
+			containers[m.container] = true
+		}
+		slices.Sort(sb.PIDs)
+		sb.ContainerID = p.sandboxID(inNS[0].pid, containers)
+		if sb.ContainerID == "" {
+			sb.ContainerID = p.firstStarted(inNS)
+		}
+		found[u] = sb
+	}
+	return found, problems, nil
+}
+
+// podProcess is a process in a pod's cgroup.
+type podProcess struct {
+	pid       int
+	container string
+	ns        NamespaceID
+}
+
+// sandboxID is the id of the containerd shim that pid runs under, when it is
+// one of the pod's containers: containerd runs all of a pod's containers under
+// one shim started with the sandbox's id.
+func (p Procfs) sandboxID(pid int, containers map[string]bool) string {
+	for range 8 {
+		st, err := p.Stat(pid)
+		if err != nil || st.PPID <= 1 {
+			return ""
+		}
+		pid = st.PPID
+		comm, err := p.Comm(pid)
+		if err != nil {
+			return ""
+		}
+		if !strings.HasPrefix(comm, "containerd-shim") {
+			continue
+		}
+		args, err := p.Cmdline(pid)
+		if err != nil {
+			return ""
+		}
+		for i, a := range args {
+			if (a == "-id" || a == "--id") && i+1 < len(args) && containers[args[i+1]] {
+				return args[i+1]
+			}
+		}
+		return ""
+	}
+	return ""
+}
+
+// firstStarted is the container of the member that started first.
+func (p Procfs) firstStarted(members []podProcess) string {
+	best, bestStart := "", ^uint64(0)
+	for _, m := range members {
+		st, err := p.Stat(m.pid)
+		if err != nil {
+			continue
+		}
+		if st.StartTime < bestStart {
+			best, bestStart = m.container, st.StartTime
+		}
+	}
+	return best
+}
+
+// runtimeNamespaces maps the namespaces bind mounted in dir to their paths.
+func runtimeNamespaces(dir string) (map[NamespaceID]string, error) {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, fmt.Errorf("list the runtime's network namespaces: %w", err)
+	}
+	out := map[NamespaceID]string{}
+	for _, e := range entries {
+		path := filepath.Join(dir, e.Name())
+		id, err := namespaceID(path)
+		if err != nil {
+			continue
+		}
+		out[id] = path
+	}
+	return out, nil
+}

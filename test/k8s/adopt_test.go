@@ -1,0 +1,198 @@
+package k8s
+
+import (
+	"context"
+	"net/netip"
+	"os/exec"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+	"google.golang.org/grpc"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
+
+	"github.com/mesh-cni/mesh-cni/internal/enroll"
+	"github.com/mesh-cni/mesh-cni/pkg/gate"
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/test/harness"
+)
+
+// runningPod is a pod that started before the agent was installed: set up by
+// the primary alone, marked Running in the API server as the kubelet would,
+// with a container process in the cgroup the kubelet names after the pod
+// (pod<uid>/<container>) and in the pod's network namespace.
+func (c *cluster) runningPod(t *testing.T, node *harness.Node, primary *libcni.NetworkConfigList, cgroups, namespace, name, kubeNode string, labels map[string]string, container func(*harness.Pod) string) *harness.Pod {
+	t.Helper()
+	ctx := apiContext(t)
+	hp := cniPod(t, node, c.pod(t, namespace, name, kubeNode, labels, nil))
+	add(ctx, t, node, primary, hp)
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		cur, err := c.admin.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		cur.Status.Phase = corev1.PodRunning
+		cur.Status.PodIPs = []corev1.PodIP{{IP: hp.IPv4(t).String()}, {IP: hp.IPv6(t).String()}}
+		cur.Status.PodIP = cur.Status.PodIPs[0].IP
+		_, err = c.admin.CoreV1().Pods(namespace).UpdateStatus(ctx, cur, metav1.UpdateOptions{})
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := harness.MkCgroup(t, filepath.Join(cgroups, "pod"+hp.UID))
+	dir = harness.MkCgroup(t, filepath.Join(dir, container(hp)))
+	sleep, err := exec.LookPath("sleep")
+	if err != nil {
+		t.Fatal(err)
+	}
+	harness.StartProcess(t, harness.ProcessOptions{Path: sleep, Args: []string{"1000"}, Cgroup: dir, NetNSPath: hp.NetNSPath, Name: "container-" + name})
+	return hp
+}
+
+// enrolledUID reports whether the agent lists an enrollment of the pod by uid
+// (an adopted pod's attachment is the agent's reading of the host).
+func (a *agent) enrolledUID(uid string) bool {
+	a.t.Helper()
+	conn, err := gate.Dial(a.Socket)
+	if err != nil {
+		a.t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	resp, err := gatepb.NewGateClient(conn).List(ctx, &gatepb.ListRequest{}, grpc.WaitForReady(true))
+	if err != nil {
+		a.t.Fatalf("list enrollments: %v", err)
+	}
+	for _, e := range resp.GetEnrollments() {
+		if e.GetPod().GetUid() == uid {
+			return true
+		}
+	}
+	return false
+}
+
+// testAgentAdoptsRunningPods: installed on a node whose pods already run, the
+// agent enrolls the selected ones in place, their next connections go through
+// the proxy without a restart; an unselected one is recorded and enrolled when
+// its namespace is labelled; a pod whose only process sits in a namespace of
+// its own is reported failed, not guessed; pods of excluded namespaces are left
+// alone; the runtime's DEL releases an adopted pod whether or not the agent
+// read its attachment as the runtime names it.
+func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
+	ctx := apiContext(t)
+	kubeNode := "node-" + randomHex(t, 4)
+	lab := c.namespace(t, "adopt", enabled)
+	plain := c.namespace(t, "adopt-plain", nil)
+	node := harness.NewNode(t, harness.NodeOptions{Plugins: append(harness.ReferencePluginNames(), "mesh-cni")})
+	primaryJSON, err := node.ConflistJSON("meshnet")
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.WriteConf(t, "10-meshnet.conflist", primaryJSON)
+	primary := node.Conflist(t, "meshnet")
+	cgroups := harness.NewCgroup(t, "adopt")
+	asRuntime := func(p *harness.Pod) string { return p.ContainerID }
+	misread := func(*harness.Pod) string { return randomHex(t, 32) }
+
+	client := c.runningPod(t, node, primary, cgroups, lab, "client", kubeNode, nil, asRuntime)
+	worker := c.runningPod(t, node, primary, cgroups, lab, "worker", kubeNode, nil, misread)
+	late := c.runningPod(t, node, primary, cgroups, plain, "late", kubeNode, nil, asRuntime)
+	server := c.runningPod(t, node, primary, cgroups, plain, "server", kubeNode, disabled, asRuntime)
+	system := c.runningPod(t, node, primary, cgroups, "kube-system", "system-"+randomHex(t, 3), kubeNode, enabled, asRuntime)
+	// Its one process runs in a network namespace it made itself.
+	lost := cniPod(t, node, c.pod(t, lab, "lost", kubeNode, nil, nil))
+	add(ctx, t, node, primary, lost)
+	lostCg := harness.MkCgroup(t, filepath.Join(harness.MkCgroup(t, filepath.Join(cgroups, "pod"+lost.UID)), lost.ContainerID))
+	unshare, err := exec.LookPath("unshare")
+	if err != nil {
+		t.Fatal(err)
+	}
+	harness.StartProcess(t, harness.ProcessOptions{Path: unshare, Args: []string{"--net", "sleep", "1000"}, Cgroup: lostCg, NetNSPath: lost.NetNSPath, Name: "container-lost"})
+	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		cur, err := c.admin.CoreV1().Pods(lab).Get(ctx, "lost", metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		cur.Status.Phase = corev1.PodRunning
+		_, err = c.admin.CoreV1().Pods(lab).UpdateStatus(ctx, cur, metav1.UpdateOptions{})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+
+	var app echoServer
+	app.serve(t, server, 8080)
+	target := netip.AddrPortFrom(server.IPv4(t), 8080)
+	records := startProxy(ctx, t, client)
+	if err := roundTrip(ctx, client, target); err != nil {
+		t.Fatalf("client -> server before the install: %v", err)
+	}
+
+	a := newAgent(t, c.api, kubeNode,
+		"--cni-install=true", "--owned-config=false",
+		"--cni-conf-dir", node.ConfDir, "--cni-bin-dir", node.BinDir,
+		"--install-state-dir", filepath.Join(t.TempDir(), "install"),
+		"--plugin-binary", harness.Bins(t).Path("mesh-cni"), "--gate-timeout", "30s",
+		"--netns-dir", harness.NetnsDir)
+	a.start(ctx)
+
+	harness.WaitFor(t, 30*time.Second, "the running pods of the labelled namespace adopted", func() bool {
+		return a.enrolledUID(client.UID) && a.enrolledUID(worker.UID)
+	})
+	c.waitAnnotation(t, lab, "client", enroll.OutcomeEnabled)
+	c.waitAnnotation(t, lab, "worker", enroll.OutcomeEnabled)
+	c.waitAnnotation(t, plain, "late", enroll.OutcomeDisabled)
+	c.waitAnnotation(t, lab, "lost", enroll.OutcomeFailed)
+	if a.enrolledUID(late.UID) || a.enrolledUID(server.UID) || a.enrolledUID(lost.UID) {
+		t.Error("a running pod the policy does not select, or that could not be placed, is enrolled")
+	}
+	if a.enrolledUID(system.UID) {
+		t.Error("a running pod of an excluded namespace was adopted")
+	}
+	if got := c.annotation(t, "kube-system", system.Name); got != "" {
+		t.Errorf("a pod of an excluded namespace was annotated %q", got)
+	}
+
+	// The adopted client's next connection goes through its proxy.
+	if n := len(readRecords(t, records)); n != 0 {
+		t.Fatalf("the proxy saw %d connections before the pod was adopted", n)
+	}
+	if err := roundTrip(ctx, client, target); err != nil {
+		t.Fatalf("client -> server once adopted: %v", err)
+	}
+	recs := waitRecords(ctx, t, records, 1)
+	if r := recs[0]; r.Direction != "outbound" || r.OriginalDst.Addr().Unmap() != target.Addr() || r.OriginalDst.Port() != target.Port() || r.Error != "" {
+		t.Fatalf("proxy record %+v, want outbound to %s", r, target)
+	}
+
+	// Labelling the unselected pod's namespace enrolls it like any pod the
+	// agent knows.
+	c.setLabel(t, plain, "late", "mesh-cni.io/dataplane-mode", "enabled")
+	harness.WaitFor(t, 30*time.Second, "the labelled running pod enrolled", func() bool { return a.enrolledUID(late.UID) })
+
+	// The runtime's DEL, through the chain the agent installed, releases
+	// adopted pods: the one whose attachment the agent read as the runtime
+	// names it, and the one whose sandbox id it could not read.
+	var meshed *libcni.NetworkConfigList
+	harness.WaitFor(t, 30*time.Second, "the agent's chain entry", func() bool {
+		l, _, err := node.LoadConflist()
+		if err != nil || len(l.Plugins) < 2 || l.Plugins[len(l.Plugins)-1].Network.Type != "mesh-cni" {
+			return false
+		}
+		meshed = l
+		return true
+	})
+	for _, p := range []*harness.Pod{client, worker} {
+		if err := node.Del(ctx, p, meshed); err != nil {
+			t.Fatalf("DEL %s: %v", p.Name, err)
+		}
+		if a.enrolledUID(p.UID) {
+			t.Errorf("pod %s still enrolled after its DEL", p.Name)
+		}
+	}
+}
