@@ -4,13 +4,16 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"time"
 
 	"go.uber.org/zap"
 
 	"github.com/mesh-cni/mesh-cni/internal/agent"
 	"github.com/mesh-cni/mesh-cni/internal/cniinstall"
+	"github.com/mesh-cni/mesh-cni/internal/hostproc"
 	"github.com/mesh-cni/mesh-cni/internal/nethook"
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
+	"github.com/mesh-cni/mesh-cni/internal/runtimecni"
 )
 
 // chainEntry is the mesh-cni entry the agent puts in the node's CNI config.
@@ -53,6 +56,11 @@ func newCNIInstaller(opts options, log *zap.Logger) (agent.CNIConfigInstaller, e
 	}
 	log = log.Named("cni-install")
 	return func(ctx context.Context, report func(agent.CNIStatus)) error {
+		if opts.runtimeCNICheck {
+			if err := waitRuntimeServes(ctx, log, opts, report); err != nil {
+				return nil // stopping
+			}
+		}
 		changed, err := cniinstall.InstallBinary(ctx, bin, opts.cniBinDirs)
 		if err != nil {
 			report(agent.CNIStatus{Reason: "plugin binary not installed: " + err.Error()})
@@ -128,4 +136,39 @@ func uninstallCommand(ctx context.Context, args []string, stderr io.Writer) int 
 	}
 	log.Info("mesh-cni uninstalled from this node")
 	return 0
+}
+
+// waitRuntimeServes holds the installation (and so the agent's readiness)
+// until the node's container runtime loads CNI from the agent's directories,
+// checking again every reconcile interval: installed where the runtime never
+// looks, the chain entry would leave every new pod unmeshed while the agent
+// reported ready. A runtime it cannot find or read is logged and not waited
+// for. It returns ctx's error when stopped while waiting.
+func waitRuntimeServes(ctx context.Context, log *zap.Logger, opts options, report func(agent.CNIStatus)) error {
+	last := ""
+	for {
+		runtimes, err := runtimecni.FindAll(hostproc.Procfs{Root: "/proc"})
+		if len(runtimes) == 0 {
+			log.Warn("the container runtime's CNI directories are unknown; installing where told", zap.Error(err))
+			return nil
+		}
+		if err != nil {
+			log.Warn("a container runtime's CNI directories could not be read", zap.Error(err))
+		}
+		why := runtimecni.Serves(runtimes, opts.cniBinDirs, opts.cniConfDir)
+		if why == "" {
+			log.Info("the container runtime loads CNI from the agent's directories", zap.String("runtime", runtimes[0].String()))
+			return nil
+		}
+		if why != last {
+			log.Error("chain entry not installed: the container runtime loads CNI elsewhere", zap.String("reason", why))
+			last = why
+		}
+		report(agent.CNIStatus{Reason: why})
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(opts.reconcileInterval):
+		}
+	}
 }

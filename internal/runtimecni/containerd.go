@@ -1,0 +1,101 @@
+package runtimecni
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"path/filepath"
+
+	"github.com/mesh-cni/mesh-cni/internal/hostproc"
+)
+
+// containerdDefaultConfig is where containerd reads its config without -c.
+const containerdDefaultConfig = "/etc/containerd/config.toml"
+
+// containerd reads the CRI plugin's cni section: in config version 3 and
+// later (containerd 2) io.containerd.cri.v1.runtime's bin_dirs (or bin_dir)
+// and conf_dir, in version 2 io.containerd.grpc.v1.cri's bin_dir and
+// conf_dir, in version 1 cri's. Files named by imports are merged over it in
+// order, as containerd does; what no file sets is containerd's default.
+func containerd(proc hostproc.Procfs, pid int) (Dirs, error) {
+	d := Dirs{Runtime: "containerd", PID: pid, BinDirs: []string{"/opt/cni/bin"}, ConfDir: "/etc/cni/net.d"}
+	args, err := proc.Cmdline(pid)
+	if err != nil {
+		return d, fmt.Errorf("containerd's command line: %w", err)
+	}
+	rfs := runtimeFS{proc, pid}
+	d.fs = rfs
+	main, given := flagValue(args, "-c", "--config")
+	if !given {
+		main = containerdDefaultConfig
+	}
+	data, err := rfs.read(main)
+	if errors.Is(err, fs.ErrNotExist) && !given {
+		d.Configs = []string{main + " (absent: defaults)"}
+		return d, nil
+	}
+	if err != nil {
+		return d, fmt.Errorf("containerd's config: %w", err)
+	}
+	files := []string{main}
+	cfg, err := decode(main, data)
+	if err != nil {
+		return d, err
+	}
+	version := int64(1)
+	if v, ok := cfg["version"].(int64); ok {
+		version = v
+	}
+	tables := []map[string]any{cfg}
+	if imports, ok := stringsOf(cfg["imports"]); ok {
+		for _, pattern := range imports {
+			if !filepath.IsAbs(pattern) {
+				pattern = filepath.Join(filepath.Dir(main), pattern)
+			}
+			names, err := rfs.glob(pattern)
+			if err != nil {
+				return d, fmt.Errorf("containerd's imports %q: %w", pattern, err)
+			}
+			for _, n := range names {
+				b, err := rfs.read(n)
+				if err != nil {
+					return d, fmt.Errorf("containerd's import %s: %w", n, err)
+				}
+				t, err := decode(n, b)
+				if err != nil {
+					return d, err
+				}
+				files = append(files, n)
+				tables = append(tables, t)
+			}
+		}
+	}
+	d.Configs = files
+	var section []string
+	switch {
+	case version >= 3:
+		section = []string{"plugins", "io.containerd.cri.v1.runtime", "cni"}
+	case version == 2:
+		section = []string{"plugins", "io.containerd.grpc.v1.cri", "cni"}
+	default:
+		section = []string{"plugins", "cri", "cni"}
+	}
+	for _, t := range tables {
+		if v, ok := lookup(t, append(section, "bin_dirs")...); ok {
+			if dirs, ok := stringsOf(v); ok && len(dirs) > 0 {
+				d.BinDirs = dirs
+			}
+		}
+		if v, ok := lookup(t, append(section, "bin_dir")...); ok {
+			if s, ok := v.(string); ok && s != "" {
+				d.BinDirs = []string{s}
+			}
+		}
+		if v, ok := lookup(t, append(section, "conf_dir")...); ok {
+			if s, ok := v.(string); ok && s != "" {
+				d.ConfDir = s
+			}
+		}
+	}
+	return d, nil
+}
