@@ -282,6 +282,13 @@ func Open(ctx context.Context, cfg Config) (_ *Datapath, err error) {
 			return nil, fmt.Errorf("migrate pinned maps: %w", err)
 		}
 	}
+	// Every pod's program tail-calls the shared decision: put this build's in
+	// place, which for an upgrade switches every enrolled pod at once. Only now:
+	// it reads this build's maps, which an upgrade from an earlier layout has
+	// just filled; before, it would find no pod and refuse their connections.
+	if err := d.objs.LookupMain.Update(uint32(0), d.objs.MeshLookupMain, ebpf.UpdateAny); err != nil {
+		return nil, fmt.Errorf("install the shared sk_lookup program: %w", err)
+	}
 	if err := d.attachCgroup(ctx, &undo); err != nil {
 		return nil, err
 	}
@@ -380,12 +387,6 @@ func (d *Datapath) load(undo *undoStack) (*legacyMaps, error) {
 	if n := d.objs.Counters.MaxEntries(); n != counterMax {
 		d.objs.Close()
 		return nil, fmt.Errorf("counters map has %d entries, this build expects %d", n, counterMax)
-	}
-	// Every pod's program tail-calls the shared decision: put this build's in
-	// place (for an upgrade, this switches every enrolled pod at once).
-	if err := d.objs.LookupMain.Update(uint32(0), d.objs.MeshLookupMain, ebpf.UpdateAny); err != nil {
-		d.objs.Close()
-		return nil, fmt.Errorf("install the shared sk_lookup program: %w", err)
 	}
 	lt, err := newLookupTemplate(spec.Programs["mesh_lookup"], &d.objs.redirectMaps)
 	if err != nil {

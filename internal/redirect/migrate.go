@@ -59,8 +59,9 @@ type podSettingsV3 struct {
 // migratePods copies the pods of an earlier socket-lookup layout into this build's
 // map, marked SETTING_EARLIER: without their addresses, which only their namespace
 // tells, Check reports them and the agent's reconcile at start enrolls them again.
-// Their per-pod programs keep the earlier map (which still holds every entry)
-// until then.
+// Their per-pod programs tail-call the earlier shared program, which reads the
+// earlier maps (still holding every entry), until Open puts this build's in
+// place once the copy is done.
 func (d *Datapath) migratePods(l *legacyMaps) error {
 	pods := l.maps["pods"]
 	if pods == nil {
