@@ -244,9 +244,7 @@ func (s *Service) Del(ctx context.Context, req *gatepb.DelRequest) (*gatepb.DelR
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
 	key := keyOf(req.GetAttachment())
-	unlock := s.locks.Lock(key.String())
-	defer unlock()
-	released, err := s.release(ctx, key)
+	released, err := s.releaseLocked(ctx, key)
 	if err != nil {
 		return nil, releaseStatus(err)
 	}
@@ -255,7 +253,8 @@ func (s *Service) Del(ctx context.Context, req *gatepb.DelRequest) (*gatepb.DelR
 		return &gatepb.DelResponse{Released: true}, nil
 	}
 	// A pod adopted while running is recorded under the agent's reading of
-	// its attachment, which the runtime may name differently.
+	// its attachment, which the runtime may name differently. Each record is
+	// released under its own key's lock, one at a time.
 	for _, k := range s.adoptedFor(req.GetPod().GetUid(), req.GetNetnsPath()) {
 		ok, err := s.releaseLocked(ctx, k)
 		if err != nil {

@@ -184,20 +184,25 @@ func Remove(path string) error {
 // Cookie returns the kernel's cookie for the network namespace at path: the value
 // BPF programs see from bpf_get_netns_cookie for sockets in that namespace.
 func Cookie(path string) (uint64, error) {
-	var cookie uint64
-	err := Do(path, func() error {
-		var err error
-		cookie, err = currentCookie()
-		return err
-	})
+	f, err := Open(path)
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	cookie, err := CookieFd(int(f.Fd()))
 	if err != nil {
 		return 0, fmt.Errorf("netns cookie of %q: %w", path, err)
 	}
 	return cookie, nil
 }
 
-// CookieFd is Cookie for an already-open namespace file descriptor.
+// CookieFd is Cookie for an already-open namespace file descriptor. The
+// calling thread's own namespace needs no switch (nor the privilege to make
+// one): its cookie is read where the caller is.
 func CookieFd(fd int) (uint64, error) {
+	if cookie, own, err := ownCookie(fd); err != nil || own {
+		return cookie, err
+	}
 	var cookie uint64
 	err := DoFd(fd, func() error {
 		var err error
@@ -205,6 +210,25 @@ func CookieFd(fd int) (uint64, error) {
 		return err
 	})
 	return cookie, err
+}
+
+// ownCookie returns the cookie of fd's namespace when it is the calling
+// thread's, read on that thread.
+func ownCookie(fd int) (uint64, bool, error) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	var target, own unix.Stat_t
+	if err := unix.Fstat(fd, &target); err != nil {
+		return 0, false, fmt.Errorf("stat netns: %w", err)
+	}
+	if err := unix.Stat(threadNetNSPath(), &own); err != nil {
+		return 0, false, nil
+	}
+	if target.Dev != own.Dev || target.Ino != own.Ino {
+		return 0, false, nil
+	}
+	cookie, err := currentCookie()
+	return cookie, true, err
 }
 
 func currentCookie() (uint64, error) {

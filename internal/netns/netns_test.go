@@ -125,3 +125,20 @@ func TestThreadThatCannotReturnIsDiscarded(t *testing.T) {
 		return errors.Is(err, os.ErrNotExist)
 	})
 }
+
+// The caller's own namespace has its cookie read without a switch, so without
+// the privilege to make one: the same cookie as a socket made here sees.
+func TestCookieOfOwnNamespace(t *testing.T) {
+	want, err := netns.CurrentCookie()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, path := range []string{"/proc/self/ns/net", "/proc/thread-self/ns/net"} {
+		if got, err := netns.Cookie(path); err != nil || got != want {
+			t.Errorf("Cookie(%s) = %d, %v; want %d", path, got, err, want)
+		}
+	}
+	if _, err := netns.Cookie("/proc/self/ns/mnt"); !errors.Is(err, netns.ErrNotNetNS) {
+		t.Errorf("the cookie of a mount namespace: %v, want ErrNotNetNS", err)
+	}
+}

@@ -377,8 +377,9 @@ func TestRefusedStreams(t *testing.T) {
 	if _, err := New(path).Del(context.Background(), &DelRequest{}); StatusOf(err).Code != Unavailable {
 		t.Fatalf("Del: %v", err)
 	}
-	// Wait for ready: refused streams are retried until the deadline.
-	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	// Wait for ready: refused streams are retried until the deadline (long
+	// enough for a few refusals on a busy machine).
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
 	_, err := New(path).Add(ctx, testAdd())
 	st := wantCode(t, err, DeadlineExceeded)
