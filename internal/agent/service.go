@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/mesh-cni/mesh-cni/internal/keylock"
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/internal/podstore"
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
@@ -30,7 +31,7 @@ type Service struct {
 	policy       Policy
 	datapath     Datapath
 	store        *podstore.Store
-	locks        *keyLock
+	locks        *keylock.Map[string]
 	now          func() time.Time
 	metrics      *Metrics
 	cni          atomic.Pointer[CNIStatus]
@@ -57,7 +58,7 @@ func NewService(log *zap.Logger, readiness *Readiness, policy Policy, datapath D
 		policy:    policy,
 		datapath:  datapath,
 		store:     store,
-		locks:     newKeyLock(),
+		locks:     &keylock.Map[string]{},
 		now:       time.Now,
 	}
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/cilium/ebpf/link"
 	"go.uber.org/zap"
 
+	"github.com/mesh-cni/mesh-cni/internal/keylock"
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 )
 
@@ -173,43 +174,9 @@ type Datapath struct {
 	probes   *sets[netip.Prefix]
 	ports    *sets[uint16]
 	// pods serializes Enroll, Release and Check of one netns cookie (its pins).
-	pods cookieLocks
+	pods keylock.Map[uint64]
 	// proc writes pods' net sysctls.
 	proc procfs
-}
-
-// cookieLocks is a mutex per netns cookie, dropped when unused.
-type cookieLocks struct {
-	mu    sync.Mutex
-	locks map[uint64]*cookieLock
-}
-
-type cookieLock struct {
-	mu   sync.Mutex
-	refs int
-}
-
-func (c *cookieLocks) lock(cookie uint64) func() {
-	c.mu.Lock()
-	if c.locks == nil {
-		c.locks = map[uint64]*cookieLock{}
-	}
-	l := c.locks[cookie]
-	if l == nil {
-		l = &cookieLock{}
-		c.locks[cookie] = l
-	}
-	l.refs++
-	c.mu.Unlock()
-	l.mu.Lock()
-	return func() {
-		l.mu.Unlock()
-		c.mu.Lock()
-		if l.refs--; l.refs == 0 {
-			delete(c.locks, cookie)
-		}
-		c.mu.Unlock()
-	}
 }
 
 // Open loads the data path, or adopts the one pinned under cfg.PinRoot by an earlier

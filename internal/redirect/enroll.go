@@ -102,7 +102,7 @@ func (d *Datapath) Enroll(ctx context.Context, t Target) (Enrollment, error) {
 	if d.closed {
 		return Enrollment{}, ErrClosed
 	}
-	defer d.pods.lock(cookie)()
+	defer d.pods.Lock(cookie)()
 	if err := ctx.Err(); err != nil {
 		return Enrollment{}, err
 	}
@@ -251,7 +251,7 @@ func (d *Datapath) release(ctx context.Context, cookie uint64, nsFd int) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	defer d.pods.lock(cookie)()
+	defer d.pods.Lock(cookie)()
 	var v redirectPodSettings
 	enrolled := d.objs.Pods.Lookup(cookie, &v) == nil
 	err := func() error {
@@ -287,7 +287,7 @@ func (d *Datapath) Check(ctx context.Context, cookie uint64) error {
 	if d.closed {
 		return ErrClosed
 	}
-	defer d.pods.lock(cookie)()
+	defer d.pods.Lock(cookie)()
 	if err := ctx.Err(); err != nil {
 		return err
 	}

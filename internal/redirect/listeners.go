@@ -111,7 +111,7 @@ func (d *Datapath) Recollect(ctx context.Context, netnsPath string) error {
 	if d.closed {
 		return ErrClosed
 	}
-	defer d.pods.lock(cookie)()
+	defer d.pods.Lock(cookie)()
 	if err := ctx.Err(); err != nil {
 		return err
 	}
