@@ -131,10 +131,16 @@ func (c *Client) Health(ctx context.Context) (HealthStatus, error) {
 func (c *Client) invoke(ctx context.Context, method string, req []byte, waitForReady bool) ([]byte, error) {
 	delay := BackoffBase
 	refusals := 0
+	var retried error // why the last attempt was tried again
 	for {
 		resp, processed, err := c.attempt(ctx, method, req)
 		if err == nil {
 			return resp, nil
+		}
+		if retried != nil && ended(ctx) {
+			// The deadline fell in a retry: what made it retry says more
+			// than the cut-off attempt.
+			return nil, contextStatus(ctx, retried)
 		}
 		var st *Status
 		if errors.As(err, &st) || processed {
@@ -154,6 +160,7 @@ func (c *Client) invoke(ctx context.Context, method string, req []byte, waitForR
 			}
 			continue
 		}
+		retried = err
 		wait := time.Duration(float64(delay) * (1 + BackoffJitter*(2*rand.Float64()-1)))
 		t := time.NewTimer(wait)
 		select {
