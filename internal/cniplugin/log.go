@@ -3,44 +3,30 @@ package cniplugin
 import (
 	"fmt"
 	"io"
-	"strconv"
+	"log/slog"
 	"strings"
 	"time"
-	"unicode/utf8"
 )
 
-// The plugin's log: one JSON object per line, in the format the agent's zap
-// logger writes ({"level":"info","ts":"2006-01-02T15:04:05.000Z0700",
-// "msg":...,fields...}; durations in seconds), so both read alike. It is not
-// zap: zap brings net/http and crypto/tls with it, about sixty packages whose
-// initialization every plugin process paid for a handful of log lines.
+// The plugin's log: one JSON object per line with the keys and values the
+// agent's zap logger writes ("level" in lower case, "ts" as
+// 2006-01-02T15:04:05.000Z0700, "msg", durations in seconds), so both read
+// alike. It is log/slog's JSON handler, not zap: zap brings net/http and
+// crypto/tls with it, about sixty packages whose initialization every plugin
+// process paid for a handful of log lines.
 
-// level is a log severity.
-type level int8
+// level is a log severity, as logLevel names it.
+type level = slog.Level
 
 const (
-	levelDebug level = iota - 1
-	levelInfo
-	levelWarn
-	levelError
+	levelDebug = slog.LevelDebug
+	levelInfo  = slog.LevelInfo
+	levelWarn  = slog.LevelWarn
+	levelError = slog.LevelError
 	// levelOff is above every message the plugin writes (zap's dpanic, panic
 	// and fatal, which logLevel also accepts).
-	levelOff
+	levelOff = slog.LevelError + 4
 )
-
-func (l level) String() string {
-	switch l {
-	case levelDebug:
-		return "debug"
-	case levelInfo:
-		return "info"
-	case levelWarn:
-		return "warn"
-	case levelError:
-		return "error"
-	}
-	return "off"
-}
 
 // parseLevel reads logLevel: the names zap accepts, in any case.
 func parseLevel(s string) (level, error) {
@@ -59,118 +45,46 @@ func parseLevel(s string) (level, error) {
 	return 0, fmt.Errorf("unrecognized level: %q", s)
 }
 
-// field is one key and its value, already encoded as JSON.
-type field struct {
-	key, value string
-}
+// logger is the plugin's logger.
+type logger = slog.Logger
 
-// jsonString quotes s as a JSON string the way zap's encoder does: quotes,
-// backslashes and control characters escaped, invalid UTF-8 replaced, no
-// HTML escaping.
-func jsonString(s string) string {
-	var b strings.Builder
-	b.Grow(len(s) + 2)
-	b.WriteByte('"')
-	for i := 0; i < len(s); {
-		c := s[i]
-		if c < utf8.RuneSelf {
-			switch {
-			case c == '"' || c == '\\':
-				b.WriteByte('\\')
-				b.WriteByte(c)
-			case c == '\n':
-				b.WriteString(`\n`)
-			case c == '\r':
-				b.WriteString(`\r`)
-			case c == '\t':
-				b.WriteString(`\t`)
-			case c < 0x20:
-				b.WriteString(`\u00`)
-				b.WriteByte("0123456789abcdef"[c>>4])
-				b.WriteByte("0123456789abcdef"[c&0xf])
-			default:
-				b.WriteByte(c)
+// newLogger writes lines at min and above to w, one write per line: with
+// O_APPEND, lines of plugins logging to the same file at once do not
+// interleave. now, when set, stamps the lines instead of the clock (tests).
+func newLogger(w io.Writer, min level, now func() time.Time) *logger {
+	return slog.New(slog.NewJSONHandler(w, &slog.HandlerOptions{
+		Level: min,
+		ReplaceAttr: func(groups []string, a slog.Attr) slog.Attr {
+			if len(groups) > 0 {
+				return a
 			}
-			i++
-			continue
-		}
-		r, size := utf8.DecodeRuneInString(s[i:])
-		if r == utf8.RuneError && size == 1 {
-			b.WriteString(`\ufffd`)
-		} else {
-			b.WriteString(s[i : i+size])
-		}
-		i += size
-	}
-	b.WriteByte('"')
-	return b.String()
+			switch {
+			case a.Key == slog.TimeKey:
+				t := a.Value.Time()
+				if now != nil {
+					t = now()
+				}
+				return slog.String("ts", t.Format("2006-01-02T15:04:05.000Z0700"))
+			case a.Key == slog.LevelKey:
+				return slog.String(slog.LevelKey, strings.ToLower(a.Value.Resolve().String()))
+			case a.Value.Kind() == slog.KindDuration:
+				return slog.Float64(a.Key, a.Value.Duration().Seconds())
+			}
+			return a
+		},
+	}))
 }
 
-func fStr(key, v string) field { return field{key, jsonString(v)} }
+// Field constructors, named as the plugin's log calls use them.
+func fStr(key, v string) slog.Attr               { return slog.String(key, v) }
+func fInt(key string, v int) slog.Attr           { return slog.Int(key, v) }
+func fUint(key string, v uint64) slog.Attr       { return slog.Uint64(key, v) }
+func fBool(key string, v bool) slog.Attr         { return slog.Bool(key, v) }
+func fDur(key string, d time.Duration) slog.Attr { return slog.Duration(key, d) }
 
-func fInt(key string, v int) field { return field{key, strconv.Itoa(v)} }
-
-func fUint(key string, v uint64) field { return field{key, strconv.FormatUint(v, 10)} }
-
-func fBool(key string, v bool) field { return field{key, strconv.FormatBool(v)} }
-
-// fDur is a duration in seconds, as zap's production encoder writes it.
-func fDur(key string, d time.Duration) field {
-	return field{key, strconv.FormatFloat(d.Seconds(), 'f', -1, 64)}
-}
-
-func fErr(err error) field {
+func fErr(err error) slog.Attr {
 	if err == nil {
-		return field{"error", "null"}
+		return slog.Any("error", nil)
 	}
-	return fStr("error", err.Error())
-}
-
-// logger writes lines at min and above to w. Its zero value writes nothing.
-type logger struct {
-	w      io.Writer
-	min    level
-	fields []field
-	now    func() time.Time
-}
-
-func newLogger(w io.Writer, min level) *logger {
-	return &logger{w: w, min: min, now: time.Now}
-}
-
-// With returns a logger that adds fields to every line.
-func (l *logger) With(fields ...field) *logger {
-	c := *l
-	c.fields = append(append([]field(nil), l.fields...), fields...)
-	return &c
-}
-
-func (l *logger) Debug(msg string, fields ...field) { l.write(levelDebug, msg, fields) }
-func (l *logger) Info(msg string, fields ...field)  { l.write(levelInfo, msg, fields) }
-func (l *logger) Warn(msg string, fields ...field)  { l.write(levelWarn, msg, fields) }
-func (l *logger) Error(msg string, fields ...field) { l.write(levelError, msg, fields) }
-
-func (l *logger) write(lvl level, msg string, fields []field) {
-	if l == nil || l.w == nil || lvl < l.min {
-		return
-	}
-	var b strings.Builder
-	b.WriteString(`{"level":"`)
-	b.WriteString(lvl.String())
-	b.WriteString(`","ts":"`)
-	b.WriteString(l.now().Format("2006-01-02T15:04:05.000Z0700"))
-	b.WriteString(`","msg":`)
-	b.WriteString(jsonString(msg))
-	for _, fs := range [][]field{l.fields, fields} {
-		for _, f := range fs {
-			b.WriteByte(',')
-			b.WriteString(jsonString(f.key))
-			b.WriteByte(':')
-			b.WriteString(f.value)
-		}
-	}
-	b.WriteString("}\n")
-	// One write per line: with O_APPEND, lines of plugins logging to the same
-	// file at once do not interleave. A failed log write changes nothing.
-	_, _ = io.WriteString(l.w, b.String())
+	return slog.String("error", err.Error())
 }

@@ -84,7 +84,7 @@ func (p Plugin) logger(conf *NetConf, args *skel.CmdArgs, cmd string) (*logger, 
 			openErr = err
 		}
 	}
-	log := newLogger(out, lvl).With(
+	log := newLogger(out, lvl, nil).With(
 		fStr("cmd", cmd),
 		fStr("containerID", args.ContainerID),
 		fStr("ifname", args.IfName),
