@@ -298,7 +298,7 @@ func parseWithLogger(command string, args []string, stderr io.Writer) (opts opti
 	return opts, log, -1
 }
 
-// EnvPrefix: every flag of `mesh-agent run` (and uninstall) is also read from the
+// EnvPrefix names the environment variables that mirror flags: every flag of `mesh-agent run` (and uninstall) is also read from the
 // environment variable MESH_AGENT_<FLAG> (upper case, "-" as "_"), the way charts
 // usually pass settings; the command line wins over the environment.
 const EnvPrefix = "MESH_AGENT_"

@@ -1,4 +1,5 @@
-// Package netns is the one place in mesh-cni that switches network namespaces.
+// Package netns is the one place in mesh-cni that switches namespaces: network
+// namespaces, and a cgroup namespace for reading a file as it renders there.
 //
 // A Linux thread's network namespace is per thread, while Go schedules goroutines on
 // any thread. Every function here therefore runs the caller's work on a fresh
@@ -260,3 +261,38 @@ func ensureNetNSDir(dir string) error {
 // Threads of this package that are inside another namespace are never handed back
 // to the Go scheduler, so any other goroutine runs in the process's namespace.
 func CurrentCookie() (uint64, error) { return currentCookie() }
+
+// ReadInCgroupNamespace reads file as a process in the cgroup namespace at
+// nsPath sees it (cgroup paths in /proc/<pid>/cgroup are written relative to
+// the reader's cgroup namespace). The read is done on a thread that joins that
+// namespace and is thrown away after, so no other goroutine ever runs there.
+// Without cgroup namespaces to cross (nsPath unreadable, or the caller's own),
+// it reads the file where the caller is.
+func ReadInCgroupNamespace(nsPath, file string) ([]byte, error) {
+	target, err := os.Open(nsPath)
+	if err != nil {
+		return os.ReadFile(file)
+	}
+	defer target.Close()
+	var targetSt, ownSt unix.Stat_t
+	if unix.Fstat(int(target.Fd()), &targetSt) != nil || unix.Stat("/proc/thread-self/ns/cgroup", &ownSt) != nil || targetSt.Ino == ownSt.Ino {
+		return os.ReadFile(file)
+	}
+	type result struct {
+		b   []byte
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		// Never unlocked: the thread ends with the goroutine.
+		runtime.LockOSThread()
+		if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWCGROUP); err != nil {
+			ch <- result{err: fmt.Errorf("join the cgroup namespace %s: %w", nsPath, err)}
+			return
+		}
+		b, err := os.ReadFile(file)
+		ch <- result{b, err}
+	}()
+	r := <-ch
+	return r.b, r.err
+}

@@ -18,6 +18,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/vishvananda/netlink"
 	"go.uber.org/zap/zaptest"
 	"golang.org/x/sys/unix"
@@ -70,7 +71,7 @@ func newNetns(t testing.TB, name string) *pod {
 	}
 	p := &pod{name: name, path: path, cookie: cookie}
 	p.do(t, func() error {
-		lo, err := netlink.LinkByName("lo")
+		lo, err := netlinksafe.LinkByName("lo")
 		if err != nil {
 			return err
 		}
@@ -109,7 +110,7 @@ func newPodPair(t testing.TB) (a, b *pod) {
 					return err
 				}
 			}
-			l, err := netlink.LinkByName(ifName)
+			l, err := netlinksafe.LinkByName(ifName)
 			if err != nil {
 				return err
 			}
@@ -128,7 +129,7 @@ func newPodPair(t testing.TB) (a, b *pod) {
 func waitOperUp(ifname string, timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)
 	for {
-		l, err := netlink.LinkByName(ifname)
+		l, err := netlinksafe.LinkByName(ifname)
 		if err != nil {
 			return err
 		}
@@ -144,7 +145,7 @@ func waitOperUp(ifname string, timeout time.Duration) error {
 
 // addAddr adds an address to an interface of the calling thread's netns.
 func addAddr(ifname string, pfx netip.Prefix) error {
-	l, err := netlink.LinkByName(ifname)
+	l, err := netlinksafe.LinkByName(ifname)
 	if err != nil {
 		return err
 	}

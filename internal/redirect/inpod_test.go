@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
@@ -151,7 +152,7 @@ func TestReplyRouteReleased(t *testing.T) {
 	state := func() (rules, routes int, accept string) {
 		a.do(t, func() error {
 			for _, fam := range []int{netlink.FAMILY_V4, netlink.FAMILY_V6} {
-				rs, err := netlink.RuleList(fam)
+				rs, err := netlinksafe.RuleList(fam)
 				if err != nil {
 					return err
 				}
@@ -160,7 +161,7 @@ func TestReplyRouteReleased(t *testing.T) {
 						rules++
 					}
 				}
-				rts, err := netlink.RouteListFiltered(fam, &netlink.Route{Table: ReplyTable}, netlink.RT_FILTER_TABLE)
+				rts, err := netlinksafe.RouteListFiltered(fam, &netlink.Route{Table: ReplyTable}, netlink.RT_FILTER_TABLE)
 				if err != nil {
 					return err
 				}
@@ -259,7 +260,7 @@ func TestLinkLocalOriginalDstScope(t *testing.T) {
 	a, b := newPodPair(t)
 	var bLL netip.Addr
 	b.do(t, func() error {
-		addrs, err := netlink.AddrList(nil, netlink.FAMILY_V6)
+		addrs, err := netlinksafe.AddrList(nil, netlink.FAMILY_V6)
 		for _, ad := range addrs {
 			if ip, _ := netip.AddrFromSlice(ad.IP); ip.IsLinkLocalUnicast() {
 				bLL = ip

@@ -15,7 +15,7 @@ import (
 // packetHook is the pin name of the BPF LSM link that refuses packet sockets.
 const packetHook = "socket_create"
 
-// ErrNoPacketHook: a pod asks for DenyPacketSockets but the data path runs
+// ErrNoPacketHook is returned when a pod asks for DenyPacketSockets but the data path runs
 // without its BPF LSM program (Config.PacketSockets off, or the node has no BPF
 // LSM).
 var ErrNoPacketHook = errors.New("packet sockets cannot be refused: the data path runs without its BPF LSM program (--deny-packet-sockets)")

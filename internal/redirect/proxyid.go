@@ -4,14 +4,14 @@ import (
 	"bufio"
 	"bytes"
 	"fmt"
-	"os"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strings"
 
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
+
+	"github.com/mesh-cni/mesh-cni/internal/netns"
 )
 
 // MaxProxyCgroups is how many proxy cgroups the node's settings hold
@@ -169,33 +169,7 @@ func (d *Datapath) ProcessCgroup(pid int) (string, error) {
 // below the host's hierarchy the agent attaches to. The read is done on a thread
 // that joins the init process's cgroup namespace and is thrown away after.
 func readHostCgroupFile(path string) ([]byte, error) {
-	host, err := os.Open("/proc/1/ns/cgroup")
-	if err != nil {
-		return os.ReadFile(path) // no cgroup namespaces to cross
-	}
-	defer host.Close()
-	var hostSt, ownSt unix.Stat_t
-	if unix.Fstat(int(host.Fd()), &hostSt) != nil || unix.Stat("/proc/thread-self/ns/cgroup", &ownSt) != nil || hostSt.Ino == ownSt.Ino {
-		return os.ReadFile(path)
-	}
-	type result struct {
-		b   []byte
-		err error
-	}
-	ch := make(chan result, 1)
-	go func() {
-		// Never unlocked: the thread ends with the goroutine, so no other
-		// goroutine runs in the host's cgroup namespace.
-		runtime.LockOSThread()
-		if err := unix.Setns(int(host.Fd()), unix.CLONE_NEWCGROUP); err != nil {
-			ch <- result{err: fmt.Errorf("join the host's cgroup namespace: %w", err)}
-			return
-		}
-		b, err := os.ReadFile(path)
-		ch <- result{b, err}
-	}()
-	r := <-ch
-	return r.b, r.err
+	return netns.ReadInCgroupNamespace("/proc/1/ns/cgroup", path)
 }
 
 // dropLegacyNodeSet removes the node's addresses an earlier layout kept as every

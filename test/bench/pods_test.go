@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
+	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/vishvananda/netlink"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
@@ -72,7 +73,7 @@ func (ps *pods) create(namespace, name string) (*pod, error) {
 		return nil, fmt.Errorf("create pod netns: %w", err)
 	}
 	if err := netns.Do(path, func() error {
-		lo, err := netlink.LinkByName("lo")
+		lo, err := netlinksafe.LinkByName("lo")
 		if err != nil {
 			return err
 		}

@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
@@ -116,7 +117,7 @@ func NewPodPair(tb testing.TB) (a, b Pod) {
 func waitOperUp() error {
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		eth, err := netlink.LinkByName("eth0")
+		eth, err := netlinksafe.LinkByName("eth0")
 		if err != nil {
 			return fmt.Errorf("find eth0: %w", err)
 		}
@@ -131,14 +132,14 @@ func waitOperUp() error {
 }
 
 func configurePod(p Pod) error {
-	lo, err := netlink.LinkByName("lo")
+	lo, err := netlinksafe.LinkByName("lo")
 	if err != nil {
 		return fmt.Errorf("find lo: %w", err)
 	}
 	if err := netlink.LinkSetUp(lo); err != nil {
 		return fmt.Errorf("set lo up: %w", err)
 	}
-	eth, err := netlink.LinkByName("eth0")
+	eth, err := netlinksafe.LinkByName("eth0")
 	if err != nil {
 		return fmt.Errorf("find eth0: %w", err)
 	}

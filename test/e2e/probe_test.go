@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/vishvananda/netlink"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
@@ -169,7 +170,7 @@ func isNodeAddress(t *testing.T, node *harness.Node, a netip.Addr) bool {
 	t.Helper()
 	var found bool
 	if err := node.Do(func() error {
-		addrs, err := netlink.AddrList(nil, netlink.FAMILY_ALL)
+		addrs, err := netlinksafe.AddrList(nil, netlink.FAMILY_ALL)
 		for _, x := range addrs {
 			if ip, ok := netip.AddrFromSlice(x.IP); ok && ip.Unmap() == a {
 				found = true

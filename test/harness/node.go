@@ -20,6 +20,7 @@ import (
 	"github.com/containernetworking/cni/libcni"
 	"github.com/containernetworking/cni/pkg/invoke"
 	"github.com/containernetworking/cni/pkg/version"
+	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
@@ -332,7 +333,7 @@ type Link struct {
 func (n *Node) Links() ([]Link, error) {
 	var out []Link
 	err := netns.Do(n.NetNSPath, func() error {
-		links, err := netlink.LinkList()
+		links, err := netlinksafe.LinkList()
 		if err != nil {
 			return fmt.Errorf("list links: %w", err)
 		}
@@ -442,7 +443,7 @@ func (n *Node) WaitAddressesUsable(ctx context.Context, tb testing.TB) {
 	for {
 		var tentative bool
 		if err := n.Do(func() error {
-			addrs, err := netlink.AddrList(nil, netlink.FAMILY_V6)
+			addrs, err := netlinksafe.AddrList(nil, netlink.FAMILY_V6)
 			for _, a := range addrs {
 				if a.Flags&unix.IFA_F_TENTATIVE != 0 {
 					tentative = true

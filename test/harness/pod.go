@@ -18,6 +18,7 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	types100 "github.com/containernetworking/cni/pkg/types/100"
 
+	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/vishvananda/netlink"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
@@ -70,7 +71,7 @@ func (n *Node) NewPod(tb testing.TB, namespace, name string) *Pod {
 	// A container runtime brings the sandbox's loopback up (containerd and CRI-O
 	// do it themselves or through the loopback plugin); pods rely on 127.0.0.1.
 	if err := netns.Do(p.NetNSPath, func() error {
-		lo, err := netlink.LinkByName("lo")
+		lo, err := netlinksafe.LinkByName("lo")
 		if err != nil {
 			return err
 		}

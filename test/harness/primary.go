@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 )
@@ -97,7 +98,7 @@ func (n *Node) createParent() error {
 			return err
 		}
 		for _, name := range []string{ParentName, veth.PeerName} {
-			l, err := netlink.LinkByName(name)
+			l, err := netlinksafe.LinkByName(name)
 			if err != nil {
 				return err
 			}
@@ -128,7 +129,7 @@ func (n *Node) ProbePrimary() error {
 		return nil
 	}
 	err := n.Do(func() error {
-		parent, err := netlink.LinkByName(ParentName)
+		parent, err := netlinksafe.LinkByName(ParentName)
 		if err != nil {
 			return err
 		}

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
+	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/net/dns/dnsmessage"
 	corev1 "k8s.io/api/core/v1"
@@ -148,12 +149,12 @@ func apiLink(t *testing.T, node *harness.Node) netip.Addr {
 		t.Fatalf("API link: %v", err)
 	}
 	t.Cleanup(func() {
-		if l, err := netlink.LinkByName(name); err == nil {
+		if l, err := netlinksafe.LinkByName(name); err == nil {
 			_ = netlink.LinkDel(l)
 		}
 	})
 	setUp := func(ifname string, a netip.Addr) error {
-		l, err := netlink.LinkByName(ifname)
+		l, err := netlinksafe.LinkByName(ifname)
 		if err != nil {
 			return err
 		}

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 )
@@ -221,7 +222,7 @@ func guestSetup(p *plan) error {
 	if err := os.Chdir("/"); err != nil {
 		return err
 	}
-	lo, err := netlink.LinkByName("lo")
+	lo, err := netlinksafe.LinkByName("lo")
 	if err == nil {
 		err = netlink.LinkSetUp(lo)
 	}

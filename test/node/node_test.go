@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/vishvananda/netlink"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -609,7 +610,7 @@ func (s *scenario) nodeAddresses(t *testing.T) []netip.Addr {
 	t.Helper()
 	var out []netip.Addr
 	err := netns.Do(s.n.NetNS, func() error {
-		addrs, err := netlink.AddrList(nil, netlink.FAMILY_ALL)
+		addrs, err := netlinksafe.AddrList(nil, netlink.FAMILY_ALL)
 		for _, a := range addrs {
 			if ip, ok := netip.AddrFromSlice(a.IP); ok {
 				out = append(out, ip.Unmap())

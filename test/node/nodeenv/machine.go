@@ -19,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/vishvananda/netlink"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
@@ -125,12 +126,12 @@ func (m *Machine) link(tb testing.TB, suffix string) {
 	tb.Cleanup(func() {
 		// Deleting the namespace deletes the pair; this is for a failure
 		// before that.
-		if l, err := netlink.LinkByName(hostName); err == nil {
+		if l, err := netlinksafe.LinkByName(hostName); err == nil {
 			_ = netlink.LinkDel(l)
 		}
 	})
 	configure := func(name string, addr netip.Addr) error {
-		l, err := netlink.LinkByName(name)
+		l, err := netlinksafe.LinkByName(name)
 		if err != nil {
 			return err
 		}
@@ -144,7 +145,7 @@ func (m *Machine) link(tb testing.TB, suffix string) {
 		tb.Fatal(err)
 	}
 	err = netns.Do(m.NetNS, func() error {
-		lo, err := netlink.LinkByName("lo")
+		lo, err := netlinksafe.LinkByName("lo")
 		if err != nil {
 			return err
 		}
