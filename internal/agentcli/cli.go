@@ -250,6 +250,8 @@ func Main(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return runCommand(ctx, args, stderr)
 	case "uninstall":
 		return uninstallCommand(ctx, args, stderr)
+	case "hook":
+		return hookCommand(ctx, args, stderr)
 	case "status":
 		return statusCommand(ctx, args, stdout, stderr)
 	case "check":
@@ -272,6 +274,7 @@ const usage = `usage: mesh-agent [run] [flags]    run the node agent (default)
        mesh-agent status [-o json] [flags]  the node summary and the enrolled pods (works with the agent down)
        mesh-agent check [flags]      run the node checks; exits 1 listing what is wrong
        mesh-agent uninstall [flags]  remove the chain entry, the plugin binary, the pinned data path and its cgroup attachments
+       mesh-agent hook [flags]       serve containerd's network-plugin hook (PodNetworkLifecycle) as its own process
        mesh-agent mount-bpffs        mount a bpffs at /sys/fs/bpf unless one is there (the DaemonSet's init container)
        mesh-agent version            the build: module version, Go release, data path object
 Run "mesh-agent run -h" for the flags; each is also read from $MESH_AGENT_<FLAG> (upper case, - as _).`
@@ -298,9 +301,10 @@ func parseWithLogger(command string, args []string, stderr io.Writer) (opts opti
 	return opts, log, -1
 }
 
-// EnvPrefix names the environment variables that mirror flags: every flag of `mesh-agent run` (and uninstall) is also read from the
-// environment variable MESH_AGENT_<FLAG> (upper case, "-" as "_"), the way charts
-// usually pass settings; the command line wins over the environment.
+// EnvPrefix starts the environment variable of every flag of `mesh-agent run`
+// (uninstall, hook): each is also read from MESH_AGENT_<FLAG> (upper case, "-"
+// as "_"), the way charts usually pass settings; the command line wins over the
+// environment.
 const EnvPrefix = "MESH_AGENT_"
 
 // EnvName is the environment variable of a flag.

@@ -10,7 +10,7 @@ import (
 )
 
 // TestEveryFlagDocumented keeps docs/configuration.md and the
-// flag set of `mesh-agent run` equal, both ways.
+// flag sets of `mesh-agent run` and `mesh-agent hook` equal, both ways.
 func TestEveryFlagDocumented(t *testing.T) {
 	readme, err := os.ReadFile("../../docs/configuration.md")
 	if err != nil {
@@ -24,6 +24,12 @@ func TestEveryFlagDocumented(t *testing.T) {
 	fs := flagSet("mesh-agent run", &opts, io.Discard)
 	var declared []string
 	fs.VisitAll(func(f *flag.Flag) { declared = append(declared, f.Name) })
+	var hook hookOptions
+	hookFlagSet(&hook, io.Discard).VisitAll(func(f *flag.Flag) {
+		if !slices.Contains(declared, f.Name) {
+			declared = append(declared, f.Name)
+		}
+	})
 	for _, name := range declared {
 		if !documented[name] {
 			t.Errorf("flag --%s is not in docs/configuration.md", name)
@@ -31,7 +37,7 @@ func TestEveryFlagDocumented(t *testing.T) {
 	}
 	for name := range documented {
 		if !slices.Contains(declared, name) {
-			t.Errorf("docs/configuration.md documents --%s, which mesh-agent run does not have", name)
+			t.Errorf("docs/configuration.md documents --%s, which neither mesh-agent run nor hook has", name)
 		}
 	}
 }

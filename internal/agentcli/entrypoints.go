@@ -10,7 +10,6 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/internal/agent"
 	"github.com/mesh-cni/mesh-cni/internal/kni"
-	"github.com/mesh-cni/mesh-cni/internal/nethook"
 	"github.com/mesh-cni/mesh-cni/pkg/gate"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 )
@@ -20,27 +19,17 @@ type entryOptions struct {
 	kniSocket        string
 	kniUpstream      string
 	kniEnrollTimeout time.Duration
-	hookSocket       string
-	hookPluginDir    string
-	hookName         string
-	hookPriority     int
 }
-
-// DefaultHookPluginDir is where containerd's network-plugin prototype looks for
-// registrations.
-const DefaultHookPluginDir = "/etc/containerd/net.d"
 
 func (e *entryOptions) register(fs *flag.FlagSet) {
 	fs.StringVar(&e.kniSocket, "kni-socket", "", "serve the KNI interposer on this socket (kubelet's KNI endpoint); empty: off")
 	fs.StringVar(&e.kniUpstream, "kni-upstream", "", "socket of the real KNI network runtime the interposer forwards to")
 	fs.DurationVar(&e.kniEnrollTimeout, "kni-enroll-timeout", gate.DefaultEnrollTimeout, "how long a KNI attach waits for the agent to enroll the pod")
-	fs.StringVar(&e.hookSocket, "hook-socket", "", "serve the containerd PodNetworkLifecycle hook on this socket; empty: off")
-	fs.StringVar(&e.hookPluginDir, "hook-plugin-dir", DefaultHookPluginDir, "directory where the hook's registration file is written")
-	fs.StringVar(&e.hookName, "hook-name", "mesh-cni", "name of the hook registration (file <name>.json)")
-	fs.IntVar(&e.hookPriority, "hook-priority", nethook.DefaultPriority, "hook priority: runs after plugins with a lower number (the primary)")
 }
 
-// entryPoints builds the KNI interposer and the hook from the flags.
+// entryPoints builds the KNI interposer from the flags. The containerd hook
+// is not served here: it runs as its own process (`mesh-agent hook`, see
+// hook.go) so that it outlives the agent.
 func (o options) entryPoints(log *zap.Logger) ([]agent.EntryPoint, error) {
 	var eps []agent.EntryPoint
 	// entry is the configuration both share; each sets its own socket.
@@ -59,28 +48,6 @@ func (o options) entryPoints(log *zap.Logger) ([]agent.EntryPoint, error) {
 				return nil, err
 			}
 			return o.serveInBackground(log, "kni interposer", srv), nil
-		})
-	}
-	if o.entry.hookSocket != "" {
-		eps = append(eps, func(ctx context.Context, g gatepb.GateServer, ready func() (bool, string)) (func(), error) {
-			cfg := nethook.Config{EntryConfig: entry(g, ready)}
-			cfg.SocketPath = o.entry.hookSocket
-			srv, err := nethook.New(ctx, log.Named("hook"), cfg)
-			if err != nil {
-				return nil, err
-			}
-			stop := o.serveInBackground(log, "network-plugin hook", srv)
-			// Registered only once the socket answers, so the runtime never dials a
-			// dead socket; left in place on shutdown (pods then wait, as with CNI).
-			path, err := nethook.WriteRegistration(o.entry.hookPluginDir, nethook.Registration{
-				Name: o.entry.hookName, Address: o.entry.hookSocket, Priority: o.entry.hookPriority,
-			})
-			if err != nil {
-				srv.Stop(0)
-				return nil, err
-			}
-			log.Info("network-plugin hook registered", zap.String("file", path))
-			return stop, nil
 		})
 	}
 	return eps, nil

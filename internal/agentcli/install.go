@@ -11,7 +11,6 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/agent"
 	"github.com/mesh-cni/mesh-cni/internal/cniinstall"
 	"github.com/mesh-cni/mesh-cni/internal/hostproc"
-	"github.com/mesh-cni/mesh-cni/internal/nethook"
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
 	"github.com/mesh-cni/mesh-cni/internal/runtimecni"
 )
@@ -112,12 +111,6 @@ func uninstallCommand(ctx context.Context, args []string, stderr io.Writer) int 
 		}
 		if err := cniinstall.RemoveBinary(opts.cniBinDirs, "mesh-cni"); err != nil {
 			log.Error("removing the plugin binary failed", zap.Error(err))
-			failed = true
-		}
-	}
-	if opts.entry.hookSocket != "" {
-		if err := nethook.RemoveRegistration(opts.entry.hookPluginDir, opts.entry.hookName); err != nil {
-			log.Error("removing the hook registration failed", zap.Error(err))
 			failed = true
 		}
 	}

@@ -1,34 +1,54 @@
-// Package nethook is the mesh-agent's network-plugin hook entry point: it
-// serves the containerd-style PodNetworkLifecycle service (proto package
+// Package nethook is mesh-cni's network-plugin hook for containerd: it serves
+// the PodNetworkLifecycle service (proto package
 // "containerd.services.networking.v1") on its own Unix socket and registers it
 // with a JSON file in the runtime's plugin directory, as a non-primary plugin
-// that runs after the primary one.
+// that runs after the primary one. It runs as its own process (`mesh-agent
+// hook`, Run) and reaches the agent over the gate socket, like the CNI plugin.
+//
+// Why its own process: containerd's loader (the fork that carries
+// PodNetworkLifecycle, core/networking and internal/cri/server/
+// grpc_plugin_syncer.go) dials every registered plugin with a blocking dial
+// each time it (re)loads its plugin directory, and a single failed dial fails
+// the whole load: at containerd's start the chain is then empty, every pod's
+// setup fails and NetworkReady is false, the primary's pods included. A hook
+// served by the agent dies with it, so a registration left in place while the
+// agent is down takes the node's networking down at the next containerd
+// restart, and a registration removed with it lets pods start unmeshed. This
+// process has no data path, no cgroups and no Kubernetes client, so it
+// outlives agent crashes, restarts and upgrades: the loader's dial and
+// CheckHealth always succeed, and pod setups wait at the gate for the agent.
 //
 //   - SetupPodNetwork enrolls the pod through gate Add (which waits until the
-//     agent is ready, bounded by the caller's deadline and
+//     agent answers and is ready, bounded by the caller's deadline and
 //     Config.EnrollTimeout) and answers with an empty SetupPodNetworkResponse,
 //     also for an excluded namespace: the mesh adds no interfaces, routes or
 //     DNS. The runtime appends each plugin's interfaces and routes to what came
 //     before and takes every address as a pod IP, so echoing prev_result
-//     would list each pod IP twice. If the pod cannot be enrolled the setup
-//     fails, and the runtime tears down the plugins that already ran.
+//     would list each pod IP twice. If the pod cannot be enrolled (the agent
+//     down past the timeout included) the setup fails with a message saying
+//     so, and the runtime tears down the plugins that already ran: fail
+//     closed. Excluded namespaces never wait.
 //   - TeardownPodNetwork releases the pod through gate Del; errors are logged
 //     and never fail the teardown.
-//   - CheckHealth answers ready whenever the hook is serving, also while the
-//     agent is still starting (the message then says what it waits for). The
-//     runtime reports the hooks' health as its NetworkReady condition, and a
-//     node whose runtime is not network-ready is marked NotReady by kubelet:
-//     no pod is scheduled there and, after the taint's toleration, its pods
-//     are evicted. Holding each pod's setup at the gate until the agent is
-//     ready is the product; turning an agent restart into a node outage is
-//     not. A hook that does not answer at all (agent stopped) still fails the
-//     runtime's check: that is the runtime's rule, not the hook's answer.
+//   - CheckHealth answers ready whenever the hook is serving, the agent up or
+//     not (the message then says what it waits for). The runtime reports the
+//     hooks' health as its NetworkReady condition, and a node whose runtime is
+//     not network-ready is marked NotReady by kubelet: no pod is scheduled
+//     there and, after the taint's toleration, its pods are evicted. Holding
+//     each pod's setup at the gate until the agent is ready is the product;
+//     turning an agent restart into a node outage is not.
+//
+// The registration is removed on every stop that is not a crash, unless a
+// successor already took the socket over (ListenTakingOver): an update that
+// starts the new hook before stopping the old one hands over without a
+// moment in which the runtime's chain lacks the hook.
 package nethook
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 
 	"go.uber.org/zap"
 	"google.golang.org/grpc/codes"
@@ -66,23 +86,28 @@ func (c Config) withDefaults() (Config, error) {
 // for the runtime.
 type Server struct {
 	*gate.Server
+	listener net.Listener
 }
 
-// New listens on cfg.SocketPath.
+// New listens on cfg.SocketPath, taking the socket over from a hook still
+// serving there (see the package doc).
 func New(ctx context.Context, log *zap.Logger, cfg Config) (*Server, error) {
 	cfg, err := cfg.withDefaults()
 	if err != nil {
 		return nil, err
 	}
-	l, err := gate.Listen(ctx, cfg.SocketPath)
+	l, err := gate.ListenTakingOver(ctx, cfg.SocketPath)
 	if err != nil {
 		return nil, fmt.Errorf("network-plugin hook: %w", err)
 	}
 	log = log.With(zap.String("entry", "nethook"))
 	srv := gate.NewServer(cfg.AllowedUIDs)
 	nethookpb.RegisterPodNetworkLifecycleServer(srv, &hook{log: log, cfg: cfg})
-	return &Server{gate.NewUnixServer("network-plugin hook", log, l, srv)}, nil
+	return &Server{Server: gate.NewUnixServer("network-plugin hook", log, l, srv), listener: l}, nil
 }
+
+// Superseded reports whether a newer hook took the socket over.
+func (s *Server) Superseded() (bool, error) { return gate.Superseded(s.listener) }
 
 type hook struct {
 	nethookpb.UnimplementedPodNetworkLifecycleServer
@@ -133,12 +158,12 @@ func (h *hook) TeardownPodNetwork(ctx context.Context, req *nethookpb.TeardownPo
 	return &nethookpb.TeardownPodNetworkResponse{}, nil
 }
 
-// CheckHealth is ready while the hook serves, the agent ready or not: pods
-// wait at the gate for a starting agent, and a not-ready answer would make
+// CheckHealth is ready while the hook serves, the agent ready, starting or
+// down: pods wait at the gate for the agent, and a not-ready answer would make
 // kubelet mark the whole node NotReady (see the package doc).
 func (h *hook) CheckHealth(context.Context, *nethookpb.CheckHealthRequest) (*nethookpb.CheckHealthResponse, error) {
 	if ready, why := h.cfg.Ready(); !ready {
-		return &nethookpb.CheckHealthResponse{Ready: true, Message: "mesh-agent is starting (" + why + "); pod setups wait for it"}, nil
+		return &nethookpb.CheckHealthResponse{Ready: true, Message: "mesh-agent is starting or down (" + why + "); setups of meshed pods wait for it"}, nil
 	}
 	return &nethookpb.CheckHealthResponse{Ready: true, Message: "mesh-agent is ready"}, nil
 }

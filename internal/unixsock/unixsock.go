@@ -46,6 +46,20 @@ type ID struct{ dev, ino uint64 }
 // replaced only when nobody answers on it (a second agent must never take over
 // a running one's socket); a path that is not a socket is never replaced.
 func Listen(ctx context.Context, network, path string) (*net.UnixListener, ID, error) {
+	return listen(ctx, network, path, false)
+}
+
+// ListenTakingOver is Listen for a server whose successor starts before it
+// stops (the network-plugin hook's hand-over): a socket at path is replaced
+// whether or not someone answers on it, in one rename, so a client dialing
+// path reaches the old listener or the new one and never finds nothing. The
+// old server learns it was replaced with Replaced. A path that is not a socket is
+// still never replaced.
+func ListenTakingOver(ctx context.Context, network, path string) (*net.UnixListener, ID, error) {
+	return listen(ctx, network, path, true)
+}
+
+func listen(ctx context.Context, network, path string, takeOver bool) (*net.UnixListener, ID, error) {
 	if !filepath.IsAbs(path) {
 		return nil, ID{}, fmt.Errorf("socket path %q must be absolute", path)
 	}
@@ -53,7 +67,11 @@ func Listen(ctx context.Context, network, path string) (*net.UnixListener, ID, e
 	if err := prepareDir(dir); err != nil {
 		return nil, ID{}, err
 	}
-	if err := checkStale(ctx, network, path); err != nil {
+	check := checkStale
+	if takeOver {
+		check = checkSocketOrFree
+	}
+	if err := check(ctx, network, path); err != nil {
 		return nil, ID{}, err
 	}
 	tmpDir, err := os.MkdirTemp(dir, ".bind")
@@ -107,8 +125,8 @@ func prepareDir(dir string) error {
 	return nil
 }
 
-// checkStale succeeds when path is free or holds a socket nobody listens on.
-func checkStale(ctx context.Context, network, path string) error {
+// checkSocketOrFree succeeds when path is free or holds a socket.
+func checkSocketOrFree(_ context.Context, _, path string) error {
 	info, err := os.Lstat(path)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil
@@ -118,6 +136,17 @@ func checkStale(ctx context.Context, network, path string) error {
 	}
 	if info.Mode().Type() != os.ModeSocket {
 		return fmt.Errorf("socket path %q exists and is not a socket (%s); refusing to replace it", path, info.Mode().Type())
+	}
+	return nil
+}
+
+// checkStale succeeds when path is free or holds a socket nobody listens on.
+func checkStale(ctx context.Context, network, path string) error {
+	if err := checkSocketOrFree(ctx, network, path); err != nil {
+		return err
+	}
+	if _, err := os.Lstat(path); errors.Is(err, os.ErrNotExist) {
+		return nil
 	}
 	ctx, cancel := context.WithTimeout(ctx, staleProbeTimeout)
 	defer cancel()
@@ -135,6 +164,20 @@ func checkStale(ctx context.Context, network, path string) error {
 	default:
 		return fmt.Errorf("probe existing socket %q: %w", path, err)
 	}
+}
+
+// Replaced reports whether path now holds a socket file other than the one
+// with identity id: a successor took it over (ListenTakingOver). A path that
+// is gone is not replaced: nobody serves there.
+func Replaced(path string, id ID) (bool, error) {
+	var st unix.Stat_t
+	if err := unix.Lstat(path, &st); err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return false, nil
+		}
+		return false, fmt.Errorf("stat socket %q: %w", path, err)
+	}
+	return st.Mode&unix.S_IFMT == unix.S_IFSOCK && (st.Dev != id.dev || st.Ino != id.ino), nil
 }
 
 // RemoveIfOurs removes path if it is still the socket file with identity id.

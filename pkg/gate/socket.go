@@ -2,6 +2,7 @@ package gate
 
 import (
 	"context"
+	"errors"
 	"net"
 	"sync"
 
@@ -24,6 +25,29 @@ func Listen(ctx context.Context, path string) (net.Listener, error) {
 		return nil, err
 	}
 	return &listener{UnixListener: l, path: path, id: id}, nil
+}
+
+// ListenTakingOver is Listen for a server that hands its socket to a
+// successor started before it stops: a socket at path is replaced even while
+// someone answers on it (see unixsock.ListenTakingOver). The server it
+// replaced finds out with Superseded.
+func ListenTakingOver(ctx context.Context, path string) (net.Listener, error) {
+	l, id, err := unixsock.ListenTakingOver(ctx, "unix", path)
+	if err != nil {
+		return nil, err
+	}
+	return &listener{UnixListener: l, path: path, id: id}, nil
+}
+
+// Superseded reports whether another listener took l's socket path over (l
+// from Listen or ListenTakingOver). A path that was removed is not: nobody
+// serves there.
+func Superseded(l net.Listener) (bool, error) {
+	ours, ok := l.(*listener)
+	if !ok {
+		return false, errors.New("not a listener of this package")
+	}
+	return unixsock.Replaced(ours.path, ours.id)
 }
 
 // listener reports the socket's final path (it was bound under a temporary

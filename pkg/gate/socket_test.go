@@ -2,6 +2,7 @@ package gate
 
 import (
 	"context"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -126,5 +127,53 @@ func assertMode(t *testing.T, path string, want os.FileMode) {
 	}
 	if got := info.Mode().Perm(); got != want {
 		t.Fatalf("mode of %s = %o, want %o", path, got, want)
+	}
+}
+
+// TestListenTakingOver: a successor replaces a live socket in one rename; the
+// old listener learns it was superseded, and closing it leaves the
+// successor's socket in place. A regular file is still never replaced.
+func TestListenTakingOver(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "hook.sock")
+	ctx := context.Background()
+	old, err := ListenTakingOver(ctx, path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s, err := Superseded(old); err != nil || s {
+		t.Fatalf("Superseded before any successor = %v, %v", s, err)
+	}
+	succ, err := ListenTakingOver(ctx, path)
+	if err != nil {
+		t.Fatalf("take over a live socket: %v", err)
+	}
+	defer succ.Close()
+	assertMode(t, path, 0o600)
+	if s, err := Superseded(old); err != nil || !s {
+		t.Fatalf("Superseded after a successor took over = %v, %v; want true", s, err)
+	}
+	if s, err := Superseded(succ); err != nil || s {
+		t.Fatalf("the successor is superseded = %v, %v", s, err)
+	}
+	if err := old.Close(); err != nil {
+		t.Fatal(err)
+	}
+	conn, err := net.Dial("unix", path)
+	if err != nil {
+		t.Fatalf("the successor's socket after the old listener closed: %v", err)
+	}
+	conn.Close()
+
+	if err := succ.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if s, err := Superseded(succ); err != nil || s {
+		t.Fatalf("Superseded once its socket is removed = %v, %v; want false (nobody took over)", s, err)
+	}
+	if err := os.WriteFile(path, []byte("keep me"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ListenTakingOver(ctx, path); err == nil || !strings.Contains(err.Error(), "not a socket") {
+		t.Fatalf("take over a regular file = %v, want not-a-socket error", err)
 	}
 }

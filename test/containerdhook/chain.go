@@ -15,10 +15,18 @@
 //     are every address of every interface of the merged result, in order,
 //     the first being the pod IP and the rest additional IPs;
 //   - internal/cri/server/status.go: a failed CheckHealth makes the runtime's
-//     NetworkReady condition false.
+//     NetworkReady condition false;
+//   - internal/cri/server/grpc_plugin_syncer.go, core/networking/
+//     plugin_registry.go and NewGRPCPlugin: how the chain is loaded from the
+//     plugin directory, dialed and swapped (Loader).
 //
-// The fork itself cannot be used from Go modules here (the module proxy does not
-// serve its commits), so the runtime's side is this double.
+// The fork is published only as a git branch, not as a module the Go module
+// proxy serves (it refuses the fork's commits: its go.mod names upstream's
+// module path), and CI reaches only the module proxy and Debian, so the
+// runtime's side is this double. Its loader was checked against the fork's
+// containerd built from that commit and run on this machine (the scenarios of
+// TestLoaderAsTheFork, with crictl info reading NetworkReady and
+// lastGRPCPluginLoadStatus): same chain, same failures.
 package containerdhook
 
 import (
@@ -30,7 +38,6 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/encoding"
 )
 
@@ -213,17 +220,6 @@ type GRPC struct {
 	conn    *grpc.ClientConn
 }
 
-// Dial connects to a hook's socket (the registration's address, a path).
-func Dial(address string) (*GRPC, error) {
-	conn, err := grpc.NewClient("unix://"+address,
-		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithDefaultCallOptions(grpc.ForceCodec(rawCodec{})))
-	if err != nil {
-		return nil, fmt.Errorf("connect to pod network service at %s: %w", address, err)
-	}
-	return &GRPC{address: address, conn: conn}, nil
-}
-
 // Close closes the connection.
 func (g *GRPC) Close() error { return g.conn.Close() }
 
@@ -253,8 +249,7 @@ func (g *GRPC) CheckHealth(ctx context.Context) error {
 	if _, err := os.Stat(g.address); err != nil {
 		return fmt.Errorf("gRPC network plugin socket %s not available: %w", g.address, err)
 	}
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
+	// No deadline of its own: the runtime's status call bounds it.
 	var req, resp []byte
 	if err := g.conn.Invoke(ctx, methodHealth, &req, &resp); err != nil {
 		return fmt.Errorf("gRPC network plugin health check failed at %s: %w", g.address, err)
@@ -279,4 +274,10 @@ func (g *GRPC) Health(ctx context.Context) (ready bool, message string, err erro
 		return false, "", err
 	}
 	return decodeHealth(resp)
+}
+
+// Dial connects to a plugin's socket the way the runtime's loader does
+// (blocking, within the default dial timeout).
+func Dial(address string) (*GRPC, error) {
+	return dialBlocking(address, 5*time.Second)
 }

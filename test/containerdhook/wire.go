@@ -245,3 +245,57 @@ func decodeHealth(b []byte) (ready bool, message string, err error) {
 	}
 	return ready, message, nil
 }
+
+// decodePod reads the pod fields a SetupPodNetworkRequest and a
+// TeardownPodNetworkRequest share (1-7), as a plugin serving them would.
+func decodePod(b []byte) (Pod, error) {
+	var p Pod
+	err := walk(b, func(num protowire.Number, _ protowire.Type, v []byte, _ uint64) error {
+		switch num {
+		case setupSandboxID:
+			p.SandboxID = string(v)
+		case setupNetns:
+			p.NetnsPath = string(v)
+		case setupName:
+			p.Name = string(v)
+		case setupNamespace:
+			p.Namespace = string(v)
+		case setupUID:
+			p.UID = string(v)
+		case setupAnnotations, setupLabels:
+			var k, val string
+			if err := walk(v, func(num protowire.Number, _ protowire.Type, v []byte, _ uint64) error {
+				switch num {
+				case 1:
+					k = string(v)
+				case 2:
+					val = string(v)
+				}
+				return nil
+			}); err != nil {
+				return err
+			}
+			m := &p.Labels
+			if num == setupAnnotations {
+				m = &p.Annotations
+			}
+			if *m == nil {
+				*m = map[string]string{}
+			}
+			(*m)[k] = val
+		}
+		return nil
+	})
+	if err != nil {
+		return Pod{}, fmt.Errorf("decode pod network request: %w", err)
+	}
+	return p, nil
+}
+
+func encodeHealth(ready bool, message string) []byte {
+	var b []byte
+	if ready {
+		b = appendVarint(b, healthReady, 1)
+	}
+	return appendString(b, healthMessage, message)
+}

@@ -2,6 +2,8 @@ package e2e
 
 import (
 	"context"
+	"errors"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -9,22 +11,52 @@ import (
 	"testing"
 	"time"
 
-	types100 "github.com/containernetworking/cni/pkg/types/100"
-
 	"github.com/mesh-cni/mesh-cni/internal/nethook"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 	"github.com/mesh-cni/mesh-cni/test/containerdhook"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
-// primaryResult is the primary network's result as the runtime holds it.
-func primaryResult(t *testing.T, res *types100.Result) *containerdhook.Result {
+// The hook's tests play containerd with test/containerdhook's Loader, the
+// fork's directory loader (blocking dial of every registered plugin, one
+// failed dial failing the load, reload on directory events, NetworkReady from
+// every plugin's CheckHealth), in front of a primary that runs the node's real
+// bridge conflist and `mesh-agent hook`, the hook's own process, with the
+// real agent behind its gate socket.
+
+// hookEnv is a node with a primary registered in containerd's plugin
+// directory, the agent and the hook.
+type hookEnv struct {
+	node      *harness.Node
+	primary   *containerdhook.Primary
+	agent     *agent
+	hook      *containerdhook.Hook
+	pluginDir string
+}
+
+// newHookEnv starts the primary, the agent (with agentArgs) and the hook (with
+// hookArgs); the runtime's loader is the test's to start.
+func newHookEnv(t *testing.T, ctx context.Context, agentArgs, hookArgs []string) *hookEnv {
 	t.Helper()
-	r, err := containerdhook.FromCNI(res)
+	e := &hookEnv{node: harness.NewNode(t, harness.NodeOptions{})}
+	e.agent = newAgent(t, agentArgs...)
+	e.pluginDir = e.agent.agentPath("containerd", "net.d")
+	e.primary = containerdhook.StartPrimary(t, e.node, e.node.Conflist(t, "hooknet"), e.pluginDir)
+	e.agent.start(ctx)
+	e.hook = containerdhook.StartHook(t, e.agent.Socket, e.pluginDir, hookArgs...)
+	return e
+}
+
+// loader starts containerd's loader on the plugin directory (containerd
+// starting), closed in cleanup.
+func (e *hookEnv) loader(t *testing.T) *containerdhook.Loader {
+	t.Helper()
+	l, err := containerdhook.NewLoader(e.pluginDir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return r
+	t.Cleanup(func() { l.Close() })
+	return l
 }
 
 func hookPod(p *harness.Pod) containerdhook.Pod {
@@ -39,211 +71,387 @@ func hookPod(p *harness.Pod) containerdhook.Pod {
 	}
 }
 
+// primaryResult is the primary network's result as the runtime holds it.
+func primaryResult(t *testing.T, p *harness.Pod) *containerdhook.Result {
+	t.Helper()
+	r, err := containerdhook.FromCNI(p.Result())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+// resultAddrs are the addresses of a result's interfaces.
+func resultAddrs(t *testing.T, r *containerdhook.Result) []netip.Addr {
+	t.Helper()
+	var out []netip.Addr
+	for _, i := range r.Interfaces {
+		for _, a := range i.Addresses {
+			p, err := netip.ParsePrefix(a)
+			if err != nil {
+				t.Fatalf("address %q: %v", a, err)
+			}
+			out = append(out, p.Addr())
+		}
+	}
+	return out
+}
+
 // checkPodIPs: the sandbox IPs the runtime derives from the merged result are
-// the pod's addresses, each once.
-func checkPodIPs(t *testing.T, p *harness.Pod, merged *containerdhook.Result) {
+// the addresses the primary gave the pod, each once.
+func checkPodIPs(t *testing.T, name string, primary, merged *containerdhook.Result) {
 	t.Helper()
 	ip, more, err := containerdhook.PodIPs(merged)
 	if err != nil {
-		t.Fatalf("pod IPs of %s: %v", p.Name, err)
+		t.Fatalf("pod IPs of %s: %v", name, err)
 	}
 	got := append([]string{ip}, more...)
 	var want []string
-	for _, a := range p.Addrs() {
+	for _, a := range resultAddrs(t, primary) {
 		want = append(want, a.String())
 	}
 	slices.Sort(got)
 	slices.Sort(want)
-	if !slices.Equal(got, want) {
-		t.Fatalf("the runtime would give %s the IPs %v, want its addresses %v, each once", p.Name, got, want)
+	if len(want) == 0 || !slices.Equal(got, want) {
+		t.Fatalf("the runtime would give %s the IPs %v, want the primary's addresses %v, each once", name, got, want)
 	}
 }
 
-// TestHookEntryPoint plays containerd against the agent's network-plugin hook,
-// through test/containerdhook (the runtime's chain written from the fork's
-// source, github.com/MikeZappa87/containerd branch mzappa/podapi at commit
-// b5dc60445dc9537d5e473bec6b1aef9b3c487be1): it finds the hook through its registration file, runs the primary
-// network (a real [bridge] ADD) itself, then runs the chain [primary, hook];
-// the hook answers empty with the pod enrolled, and the pod IPs the runtime
-// derives from the merged result are the pod's addresses, each once; traffic
-// between two such pods goes through their sidecar proxies; teardown
-// releases; the runtime's NetworkReady holds while the agent runs and fails
-// once it is stopped, the registration staying in place.
+// waitChain waits until the loader's chain is names (nil: none).
+func waitChain(t *testing.T, ctx context.Context, l *containerdhook.Loader, names ...string) {
+	t.Helper()
+	n := l.Loads()
+	for !slices.Equal(l.Names(), names) {
+		n++
+		waitCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		_, err := l.WaitLoads(waitCtx, n)
+		cancel()
+		if err != nil {
+			t.Fatalf("the runtime's chain is %v (last load: %v), want %v: %v", l.Names(), l.LastStatus(), names, err)
+		}
+	}
+}
+
+// settledNetworkReady is NetworkReady from a call no load interrupted (a load
+// closes the previous chain's connections under the calls in flight).
+func settledNetworkReady(ctx context.Context, l *containerdhook.Loader) error {
+	for {
+		n := l.Loads()
+		err := l.NetworkReady(ctx)
+		if l.Loads() == n || ctx.Err() != nil {
+			return err
+		}
+	}
+}
+
+// TestHookEntryPoint: the runtime finds the hook through its registration and
+// runs [primary, hook]; the hook answers empty with the pod enrolled, the pod
+// IPs the runtime derives are the pod's addresses, each once, traffic between
+// two such pods goes through their sidecar proxies, teardown releases. The
+// agent's stop leaves the hook, its registration and NetworkReady in place;
+// the hook's own stop (SIGTERM) removes the registration.
 func TestHookEntryPoint(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
-	node := harness.NewNode(t, harness.NodeOptions{})
-	primary := node.Conflist(t, "hooknet")
-	a := newAgent(t)
-	pluginDir := a.agentPath("containerd", "net.d")
-	a.Args = append(a.Args, "--hook-socket", a.agentPath("hook", "hook.sock"), "--hook-plugin-dir", pluginDir)
-	a.start(ctx)
-
-	// The runtime's view: the registration file in its plugin directory.
-	regPath := nethook.RegistrationPath(pluginDir, "mesh-cni")
-	reg, err := nethook.ReadRegistration(regPath)
+	e := newHookEnv(t, ctx, nil, nil)
+	reg, err := nethook.ReadRegistration(e.hook.Registration)
 	if err != nil {
-		t.Fatalf("the agent's hook registration: %v", err)
+		t.Fatalf("the hook's registration: %v", err)
 	}
-	if reg.Name != "mesh-cni" || reg.Primary || reg.Priority != nethook.DefaultPriority || reg.Address != a.agentPath("hook", "hook.sock") {
-		t.Fatalf("registration %+v, want mesh-cni, not primary, priority %d, address the hook socket", reg, nethook.DefaultPriority)
+	if reg.Name != "mesh-cni" || reg.Primary || reg.Priority != nethook.DefaultPriority || reg.Address != e.hook.Socket {
+		t.Fatalf("registration %+v, want mesh-cni, not primary, priority %d, address %s", reg, nethook.DefaultPriority, e.hook.Socket)
 	}
-	hook, err := containerdhook.Dial(strings.TrimPrefix(reg.Address, "unix://"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer hook.Close()
-	chainFor := func(p *harness.Pod) *containerdhook.Chain {
-		return &containerdhook.Chain{
-			Plugins: []containerdhook.Plugin{containerdhook.Done{Result: primaryResult(t, p.Result())}, hook},
-			Names:   []string{"bridge", reg.Name},
-		}
-	}
-	if err := (&containerdhook.Chain{Plugins: []containerdhook.Plugin{hook}, Names: []string{reg.Name}}).NetworkReady(ctx); err != nil {
-		t.Fatalf("NetworkReady with the agent ready: %v", err)
+	l := e.loader(t)
+	waitChain(t, ctx, l, e.primary.Name, "mesh-cni")
+	if err := settledNetworkReady(ctx, l); err != nil {
+		t.Fatalf("NetworkReady: %v", err)
 	}
 
 	setup := func(p *harness.Pod) *containerdhook.Result {
 		t.Helper()
-		if _, err := node.Add(ctx, p, primary); err != nil {
-			t.Fatalf("primary network for %s: %v", p.Name, err)
-		}
 		callCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
 		defer cancel()
-		own, err := hook.Setup(callCtx, hookPod(p), primaryResult(t, p.Result()))
-		if err != nil {
-			t.Fatalf("SetupPodNetwork %s: %v", p.Name, err)
-		}
-		if len(own.Interfaces) != 0 || len(own.Routes) != 0 || own.DNS != nil {
-			t.Fatalf("the hook answered %+v for %s, want an empty response (the mesh adds no interface)", own, p.Name)
-		}
-		merged, err := chainFor(p).Setup(callCtx, hookPod(p))
+		merged, err := l.Setup(callCtx, hookPod(p))
 		if err != nil {
 			t.Fatalf("the runtime's chain for %s: %v", p.Name, err)
 		}
-		checkPodIPs(t, p, merged)
-		e := enrollmentOf(ctx, a, p.ContainerID)
-		if e == nil {
+		checkPodIPs(t, p.Name, e.primary.Result(p.ContainerID), merged)
+		en := enrollmentOf(ctx, e.agent, p.ContainerID)
+		if en == nil {
 			t.Fatalf("the agent does not list %s after its setup returned", p.Name)
 		}
-		if e.GetSource() != gatepb.Source_SOURCE_HOOK || e.GetNetnsPath() != p.NetNSPath || e.GetPod().GetUid() != p.UID ||
-			e.GetAttachment().GetNetwork() != nethook.DefaultNetwork || e.GetAttachment().GetIfname() != p.IfName {
-			t.Fatalf("enrollment of %s = %v, want source HOOK, netns %s, uid %s, network %s, ifname %s", p.Name, e, p.NetNSPath, p.UID, nethook.DefaultNetwork, p.IfName)
+		if en.GetSource() != gatepb.Source_SOURCE_HOOK || en.GetNetnsPath() != p.NetNSPath || en.GetPod().GetUid() != p.UID ||
+			en.GetAttachment().GetNetwork() != nethook.DefaultNetwork || en.GetAttachment().GetIfname() != "eth0" {
+			t.Fatalf("enrollment of %s = %v, want source HOOK, netns %s, uid %s, network %s, ifname eth0", p.Name, en, p.NetNSPath, p.UID, nethook.DefaultNetwork)
 		}
-		if !settingsEntryExists(t, a, e.GetNetnsCookie()) {
+		if !settingsEntryExists(t, e.agent, en.GetNetnsCookie()) {
 			t.Fatalf("%s is listed but has no entry in the pinned pods map", p.Name)
 		}
 		return merged
 	}
+	pa := &meshPod{Pod: e.node.NewPod(t, "shop", "hook-client")}
+	pb := &meshPod{Pod: e.node.NewPod(t, "shop", "hook-server")}
+	mergedA, mergedB := setup(pa.Pod), setup(pb.Pod)
+	checkThroughSidecars(ctx, t, pa, pb, resultAddrs(t, mergedA), resultAddrs(t, mergedB))
 
-	pa := &meshPod{Pod: node.NewPod(t, "shop", "hook-client")}
-	pb := &meshPod{Pod: node.NewPod(t, "shop", "hook-server")}
-	prevA, prevB := setup(pa.Pod), setup(pb.Pod)
-	checkThroughSidecars(ctx, t, pa, pb, pa.Addrs(), pb.Addrs())
-
-	// Teardown (reverse order: the hook first) releases, before the runtime
-	// tears the primary down.
-	var cookies []uint64
+	// Teardown (reverse order: the hook first) releases, then the primary.
 	for _, x := range []struct {
 		p      *meshPod
 		merged *containerdhook.Result
-	}{{pa, prevA}, {pb, prevB}} {
-		_, cookie := podPinDir(t, a, x.p.Pod)
-		cookies = append(cookies, cookie)
-		if err := chainFor(x.p.Pod).Teardown(ctx, hookPod(x.p.Pod), x.merged); err != nil {
+	}{{pa, mergedA}, {pb, mergedB}} {
+		_, cookie := podPinDir(t, e.agent, x.p.Pod)
+		if err := l.Teardown(ctx, hookPod(x.p.Pod), x.merged); err != nil {
 			t.Fatalf("teardown %s: %v", x.p.Name, err)
 		}
-		if err := node.Del(ctx, x.p.Pod, primary); err != nil {
-			t.Fatal(err)
+		if settingsEntryExists(t, e.agent, cookie) {
+			t.Fatalf("netns cookie %d of %s is still in the settings map after teardown", cookie, x.p.Name)
 		}
 	}
-	if n := len(a.list(ctx).GetEnrollments()); n != 0 {
-		t.Fatalf("the agent still lists %d enrollments after both teardowns", n)
-	}
-	for _, c := range cookies {
-		if settingsEntryExists(t, a, c) {
-			t.Fatalf("netns cookie %d is still in the settings map after teardown", c)
-		}
+	if n := len(e.agent.list(ctx).GetEnrollments()); n != 0 || len(e.primary.SetUp()) != 0 {
+		t.Fatalf("after both teardowns the agent lists %d enrollments, the primary %v", n, e.primary.SetUp())
 	}
 
-	// A stopped agent is not healthy, and its registration stays: the runtime
-	// keeps pods waiting for the mesh instead of starting them unmeshed.
-	a.stop(ctx)
-	callCtx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	err = (&containerdhook.Chain{Plugins: []containerdhook.Plugin{hook}, Names: []string{reg.Name}}).NetworkReady(callCtx)
-	if err == nil {
-		t.Fatal("NetworkReady holds with the agent stopped")
+	// The agent stops: the hook keeps answering, the node stays network-ready.
+	e.agent.stop(ctx)
+	if _, err := os.Stat(e.hook.Registration); err != nil {
+		t.Fatalf("the registration after the agent stopped: %v", err)
 	}
-	t.Logf("NetworkReady with the agent stopped: %v", err)
-	if _, err := os.Stat(regPath); err != nil {
-		t.Fatalf("the registration is gone after a plain stop: %v", err)
+	if err := settledNetworkReady(ctx, l); err != nil {
+		t.Fatalf("NetworkReady with the agent stopped: %v", err)
+	}
+
+	// The hook stops: its registration goes, and the runtime drops it.
+	if err := e.hook.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(e.hook.Registration); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the registration after the hook's SIGTERM: %v, want it removed", err)
+	}
+	waitChain(t, ctx, l, e.primary.Name)
+	if !strings.Contains(e.hook.Output(), "network-plugin hook unregistered") {
+		t.Fatalf("the hook did not log its unregistration:\n%s", e.hook.Output())
 	}
 }
 
-// TestHookHealthWhileAgentStarts (containerd's health rule from the fork at
-// commit b5dc60445dc9537d5e473bec6b1aef9b3c487be1, internal/cri/server/status.go):
-// the real agent, its hook serving but the agent
-// not ready (its policy file does not exist yet, so the enrollment source has
-// not synced). containerd's NetworkReady holds, the hook's answer says what the
-// agent waits for, and a pod's setup issued then waits at the gate and
-// completes, enrolled, once the agent is ready: the node is never made
-// NotReady by a starting agent.
+// TestHookRuntimeRestartWhileAgentDown: containerd (its loader) starts while
+// the agent is down. The chain loads whole and NetworkReady holds, so the
+// primary's pods get their network: an excluded namespace's pod is set up at
+// once; a meshed pod's setup fails after the hook's gate timeout with an error
+// naming the agent, the primary torn down again (never started unmeshed).
+// Once the agent is back the same pod is set up enrolled.
+func TestHookRuntimeRestartWhileAgentDown(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	e := newHookEnv(t, ctx, nil, []string{"--gate-timeout", "2s"})
+	e.agent.kill()
+
+	l := e.loader(t)
+	waitChain(t, ctx, l, e.primary.Name, "mesh-cni")
+	if err := settledNetworkReady(ctx, l); err != nil {
+		t.Fatalf("NetworkReady after containerd restarted with the agent down: %v", err)
+	}
+	hook, err := containerdhook.Dial(e.hook.Socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hook.Close()
+	if ready, msg, err := hook.Health(ctx); err != nil || !ready || !strings.Contains(msg, "does not answer") {
+		t.Fatalf("CheckHealth with the agent down = %v %q %v; want ready, saying the agent does not answer", ready, msg, err)
+	}
+
+	sys := e.node.NewPod(t, "kube-system", "coredns")
+	merged, err := l.Setup(ctx, hookPod(sys))
+	if err != nil {
+		t.Fatalf("setup of a kube-system pod with the agent down: %v", err)
+	}
+	checkPodIPs(t, sys.Name, e.primary.Result(sys.ContainerID), merged)
+
+	p := e.node.NewPod(t, "shop", "while-down")
+	_, err = l.Setup(ctx, hookPod(p))
+	if err == nil || !strings.Contains(err.Error(), "mesh-agent did not answer") || !strings.Contains(err.Error(), e.agent.Socket) {
+		t.Fatalf("setup of a meshed pod with the agent down = %v; want a failure naming the agent's socket", err)
+	}
+	if slices.Contains(e.primary.SetUp(), p.ContainerID) {
+		t.Fatal("the failed setup left the primary's network in place")
+	}
+
+	e.agent.start(ctx)
+	merged, err = l.Setup(ctx, hookPod(p))
+	if err != nil {
+		t.Fatalf("setup once the agent is back: %v", err)
+	}
+	checkPodIPs(t, p.Name, e.primary.Result(p.ContainerID), merged)
+	if enrollmentOf(ctx, e.agent, p.ContainerID) == nil {
+		t.Fatal("the pod set up once the agent was back is not enrolled")
+	}
+	if enrollmentOf(ctx, e.agent, sys.ContainerID) != nil {
+		t.Fatal("the kube-system pod is enrolled")
+	}
+}
+
+// TestHookAgentKilled: the agent is SIGKILLed; a meshed pod's setup issued
+// then waits at the gate (it does not return, and the pod has no network
+// from the runtime yet), and completes enrolled once the agent restarts: no
+// pod starts unmeshed.
+func TestHookAgentKilled(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	e := newHookEnv(t, ctx, nil, []string{"--gate-timeout", "2m"})
+	l := e.loader(t)
+	waitChain(t, ctx, l, e.primary.Name, "mesh-cni")
+	e.agent.kill()
+
+	p := e.node.NewPod(t, "shop", "after-kill")
+	type result struct {
+		merged *containerdhook.Result
+		err    error
+	}
+	done := make(chan result, 1)
+	go func() {
+		m, err := l.Setup(ctx, hookPod(p))
+		done <- result{m, err}
+	}()
+	// The setup reached the hook, which waits for the agent.
+	lineCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	_, err := e.hook.WaitForLine(lineCtx, "the setup waits for it")
+	cancel()
+	if err != nil {
+		t.Fatalf("the setup did not wait at the gate: %v\n%s", err, e.hook.Output())
+	}
+	select {
+	case r := <-done:
+		t.Fatalf("the setup returned (%v) with the agent down", r.err)
+	default:
+	}
+	if err := settledNetworkReady(ctx, l); err != nil {
+		t.Fatalf("NetworkReady with the agent killed: %v", err)
+	}
+
+	e.agent.start(ctx)
+	r := <-done
+	if r.err != nil {
+		t.Fatalf("the waiting setup after the agent restarted: %v", r.err)
+	}
+	checkPodIPs(t, p.Name, e.primary.Result(p.ContainerID), r.merged)
+	if enrollmentOf(ctx, e.agent, p.ContainerID) == nil {
+		t.Fatal("the setup returned but the pod is not enrolled")
+	}
+}
+
+// TestHookHandOver: a second hook started before the first stops takes the
+// socket over; the first one's SIGTERM then leaves the registration, which is
+// the second's, and the runtime's chain keeps the hook throughout. The second
+// one's SIGTERM removes it.
+func TestHookHandOver(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	e := newHookEnv(t, ctx, nil, nil)
+	l := e.loader(t)
+	waitChain(t, ctx, l, e.primary.Name, "mesh-cni")
+	first := e.hook.Process
+	second := e.hook.Restart(t)
+	if err := first.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(first.Output(), "a newer hook serves the socket") {
+		t.Fatalf("the first hook did not see its successor:\n%s", first.Output())
+	}
+	if _, err := os.Stat(e.hook.Registration); err != nil {
+		t.Fatalf("the registration after the first hook stopped: %v", err)
+	}
+	if got := l.Names(); !slices.Equal(got, []string{e.primary.Name, "mesh-cni"}) {
+		t.Fatalf("the chain after the hand-over is %v (last load %v)", got, l.LastStatus())
+	}
+	if err := settledNetworkReady(ctx, l); err != nil {
+		t.Fatalf("NetworkReady after the hand-over: %v", err)
+	}
+	p := e.node.NewPod(t, "shop", "handed-over")
+	if _, err := l.Setup(ctx, hookPod(p)); err != nil {
+		t.Fatalf("setup through the second hook: %v", err)
+	}
+	if enrollmentOf(ctx, e.agent, p.ContainerID) == nil {
+		t.Fatal("the pod is not enrolled")
+	}
+	if err := second.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitChain(t, ctx, l, e.primary.Name)
+}
+
+// TestHookCrash: a hook that crashed (SIGKILL) leaves its registration, and a
+// containerd that starts then loads no chain at all: that is the runtime's
+// rule (one failed dial fails the load), the window the hook's own process
+// keeps to its crashes. The hook restarting rewrites its registration, and
+// the runtime loads the whole chain again without a restart of its own.
+func TestHookCrash(t *testing.T) {
+	t.Parallel()
+	ctx := testContext(t)
+	e := newHookEnv(t, ctx, nil, nil)
+	if err := e.hook.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(e.hook.Registration); err != nil {
+		t.Fatalf("the registration after a crash: %v, want it left", err)
+	}
+	l := e.loader(t)
+	if l.Chain() != nil || l.LastStatus() == nil {
+		t.Fatalf("containerd started with the hook crashed: chain %v, status %v; want none, as the runtime does", l.Names(), l.LastStatus())
+	}
+	e.hook.Restart(t)
+	waitChain(t, ctx, l, e.primary.Name, "mesh-cni")
+	if err := settledNetworkReady(ctx, l); err != nil {
+		t.Fatalf("NetworkReady after the hook restarted: %v", err)
+	}
+}
+
+// TestHookHealthWhileAgentStarts (containerd's health rule from the fork,
+// internal/cri/server/status.go): the agent runs but is not ready (its policy
+// file does not exist yet, so the enrollment source has not synced).
+// NetworkReady holds, the hook's answer says what the agent waits for, and a
+// pod's setup issued then waits at the gate and completes, enrolled, once the
+// agent is ready: the node is never made NotReady by a starting agent.
 func TestHookHealthWhileAgentStarts(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
 	node := harness.NewNode(t, harness.NodeOptions{})
-	primary := node.Conflist(t, "hooknet")
 	a := newAgent(t)
 	policy := a.agentPath("policy", "enrollment.yaml")
 	if err := os.MkdirAll(filepath.Dir(policy), 0o700); err != nil {
 		t.Fatal(err)
 	}
 	pluginDir := a.agentPath("containerd", "net.d")
-	a.Args = append(a.Args, "--enrollment=file", "--policy-file", policy,
-		"--hook-socket", a.agentPath("hook", "hook.sock"), "--hook-plugin-dir", pluginDir)
+	primary := containerdhook.StartPrimary(t, node, node.Conflist(t, "hooknet"), pluginDir)
+	a.Args = append(a.Args, "--enrollment=file", "--policy-file", policy)
 	a.Proc = harness.StartProcess(t, harness.ProcessOptions{Path: harness.Bins(t).Path("mesh-agent"), Args: a.Args, Name: "mesh-agent"})
-
-	// The registration is written once the hook serves.
-	regPath := nethook.RegistrationPath(pluginDir, "mesh-cni")
 	lineCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	_, err := a.Proc.WaitForLine(lineCtx, "network-plugin hook serving")
+	_, err := a.Proc.WaitForLine(lineCtx, "gate serving")
 	cancel()
 	if err != nil {
-		t.Fatalf("the hook never served: %v\n%s", err, a.Proc.Output())
+		t.Fatalf("the gate never served: %v\n%s", err, a.Proc.Output())
 	}
-	var reg nethook.Registration
-	harness.WaitFor(t, 30*time.Second, "the hook's registration", func() bool {
-		r, err := nethook.ReadRegistration(regPath)
-		if err == nil {
-			reg = r
-		}
-		return err == nil
-	})
-	hook, err := containerdhook.Dial(strings.TrimPrefix(reg.Address, "unix://"))
+	h := containerdhook.StartHook(t, a.Socket, pluginDir)
+	if a.list(ctx).GetReady() {
+		t.Fatal("the agent is ready without its policy file")
+	}
+	l, err := containerdhook.NewLoader(pluginDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	waitChain(t, ctx, l, primary.Name, "mesh-cni")
+	if err := settledNetworkReady(ctx, l); err != nil {
+		t.Fatalf("NetworkReady while the agent starts: %v (a not-ready hook makes kubelet mark the node NotReady)", err)
+	}
+	hook, err := containerdhook.Dial(h.Socket)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer hook.Close()
-	if a.list(ctx).GetReady() {
-		t.Fatal("the agent is ready without its policy file")
-	}
-	chain := &containerdhook.Chain{Plugins: []containerdhook.Plugin{hook}, Names: []string{reg.Name}}
-	if err := chain.NetworkReady(ctx); err != nil {
-		t.Fatalf("NetworkReady while the agent starts: %v (a not-ready hook makes kubelet mark the node NotReady)", err)
-	}
 	if ready, msg, err := hook.Health(ctx); err != nil || !ready || !strings.Contains(msg, "starting") || !strings.Contains(msg, "enrollment") {
 		t.Fatalf("CheckHealth while the agent starts = %v %q %v; want ready, saying what it waits for", ready, msg, err)
 	}
 
 	p := node.NewPod(t, "shop", "early")
-	if _, err := node.Add(ctx, p, primary); err != nil {
-		t.Fatal(err)
-	}
-	full := &containerdhook.Chain{
-		Plugins: []containerdhook.Plugin{containerdhook.Done{Result: primaryResult(t, p.Result())}, hook},
-		Names:   []string{"bridge", reg.Name},
-	}
 	type result struct {
 		merged *containerdhook.Result
 		err    error
@@ -252,15 +460,14 @@ func TestHookHealthWhileAgentStarts(t *testing.T) {
 	go func() {
 		callCtx, cancel := context.WithTimeout(ctx, time.Minute)
 		defer cancel()
-		m, err := full.Setup(callCtx, hookPod(p))
+		m, err := l.Setup(callCtx, hookPod(p))
 		done <- result{m, err}
 	}()
-	// The setup reached the hook and waits for the agent.
 	lineCtx, cancel = context.WithTimeout(ctx, 30*time.Second)
-	_, err = a.Proc.WaitForLine(lineCtx, "the setup waits for it")
+	_, err = h.WaitForLine(lineCtx, "the setup waits for it")
 	cancel()
 	if err != nil {
-		t.Fatalf("the setup did not wait at the gate: %v\n%s", err, a.Proc.Output())
+		t.Fatalf("the setup did not wait at the gate: %v\n%s", err, h.Output())
 	}
 	if err := os.WriteFile(policy, []byte("namespaces: [shop]\n"), 0o600); err != nil {
 		t.Fatal(err)
@@ -269,14 +476,11 @@ func TestHookHealthWhileAgentStarts(t *testing.T) {
 	if r.err != nil {
 		t.Fatalf("setup issued while the agent started: %v", r.err)
 	}
-	checkPodIPs(t, p, r.merged)
-	if e := enrollmentOf(ctx, a, p.ContainerID); e == nil {
+	checkPodIPs(t, p.Name, primary.Result(p.ContainerID), r.merged)
+	if en := enrollmentOf(ctx, a, p.ContainerID); en == nil {
 		t.Fatal("the pod whose setup waited is not enrolled")
 	}
-	if err := full.Teardown(ctx, hookPod(p), r.merged); err != nil {
-		t.Fatal(err)
-	}
-	if err := node.Del(ctx, p, primary); err != nil {
+	if err := l.Teardown(ctx, hookPod(p), r.merged); err != nil {
 		t.Fatal(err)
 	}
 }

@@ -18,7 +18,7 @@ import (
 // kubectl.kubernetes.io/last-applied-configuration annotation, 300 annotations)
 // still start through the real hook path into the agent, and the policy's
 // decision is the one their selectors call for: enrolled by label, or kept out
-// by the opt-out annotation next to the large one. The agent logs what it did
+// by the opt-out annotation next to the large one. The hook logs what it did
 // not pass on.
 func TestLargeAnnotation(t *testing.T) {
 	t.Parallel()
@@ -33,9 +33,9 @@ func TestLargeAnnotation(t *testing.T) {
 		t.Fatal(err)
 	}
 	pluginDir := a.agentPath("containerd", "net.d")
-	a.Args = append(a.Args, "--enrollment=file", "--policy-file", policy,
-		"--hook-socket", a.agentPath("hook", "hook.sock"), "--hook-plugin-dir", pluginDir)
+	a.Args = append(a.Args, "--enrollment=file", "--policy-file", policy)
 	a.start(ctx)
+	h := containerdhook.StartHook(t, a.Socket, pluginDir)
 	reg, err := nethook.ReadRegistration(nethook.RegistrationPath(pluginDir, "mesh-cni"))
 	if err != nil {
 		t.Fatal(err)
@@ -68,7 +68,7 @@ func TestLargeAnnotation(t *testing.T) {
 		pod.Labels = map[string]string{"mesh-cni.io/dataplane-mode": "enabled"}
 		pod.Annotations = tc.annotations
 		callCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		_, err := hook.Setup(callCtx, pod, primaryResult(t, p.Result()))
+		_, err := hook.Setup(callCtx, pod, primaryResult(t, p))
 		cancel()
 		if err != nil {
 			t.Fatalf("SetupPodNetwork %s: %v", tc.name, err)
@@ -83,7 +83,7 @@ func TestLargeAnnotation(t *testing.T) {
 			}
 		}
 	}
-	if out := a.Proc.Output(); !strings.Contains(out, "not passed on as sent") || !strings.Contains(out, "65536-byte value") {
-		t.Fatalf("the agent did not log what it left out:\n%s", out)
+	if out := h.Output(); !strings.Contains(out, "not passed on as sent") || !strings.Contains(out, "65536-byte value") {
+		t.Fatalf("the hook did not log what it left out:\n%s", out)
 	}
 }

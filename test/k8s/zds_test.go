@@ -87,13 +87,12 @@ func testAgentZDSEntryPoints(t *testing.T, c *cluster) {
 	a.Kubeconfig = c.api.WriteKubeconfig(t, kubeenv.AgentUser, filepath.Join(a.dir, "kubeconfig"))
 	zdsSocket := filepath.Join(a.dir, "zds", "ztunnel.sock")
 	kniSocket := filepath.Join(a.dir, "kni", "kni.sock")
-	hookSocket := filepath.Join(a.dir, "hook", "hook.sock")
 	pluginDir := filepath.Join(a.dir, "containerd", "net.d")
 	a.Args = append(a.Args, "--enrollment", "kubernetes", "--kubeconfig", a.Kubeconfig, "--node-name", kubeNode, "--api-timeout", "3s",
 		"--zds-socket", zdsSocket, "--zds-wait", "always",
-		"--kni-socket", kniSocket, "--kni-upstream", runtime.Socket,
-		"--hook-socket", hookSocket, "--hook-plugin-dir", pluginDir)
+		"--kni-socket", kniSocket, "--kni-upstream", runtime.Socket)
 	a.start(ctx)
+	containerdhook.StartHook(t, a.Socket, pluginDir)
 
 	records := filepath.Join(t.TempDir(), "node-proxy.jsonl")
 	np := harness.StartProcess(t, harness.ProcessOptions{

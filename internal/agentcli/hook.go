@@ -1,0 +1,123 @@
+package agentcli
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/mesh-cni/mesh-cni/internal/nethook"
+	"github.com/mesh-cni/mesh-cni/pkg/gate"
+)
+
+// Defaults of `mesh-agent hook`.
+const (
+	// DefaultHookSocket is the hook's socket, next to the gate's.
+	DefaultHookSocket = "/var/run/mesh-cni/hook/hook.sock"
+	// DefaultHookPluginDir is where containerd's network-plugin prototype
+	// looks for registrations.
+	DefaultHookPluginDir = "/etc/containerd/net.d"
+)
+
+// hookOptions are the flags of `mesh-agent hook`.
+type hookOptions struct {
+	socket            string
+	gateSocket        string
+	pluginDir         string
+	name              string
+	priority          int
+	enrollTimeout     time.Duration
+	excludeNamespaces stringList
+	allowedUIDs       intList
+	shutdownGrace     time.Duration
+	logLevel          string
+	unregister        bool
+}
+
+// hookFlagSet declares the flags of `mesh-agent hook`; docs/configuration.md
+// is checked against it.
+func hookFlagSet(o *hookOptions, stderr io.Writer) *flag.FlagSet {
+	fs := flag.NewFlagSet("mesh-agent hook", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&o.socket, "hook-socket", DefaultHookSocket, "serve containerd's PodNetworkLifecycle hook on this socket (the registration's address); a hook still serving there hands it over")
+	fs.StringVar(&o.gateSocket, "socket", DefaultSocketPath, "the agent's gate socket, where pod setups are admitted")
+	fs.StringVar(&o.pluginDir, "hook-plugin-dir", DefaultHookPluginDir, "containerd's plugin directory, where the registration file is written")
+	fs.StringVar(&o.name, "hook-name", "mesh-cni", "name of the registration (file <name>.json)")
+	fs.IntVar(&o.priority, "hook-priority", nethook.DefaultPriority, "registration priority: runs after plugins with a lower number (the primary)")
+	fs.DurationVar(&o.enrollTimeout, "gate-timeout", gate.DefaultEnrollTimeout, "how long a pod's setup waits for the agent to enroll it (the agent down included) before failing")
+	o.excludeNamespaces = stringList{gate.DefaultExcludeNamespace}
+	fs.Var(&o.excludeNamespaces, "exclude-namespaces", "comma-separated namespaces whose pods pass without the agent")
+	o.allowedUIDs = intList{0}
+	fs.Var(&o.allowedUIDs, "allowed-uids", "comma-separated user ids allowed to call the hook socket (checked with SO_PEERCRED)")
+	fs.DurationVar(&o.shutdownGrace, "shutdown-grace", 5*time.Second, "how long in-flight setups may run after SIGTERM")
+	fs.StringVar(&o.logLevel, "log-level", "info", "log level: debug, info, warn or error")
+	fs.BoolVar(&o.unregister, "unregister", false, "remove the registration left by a hook that crashed, if nothing serves its socket, and exit")
+	return fs
+}
+
+// hookCommand runs the containerd network-plugin hook as its own process, so
+// it outlives the agent (see internal/nethook).
+func hookCommand(ctx context.Context, args []string, stderr io.Writer) int {
+	var o hookOptions
+	fs := hookFlagSet(&o, stderr)
+	if err := parseFlags(fs, args, os.LookupEnv); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		fmt.Fprintf(stderr, "mesh-agent hook: %v\n", err)
+		return 2
+	}
+	log, err := newLogger(o.logLevel, stderr)
+	if err != nil {
+		fmt.Fprintf(stderr, "mesh-agent hook: %v\n", err)
+		return 2
+	}
+	defer log.Sync() //nolint:errcheck // nothing useful to do when stderr is gone
+	log = log.Named("hook")
+	if o.unregister {
+		return unregisterHook(log, o)
+	}
+	cfg := nethook.RunConfig{
+		EntryConfig: gate.EntryConfig{
+			SocketPath:        o.socket,
+			AllowedUIDs:       o.allowedUIDs,
+			ExcludeNamespaces: o.excludeNamespaces,
+			EnrollTimeout:     o.enrollTimeout,
+		},
+		GateSocket:    o.gateSocket,
+		PluginDir:     o.pluginDir,
+		Registration:  nethook.Registration{Name: o.name, Priority: o.priority},
+		ShutdownGrace: o.shutdownGrace,
+	}
+	if err := nethook.Run(ctx, log, cfg); err != nil {
+		log.Error("network-plugin hook failed", zap.Error(err))
+		return 1
+	}
+	return 0
+}
+
+// unregisterHook removes the registration of a hook that is not serving (a
+// crashed one's), and refuses while one serves: removing a live hook's file
+// would let pods start unmeshed.
+func unregisterHook(log *zap.Logger, o hookOptions) int {
+	serving, err := agentListening(o.socket)
+	if err != nil {
+		log.Error("cannot tell whether a hook serves its socket", zap.Error(err))
+		return 1
+	}
+	if serving {
+		log.Error("a hook serves the socket: stop it instead (it removes its registration itself)", zap.String("socket", o.socket))
+		return 1
+	}
+	if err := nethook.RemoveRegistration(o.pluginDir, o.name); err != nil {
+		log.Error("removing the registration failed", zap.Error(err))
+		return 1
+	}
+	log.Info("hook registration removed", zap.String("file", nethook.RegistrationPath(o.pluginDir, o.name)))
+	return 0
+}

@@ -1,0 +1,56 @@
+package containerdhook
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/mesh-cni/mesh-cni/test/harness"
+)
+
+// Hook is `mesh-agent hook` running for a test.
+type Hook struct {
+	*harness.Process
+	// Socket is the hook's socket, PluginDir the runtime's plugin directory
+	// it registers in, Registration its file there.
+	Socket, PluginDir, Registration string
+	args                            []string
+}
+
+// StartHook runs `mesh-agent hook` for the agent on gateSocket, registering in
+// pluginDir, and waits until it has registered. args are more flags. In
+// cleanup it is stopped with SIGTERM, as the kubelet stops it.
+func StartHook(tb testing.TB, gateSocket, pluginDir string, args ...string) *Hook {
+	tb.Helper()
+	dir, err := os.MkdirTemp("", "hook-")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { os.RemoveAll(dir) })
+	h := &Hook{Socket: filepath.Join(dir, "run", "hook.sock"), PluginDir: pluginDir, Registration: filepath.Join(pluginDir, "mesh-cni.json")}
+	h.args = append([]string{"hook", "--socket", gateSocket, "--hook-socket", h.Socket, "--hook-plugin-dir", pluginDir, "--log-level", "debug"}, args...)
+	h.Restart(tb)
+	return h
+}
+
+// Restart starts the hook again with the same flags (after a Kill or Stop),
+// or a second one next to it (a successor taking the socket over), and waits
+// until it has registered. The returned process is the new one.
+func (h *Hook) Restart(tb testing.TB) *harness.Process {
+	tb.Helper()
+	p := harness.StartProcess(tb, harness.ProcessOptions{Path: harness.Bins(tb).Path("mesh-agent"), Args: h.args, Name: "mesh-agent-hook"})
+	tb.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		_ = p.Stop(ctx)
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if _, err := p.WaitForLine(ctx, "network-plugin hook registered"); err != nil {
+		tb.Fatalf("the hook did not register: %v\n%s", err, p.Output())
+	}
+	h.Process = p
+	return p
+}
