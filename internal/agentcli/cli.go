@@ -348,6 +348,10 @@ func runCommand(ctx context.Context, args []string, stderr io.Writer) int {
 		log.Error("invalid configuration", zap.Error(err))
 		return 2
 	}
+	if err := checkKNIChain(opts); err != nil {
+		log.Error("invalid configuration", zap.Error(err))
+		return 2
+	}
 	if cfg.Policy, err = opts.enroll.policy(ctx, log); err != nil {
 		log.Error("invalid configuration", zap.Error(err))
 		return 2
@@ -357,6 +361,20 @@ func runCommand(ctx context.Context, args []string, stderr io.Writer) int {
 		return 1
 	}
 	return 0
+}
+
+// checkKNIChain refuses the KNI interposer next to the CNI chain entry. A KNI
+// network runtime such as libkni, the reference one, runs the node's CNI
+// configuration itself, chain entry included: every pod would then pass the
+// gate twice, once as a CNI attachment and once as a KNI one, two records of
+// one network namespace that each entry point releases on its own. On a KNI
+// node the interposer is the gate, so the entry must not be installed.
+func checkKNIChain(opts options) error {
+	if opts.entry.kniSocket == "" || !opts.cniInstall {
+		return nil
+	}
+	return fmt.Errorf("--kni-socket=%s admits pods through the KNI interposer, and a KNI network runtime such as libkni runs the node's CNI chain too, where --cni-install would put mesh-cni: each pod would pass the gate twice; pass --cni-install=false (and remove an entry an earlier install left with `mesh-agent uninstall --datapath=none` while the agent is stopped)",
+		opts.entry.kniSocket)
 }
 
 // checkZDSServiceAccounts refuses a ZDS server whose pods would reach the node

@@ -49,3 +49,33 @@ func TestHelpAndVersionExitZero(t *testing.T) {
 		t.Errorf("version: %q", out.String())
 	}
 }
+
+// The KNI interposer is refused next to the CNI chain entry, which a
+// libkni-style runtime would run too (a second pass through the gate), and
+// accepted without it.
+func TestKNIRefusesChainEntry(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--kni-socket", "/run/kni/kni.sock", "--kni-upstream", "/run/kni/runtime.sock"}, "--cni-install=false"},
+		{[]string{"--kni-socket", "/run/kni/kni.sock", "--kni-upstream", "/run/kni/runtime.sock", "--cni-install=true"}, "pass the gate twice"},
+	} {
+		var opts options
+		fs := flagSet("mesh-agent run", &opts, io.Discard)
+		if err := parseFlags(fs, tc.args, func(string) (string, bool) { return "", false }); err != nil {
+			t.Fatal(err)
+		}
+		if err := checkKNIChain(opts); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%v: %v, want an error saying %q", tc.args, err, tc.want)
+		}
+	}
+	var opts options
+	fs := flagSet("mesh-agent run", &opts, io.Discard)
+	if err := parseFlags(fs, []string{"--kni-socket", "/run/kni/kni.sock", "--kni-upstream", "/r.sock", "--cni-install=false"}, func(string) (string, bool) { return "", false }); err != nil {
+		t.Fatal(err)
+	}
+	if err := checkKNIChain(opts); err != nil {
+		t.Errorf("KNI without the chain entry: %v", err)
+	}
+}

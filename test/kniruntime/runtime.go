@@ -1,9 +1,12 @@
 // Package kniruntime is a small KNI network runtime for tests: it serves the
 // KNI service (proto package "kni") on a Unix socket and implements attach and
 // detach the way the KNI proof of concept does for backwards compatibility, by
-// running the node's CNI conflist through libcni (ADD on attach, DEL on
-// detach) in the pod network namespace named by isolation.path (or
-// extradata["netns"]).
+// running a CNI conflist through libcni (ADD on attach, DEL on detach) in the
+// pod network namespace named by isolation.path (or extradata["netns"]).
+// StartFromConfDir runs, like libkni, the node's own CNI configuration: the
+// conflist the node's CNI directory holds at the time of each call, picked
+// as kubelet's runtimes pick it, so a chain entry an installer put there runs
+// under the runtime too.
 //
 // It records every call it gets (method, metadata, deadline) and can be told to
 // fail a method with a given error, so tests can check what an interposer in
@@ -41,9 +44,11 @@ const HeaderRuntime = "x-kni-runtime"
 
 // Config configures a Runtime.
 type Config struct {
-	// CNI runs the plugins; Network is the conflist it runs.
+	// CNI runs the plugins; Network is the conflist it runs, unless Load is
+	// set: then each call runs the conflist Load returns at that moment.
 	CNI     *libcni.CNIConfig
 	Network *libcni.NetworkConfigList
+	Load    func() (*libcni.NetworkConfigList, error)
 	// PluginNetns is the network namespace the plugins run in (a test node's);
 	// empty means the caller's.
 	PluginNetns string
@@ -76,7 +81,32 @@ type Runtime struct {
 
 type pod struct {
 	rt        *libcni.RuntimeConf
+	list      *libcni.NetworkConfigList
 	ipconfigs map[string]*knipb.IPConfig
+}
+
+// network is the conflist a call runs.
+func (r *Runtime) network() (*libcni.NetworkConfigList, error) {
+	if r.cfg.Load == nil {
+		return r.cfg.Network, nil
+	}
+	list, err := r.cfg.Load()
+	if err != nil {
+		return nil, status.Errorf(codes.Unavailable, "kniruntime: no CNI network configuration: %v", err)
+	}
+	return list, nil
+}
+
+// Networks are the names of the conflists the attaches of the sandboxes
+// still attached ran, by sandbox id.
+func (r *Runtime) Networks() map[string]string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := map[string]string{}
+	for id, p := range r.pods {
+		out[id] = p.list.Name
+	}
+	return out
 }
 
 // New returns a runtime; serve it with Serve.
@@ -234,7 +264,11 @@ func (r *Runtime) SetupNodeNetwork(context.Context, *knipb.SetupNodeNetworkReque
 }
 
 func (r *Runtime) QueryNodeNetworks(context.Context, *knipb.QueryNodeNetworksRequest) (*knipb.QueryNodeNetworksResponse, error) {
-	return &knipb.QueryNodeNetworksResponse{Networks: []*knipb.Network{{Name: r.cfg.Network.Name, Ready: true}}}, nil
+	list, err := r.network()
+	if err != nil {
+		return nil, err
+	}
+	return &knipb.QueryNodeNetworksResponse{Networks: []*knipb.Network{{Name: list.Name, Ready: true}}}, nil
 }
 
 func netnsOf(iso *knipb.Isolation, extradata map[string]string) string {
@@ -272,9 +306,13 @@ func (r *Runtime) attach(ctx context.Context, req *knipb.AttachInterfaceRequest)
 		return nil, status.Error(codes.InvalidArgument, "kniruntime: attach needs an id and a netns (isolation.path or extradata[netns])")
 	}
 	rt := r.runtimeConf(req.GetId(), req.GetNamespace(), req.GetName(), netnsPath, req.GetLabels())
+	list, err := r.network()
+	if err != nil {
+		return nil, err
+	}
 	var res *types100.Result
-	err := r.inPluginNetns(func() error {
-		out, err := r.cfg.CNI.AddNetworkList(ctx, r.cfg.Network, rt)
+	err = r.inPluginNetns(func() error {
+		out, err := r.cfg.CNI.AddNetworkList(ctx, list, rt)
 		if err != nil {
 			return err
 		}
@@ -282,11 +320,11 @@ func (r *Runtime) attach(ctx context.Context, req *knipb.AttachInterfaceRequest)
 		return err
 	})
 	if err != nil {
-		return nil, status.Errorf(codes.Internal, "kniruntime: CNI ADD %s for sandbox %s: %v", r.cfg.Network.Name, req.GetId(), err)
+		return nil, status.Errorf(codes.Internal, "kniruntime: CNI ADD %s for sandbox %s: %v", list.Name, req.GetId(), err)
 	}
 	ipconfigs := r.ipconfigs(res)
 	r.mu.Lock()
-	r.pods[req.GetId()] = &pod{rt: rt, ipconfigs: ipconfigs}
+	r.pods[req.GetId()] = &pod{rt: rt, list: list, ipconfigs: ipconfigs}
 	r.mu.Unlock()
 	r.cfg.Log.Info("attached", zap.String("sandbox", req.GetId()), zap.String("netns", netnsPath))
 	return &knipb.AttachInterfaceResponse{Ipconfigs: ipconfigs}, nil
@@ -314,8 +352,12 @@ func (r *Runtime) ipconfigs(res *types100.Result) map[string]*knipb.IPConfig {
 
 func (r *Runtime) detach(ctx context.Context, req *knipb.DetachInterfaceRequest) (*knipb.DetachInterfaceResponse, error) {
 	rt := r.runtimeConf(req.GetId(), req.GetNamespace(), req.GetName(), netnsOf(req.GetIsolation(), req.GetExtradata()), req.GetLabels())
-	if err := r.inPluginNetns(func() error { return r.cfg.CNI.DelNetworkList(ctx, r.cfg.Network, rt) }); err != nil {
-		return nil, status.Errorf(codes.Internal, "kniruntime: CNI DEL %s for sandbox %s: %v", r.cfg.Network.Name, req.GetId(), err)
+	list, err := r.network()
+	if err != nil {
+		return nil, err
+	}
+	if err := r.inPluginNetns(func() error { return r.cfg.CNI.DelNetworkList(ctx, list, rt) }); err != nil {
+		return nil, status.Errorf(codes.Internal, "kniruntime: CNI DEL %s for sandbox %s: %v", list.Name, req.GetId(), err)
 	}
 	r.mu.Lock()
 	delete(r.pods, req.GetId())
@@ -335,7 +377,7 @@ func (r *Runtime) DetachAll(ctx context.Context) error {
 	r.mu.Unlock()
 	var errs []error
 	for _, p := range pods {
-		if err := r.inPluginNetns(func() error { return r.cfg.CNI.DelNetworkList(ctx, r.cfg.Network, p.rt) }); err != nil {
+		if err := r.inPluginNetns(func() error { return r.cfg.CNI.DelNetworkList(ctx, p.list, p.rt) }); err != nil {
 			errs = append(errs, fmt.Errorf("CNI DEL sandbox %s: %w", p.rt.ContainerID, err))
 			continue
 		}

@@ -36,6 +36,14 @@ func StartLibkni(tb testing.TB, node *harness.Node, list *libcni.NetworkConfigLi
 	return start(tb, node, list, (*Runtime).ServeLibkni)
 }
 
+// StartFromConfDir is StartLibkni for a runtime that runs the node's own CNI
+// configuration, as libkni does: at each attach and detach, the conflist
+// node.ConfDir holds then (harness.Node.LoadConflist, the runtimes' pick).
+func StartFromConfDir(tb testing.TB, node *harness.Node) *Started {
+	tb.Helper()
+	return start(tb, node, nil, (*Runtime).ServeLibkni)
+}
+
 func start(tb testing.TB, node *harness.Node, list *libcni.NetworkConfigList, serve func(*Runtime, net.Listener) func()) *Started {
 	tb.Helper()
 	// Not tb.TempDir(): its paths grow with the test name and a Unix socket
@@ -50,7 +58,14 @@ func start(tb testing.TB, node *harness.Node, list *libcni.NetworkConfigList, se
 	if err != nil {
 		tb.Fatalf("kniruntime listen: %v", err)
 	}
-	r := New(Config{CNI: node.CNI, Network: list, PluginNetns: node.NetNSPath, Log: zaptest.NewLogger(tb).Named("kniruntime")})
+	cfg := Config{CNI: node.CNI, Network: list, PluginNetns: node.NetNSPath, Log: zaptest.NewLogger(tb).Named("kniruntime")}
+	if list == nil {
+		cfg.Load = func() (*libcni.NetworkConfigList, error) {
+			l, _, err := node.LoadConflist()
+			return l, err
+		}
+	}
+	r := New(cfg)
 	stop := serve(r, l)
 	tb.Cleanup(func() {
 		stop()
