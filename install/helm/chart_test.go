@@ -251,6 +251,54 @@ func TestValues(t *testing.T) {
 				t.Errorf("no ClusterRole rendered: %v", keys(objs))
 			}
 		}},
+		{"kni", "kni: {enabled: true, upstream: /run/kni/kni.sock}", func(t *testing.T, objs map[string]object, c map[string]any) {
+			// The interposer is the gate, the chain entry off: the runtime
+			// runs the node's CNI chain itself.
+			for _, a := range []string{"--cni-install=false", "--kni-socket=/var/run/mesh-cni/kni/kni.sock", "--kni-upstream=/run/kni/kni.sock", "--kni-enroll-timeout=30s"} {
+				wantArg(t, c, a)
+			}
+			spec := podSpec(t, objs, "mesh-agent")
+			var remove map[string]any
+			for _, ic := range spec["initContainers"].([]any) {
+				if ic.(map[string]any)["name"] == "kni-remove-chain-entry" {
+					remove = ic.(map[string]any)
+				}
+			}
+			if remove == nil || !slices.Equal(argsOf(remove)[:2], []string{"uninstall", "--datapath=none"}) {
+				t.Fatalf("no init container removing an earlier chain entry: %v", spec["initContainers"])
+			}
+			if got := hostPaths(spec); got["kni-upstream"] != "/run/kni" || got["kni-socket"] != "" {
+				t.Errorf("host paths %v: want the runtime's socket directory, and the interposer's inside /var/run/mesh-cni", got)
+			}
+		}},
+		{"runtime hook", "runtimeHook: {enabled: true, priority: 300, gateTimeout: 10s}", func(t *testing.T, objs map[string]object, c map[string]any) {
+			// The agent is rendered as by default.
+			if want := agentContainer(t, mustRender(t, nil)); !reflect.DeepEqual(c, want) {
+				t.Errorf("the agent container changed with runtimeHook")
+			}
+			ds, ok := objs["DaemonSet/"+namespace+"/mesh-cni-hook"]
+			if !ok {
+				t.Fatalf("no hook DaemonSet: %v", keys(objs))
+			}
+			if ru := ds["spec"].(map[string]any)["updateStrategy"].(map[string]any)["rollingUpdate"].(map[string]any); ru["maxSurge"] != float64(1) || ru["maxUnavailable"] != float64(0) {
+				t.Errorf("update strategy %v: want the new hook started before the old one stops", ru)
+			}
+			spec := podSpec(t, objs, "mesh-cni-hook")
+			if spec["hostNetwork"] != true || spec["hostPID"] != false {
+				t.Errorf("hostNetwork %v, hostPID %v: want the host's network and a PID namespace of its own", spec["hostNetwork"], spec["hostPID"])
+			}
+			hook := spec["containers"].([]any)[0].(map[string]any)
+			for _, a := range []string{"hook", "--socket=/var/run/mesh-cni/gate.sock", "--hook-plugin-dir=/etc/containerd/net.d", "--hook-priority=300", "--gate-timeout=10s", "--exclude-namespaces=kube-system"} {
+				wantArg(t, hook, a)
+			}
+			probe := hook["readinessProbe"].(map[string]any)["exec"].(map[string]any)["command"].([]any)
+			if !slices.Contains(probe, any("--probe")) {
+				t.Errorf("readiness probe %v", probe)
+			}
+			if got := hostPaths(spec); got["plugin-dir"] != "/etc/containerd/net.d" || got["mesh-run"] != "/var/run/mesh-cni" {
+				t.Errorf("host paths %v", got)
+			}
+		}},
 		{"resources", "resources: {requests: {cpu: 100m, memory: 128Mi}, limits: {memory: 1Gi}}", func(t *testing.T, _ map[string]object, c map[string]any) {
 			want := map[string]any{"requests": map[string]any{"cpu": "100m", "memory": "128Mi"}, "limits": map[string]any{"memory": "1Gi"}}
 			if !reflect.DeepEqual(c["resources"], want) {
@@ -267,6 +315,28 @@ func TestValues(t *testing.T) {
 			tc.check(t, objs, agentContainer(t, objs))
 		})
 	}
+}
+
+// podSpec is the pod template's spec of the DaemonSet name.
+func podSpec(t *testing.T, objs map[string]object, name string) map[string]any {
+	t.Helper()
+	ds, ok := objs["DaemonSet/"+namespace+"/"+name]
+	if !ok {
+		t.Fatalf("no DaemonSet %s rendered: %v", name, keys(objs))
+	}
+	return ds["spec"].(map[string]any)["template"].(map[string]any)["spec"].(map[string]any)
+}
+
+// hostPaths maps a pod spec's hostPath volumes to their paths.
+func hostPaths(spec map[string]any) map[string]string {
+	out := map[string]string{}
+	for _, v := range spec["volumes"].([]any) {
+		v := v.(map[string]any)
+		if hp, ok := v["hostPath"].(map[string]any); ok {
+			out[v["name"].(string)] = hp["path"].(string)
+		}
+	}
+	return out
 }
 
 func wantArg(t *testing.T, c map[string]any, arg string) {
@@ -294,6 +364,10 @@ func TestRejects(t *testing.T) {
 		{"denyRawSockets: 'yes'", "denyRawSockets"},
 		{"imagee: {tag: x}", "imagee"},
 		{"admissionPolicy: {enabled: 'yes'}", "admissionPolicy"},
+		{"kni: {enabled: true, upstream: kni.sock}", "upstream"},
+		{"kni: {enrollTimeout: 30}", "enrollTimeout"},
+		{"runtimeHook: {enabled: true, priority: 0}", "priority"},
+		{"runtimeHook: {pluginDir: net.d}", "pluginDir"},
 	} {
 		var values map[string]any
 		if err := yaml.Unmarshal([]byte(tc.values), &values); err != nil {

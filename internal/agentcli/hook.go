@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"time"
 
@@ -37,6 +38,7 @@ type hookOptions struct {
 	shutdownGrace     time.Duration
 	logLevel          string
 	unregister        bool
+	probe             bool
 }
 
 // hookFlagSet declares the flags of `mesh-agent hook`; docs/configuration.md
@@ -57,6 +59,7 @@ func hookFlagSet(o *hookOptions, stderr io.Writer) *flag.FlagSet {
 	fs.DurationVar(&o.shutdownGrace, "shutdown-grace", 5*time.Second, "how long in-flight setups may run after SIGTERM")
 	fs.StringVar(&o.logLevel, "log-level", "info", "log level: debug, info, warn or error")
 	fs.BoolVar(&o.unregister, "unregister", false, "remove the registration left by a hook that crashed, if nothing serves its socket, and exit")
+	fs.BoolVar(&o.probe, "probe", false, "readiness probe: exit 0 once the socket is served by a hook in this PID namespace (this pod's, not the one it replaces), 1 otherwise")
 	return fs
 }
 
@@ -82,6 +85,13 @@ func hookCommand(ctx context.Context, args []string, stderr io.Writer) int {
 	if o.unregister {
 		return unregisterHook(log, o)
 	}
+	if o.probe {
+		if err := probeHook(o.socket); err != nil {
+			log.Info("not ready", zap.Error(err))
+			return 1
+		}
+		return 0
+	}
 	cfg := nethook.RunConfig{
 		EntryConfig: gate.EntryConfig{
 			SocketPath:        o.socket,
@@ -99,6 +109,28 @@ func hookCommand(ctx context.Context, args []string, stderr io.Writer) int {
 		return 1
 	}
 	return 0
+}
+
+// probeHook succeeds when the hook serving socket runs in the caller's PID
+// namespace. A readiness probe runs in the hook's own container: until this
+// pod's hook has taken the socket over, the one it replaces (another pod,
+// another PID namespace) answers, and the kernel reports its PID as 0. An
+// update that waits for this before stopping the old pod hands over without a
+// moment in which the registration is gone.
+func probeHook(socket string) error {
+	conn, err := net.DialTimeout("unix", socket, 2*time.Second)
+	if err != nil {
+		return fmt.Errorf("hook socket %s: %w", socket, err)
+	}
+	defer conn.Close()
+	peer, err := gate.PeerOf(conn)
+	if err != nil {
+		return err
+	}
+	if peer.PID == 0 {
+		return fmt.Errorf("hook socket %s is served from another PID namespace (the hook this one replaces)", socket)
+	}
+	return nil
 }
 
 // unregisterHook removes the registration of a hook that is not serving (a

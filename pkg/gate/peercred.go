@@ -54,6 +54,11 @@ func (peerCredentials) Info() credentials.ProtocolInfo {
 func (p peerCredentials) Clone() credentials.TransportCredentials { return p }
 func (peerCredentials) OverrideServerName(string) error           { return nil }
 
+// PeerOf is the identity of the process on the other end of conn, a Unix
+// socket: for a client, the process that listens. Its PID is as the caller's
+// PID namespace sees it, 0 when the peer is outside it.
+func PeerOf(conn net.Conn) (PeerCred, error) { return readPeerCred(conn) }
+
 func readPeerCred(conn net.Conn) (PeerCred, error) {
 	sc, ok := conn.(syscall.Conn)
 	if !ok {

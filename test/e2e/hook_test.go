@@ -3,8 +3,10 @@ package e2e
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -348,6 +350,24 @@ func TestHookHandOver(t *testing.T) {
 	e := newHookEnv(t, ctx, nil, nil)
 	l := e.loader(t)
 	waitChain(t, ctx, l, e.primary.Name, "mesh-cni")
+	// The readiness probe passes in the hook's PID namespace, and fails in
+	// another one (the pod of the hook being replaced, before its successor
+	// took the socket over), where the kernel reports the server's PID as 0.
+	probe := func(wrap ...string) error {
+		args := append(wrap, harness.Bins(t).Path("mesh-agent"), "hook", "--probe", "--hook-socket", e.hook.Socket)
+		out, err := exec.CommandContext(ctx, args[0], args[1:]...).CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("%w: %s", err, out)
+		}
+		return nil
+	}
+	if err := probe(); err != nil {
+		t.Fatalf("readiness probe next to the hook: %v", err)
+	}
+	if err := probe("unshare", "--pid", "--fork"); err == nil || !strings.Contains(err.Error(), "another PID namespace") {
+		t.Fatalf("readiness probe from another PID namespace = %v, want a failure saying so", err)
+	}
+
 	first := e.hook.Process
 	second := e.hook.Restart(t)
 	if err := first.Stop(ctx); err != nil {
