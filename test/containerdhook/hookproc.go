@@ -17,6 +17,7 @@ type Hook struct {
 	// it registers in, Registration its file there.
 	Socket, PluginDir, Registration string
 	args                            []string
+	noCaps                          bool
 }
 
 // StartHook runs `mesh-agent hook` for the agent on gateSocket, registering in
@@ -24,12 +25,25 @@ type Hook struct {
 // cleanup it is stopped with SIGTERM, as the kubelet stops it.
 func StartHook(tb testing.TB, gateSocket, pluginDir string, args ...string) *Hook {
 	tb.Helper()
+	return startHook(tb, false, gateSocket, pluginDir, args...)
+}
+
+// StartHookWithoutCapabilities is StartHook for a hook that runs as root
+// with no capability at all (bounding, inheritable and ambient sets empty),
+// as the chart runs it.
+func StartHookWithoutCapabilities(tb testing.TB, gateSocket, pluginDir string, args ...string) *Hook {
+	tb.Helper()
+	return startHook(tb, true, gateSocket, pluginDir, args...)
+}
+
+func startHook(tb testing.TB, noCaps bool, gateSocket, pluginDir string, args ...string) *Hook {
+	tb.Helper()
 	dir, err := os.MkdirTemp("", "hook-")
 	if err != nil {
 		tb.Fatal(err)
 	}
 	tb.Cleanup(func() { os.RemoveAll(dir) })
-	h := &Hook{Socket: filepath.Join(dir, "run", "hook.sock"), PluginDir: pluginDir, Registration: filepath.Join(pluginDir, "mesh-cni.json")}
+	h := &Hook{Socket: filepath.Join(dir, "run", "hook.sock"), PluginDir: pluginDir, Registration: filepath.Join(pluginDir, "mesh-cni.json"), noCaps: noCaps}
 	h.args = append([]string{"hook", "--socket", gateSocket, "--hook-socket", h.Socket, "--hook-plugin-dir", pluginDir, "--log-level", "debug"}, args...)
 	h.Restart(tb)
 	return h
@@ -40,7 +54,11 @@ func StartHook(tb testing.TB, gateSocket, pluginDir string, args ...string) *Hoo
 // until it has registered. The returned process is the new one.
 func (h *Hook) Restart(tb testing.TB) *harness.Process {
 	tb.Helper()
-	p := harness.StartProcess(tb, harness.ProcessOptions{Path: harness.Bins(tb).Path("mesh-agent"), Args: h.args, Name: "mesh-agent-hook"})
+	path, args := harness.Bins(tb).Path("mesh-agent"), h.args
+	if h.noCaps {
+		path, args = "setpriv", append([]string{"--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", path}, args...)
+	}
+	p := harness.StartProcess(tb, harness.ProcessOptions{Path: path, Args: args, Name: "mesh-agent-hook"})
 	tb.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()

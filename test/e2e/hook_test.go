@@ -37,7 +37,8 @@ type hookEnv struct {
 }
 
 // newHookEnv starts the primary, the agent (with agentArgs) and the hook (with
-// hookArgs); the runtime's loader is the test's to start.
+// hookArgs, as root with no capability, as the chart runs it); the runtime's
+// loader is the test's to start.
 func newHookEnv(t *testing.T, ctx context.Context, agentArgs, hookArgs []string) *hookEnv {
 	t.Helper()
 	e := &hookEnv{node: harness.NewNode(t, harness.NodeOptions{})}
@@ -45,7 +46,11 @@ func newHookEnv(t *testing.T, ctx context.Context, agentArgs, hookArgs []string)
 	e.pluginDir = e.agent.agentPath("containerd", "net.d")
 	e.primary = containerdhook.StartPrimary(t, e.node, e.node.Conflist(t, "hooknet"), e.pluginDir)
 	e.agent.start(ctx)
-	e.hook = containerdhook.StartHook(t, e.agent.Socket, e.pluginDir, hookArgs...)
+	e.hook = containerdhook.StartHookWithoutCapabilities(t, e.agent.Socket, e.pluginDir, hookArgs...)
+	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", e.hook.Pid()))
+	if err != nil || !strings.Contains(string(status), "CapEff:\t0000000000000000") {
+		t.Fatalf("the hook runs with capabilities (%v):\n%s", err, status)
+	}
 	return e
 }
 
