@@ -23,10 +23,9 @@
 // The fork is published only as a git branch, not as a module the Go module
 // proxy serves (it refuses the fork's commits: its go.mod names upstream's
 // module path), and CI reaches only the module proxy and Debian, so the
-// runtime's side is this double. Its loader was checked against the fork's
-// containerd built from that commit and run on this machine (the scenarios of
-// TestLoaderAsTheFork, with crictl info reading NetworkReady and
-// lastGRPCPluginLoadStatus): same chain, same failures.
+// runtime's side is this double. test/e2e's TestHookRealContainerd runs the
+// hook's cases against a containerd build with the loader where one is given
+// (it passes against the fork built from that commit).
 package containerdhook
 
 import (
