@@ -408,6 +408,8 @@ func TestHookHandOver(t *testing.T) {
 // rule (one failed dial fails the load), the window the hook's own process
 // keeps to its crashes. The hook restarting rewrites its registration, and
 // the runtime loads the whole chain again without a restart of its own.
+// `mesh-agent hook --unregister` removes a crashed hook's registration, and
+// refuses while one serves.
 func TestHookCrash(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
@@ -427,6 +429,29 @@ func TestHookCrash(t *testing.T) {
 	if err := settledNetworkReady(ctx, l); err != nil {
 		t.Fatalf("NetworkReady after the hook restarted: %v", err)
 	}
+
+	// --unregister refuses while a hook serves, and removes a crashed one's
+	// registration.
+	unregister := func() error {
+		return exec.CommandContext(ctx, harness.Bins(t).Path("mesh-agent"), "hook", "--unregister",
+			"--hook-socket", e.hook.Socket, "--hook-plugin-dir", e.pluginDir).Run()
+	}
+	if err := unregister(); err == nil {
+		t.Fatal("--unregister succeeded while the hook serves")
+	}
+	if _, err := os.Stat(e.hook.Registration); err != nil {
+		t.Fatalf("the refused --unregister removed the registration: %v", err)
+	}
+	if err := e.hook.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	if err := unregister(); err != nil {
+		t.Fatalf("--unregister after a crash: %v", err)
+	}
+	if _, err := os.Stat(e.hook.Registration); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the registration after --unregister: %v", err)
+	}
+	waitChain(t, ctx, l, e.primary.Name)
 }
 
 // TestHookHealthWhileAgentStarts (containerd's health rule from the fork,
