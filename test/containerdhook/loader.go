@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"sync"
 	"time"
@@ -287,6 +288,33 @@ func (l *Loader) Loads() int {
 	l.mu.RLock()
 	defer l.mu.RUnlock()
 	return l.loads
+}
+
+// SettledNetworkReady is NetworkReady from a call that no load interrupted:
+// a load closes the previous chain's connections under the calls in flight
+// (as in the runtime), which a test waiting for a steady state must not read
+// as the hook's answer.
+func (l *Loader) SettledNetworkReady(ctx context.Context) error {
+	for {
+		n := l.Loads()
+		err := l.NetworkReady(ctx)
+		if l.Loads() == n || ctx.Err() != nil {
+			return err
+		}
+	}
+}
+
+// WaitChain waits until the chain in place is names (none: no chain),
+// checking after every load.
+func (l *Loader) WaitChain(ctx context.Context, names ...string) error {
+	n := l.Loads()
+	for !slices.Equal(l.Names(), names) {
+		n++
+		if _, err := l.WaitLoads(ctx, n); err != nil {
+			return fmt.Errorf("the chain is %v (last load: %v), want %v: %w", l.Names(), l.LastStatus(), names, err)
+		}
+	}
+	return nil
 }
 
 // Setup is the runtime's pod network setup through the chain in place.

@@ -116,7 +116,7 @@ func TestLoaderAsTheFork(t *testing.T) {
 	register(t, plugins, "50-dead.json", "dead", dead, false, 200)
 	// A file renamed into place is written under its temporary name first:
 	// two loads, the second one sees it.
-	harnessWait(t, func() bool { return l.LastStatus() != nil }, n, l)
+	waitLoadsUntil(t, func() bool { return l.LastStatus() != nil }, n, l)
 	if l.LastStatus() == nil || !slices.Equal(l.Names(), []string{"primary"}) {
 		t.Fatalf("a dead plugin added: chain %v, status %v; want the old chain and an error", l.Names(), l.LastStatus())
 	}
@@ -135,8 +135,10 @@ func TestLoaderAsTheFork(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(plugins, "mesh.json"), []byte(data), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	harnessWait(t, func() bool { return slices.Equal(l.Names(), []string{"primary", "hook"}) }, n, l)
-	if err := settledNetworkReady(ctx, l); err != nil {
+	if err := l.WaitChain(ctx, "primary", "hook"); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.SettledNetworkReady(ctx); err != nil {
 		t.Fatalf("NetworkReady with both: %v", err)
 	}
 
@@ -144,8 +146,10 @@ func TestLoaderAsTheFork(t *testing.T) {
 	sad := servePlugin(t, dir, "sad", false)
 	n = l.Loads()
 	register(t, plugins, "60-sad.json", "sad", sad, false, 300)
-	harnessWait(t, func() bool { return len(l.Names()) == 3 }, n, l)
-	if err := settledNetworkReady(ctx, l); err == nil || !strings.Contains(err.Error(), "sad answers") {
+	if err := l.WaitChain(ctx, "primary", "hook", "sad"); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.SettledNetworkReady(ctx); err == nil || !strings.Contains(err.Error(), "sad answers") {
 		t.Fatalf("NetworkReady with a not-ready plugin = %v, want its message", err)
 	}
 
@@ -162,21 +166,8 @@ func TestLoaderAsTheFork(t *testing.T) {
 	}
 }
 
-// settledNetworkReady is NetworkReady once no load replaced the chain during
-// the call: a load closes the previous chain's connections, which fails the
-// calls in flight on it (as in the runtime).
-func settledNetworkReady(ctx context.Context, l *Loader) error {
-	for {
-		n := l.Loads()
-		err := l.NetworkReady(ctx)
-		if l.Loads() == n || ctx.Err() != nil {
-			return err
-		}
-	}
-}
-
-// harnessWait waits for cond, which a load after n must make true.
-func harnessWait(t *testing.T, cond func() bool, n int, l *Loader) {
+// waitLoadsUntil waits for cond, which a load after n must make true.
+func waitLoadsUntil(t *testing.T, cond func() bool, n int, l *Loader) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()

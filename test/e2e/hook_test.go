@@ -127,27 +127,10 @@ func checkPodIPs(t *testing.T, name string, primary, merged *containerdhook.Resu
 // waitChain waits until the loader's chain is names (nil: none).
 func waitChain(t *testing.T, ctx context.Context, l *containerdhook.Loader, names ...string) {
 	t.Helper()
-	n := l.Loads()
-	for !slices.Equal(l.Names(), names) {
-		n++
-		waitCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		_, err := l.WaitLoads(waitCtx, n)
-		cancel()
-		if err != nil {
-			t.Fatalf("the runtime's chain is %v (last load: %v), want %v: %v", l.Names(), l.LastStatus(), names, err)
-		}
-	}
-}
-
-// settledNetworkReady is NetworkReady from a call no load interrupted (a load
-// closes the previous chain's connections under the calls in flight).
-func settledNetworkReady(ctx context.Context, l *containerdhook.Loader) error {
-	for {
-		n := l.Loads()
-		err := l.NetworkReady(ctx)
-		if l.Loads() == n || ctx.Err() != nil {
-			return err
-		}
+	waitCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if err := l.WaitChain(waitCtx, names...); err != nil {
+		t.Fatal(err)
 	}
 }
 
@@ -170,7 +153,7 @@ func TestHookEntryPoint(t *testing.T) {
 	}
 	l := e.loader(t)
 	waitChain(t, ctx, l, e.primary.Name, "mesh-cni")
-	if err := settledNetworkReady(ctx, l); err != nil {
+	if err := l.SettledNetworkReady(ctx); err != nil {
 		t.Fatalf("NetworkReady: %v", err)
 	}
 
@@ -223,7 +206,7 @@ func TestHookEntryPoint(t *testing.T) {
 	if _, err := os.Stat(e.hook.Registration); err != nil {
 		t.Fatalf("the registration after the agent stopped: %v", err)
 	}
-	if err := settledNetworkReady(ctx, l); err != nil {
+	if err := l.SettledNetworkReady(ctx); err != nil {
 		t.Fatalf("NetworkReady with the agent stopped: %v", err)
 	}
 
@@ -254,7 +237,7 @@ func TestHookRuntimeRestartWhileAgentDown(t *testing.T) {
 
 	l := e.loader(t)
 	waitChain(t, ctx, l, e.primary.Name, "mesh-cni")
-	if err := settledNetworkReady(ctx, l); err != nil {
+	if err := l.SettledNetworkReady(ctx); err != nil {
 		t.Fatalf("NetworkReady after containerd restarted with the agent down: %v", err)
 	}
 	hook, err := containerdhook.Dial(e.hook.Socket)
@@ -330,7 +313,7 @@ func TestHookAgentKilled(t *testing.T) {
 		t.Fatalf("the setup returned (%v) with the agent down", r.err)
 	default:
 	}
-	if err := settledNetworkReady(ctx, l); err != nil {
+	if err := l.SettledNetworkReady(ctx); err != nil {
 		t.Fatalf("NetworkReady with the agent killed: %v", err)
 	}
 
@@ -387,7 +370,7 @@ func TestHookHandOver(t *testing.T) {
 	if got := l.Names(); !slices.Equal(got, []string{e.primary.Name, "mesh-cni"}) {
 		t.Fatalf("the chain after the hand-over is %v (last load %v)", got, l.LastStatus())
 	}
-	if err := settledNetworkReady(ctx, l); err != nil {
+	if err := l.SettledNetworkReady(ctx); err != nil {
 		t.Fatalf("NetworkReady after the hand-over: %v", err)
 	}
 	p := e.node.NewPod(t, "shop", "handed-over")
@@ -426,7 +409,7 @@ func TestHookCrash(t *testing.T) {
 	}
 	e.hook.Restart(t)
 	waitChain(t, ctx, l, e.primary.Name, "mesh-cni")
-	if err := settledNetworkReady(ctx, l); err != nil {
+	if err := l.SettledNetworkReady(ctx); err != nil {
 		t.Fatalf("NetworkReady after the hook restarted: %v", err)
 	}
 
@@ -489,7 +472,7 @@ func TestHookHealthWhileAgentStarts(t *testing.T) {
 	}
 	defer l.Close()
 	waitChain(t, ctx, l, primary.Name, "mesh-cni")
-	if err := settledNetworkReady(ctx, l); err != nil {
+	if err := l.SettledNetworkReady(ctx); err != nil {
 		t.Fatalf("NetworkReady while the agent starts: %v (a not-ready hook makes kubelet mark the node NotReady)", err)
 	}
 	hook, err := containerdhook.Dial(h.Socket)
