@@ -130,7 +130,6 @@ func TestLoaderAsTheFork(t *testing.T) {
 	// A live hook is ordered after the primary by priority; a file written in
 	// place (Create, then Write) is loaded on its Write.
 	hook := servePlugin(t, dir, "hook", true)
-	n = l.Loads()
 	data := fmt.Sprintf(`{"name": "hook", "address": %q, "priority": 200}`, hook)
 	if err := os.WriteFile(filepath.Join(plugins, "mesh.json"), []byte(data), 0o644); err != nil {
 		t.Fatal(err)
@@ -144,7 +143,6 @@ func TestLoaderAsTheFork(t *testing.T) {
 
 	// A hook answering not-ready makes NetworkReady false.
 	sad := servePlugin(t, dir, "sad", false)
-	n = l.Loads()
 	register(t, plugins, "60-sad.json", "sad", sad, false, 300)
 	if err := l.WaitChain(ctx, "primary", "hook", "sad"); err != nil {
 		t.Fatal(err)
