@@ -41,8 +41,9 @@ type Config struct {
 	ZDSAllowedUIDs []int
 	// ZDSWait says when Add waits for the node proxy's ack.
 	ZDSWait WaitMode
-	// EntryPoints are the other ways pods reach the gate (KNI, the network
-	// plugin hook). Each starts once the gate is serving and stops with it.
+	// EntryPoints are the other ways pods reach the gate in process (the KNI
+	// interposer; the containerd hook is a process of its own on the gate
+	// socket). Each starts once the gate is serving and stops with it.
 	EntryPoints []EntryPoint
 	// Adopt, when set and the policy can list the node's running pods,
 	// enrolls the pods that were running before the agent was installed

@@ -108,8 +108,9 @@ func WriteRegistration(dir string, reg Registration) (string, error) {
 	return path, nil
 }
 
-// RemoveRegistration removes name's registration file from dir (on uninstall).
-// A file that is not there is fine.
+// RemoveRegistration removes name's registration file from dir (on the
+// hook's stop, and by `mesh-agent hook --unregister`). A file that is not
+// there is fine.
 func RemoveRegistration(dir, name string) error {
 	if !pluginName.MatchString(name) {
 		return fmt.Errorf("registration name %q is not a plugin name", name)

@@ -31,16 +31,18 @@ const (
 	DefaultReleaseTimeout = 5 * time.Second
 )
 
-// EntryConfig is what every in-process entry point (the KNI interposer, the
-// network-plugin hook) is configured with: the socket it serves, who may call
-// it, the gate it admits pods through and the bounds of those calls.
+// EntryConfig is what every entry point other than the CNI plugin (the KNI
+// interposer in the agent, the network-plugin hook in its own process) is
+// configured with: the socket it serves, who may call it, the gate it admits
+// pods through and the bounds of those calls.
 type EntryConfig struct {
 	// SocketPath is where the entry point listens; its directory is made 0700
 	// and the socket 0600 (see Listen).
 	SocketPath string
 	// AllowedUIDs may call (SO_PEERCRED); none means root only.
 	AllowedUIDs []int
-	// Gate is the agent's gate, called in process.
+	// Gate is the agent's gate: called in process, or over the gate socket
+	// (nethook.Gate).
 	Gate gatepb.GateServer
 	// Ready reports the agent's readiness and, when not ready, what is
 	// missing. The gate's Add does the waiting; an entry point only tells.
