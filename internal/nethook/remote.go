@@ -74,14 +74,22 @@ func (g *Gate) Status(ctx context.Context, req *gatepb.StatusRequest) (*gatepb.S
 }
 
 // explain keeps the agent's own status, and turns a call that never reached
-// the agent into Unavailable saying so.
+// the agent into Unavailable saying so. The codes alone cannot tell the two
+// apart (a starting agent answers Unavailable itself), so a failed call asks
+// the agent for its status once: an agent that answers it keeps its word.
 func (g *Gate) explain(err error) error {
 	st := status.Convert(err)
 	switch st.Code() {
 	case codes.DeadlineExceeded, codes.Canceled, codes.Unavailable:
-		return status.Errorf(codes.Unavailable, "mesh-agent did not answer on %s (stopped or restarting?): %s", g.socket, st.Message())
+	default:
+		return err
 	}
-	return err
+	ctx, cancel := context.WithTimeout(context.Background(), readyTimeout)
+	defer cancel()
+	if _, serr := g.client.Status(ctx, &gatepb.StatusRequest{}); serr == nil {
+		return err
+	}
+	return status.Errorf(codes.Unavailable, "mesh-agent did not answer on %s (stopped or restarting?): %s", g.socket, st.Message())
 }
 
 // Ready asks the agent for its readiness, within readyTimeout. Not ready
