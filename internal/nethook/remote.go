@@ -17,8 +17,10 @@ import (
 
 // readyTimeout bounds the agent's status call behind a CheckHealth: the
 // runtime calls CheckHealth for its own status, which must not hang on a
-// stopped agent.
-const readyTimeout = time.Second
+// stopped agent. The call waits for a connection that long (a fail-fast call
+// would fail on the last failed connection attempt even once the agent is
+// back), well above the connection's reconnect back-off (gate.Dial: 50 ms).
+const readyTimeout = 500 * time.Millisecond
 
 // Gate is the agent's gate reached over its Unix socket, the way the CNI
 // plugin reaches it, so the hook keeps serving while the agent is down,
@@ -73,10 +75,12 @@ func (g *Gate) Status(ctx context.Context, req *gatepb.StatusRequest) (*gatepb.S
 	return resp, nil
 }
 
-// explain keeps the agent's own status, and turns a call that never reached
-// the agent into Unavailable saying so. The codes alone cannot tell the two
-// apart (a starting agent answers Unavailable itself), so a failed call asks
-// the agent for its status once: an agent that answers it keeps its word.
+// explain keeps the agent's own status, and says why a call that timed out
+// or never reached the agent failed. The codes alone cannot tell the cases
+// apart (a starting agent answers Unavailable itself, and a deadline that runs
+// out while it starts is the caller's own), so a failed call asks the agent
+// for its readiness once: no answer names the socket, not ready names what
+// the agent waits for.
 func (g *Gate) explain(err error) error {
 	st := status.Convert(err)
 	switch st.Code() {
@@ -84,25 +88,32 @@ func (g *Gate) explain(err error) error {
 	default:
 		return err
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), readyTimeout)
-	defer cancel()
-	if _, serr := g.client.Status(ctx, &gatepb.StatusRequest{}); serr == nil {
-		return err
+	ready, why, answered := g.readiness()
+	switch {
+	case !answered:
+		return status.Errorf(codes.Unavailable, "mesh-agent did not answer on %s (stopped or restarting?): %s", g.socket, st.Message())
+	case !ready && !strings.Contains(st.Message(), why):
+		return status.Errorf(st.Code(), "%s: mesh-agent is not ready (%s)", st.Message(), why)
 	}
-	return status.Errorf(codes.Unavailable, "mesh-agent did not answer on %s (stopped or restarting?): %s", g.socket, st.Message())
+	return err
 }
 
 // Ready asks the agent for its readiness, within readyTimeout. Not ready
 // names the unmet conditions, or says that the agent does not answer.
 func (g *Gate) Ready() (bool, string) {
+	ready, why, _ := g.readiness()
+	return ready, why
+}
+
+func (g *Gate) readiness() (ready bool, why string, answered bool) {
 	ctx, cancel := context.WithTimeout(context.Background(), readyTimeout)
 	defer cancel()
-	st, err := g.client.Status(ctx, &gatepb.StatusRequest{})
+	st, err := g.client.Status(ctx, &gatepb.StatusRequest{}, grpc.WaitForReady(true))
 	if err != nil {
-		return false, fmt.Sprintf("mesh-agent does not answer on %s: %s", g.socket, status.Convert(err).Message())
+		return false, fmt.Sprintf("mesh-agent does not answer on %s: %s", g.socket, status.Convert(err).Message()), false
 	}
 	if st.GetReady() {
-		return true, ""
+		return true, "", true
 	}
 	var unmet []string
 	for _, c := range st.GetConditions() {
@@ -111,7 +122,7 @@ func (g *Gate) Ready() (bool, string) {
 		}
 	}
 	sort.Strings(unmet)
-	return false, strings.Join(unmet, "; ")
+	return false, strings.Join(unmet, "; "), true
 }
 
 var _ gatepb.GateServer = (*Gate)(nil)
