@@ -94,7 +94,7 @@ func zdsPods(recs []podstore.Record) []zds.Pod {
 }
 
 func zdsPod(r podstore.Record) zds.Pod {
-	return zds.Pod{UID: r.UID, Name: r.Name, Namespace: r.Namespace, ServiceAccount: r.ServiceAccount, NetnsPath: r.NetnsPath}
+	return zds.Pod{UID: r.UID, Name: r.Name, Namespace: r.Namespace, ServiceAccount: r.ServiceAccount, NetnsPath: r.NetnsPath, NetnsCookie: r.NetnsCookie}
 }
 
 func (h *ZDSHandoff) markSeen() {

@@ -1,9 +1,12 @@
 package zds
 
 import (
+	"errors"
 	"fmt"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/mesh-cni/mesh-cni/internal/netns"
 )
 
 // NetnsID identifies a network namespace by the device and inode of its nsfs
@@ -49,6 +52,30 @@ func openNetns(path string) (int, NetnsID, error) {
 	if err != nil {
 		unix.Close(fd)
 		return -1, NetnsID{}, fmt.Errorf("netns %q: %w", path, err)
+	}
+	return fd, id, nil
+}
+
+// ErrNetnsReplaced is returned (wrapped) when a pod's netns path names another
+// namespace than the one the agent enrolled.
+var ErrNetnsReplaced = errors.New("the netns path names another namespace than the one enrolled")
+
+// openPodNetns opens pod's namespace and, when the pod carries the enrolled
+// namespace's cookie, checks that it is that namespace, on the descriptor that
+// will be handed over, so the path cannot change in between.
+func openPodNetns(pod Pod) (int, NetnsID, error) {
+	fd, id, err := openNetns(pod.NetnsPath)
+	if err != nil || pod.NetnsCookie == 0 {
+		return fd, id, err
+	}
+	cookie, err := netns.CookieFd(fd)
+	if err != nil {
+		unix.Close(fd)
+		return -1, NetnsID{}, fmt.Errorf("netns %q: cookie: %w", pod.NetnsPath, err)
+	}
+	if cookie != pod.NetnsCookie {
+		unix.Close(fd)
+		return -1, NetnsID{}, fmt.Errorf("netns %q has cookie %d, the enrolled one %d: %w", pod.NetnsPath, cookie, pod.NetnsCookie, ErrNetnsReplaced)
 	}
 	return fd, id, nil
 }

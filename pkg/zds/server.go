@@ -56,6 +56,11 @@ type Pod struct {
 	Name, Namespace, ServiceAccount string
 	// NetnsPath is the pod's network namespace (a bind mount or /proc/PID/ns/net).
 	NetnsPath string
+	// NetnsCookie, when set, is the cookie of the namespace the agent enrolled:
+	// the server hands over the namespace at NetnsPath only while it is that
+	// one, so a path reused by another pod's namespace (after a node crash, or
+	// swapped) is never given to the proxy as this pod's.
+	NetnsCookie uint64
 }
 
 func (p Pod) check() error {
@@ -330,7 +335,7 @@ func (s *Server) addPod(ctx context.Context, pod Pod, wait bool) error {
 	if size := proto.Size(req); size > MaxRequestSize {
 		return fmt.Errorf("pod %s: AddWorkload would be %d bytes, over the %d a proxy accepts", pod.UID, size, MaxRequestSize)
 	}
-	fd, id, err := openNetns(pod.NetnsPath)
+	fd, id, err := openPodNetns(pod)
 	if err != nil {
 		return fmt.Errorf("pod %s: %w", pod.UID, err)
 	}
@@ -588,7 +593,7 @@ func (s *Server) snapshotPod(c *conn, pod Pod) error {
 	if size := proto.Size(req); size > MaxRequestSize {
 		return fmt.Errorf("AddWorkload would be %d bytes, over the %d a proxy accepts", size, MaxRequestSize)
 	}
-	fd, id, err := openNetns(pod.NetnsPath)
+	fd, id, err := openPodNetns(pod)
 	if err != nil {
 		c.log.Warn("cannot open pod netns, sending KeepWorkload", zap.String("uid", pod.UID), zap.Error(err))
 		if err := c.keepPod(pod.UID); err != nil {

@@ -749,3 +749,49 @@ func TestAnyHelloVersion(t *testing.T) {
 	}
 	checkAdd(t, got[0], p1)
 }
+
+// TestNetnsSwappedBehindPath: a pod's netns path that now names another
+// namespace than the one the agent enrolled (the path reused, or a namespace
+// mounted over it) is never handed to the proxy as the pod's: AddPod refuses
+// it, a snapshot sends KeepWorkload without a descriptor, and the pod whose
+// path still names its namespace goes through.
+func TestNetnsSwappedBehindPath(t *testing.T) {
+	harness.RequireRoot(t, rootReason)
+	ctx := testCtx(t)
+	swapped, intact := pod(t, "swapped"), pod(t, "intact")
+	for _, p := range []*zds.Pod{&swapped, &intact} {
+		c, err := netns.Cookie(p.NetnsPath)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.NetnsCookie = c
+	}
+	// Another namespace at the swapped pod's path.
+	if err := netns.Remove(swapped.NetnsPath); err != nil {
+		t.Fatal(err)
+	}
+	if err := netns.Create(swapped.NetnsPath); err != nil {
+		t.Fatal(err)
+	}
+
+	srv, path := startServer(t, &store{pods: []zds.Pod{swapped, intact}}, zds.Config{})
+	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
+	got := takeSnapshot(t, ctx, pc)
+	if len(got) != 2 || got[0].GetKeep().GetUid() != swapped.UID || got[0].Netns != nil {
+		t.Fatalf("snapshot %v: want KeepWorkload for %s without fd, then %s", got, swapped.UID, intact.UID)
+	}
+	checkAdd(t, got[1], intact)
+
+	if err := srv.AddPod(ctx, swapped); !errors.Is(err, zds.ErrNetnsReplaced) {
+		t.Fatalf("AddPod of the swapped pod = %v, want ErrNetnsReplaced", err)
+	}
+	// Nothing reached the proxy: its next request is this add.
+	again := intact
+	again.UID = "again-" + intact.UID
+	done := async(func() error { return srv.AddPod(ctx, again) })
+	checkAdd(t, recv(t, ctx, pc), again)
+	ack(t, pc, "")
+	if err := wait(t, ctx, done); err != nil {
+		t.Fatal(err)
+	}
+}
