@@ -49,7 +49,7 @@ image:
 # in CI, they run. .ci/run runs it first.
 UNIT_PKGS := ./internal/agent/... ./internal/agentcli/... ./internal/cniplugin/... \
 	./internal/cniinstall/... ./internal/enroll/... ./internal/podstore/... ./internal/runtimecni/... \
-	./internal/hostproc/... ./internal/keylock/... ./internal/netns/... ./internal/atomicfile/... ./pkg/... ./install/kubernetes/...
+	./internal/hostproc/... ./internal/keylock/... ./internal/netns/... ./internal/atomicfile/... ./internal/gaterpc/... ./pkg/... ./install/kubernetes/...
 test-unit:
 	MESH_CNI_BIN_DIR= $(GO) test -short -count=1 $(UNIT_PKGS)
 

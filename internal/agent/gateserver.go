@@ -9,24 +9,24 @@ import (
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
-	"github.com/mesh-cni/mesh-cni/pkg/gate"
+	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 )
 
 // GateServer serves the gate API and grpc.health.v1 on the gate socket.
 type GateServer struct {
-	*gate.Server
+	*gaterpc.Server
 	health *health.Server
 }
 
 // NewGateServer listens on socketPath and registers svc. The health service's
 // overall status ("" and the gate service's name) follows readiness.
 func NewGateServer(ctx context.Context, log *zap.Logger, socketPath string, allowedUIDs []int, svc *Service, readiness *Readiness, metrics *Metrics) (*GateServer, error) {
-	l, err := gate.Listen(ctx, socketPath)
+	l, err := gaterpc.Listen(ctx, socketPath)
 	if err != nil {
 		return nil, err
 	}
-	srv := gate.NewServer(allowedUIDs, grpc.ChainUnaryInterceptor(metrics.UnaryInterceptor))
+	srv := gaterpc.NewServer(allowedUIDs, grpc.ChainUnaryInterceptor(metrics.UnaryInterceptor))
 	gatepb.RegisterGateServer(srv, svc)
 	hs := health.NewServer()
 	healthpb.RegisterHealthServer(srv, hs)
@@ -41,7 +41,7 @@ func NewGateServer(ctx context.Context, log *zap.Logger, socketPath string, allo
 	readiness.OnChange(setHealth)
 	ready, _ := readiness.Ready()
 	setHealth(ready)
-	return &GateServer{Server: gate.NewUnixServer("gate", log, l, srv), health: hs}, nil
+	return &GateServer{Server: gaterpc.NewUnixServer("gate", log, l, srv), health: hs}, nil
 }
 
 // Stop lets in-flight calls finish for up to grace, then cuts the rest. Callers

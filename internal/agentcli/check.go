@@ -14,8 +14,8 @@ import (
 	"google.golang.org/grpc"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
-	"github.com/mesh-cni/mesh-cni/pkg/gate"
 )
 
 // checkResult is one node check.
@@ -180,7 +180,7 @@ const (
 )
 
 func checkAgentReady(ctx context.Context, socket string) string {
-	conn, err := gate.Dial(socket)
+	conn, err := gaterpc.Dial(socket)
 	if err != nil {
 		return err.Error()
 	}

@@ -22,7 +22,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
 	"github.com/mesh-cni/mesh-cni/internal/hostproc"
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
-	"github.com/mesh-cni/mesh-cni/pkg/gate"
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gateclient"
 	"github.com/mesh-cni/mesh-cni/pkg/zds"
 )
 
@@ -177,7 +177,7 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.StringVar(&opts.pluginBinary, "plugin-binary", "", "the mesh-cni binary to install (default: mesh-cni next to the mesh-agent binary)")
 	fs.StringVar(&opts.installStateDir, "install-state-dir", DefaultInstallDir, "where the installer keeps the primary config's original bytes for uninstall")
 	fs.DurationVar(&opts.gateTimeout, "gate-timeout", 30*time.Second, "the chain entry's gateTimeout: how long a pod's ADD waits for the agent")
-	opts.excludeNamespaces = stringList{gate.DefaultExcludeNamespace}
+	opts.excludeNamespaces = stringList{gateclient.DefaultExcludeNamespace}
 	fs.Var(&opts.excludeNamespaces, "exclude-namespaces", "the chain entry's excludeNamespaces: pods there never wait for the agent")
 	fs.StringVar(&opts.pluginLogLevel, "plugin-log-level", "info", "the chain entry's logLevel")
 	fs.StringVar(&opts.pluginLogFile, "plugin-log-file", "", "the chain entry's logFile (default: the plugin logs to the runtime's stderr)")

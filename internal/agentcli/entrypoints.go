@@ -9,8 +9,8 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/mesh-cni/mesh-cni/internal/agent"
+	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/internal/kni"
-	"github.com/mesh-cni/mesh-cni/pkg/gate"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 )
 
@@ -24,7 +24,7 @@ type entryOptions struct {
 func (e *entryOptions) register(fs *flag.FlagSet) {
 	fs.StringVar(&e.kniSocket, "kni-socket", "", "serve the KNI interposer on this socket (kubelet's KNI endpoint); empty: off")
 	fs.StringVar(&e.kniUpstream, "kni-upstream", "", "socket of the real KNI network runtime the interposer forwards to")
-	fs.DurationVar(&e.kniEnrollTimeout, "kni-enroll-timeout", gate.DefaultEnrollTimeout, "how long a KNI attach waits for the agent to enroll the pod")
+	fs.DurationVar(&e.kniEnrollTimeout, "kni-enroll-timeout", gaterpc.DefaultEnrollTimeout, "how long a KNI attach waits for the agent to enroll the pod")
 }
 
 // entryPoints builds the KNI interposer from the flags. The containerd hook
@@ -33,8 +33,8 @@ func (e *entryOptions) register(fs *flag.FlagSet) {
 func (o options) entryPoints(log *zap.Logger) ([]agent.EntryPoint, error) {
 	var eps []agent.EntryPoint
 	// entry is the configuration both share; each sets its own socket.
-	entry := func(g gatepb.GateServer, ready func() (bool, string)) gate.EntryConfig {
-		return gate.EntryConfig{AllowedUIDs: o.allowedUIDs, Gate: g, Ready: ready, ExcludeNamespaces: o.excludeNamespaces}
+	entry := func(g gatepb.GateServer, ready func() (bool, string)) gaterpc.EntryConfig {
+		return gaterpc.EntryConfig{AllowedUIDs: o.allowedUIDs, Gate: g, Ready: ready, ExcludeNamespaces: o.excludeNamespaces}
 	}
 	if o.entry.kniSocket != "" {
 		if o.entry.kniUpstream == "" {

@@ -12,8 +12,9 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/internal/nethook"
-	"github.com/mesh-cni/mesh-cni/pkg/gate"
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gateclient"
 )
 
 // Defaults of `mesh-agent hook`.
@@ -51,8 +52,8 @@ func hookFlagSet(o *hookOptions, stderr io.Writer) *flag.FlagSet {
 	fs.StringVar(&o.pluginDir, "hook-plugin-dir", DefaultHookPluginDir, "containerd's plugin directory, where the registration file is written")
 	fs.StringVar(&o.name, "hook-name", "mesh-cni", "name of the registration (file <name>.json)")
 	fs.IntVar(&o.priority, "hook-priority", nethook.DefaultPriority, "registration priority: runs after plugins with a lower number (the primary)")
-	fs.DurationVar(&o.enrollTimeout, "gate-timeout", gate.DefaultEnrollTimeout, "how long a pod's setup waits for the agent to enroll it (the agent down included) before failing")
-	o.excludeNamespaces = stringList{gate.DefaultExcludeNamespace}
+	fs.DurationVar(&o.enrollTimeout, "gate-timeout", gaterpc.DefaultEnrollTimeout, "how long a pod's setup waits for the agent to enroll it (the agent down included) before failing")
+	o.excludeNamespaces = stringList{gateclient.DefaultExcludeNamespace}
 	fs.Var(&o.excludeNamespaces, "exclude-namespaces", "comma-separated namespaces whose pods pass without the agent")
 	o.allowedUIDs = intList{0}
 	fs.Var(&o.allowedUIDs, "allowed-uids", "comma-separated user ids allowed to call the hook socket (checked with SO_PEERCRED)")
@@ -93,7 +94,7 @@ func hookCommand(ctx context.Context, args []string, stderr io.Writer) int {
 		return 0
 	}
 	cfg := nethook.RunConfig{
-		EntryConfig: gate.EntryConfig{
+		EntryConfig: gaterpc.EntryConfig{
 			SocketPath:        o.socket,
 			AllowedUIDs:       o.allowedUIDs,
 			ExcludeNamespaces: o.excludeNamespaces,
@@ -123,7 +124,7 @@ func probeHook(socket string) error {
 		return fmt.Errorf("hook socket %s: %w", socket, err)
 	}
 	defer conn.Close()
-	peer, err := gate.PeerOf(conn)
+	peer, err := gaterpc.PeerOf(conn)
 	if err != nil {
 		return err
 	}

@@ -12,9 +12,9 @@ import (
 
 	"google.golang.org/grpc"
 
+	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/internal/podstore"
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
-	"github.com/mesh-cni/mesh-cni/pkg/gate"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 )
 
@@ -91,7 +91,7 @@ func collectStatus(ctx context.Context, opts options) NodeStatus {
 	st := NodeStatus{Source: "agent"}
 	var records []*gatepb.Enrollment
 	if err := func() error {
-		conn, err := gate.Dial(opts.socketPath)
+		conn, err := gaterpc.Dial(opts.socketPath)
 		if err != nil {
 			return err
 		}

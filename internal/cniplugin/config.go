@@ -11,6 +11,8 @@ import (
 
 	"github.com/containernetworking/cni/pkg/types"
 	"github.com/containernetworking/cni/pkg/version"
+
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gateclient"
 )
 
 // Defaults of the plugin's config fields.
@@ -32,13 +34,6 @@ const (
 	// hundred KiB at most.
 	MaxStdin = 4 << 20
 )
-
-// DefaultExcludeNamespaces keeps the cluster's own system pods out of the mesh,
-// so they can never wait on an agent that itself needs them to start.
-// defaultExcludeNamespaces is gate.DefaultExcludeNamespace, the other entry
-// points' default, written out: importing pkg/gate would link grpc-go into the
-// plugin (TestParseConfigDefaults holds them equal).
-var defaultExcludeNamespaces = []string{"kube-system"}
 
 // NetConf is the plugin's entry in the conflist.
 type NetConf struct {
@@ -139,7 +134,7 @@ func parseConfigOnly(stdin []byte) (*NetConf, error) {
 		conf.DelTimeout = Duration(DefaultDelTimeout)
 	}
 	if conf.ExcludeNamespaces == nil {
-		ex := slices.Clone(defaultExcludeNamespaces)
+		ex := []string{gateclient.DefaultExcludeNamespace}
 		conf.ExcludeNamespaces = &ex
 	}
 	if conf.LogLevel == "" {

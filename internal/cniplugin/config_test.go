@@ -8,7 +8,7 @@ import (
 
 	"github.com/containernetworking/cni/pkg/types"
 
-	"github.com/mesh-cni/mesh-cni/pkg/gate"
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gateclient"
 )
 
 const prevResult = `{"cniVersion":"1.1.0","interfaces":[{"name":"cni0","mac":"0a:58:0a:01:00:01"},{"name":"eth0","mac":"0a:58:0a:01:00:05","sandbox":"/run/netns/p"}],
@@ -24,8 +24,8 @@ func TestParseConfigDefaults(t *testing.T) {
 	}
 	// The agent's other entry points (KNI, hook) exclude the same namespace by
 	// default; the plugin keeps its own copy so that it does not link grpc-go.
-	if !conf.Excluded(gate.DefaultExcludeNamespace) || conf.Excluded("default") || len(*conf.ExcludeNamespaces) != 1 {
-		t.Fatalf("default exclusion %v, want only %s, as the other entry points", *conf.ExcludeNamespaces, gate.DefaultExcludeNamespace)
+	if !conf.Excluded(gateclient.DefaultExcludeNamespace) || conf.Excluded("default") || len(*conf.ExcludeNamespaces) != 1 {
+		t.Fatalf("default exclusion %v, want only %s, as the other entry points", *conf.ExcludeNamespaces, gateclient.DefaultExcludeNamespace)
 	}
 	if conf.PrevResult == nil {
 		t.Fatal("prevResult not parsed")

@@ -8,8 +8,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/internal/kni/knipb"
-	"github.com/mesh-cni/mesh-cni/pkg/gate"
 )
 
 type (
@@ -116,7 +116,7 @@ func (i *interposer) attach(ctx context.Context, method string, req *knipb.Attac
 		zap.String("pod", req.GetNamespace()+"/"+req.GetName()))
 	excluded := i.cfg.Excluded(firstNonEmpty(req.GetNamespace(), req.GetLabels()[LabelPodNamespace]))
 	if !excluded {
-		gate.LogFittedMetadata(log, req.GetLabels(), req.GetAnnotations())
+		gaterpc.LogFittedMetadata(log, req.GetLabels(), req.GetAnnotations())
 		if _, _, err := attachIdentity(req, i.cfg.Network); err != nil {
 			log.Warn("refused attach: the pod could not be enrolled", zap.Error(err))
 			return nil, status.Errorf(codes.InvalidArgument, "mesh-cni: cannot enroll this pod in the mesh, so the attach was not forwarded to the network runtime: %v", err)
@@ -151,12 +151,12 @@ func (i *interposer) attach(ctx context.Context, method string, req *knipb.Attac
 // undo rolls back an attach whose pod could not be enrolled and returns the
 // error for the caller.
 func (i *interposer) undo(ctx context.Context, log *zap.Logger, req *knipb.AttachInterfaceRequest, detach detachFunc, code codes.Code, why string) error {
-	code = gate.FailureCode(code)
+	code = gaterpc.FailureCode(code)
 	undoCtx, cancel := context.WithTimeout(context.WithoutCancel(outgoing(ctx)), i.cfg.RollbackTimeout)
 	defer cancel()
 	dreq := detachRequestFor(req)
 	if del, err := DetachToGate(dreq, i.cfg.Network); err == nil {
-		gate.ReleaseSandbox(undoCtx, log, i.cfg.Gate, del)
+		gaterpc.ReleaseSandbox(undoCtx, log, i.cfg.Gate, del)
 	}
 	if _, err := detach(undoCtx, dreq); err != nil {
 		log.Error("undoing the attach failed; the network runtime may still hold the pod's network", zap.Error(err))

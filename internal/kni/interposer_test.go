@@ -24,10 +24,10 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/mesh-cni/mesh-cni/internal/agent"
+	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/internal/kni"
 	"github.com/mesh-cni/mesh-cni/internal/kni/knipb"
 	"github.com/mesh-cni/mesh-cni/internal/podstore"
-	"github.com/mesh-cni/mesh-cni/pkg/gate"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/kniruntime"
@@ -429,7 +429,7 @@ func TestLibkniUpstream(t *testing.T) {
 // undone with DetachInterface on a libkni-named runtime.
 func TestLibkniUpstreamUndo(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, envOptions{libkni: true, notReady: true, cfg: kni.Config{EntryConfig: gate.EntryConfig{EnrollTimeout: time.Second}}})
+	e := newEnv(t, envOptions{libkni: true, notReady: true, cfg: kni.Config{EntryConfig: gaterpc.EntryConfig{EnrollTimeout: time.Second}}})
 	pod := e.node.NewPod(t, "shop", "undo")
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -492,7 +492,7 @@ func TestAttachWaitsForReadiness(t *testing.T) {
 
 func TestAttachUndoneWhenNotEnrolled(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, envOptions{notReady: true, cfg: kni.Config{EntryConfig: gate.EntryConfig{EnrollTimeout: time.Second}}})
+	e := newEnv(t, envOptions{notReady: true, cfg: kni.Config{EntryConfig: gaterpc.EntryConfig{EnrollTimeout: time.Second}}})
 	pod := e.node.NewPod(t, "shop", "web")
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -600,10 +600,10 @@ func TestNewRejectsBadConfig(t *testing.T) {
 	ctx := context.Background()
 	log := zaptest.NewLogger(t)
 	for name, cfg := range map[string]kni.Config{
-		"no gate":           {EntryConfig: gate.EntryConfig{SocketPath: "/run/x/kni.sock"}, UpstreamSocket: "/run/y.sock"},
-		"relative socket":   {EntryConfig: gate.EntryConfig{SocketPath: "kni.sock", Gate: &agent.Service{}}, UpstreamSocket: "/run/y.sock"},
-		"relative upstream": {EntryConfig: gate.EntryConfig{SocketPath: "/run/x/kni.sock", Gate: &agent.Service{}}, UpstreamSocket: "y.sock"},
-		"same socket":       {EntryConfig: gate.EntryConfig{SocketPath: "/run/x/kni.sock", Gate: &agent.Service{}}, UpstreamSocket: "/run/x/kni.sock"},
+		"no gate":           {EntryConfig: gaterpc.EntryConfig{SocketPath: "/run/x/kni.sock"}, UpstreamSocket: "/run/y.sock"},
+		"relative socket":   {EntryConfig: gaterpc.EntryConfig{SocketPath: "kni.sock", Gate: &agent.Service{}}, UpstreamSocket: "/run/y.sock"},
+		"relative upstream": {EntryConfig: gaterpc.EntryConfig{SocketPath: "/run/x/kni.sock", Gate: &agent.Service{}}, UpstreamSocket: "y.sock"},
+		"same socket":       {EntryConfig: gaterpc.EntryConfig{SocketPath: "/run/x/kni.sock", Gate: &agent.Service{}}, UpstreamSocket: "/run/x/kni.sock"},
 	} {
 		if _, err := kni.New(ctx, log, cfg); err == nil {
 			t.Errorf("%s: New succeeded", name)

@@ -36,8 +36,8 @@ import (
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
 
+	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/internal/kni/knipb"
-	"github.com/mesh-cni/mesh-cni/pkg/gate"
 )
 
 // Defaults for Config.
@@ -56,7 +56,7 @@ const (
 // Ready only feeds the logs (nil means "don't say"), and ReleaseTimeout bounds
 // the gate Del before a detach is forwarded.
 type Config struct {
-	gate.EntryConfig
+	gaterpc.EntryConfig
 	// UpstreamSocket is the real network runtime's socket.
 	UpstreamSocket string
 	// RollbackTimeout: see DefaultRollbackTimeout.
@@ -85,7 +85,7 @@ func (c Config) withDefaults() (Config, error) {
 
 // Server is the interposer listening on its socket.
 type Server struct {
-	*gate.Server
+	*gaterpc.Server
 	log      *zap.Logger
 	upstream *grpc.ClientConn
 }
@@ -101,14 +101,14 @@ func New(ctx context.Context, log *zap.Logger, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	l, err := gate.Listen(ctx, cfg.SocketPath)
+	l, err := gaterpc.Listen(ctx, cfg.SocketPath)
 	if err != nil {
 		conn.Close()
 		return nil, fmt.Errorf("kni interposer: %w", err)
 	}
 	log = log.With(zap.String("entry", "kni"))
 	codec := newRawCodec()
-	srv := gate.NewServer(cfg.AllowedUIDs,
+	srv := gaterpc.NewServer(cfg.AllowedUIDs,
 		grpc.ForceServerCodecV2(codec),
 		grpc.UnknownServiceHandler(forwardUnknown(conn, codec)),
 	)
@@ -118,7 +118,7 @@ func New(ctx context.Context, log *zap.Logger, cfg Config) (*Server, error) {
 		upstream: knipb.NewKNIClient(conn),
 	})
 	return &Server{
-		Server:   gate.NewUnixServer("KNI interposer", log, l, srv, zap.String("upstream", conn.Target())),
+		Server:   gaterpc.NewUnixServer("KNI interposer", log, l, srv, zap.String("upstream", conn.Target())),
 		log:      log,
 		upstream: conn,
 	}, nil
@@ -129,7 +129,7 @@ func New(ctx context.Context, log *zap.Logger, cfg Config) (*Server, error) {
 // a fraction of a second; calls are not held waiting for it (no wait-for-ready),
 // so kubelet sees the runtime's unavailability exactly as if it dialled it.
 func dialUpstream(socketPath string) (*grpc.ClientConn, error) {
-	conn, err := gate.DialUnix(socketPath, 20*time.Millisecond, time.Second)
+	conn, err := gaterpc.DialUnix(socketPath, 20*time.Millisecond, time.Second)
 	if err != nil {
 		return nil, fmt.Errorf("kni interposer: network runtime: %w", err)
 	}

@@ -22,10 +22,10 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/mesh-cni/mesh-cni/internal/agent"
+	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/internal/nethook"
 	"github.com/mesh-cni/mesh-cni/internal/nethook/nethookpb"
 	"github.com/mesh-cni/mesh-cni/internal/podstore"
-	"github.com/mesh-cni/mesh-cni/pkg/gate"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
@@ -353,7 +353,7 @@ func TestSetupWaitsForReadiness(t *testing.T) {
 
 func TestSetupFailsWhenNotEnrolled(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, true, nethook.Config{EntryConfig: gate.EntryConfig{EnrollTimeout: time.Second}})
+	e := newEnv(t, true, nethook.Config{EntryConfig: gaterpc.EntryConfig{EnrollTimeout: time.Second}})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	pod := e.node.NewPod(t, "shop", "web")
@@ -392,7 +392,7 @@ func TestExcludedNamespacePassesThrough(t *testing.T) {
 
 func TestPeerNotAllowed(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, false, nethook.Config{EntryConfig: gate.EntryConfig{AllowedUIDs: []int{64000}}})
+	e := newEnv(t, false, nethook.Config{EntryConfig: gaterpc.EntryConfig{AllowedUIDs: []int{64000}}})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	if _, err := e.client.CheckHealth(ctx, &nethookpb.CheckHealthRequest{}); status.Code(err) != codes.PermissionDenied {

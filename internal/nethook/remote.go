@@ -11,7 +11,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/mesh-cni/mesh-cni/pkg/gate"
+	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 )
 
@@ -19,7 +19,7 @@ import (
 // runtime calls CheckHealth for its own status, which must not hang on a
 // stopped agent. The call waits for a connection that long (a fail-fast call
 // would fail on the last failed connection attempt even once the agent is
-// back), well above the connection's reconnect back-off (gate.Dial: 50 ms).
+// back), well above the connection's reconnect back-off (gaterpc.Dial: 50 ms).
 const readyTimeout = 500 * time.Millisecond
 
 // Gate is the agent's gate reached over its Unix socket, the way the CNI
@@ -32,7 +32,7 @@ type Gate struct {
 	client gatepb.GateClient
 }
 
-// NewGate returns the gate at socket over conn (from gate.Dial(socket)).
+// NewGate returns the gate at socket over conn (from gaterpc.Dial(socket)).
 func NewGate(socket string, conn grpc.ClientConnInterface) *Gate {
 	return &Gate{socket: socket, client: gatepb.NewGateClient(conn)}
 }
@@ -128,7 +128,7 @@ func (g *Gate) readiness() (ready bool, why string, answered bool) {
 var _ gatepb.GateServer = (*Gate)(nil)
 
 // remoteEntry is cfg's gate configuration over the gate socket.
-func remoteEntry(cfg gate.EntryConfig, g *Gate) gate.EntryConfig {
+func remoteEntry(cfg gaterpc.EntryConfig, g *Gate) gaterpc.EntryConfig {
 	cfg.Gate, cfg.Ready = g, g.Ready
 	return cfg
 }

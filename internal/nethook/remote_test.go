@@ -13,9 +13,9 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/mesh-cni/mesh-cni/internal/agent"
+	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/internal/nethook"
 	"github.com/mesh-cni/mesh-cni/internal/podstore"
-	"github.com/mesh-cni/mesh-cni/pkg/gate"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 )
 
@@ -30,7 +30,7 @@ func TestGateOverSocket(t *testing.T) {
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	socket := filepath.Join(dir, "run", "gate.sock")
-	conn, err := gate.Dial(socket)
+	conn, err := gaterpc.Dial(socket)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -8,14 +8,14 @@ import (
 
 	"go.uber.org/zap"
 
-	"github.com/mesh-cni/mesh-cni/pkg/gate"
+	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 )
 
 // RunConfig configures the hook process (`mesh-agent hook`).
 type RunConfig struct {
 	// EntryConfig: SocketPath is the hook's socket (the registration's
 	// address); Gate and Ready are filled in from GateSocket.
-	gate.EntryConfig
+	gaterpc.EntryConfig
 	// GateSocket is the agent's gate socket.
 	GateSocket string
 	// PluginDir is the runtime's plugin directory (/etc/containerd/net.d).
@@ -35,7 +35,7 @@ func Run(ctx context.Context, log *zap.Logger, cfg RunConfig) error {
 	if cfg.GateSocket == "" {
 		return errors.New("network-plugin hook: no gate socket")
 	}
-	conn, err := gate.Dial(cfg.GateSocket)
+	conn, err := gaterpc.Dial(cfg.GateSocket)
 	if err != nil {
 		return fmt.Errorf("network-plugin hook: %w", err)
 	}

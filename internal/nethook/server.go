@@ -54,8 +54,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/internal/nethook/nethookpb"
-	"github.com/mesh-cni/mesh-cni/pkg/gate"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 )
 
@@ -67,7 +67,7 @@ const DefaultNetwork = "nethook"
 // SocketPath goes into the registration's address and whose Ready is required
 // (CheckHealth answers with it).
 type Config struct {
-	gate.EntryConfig
+	gaterpc.EntryConfig
 }
 
 func (c Config) withDefaults() (Config, error) {
@@ -85,7 +85,7 @@ func (c Config) withDefaults() (Config, error) {
 // address; a setup cut off by Stop before its enrollment returned has failed
 // for the runtime.
 type Server struct {
-	*gate.Server
+	*gaterpc.Server
 	listener net.Listener
 }
 
@@ -96,18 +96,18 @@ func New(ctx context.Context, log *zap.Logger, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	l, err := gate.ListenTakingOver(ctx, cfg.SocketPath)
+	l, err := gaterpc.ListenTakingOver(ctx, cfg.SocketPath)
 	if err != nil {
 		return nil, fmt.Errorf("network-plugin hook: %w", err)
 	}
 	log = log.With(zap.String("entry", "nethook"))
-	srv := gate.NewServer(cfg.AllowedUIDs)
+	srv := gaterpc.NewServer(cfg.AllowedUIDs)
 	nethookpb.RegisterPodNetworkLifecycleServer(srv, &hook{log: log, cfg: cfg})
-	return &Server{Server: gate.NewUnixServer("network-plugin hook", log, l, srv), listener: l}, nil
+	return &Server{Server: gaterpc.NewUnixServer("network-plugin hook", log, l, srv), listener: l}, nil
 }
 
 // Superseded reports whether a newer hook took the socket over.
-func (s *Server) Superseded() (bool, error) { return gate.Superseded(s.listener) }
+func (s *Server) Superseded() (bool, error) { return gaterpc.Superseded(s.listener) }
 
 type hook struct {
 	nethookpb.UnimplementedPodNetworkLifecycleServer
@@ -124,7 +124,7 @@ func (h *hook) SetupPodNetwork(ctx context.Context, req *nethookpb.SetupPodNetwo
 		log.Info("namespace is excluded from the mesh; setup passed through")
 		return result, nil
 	}
-	gate.LogFittedMetadata(log, req.GetLabels(), req.GetAnnotations())
+	gaterpc.LogFittedMetadata(log, req.GetLabels(), req.GetAnnotations())
 	add, err := SetupToGate(req, h.cfg.Network)
 	if err != nil {
 		log.Warn("refused setup: the pod could not be enrolled", zap.Error(err))
@@ -137,7 +137,7 @@ func (h *hook) SetupPodNetwork(ctx context.Context, req *nethookpb.SetupPodNetwo
 		// Nothing should be held after a failed Add; release anyway, so the
 		// runtime's retry starts clean.
 		h.cfg.Release(context.WithoutCancel(ctx), log, &gatepb.DelRequest{Attachment: add.GetAttachment(), NetnsPath: add.GetNetnsPath(), Source: gatepb.Source_SOURCE_HOOK})
-		return nil, status.Errorf(gate.FailureCode(st.Code()), "mesh-cni: pod %s/%s was not enrolled in the mesh: %s", req.GetPodNamespace(), req.GetPodName(), st.Message())
+		return nil, status.Errorf(gaterpc.FailureCode(st.Code()), "mesh-cni: pod %s/%s was not enrolled in the mesh: %s", req.GetPodNamespace(), req.GetPodName(), st.Message())
 	}
 	log.Info("setup done", zap.Stringer("decision", decision.GetDecision()), zap.String("reason", decision.GetReason()),
 		zap.String("netns", add.GetNetnsPath()), zap.String("ifname", add.GetAttachment().GetIfname()))

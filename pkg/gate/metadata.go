@@ -5,8 +5,6 @@ import (
 	"maps"
 	"slices"
 
-	"go.uber.org/zap"
-
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 )
 
@@ -67,12 +65,4 @@ func fitMetadata(kind string, m map[string]string) (map[string]string, []string)
 		out[k] = v
 	}
 	return out, notes
-}
-
-// LogFittedMetadata logs, in one line, what FitPodMetadata changes in a
-// runtime's labels and annotations; nothing when they fit.
-func LogFittedMetadata(log *zap.Logger, labels, annotations map[string]string) {
-	if _, notes := FitPodMetadata(&gatepb.PodIdentity{Labels: labels, Annotations: annotations}); len(notes) > 0 {
-		log.Warn("pod labels or annotations over the gate's bounds are not passed on as sent", zap.Strings("changed", notes))
-	}
 }

@@ -14,7 +14,7 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	types100 "github.com/containernetworking/cni/pkg/types/100"
 
-	"github.com/mesh-cni/mesh-cni/pkg/gate"
+	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 	"github.com/mesh-cni/mesh-cni/test/bench/results"
 	"github.com/mesh-cni/mesh-cni/test/capture"
@@ -251,7 +251,7 @@ func probeSetup(ctx context.Context, ps *pods, bridgeOnly, chain *libcni.Network
 // the benchmark makes itself; the connection is closed at cleanup.
 func dialGate(tb testing.TB, a *agent) gatepb.GateClient {
 	tb.Helper()
-	conn, err := gate.Dial(a.Socket)
+	conn, err := gaterpc.Dial(a.Socket)
 	if err != nil {
 		tb.Fatal(err)
 	}

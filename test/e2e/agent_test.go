@@ -17,7 +17,7 @@ import (
 	"github.com/containernetworking/cni/libcni"
 	"google.golang.org/grpc"
 
-	"github.com/mesh-cni/mesh-cni/pkg/gate"
+	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
@@ -119,7 +119,7 @@ func (a *agent) stop(ctx context.Context) {
 // list returns the agent's enrollment records through the gate API.
 func (a *agent) list(ctx context.Context) *gatepb.ListResponse {
 	a.t.Helper()
-	conn, err := gate.Dial(a.Socket)
+	conn, err := gaterpc.Dial(a.Socket)
 	if err != nil {
 		a.t.Fatal(err)
 	}

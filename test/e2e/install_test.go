@@ -24,8 +24,8 @@ import (
 	"google.golang.org/grpc"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/internal/netns"
-	"github.com/mesh-cni/mesh-cni/pkg/gate"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -113,7 +113,7 @@ func (a *agent) uninstall(ctx context.Context) {
 
 // health asks the agent's grpc.health.v1 service for the overall status.
 func (a *agent) health(ctx context.Context) (healthpb.HealthCheckResponse_ServingStatus, error) {
-	conn, err := gate.Dial(a.Socket)
+	conn, err := gaterpc.Dial(a.Socket)
 	if err != nil {
 		return 0, err
 	}
@@ -383,7 +383,7 @@ type healthWatch struct {
 
 func watchHealth(t testing.TB, socket string) *healthWatch {
 	t.Helper()
-	conn, err := gate.Dial(socket)
+	conn, err := gaterpc.Dial(socket)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -11,7 +11,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
-	"github.com/mesh-cni/mesh-cni/pkg/gate"
+	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 )
 
 // healthPoll is the pause between health checks that reached a server that is not
@@ -29,7 +29,7 @@ func WaitForHealthy(ctx context.Context, socketPath string) error {
 	}
 	// The gate client the plugin uses: its short reconnect back-off finds a
 	// socket that appears late within a fraction of a second.
-	conn, err := gate.Dial(abs)
+	conn, err := gaterpc.Dial(abs)
 	if err != nil {
 		return fmt.Errorf("health client for %s: %w", socketPath, err)
 	}

@@ -15,7 +15,7 @@ import (
 	"k8s.io/client-go/util/retry"
 
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
-	"github.com/mesh-cni/mesh-cni/pkg/gate"
+	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
@@ -57,7 +57,7 @@ func (c *cluster) runningPod(t *testing.T, node *harness.Node, primary *libcni.N
 // (an adopted pod's attachment is the agent's reading of the host).
 func (a *agent) enrolledUID(uid string) bool {
 	a.t.Helper()
-	conn, err := gate.Dial(a.Socket)
+	conn, err := gaterpc.Dial(a.Socket)
 	if err != nil {
 		a.t.Fatal(err)
 	}

@@ -24,7 +24,7 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
-	"github.com/mesh-cni/mesh-cni/pkg/gate"
+	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
@@ -98,7 +98,7 @@ func (a *agent) start(ctx context.Context) {
 // enrolled reports whether the agent lists the pod's attachment as enrolled.
 func (a *agent) enrolled(p *harness.Pod) bool {
 	a.t.Helper()
-	conn, err := gate.Dial(a.Socket)
+	conn, err := gaterpc.Dial(a.Socket)
 	if err != nil {
 		a.t.Fatal(err)
 	}

@@ -1,6 +1,6 @@
 // Package gateclient is the CNI plugin's client of the agent's gate: unary gRPC
 // calls over the gate's Unix socket, spoken directly over HTTP/2 on one
-// connection per call, with the gate's messages encoded by hand.
+// connection per call, with the gate's messages in protobuf's wire format (protowire).
 //
 // Why not grpc-go: the plugin is a process the runtime starts for every pod, and
 // its gRPC stack was most of what it cost beyond the no-op chained plugin's
@@ -9,7 +9,7 @@
 // balancer and a transport on several goroutines, and closing it waits for
 // them. A plugin makes one call and exits, so all it needs is one connection,
 // one stream, and the protocol's rules for it. The server side stays grpc-go
-// (pkg/gate), with its peer-credential check, deadlines and status codes; the
+// (internal/gaterpc), with its peer-credential check, deadlines and status codes; the
 // calls behave as grpc-go's client calls do:
 //
 //   - WaitForReady (Add): while the socket cannot be reached, or the agent
@@ -32,6 +32,12 @@ import (
 	"math/rand/v2"
 	"time"
 )
+
+// DefaultExcludeNamespace is the namespace whose pods pass through every
+// entry point without contacting the gate, unless told otherwise: the
+// cluster's own system pods must never wait on an agent that may itself need
+// them to start. The CNI plugin's excludeNamespaces default is the same.
+const DefaultExcludeNamespace = "kube-system"
 
 // Methods of the gate and of grpc.health.v1.
 const (

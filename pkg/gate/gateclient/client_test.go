@@ -1,4 +1,4 @@
-package gateclient
+package gateclient_test
 
 import (
 	"context"
@@ -9,7 +9,6 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -20,7 +19,8 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
-	"github.com/mesh-cni/mesh-cni/pkg/gate"
+	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gateclient"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 )
 
@@ -54,7 +54,7 @@ type server struct {
 	done   chan struct{}
 }
 
-// serve runs the gate's own server (gate.NewServer: peer credentials,
+// serve runs the gate's own server (gaterpc.NewServer: peer credentials,
 // allowed uids) with g and a health service on a Unix socket at path.
 func serve(t *testing.T, path string, g *fakeGate, allowed ...int) *server {
 	t.Helper()
@@ -65,7 +65,7 @@ func serve(t *testing.T, path string, g *fakeGate, allowed ...int) *server {
 	if len(allowed) == 0 {
 		allowed = []int{os.Getuid()}
 	}
-	s := &server{grpc: gate.NewServer(allowed), health: health.NewServer(), done: make(chan struct{})}
+	s := &server{grpc: gaterpc.NewServer(allowed), health: health.NewServer(), done: make(chan struct{})}
 	gatepb.RegisterGateServer(s.grpc, g)
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	go func() {
@@ -81,19 +81,19 @@ func serve(t *testing.T, path string, g *fakeGate, allowed ...int) *server {
 
 func socketPath(t *testing.T) string { return filepath.Join(t.TempDir(), "gate.sock") }
 
-func testAdd() *AddRequest {
-	return &AddRequest{
-		Pod:        PodIdentity{Namespace: "ns", Name: "p", UID: "u"},
-		Attachment: Attachment{ContainerID: "c", Ifname: "eth0", Network: "n"},
+func testAdd() *gateclient.AddRequest {
+	return &gateclient.AddRequest{
+		Pod:        gateclient.PodIdentity{Namespace: "ns", Name: "p", UID: "u"},
+		Attachment: gateclient.Attachment{ContainerID: "c", Ifname: "eth0", Network: "n"},
 		NetnsPath:  "/var/run/netns/p",
-		Interfaces: testInterfaces(),
-		Source:     SourceCNI,
+		Interfaces: gateclient.TestInterfaces(),
+		Source:     gateclient.SourceCNI,
 	}
 }
 
-func wantCode(t *testing.T, err error, code Code) *Status {
+func wantCode(t *testing.T, err error, code gateclient.Code) *gateclient.Status {
 	t.Helper()
-	st := StatusOf(err)
+	st := gateclient.StatusOf(err)
 	if st == nil || st.Code != code {
 		t.Fatalf("error %v, want code %s", err, code)
 	}
@@ -111,18 +111,18 @@ func TestAdd(t *testing.T) {
 	}})
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	resp, err := New(path).Add(ctx, testAdd())
+	resp, err := gateclient.New(path).Add(ctx, testAdd())
 	if err != nil {
 		t.Fatal(err)
 	}
-	if *resp != (AddResponse{Decision: DecisionEnrolled, Reason: "all", NetnsCookie: 42}) {
+	if *resp != (gateclient.AddResponse{Decision: gateclient.DecisionEnrolled, Reason: "all", NetnsCookie: 42}) {
 		t.Errorf("response %+v", resp)
 	}
 	want := &gatepb.AddRequest{
 		Pod:        &gatepb.PodIdentity{Namespace: "ns", Name: "p", Uid: "u"},
 		Attachment: &gatepb.Attachment{ContainerId: "c", Ifname: "eth0", Network: "n"},
 		NetnsPath:  "/var/run/netns/p",
-		Interfaces: pbInterfaces(),
+		Interfaces: gateclient.PBInterfaces(),
 		Source:     gatepb.Source_SOURCE_CNI,
 	}
 	if !proto.Equal(got, want) {
@@ -140,11 +140,11 @@ func TestStatusFromServer(t *testing.T) {
 	serve(t, path, &fakeGate{add: func(context.Context, *gatepb.AddRequest) (*gatepb.AddResponse, error) {
 		return nil, status.Error(codes.Aborted, msg)
 	}})
-	_, err := New(path).Add(context.Background(), testAdd())
-	if st := wantCode(t, err, Aborted); st.Message != msg {
+	_, err := gateclient.New(path).Add(context.Background(), testAdd())
+	if st := wantCode(t, err, gateclient.Aborted); st.Message != msg {
 		t.Errorf("message %q, want %q", st.Message, msg)
 	}
-	if err := New(path).Check(context.Background(), &CheckRequest{}); StatusOf(err).Code != FailedPrecondition {
+	if err := gateclient.New(path).Check(context.Background(), &gateclient.CheckRequest{}); gateclient.StatusOf(err).Code != gateclient.FailedPrecondition {
 		t.Errorf("Check: %v", err)
 	}
 }
@@ -152,18 +152,11 @@ func TestStatusFromServer(t *testing.T) {
 func TestPeerNotAllowed(t *testing.T) {
 	path := socketPath(t)
 	serve(t, path, &fakeGate{}, os.Getuid()+1)
-	_, err := New(path).Del(context.Background(), &DelRequest{})
-	st := wantCode(t, err, PermissionDenied)
+	_, err := gateclient.New(path).Del(context.Background(), &gateclient.DelRequest{})
+	st := wantCode(t, err, gateclient.PermissionDenied)
 	if !strings.Contains(st.Message, fmt.Sprintf("uid %d", os.Getuid())) {
 		t.Errorf("message %q does not name the caller's uid", st.Message)
 	}
-}
-
-func TestUnknownMethod(t *testing.T) {
-	path := socketPath(t)
-	serve(t, path, &fakeGate{})
-	_, err := New(path).invoke(context.Background(), "/meshcni.gate.v1.Gate/Nope", nil, false)
-	wantCode(t, err, Unimplemented)
 }
 
 // TestWaitForReady: Add waits for a socket that appears later, as for an
@@ -174,7 +167,7 @@ func TestWaitForReady(t *testing.T) {
 	defer cancel()
 	errc := make(chan error, 1)
 	go func() {
-		_, err := New(path).Add(ctx, testAdd())
+		_, err := gateclient.New(path).Add(ctx, testAdd())
 		errc <- err
 	}()
 	// Part of the scenario: the agent is away while the call waits.
@@ -191,8 +184,8 @@ func TestWaitForReadyDeadline(t *testing.T) {
 	path := socketPath(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
 	defer cancel()
-	_, err := New(path).Add(ctx, testAdd())
-	st := wantCode(t, err, DeadlineExceeded)
+	_, err := gateclient.New(path).Add(ctx, testAdd())
+	st := wantCode(t, err, gateclient.DeadlineExceeded)
 	if !strings.Contains(st.Message, path) {
 		t.Errorf("message %q does not say which socket it waited for", st.Message)
 	}
@@ -202,14 +195,14 @@ func TestFailFast(t *testing.T) {
 	path := socketPath(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	if _, err := New(path).Del(ctx, &DelRequest{}); StatusOf(err).Code != Unavailable {
-		t.Fatalf("Del without an agent: %v, want Unavailable", err)
+	if _, err := gateclient.New(path).Del(ctx, &gateclient.DelRequest{}); gateclient.StatusOf(err).Code != gateclient.Unavailable {
+		t.Fatalf("Del without an agent: %v, want gateclient.Unavailable", err)
 	}
 	if ctx.Err() != nil {
 		t.Fatal("Del without an agent waited for the deadline")
 	}
-	if _, err := New(path).Health(ctx); StatusOf(err).Code != Unavailable {
-		t.Fatalf("Health without an agent: %v, want Unavailable", err)
+	if _, err := gateclient.New(path).Health(ctx); gateclient.StatusOf(err).Code != gateclient.Unavailable {
+		t.Fatalf("Health without an agent: %v, want gateclient.Unavailable", err)
 	}
 }
 
@@ -223,8 +216,8 @@ func TestDeadlineWhileAgentWorks(t *testing.T) {
 	}})
 	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 	defer cancel()
-	_, err := New(path).Add(ctx, testAdd())
-	wantCode(t, err, DeadlineExceeded)
+	_, err := gateclient.New(path).Add(ctx, testAdd())
+	wantCode(t, err, gateclient.DeadlineExceeded)
 	if err := <-serverSaw; !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled) {
 		t.Errorf("the agent's handler saw %v", err)
 	}
@@ -243,8 +236,8 @@ func TestCancel(t *testing.T) {
 		<-entered
 		cancel()
 	}()
-	_, err := New(path).Add(ctx, testAdd())
-	wantCode(t, err, Canceled)
+	_, err := gateclient.New(path).Add(ctx, testAdd())
+	wantCode(t, err, gateclient.Canceled)
 }
 
 // TestAgentStopsMidCall: a call the agent was working on when it stopped is
@@ -262,12 +255,12 @@ func TestAgentStopsMidCall(t *testing.T) {
 	}})
 	go func() {
 		<-entered
-		gate.Stop(s.grpc, 50*time.Millisecond)
+		gaterpc.Stop(s.grpc, 50*time.Millisecond)
 	}()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	_, err := New(path).Add(ctx, testAdd())
-	wantCode(t, err, Unavailable)
+	_, err := gateclient.New(path).Add(ctx, testAdd())
+	wantCode(t, err, gateclient.Unavailable)
 	calls.Wait() // one call only: not retried
 }
 
@@ -282,11 +275,11 @@ func TestLargeMessages(t *testing.T) {
 		}
 		return &gatepb.GCResponse{Released: r.GetValid()}, nil
 	}})
-	req := &GCRequest{Network: "n"}
+	req := &gateclient.GCRequest{Network: "n"}
 	for i := range n {
-		req.Valid = append(req.Valid, Attachment{ContainerID: fmt.Sprintf("%064d", i), Ifname: "eth0", Network: "n"})
+		req.Valid = append(req.Valid, gateclient.Attachment{ContainerID: fmt.Sprintf("%064d", i), Ifname: "eth0", Network: "n"})
 	}
-	resp, err := New(path).GC(context.Background(), req)
+	resp, err := gateclient.New(path).GC(context.Background(), req)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -300,13 +293,13 @@ func TestConcurrentCalls(t *testing.T) {
 	serve(t, path, &fakeGate{del: func(_ context.Context, r *gatepb.DelRequest) (*gatepb.DelResponse, error) {
 		return &gatepb.DelResponse{Released: r.GetAttachment().GetIfname() == "eth0"}, nil
 	}})
-	c := New(path)
+	c := gateclient.New(path)
 	var wg sync.WaitGroup
 	errs := make(chan error, 16*20)
 	for range 16 {
 		wg.Go(func() {
 			for range 20 {
-				resp, err := c.Del(context.Background(), &DelRequest{Attachment: Attachment{Ifname: "eth0"}})
+				resp, err := c.Del(context.Background(), &gateclient.DelRequest{Attachment: gateclient.Attachment{Ifname: "eth0"}})
 				if err == nil && !resp.Released {
 					err = errors.New("not released")
 				}
@@ -326,97 +319,12 @@ func TestConcurrentCalls(t *testing.T) {
 func TestHealth(t *testing.T) {
 	path := socketPath(t)
 	s := serve(t, path, &fakeGate{})
-	c := New(path)
-	for _, want := range []HealthStatus{HealthNotServing, HealthServing} {
+	c := gateclient.New(path)
+	for _, want := range []gateclient.HealthStatus{gateclient.HealthNotServing, gateclient.HealthServing} {
 		s.health.SetServingStatus("", healthpb.HealthCheckResponse_ServingStatus(want))
 		got, err := c.Health(context.Background())
 		if err != nil || got != want {
 			t.Errorf("Health = %v, %v; want %v", got, err, want)
 		}
-	}
-}
-
-// refusingServer accepts connections, sends its settings and a GOAWAY that
-// processes no stream, as a server that is shutting down does, and counts the
-// connections.
-func refusingServer(t *testing.T, path string) *atomic.Int32 {
-	t.Helper()
-	l, err := net.Listen("unix", path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	n := new(atomic.Int32)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			n.Add(1)
-			frames := []byte{0, 0, 0, frameSettings, 0, 0, 0, 0, 0}
-			goAway := make([]byte, 17)
-			goAway[2], goAway[3] = 8, frameGoAway
-			frames = append(frames, goAway...)
-			_, _ = c.Write(frames)
-			c.Close()
-		}
-	}()
-	t.Cleanup(func() {
-		l.Close()
-		<-done
-	})
-	return n
-}
-
-func TestRefusedStreams(t *testing.T) {
-	path := socketPath(t)
-	n := refusingServer(t, path)
-	// Fail fast: one retry of a stream refused unprocessed, then Unavailable.
-	if _, err := New(path).Del(context.Background(), &DelRequest{}); StatusOf(err).Code != Unavailable {
-		t.Fatalf("Del: %v", err)
-	}
-	// Wait for ready: refused streams are retried until the deadline, and the
-	// error says why, wherever in a retry the deadline falls.
-	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
-	defer cancel()
-	_, err := New(path).Add(ctx, testAdd())
-	st := wantCode(t, err, DeadlineExceeded)
-	if !strings.Contains(st.Message, "refused") {
-		t.Errorf("message %q does not say the agent refused", st.Message)
-	}
-	if got := n.Load(); got < 4 {
-		t.Errorf("%d connections, want the fail-fast call's two and the waiting call's retries", got)
-	}
-}
-
-// TestNotAServer: a peer that does not speak HTTP/2 fails the call rather than
-// hanging it.
-func TestNotAServer(t *testing.T) {
-	path := socketPath(t)
-	l, err := net.Listen("unix", path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			_, _ = c.Write([]byte("HTTP/1.1 400 Bad Request\r\n\r\n"))
-			c.Close()
-		}
-	}()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	_, err = New(path).Del(ctx, &DelRequest{})
-	if st := StatusOf(err); st == nil || st.Code != Unavailable {
-		t.Fatalf("Del to a non-gRPC peer: %v, want Unavailable", err)
-	}
-	if ctx.Err() != nil {
-		t.Fatal("the call hung until its deadline")
 	}
 }

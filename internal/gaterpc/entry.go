@@ -1,4 +1,4 @@
-package gate
+package gaterpc
 
 import (
 	"context"
@@ -12,14 +12,9 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gateclient"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 )
-
-// DefaultExcludeNamespace is the namespace whose pods pass through every
-// entry point without contacting the gate, unless told otherwise: the
-// cluster's own system pods must never wait on an agent that may itself need
-// them to start. The CNI plugin's excludeNamespaces default is the same.
-const DefaultExcludeNamespace = "kube-system"
 
 // Defaults of EntryConfig.
 const (
@@ -52,7 +47,7 @@ type EntryConfig struct {
 	// its pods.
 	Network string
 	// ExcludeNamespaces pass through without enrollment; nil means
-	// DefaultExcludeNamespace only, an empty non-nil slice excludes none.
+	// gateclient.DefaultExcludeNamespace only, an empty non-nil slice excludes none.
 	ExcludeNamespaces []string
 	// EnrollTimeout and ReleaseTimeout: see the defaults.
 	EnrollTimeout, ReleaseTimeout time.Duration
@@ -68,7 +63,7 @@ func (c EntryConfig) WithDefaults(name, network string) (EntryConfig, error) {
 		c.Network = network
 	}
 	if c.ExcludeNamespaces == nil {
-		c.ExcludeNamespaces = []string{DefaultExcludeNamespace}
+		c.ExcludeNamespaces = []string{gateclient.DefaultExcludeNamespace}
 	}
 	// A copy: the caller's slice may change after the server started.
 	c.ExcludeNamespaces = slices.Clone(c.ExcludeNamespaces)
