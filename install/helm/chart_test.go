@@ -64,6 +64,13 @@ func decode(t *testing.T, stream []byte) map[string]object {
 // only) with values set over the defaults.
 func render(t *testing.T, values map[string]any) (map[string]object, error) {
 	t.Helper()
+	return renderWith(t, values, nil, nil)
+}
+
+// renderWith renders for a cluster of Kubernetes version kv (nil: helm
+// template's default) that serves the API versions apis besides the built-in ones.
+func renderWith(t *testing.T, values map[string]any, kv *chartutil.KubeVersion, apis []string) (map[string]object, error) {
+	t.Helper()
 	chrt, err := loader.Load(chartDir)
 	if err != nil {
 		t.Fatalf("load chart: %v", err)
@@ -77,6 +84,7 @@ func render(t *testing.T, values map[string]any) (map[string]object, error) {
 	inst := action.NewInstall(cfg)
 	inst.DryRun, inst.ClientOnly, inst.Replace = true, true, true
 	inst.ReleaseName, inst.Namespace = releaseName, namespace
+	inst.KubeVersion, inst.APIVersions = kv, apis
 	rel, err := inst.Run(chrt, values)
 	if err != nil {
 		return nil, err
@@ -299,6 +307,123 @@ func TestValues(t *testing.T) {
 				t.Errorf("host paths %v", got)
 			}
 		}},
+		{"CNI directories", "{platform: gke, cni: {binDir: /srv/cni/bin, confDir: /srv/cni/conf}}", func(t *testing.T, objs map[string]object, _ map[string]any) {
+			if got := hostPaths(podSpec(t, objs, "mesh-agent")); got["cni-bin"] != "/srv/cni/bin" || got["cni-conf"] != "/srv/cni/conf" {
+				t.Errorf("host paths %v: want cni.binDir and cni.confDir over the platform's", got)
+			}
+		}},
+		{"runtime check", "cni: {runtimeCheck: true}", func(t *testing.T, _ map[string]object, c map[string]any) {
+			wantArg(t, c, "--runtime-cni-check")
+		}},
+		{"metrics off the node", "metrics: {bindAddress: 0.0.0.0, port: 9464, scrapeAnnotations: true}", func(t *testing.T, objs map[string]object, c map[string]any) {
+			wantArg(t, c, "--metrics-addr=0.0.0.0:9464")
+			if p := c["ports"].([]any)[0].(map[string]any); p["containerPort"] != float64(9464) {
+				t.Errorf("container port %v", p)
+			}
+			for _, probe := range []string{"startupProbe", "livenessProbe", "readinessProbe"} {
+				if h := c[probe].(map[string]any)["httpGet"].(map[string]any); h["host"] != "127.0.0.1" || h["port"] != "metrics" {
+					t.Errorf("%s %v: want loopback, which a wildcard bind serves", probe, h)
+				}
+			}
+			ann := podTemplateMeta(t, objs, "annotations")
+			if ann["prometheus.io/scrape"] != "true" || ann["prometheus.io/port"] != "9464" || ann["prometheus.io/path"] != "/metrics" {
+				t.Errorf("annotations %v", ann)
+			}
+		}},
+		{"metrics on one IPv6 address", "metrics: {bindAddress: 'fd00::1'}", func(t *testing.T, _ map[string]object, c map[string]any) {
+			wantArg(t, c, "--metrics-addr=[fd00::1]:15099")
+			if h := c["readinessProbe"].(map[string]any)["httpGet"].(map[string]any); h["host"] != "fd00::1" {
+				t.Errorf("readiness probe %v: want the bound address", h)
+			}
+		}},
+		{"metrics service, monitor and rules", "metrics: {bindAddress: 0.0.0.0, service: {enabled: true}, serviceMonitor: {enabled: true, interval: 15s, labels: {release: kps}}, prometheusRule: {enabled: true, labels: {release: kps}}}", func(t *testing.T, objs map[string]object, _ map[string]any) {
+			svc, ok := objs["Service/"+namespace+"/mesh-agent-metrics"]
+			if !ok {
+				t.Fatalf("no Service: %v", keys(objs))
+			}
+			spec := svc["spec"].(map[string]any)
+			if spec["clusterIP"] != "None" || spec["selector"].(map[string]any)["app.kubernetes.io/name"] != "mesh-agent" {
+				t.Errorf("Service spec %v", spec)
+			}
+			sm, ok := objs["ServiceMonitor/"+namespace+"/mesh-agent"]
+			if !ok {
+				t.Fatalf("no ServiceMonitor: %v", keys(objs))
+			}
+			ep := sm["spec"].(map[string]any)["endpoints"].([]any)[0].(map[string]any)
+			if ep["port"] != "metrics" || ep["interval"] != "15s" || sm["metadata"].(map[string]any)["labels"].(map[string]any)["release"] != "kps" {
+				t.Errorf("ServiceMonitor %v", sm)
+			}
+			pr, ok := objs["PrometheusRule/"+namespace+"/mesh-agent"]
+			if !ok {
+				t.Fatalf("no PrometheusRule: %v", keys(objs))
+			}
+			var file map[string]any
+			data, err := os.ReadFile(filepath.Join(chartDir, "files", "prometheus-rules.yaml"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := yaml.Unmarshal(data, &file); err != nil {
+				t.Fatal(err)
+			}
+			if !reflect.DeepEqual(pr["spec"], object(file)) && !reflect.DeepEqual(pr["spec"], file) {
+				t.Errorf("the PrometheusRule's spec is not files/prometheus-rules.yaml:\n%v", pr["spec"])
+			}
+		}},
+		{"scheduling", `{nodeSelector: {pool: mesh}, tolerations: [{key: dedicated, operator: Equal, value: infra, effect: NoSchedule}],
+			affinity: {nodeAffinity: {requiredDuringSchedulingIgnoredDuringExecution: {nodeSelectorTerms: [{matchExpressions: [{key: kubernetes.io/arch, operator: In, values: [amd64]}]}]}}},
+			priorityClassName: mesh-critical, imagePullSecrets: [{name: regcred}], runtimeHook: {enabled: true}}`, func(t *testing.T, objs map[string]object, _ map[string]any) {
+			for _, ds := range []string{"mesh-agent", "mesh-cni-hook"} {
+				spec := podSpec(t, objs, ds)
+				// Helm merges maps into the defaults (a key set to null drops one).
+				if !reflect.DeepEqual(spec["nodeSelector"], map[string]any{"pool": "mesh", "kubernetes.io/os": "linux"}) {
+					t.Errorf("%s nodeSelector %v", ds, spec["nodeSelector"])
+				}
+				if tol := spec["tolerations"].([]any); len(tol) != 1 || tol[0].(map[string]any)["key"] != "dedicated" {
+					t.Errorf("%s tolerations %v", ds, tol)
+				}
+				if _, ok := spec["affinity"].(map[string]any)["nodeAffinity"]; !ok {
+					t.Errorf("%s affinity %v", ds, spec["affinity"])
+				}
+				if spec["priorityClassName"] != "mesh-critical" {
+					t.Errorf("%s priorityClassName %v", ds, spec["priorityClassName"])
+				}
+				if !reflect.DeepEqual(spec["imagePullSecrets"], []any{map[string]any{"name": "regcred"}}) {
+					t.Errorf("%s imagePullSecrets %v", ds, spec["imagePullSecrets"])
+				}
+			}
+		}},
+		{"pod labels and annotations", "{podLabels: {team: net}, podAnnotations: {example.com/owner: net}}", func(t *testing.T, objs map[string]object, _ map[string]any) {
+			if l := podTemplateMeta(t, objs, "labels"); l["team"] != "net" || l["app.kubernetes.io/name"] != "mesh-agent" {
+				t.Errorf("labels %v", l)
+			}
+			if a := podTemplateMeta(t, objs, "annotations"); a["example.com/owner"] != "net" || a["kubectl.kubernetes.io/default-container"] != "agent" {
+				t.Errorf("annotations %v", a)
+			}
+		}},
+		{"update strategy", "updateStrategy: {type: OnDelete}", func(t *testing.T, objs map[string]object, _ map[string]any) {
+			ds := objs["DaemonSet/"+namespace+"/mesh-agent"]
+			if us := ds["spec"].(map[string]any)["updateStrategy"]; !reflect.DeepEqual(us, map[string]any{"type": "OnDelete"}) {
+				t.Errorf("updateStrategy %v", us)
+			}
+		}},
+		{"extra env and args", "{extraEnv: [{name: GODEBUG, value: 'madvdontneed=1'}], extraArgs: [--reconcile-interval=1m]}", func(t *testing.T, _ map[string]object, c map[string]any) {
+			args := argsOf(c)
+			if args[len(args)-1] != "--reconcile-interval=1m" {
+				t.Errorf("args %q: want the extra flag last", args)
+			}
+			env := c["env"].([]any)
+			if last := env[len(env)-1].(map[string]any); last["name"] != "GODEBUG" || last["value"] != "madvdontneed=1" {
+				t.Errorf("env %v", env)
+			}
+		}},
+		{"security profiles", "{seccompProfile: {type: RuntimeDefault}, seLinuxOptions: {type: spc_t}, appArmorProfile: {type: Localhost, localhostProfile: mesh-agent}}", func(t *testing.T, _ map[string]object, c map[string]any) {
+			sc := c["securityContext"].(map[string]any)
+			if !reflect.DeepEqual(sc["seccompProfile"], map[string]any{"type": "RuntimeDefault"}) ||
+				!reflect.DeepEqual(sc["seLinuxOptions"], map[string]any{"type": "spc_t"}) ||
+				!reflect.DeepEqual(sc["appArmorProfile"], map[string]any{"type": "Localhost", "localhostProfile": "mesh-agent"}) {
+				t.Errorf("securityContext %v", sc)
+			}
+		}},
 		{"resources", "resources: {requests: {cpu: 100m, memory: 128Mi}, limits: {memory: 1Gi}}", func(t *testing.T, _ map[string]object, c map[string]any) {
 			want := map[string]any{"requests": map[string]any{"cpu": "100m", "memory": "128Mi"}, "limits": map[string]any{"memory": "1Gi"}}
 			if !reflect.DeepEqual(c["resources"], want) {
@@ -315,6 +440,14 @@ func TestValues(t *testing.T) {
 			tc.check(t, objs, agentContainer(t, objs))
 		})
 	}
+}
+
+// podTemplateMeta is a field of the agent's pod template's metadata.
+func podTemplateMeta(t *testing.T, objs map[string]object, field string) map[string]any {
+	t.Helper()
+	ds := objs["DaemonSet/"+namespace+"/mesh-agent"]
+	m, _ := ds["spec"].(map[string]any)["template"].(map[string]any)["metadata"].(map[string]any)[field].(map[string]any)
+	return m
 }
 
 // podSpec is the pod template's spec of the DaemonSet name.
@@ -368,6 +501,17 @@ func TestRejects(t *testing.T) {
 		{"kni: {enrollTimeout: 30}", "enrollTimeout"},
 		{"runtimeHook: {enabled: true, priority: 0}", "priority"},
 		{"runtimeHook: {pluginDir: net.d}", "pluginDir"},
+		{"platform: aks", "platform"},
+		{"cni: {binDir: bin}", "binDir"},
+		{"cni: {confdir: /etc/cni}", "confdir"},
+		{"metrics: {bindAddress: localhost}", "bindAddress"},
+		{"metrics: {port: 0}", "port"},
+		{"metrics: {serviceMonitor: {interval: often}}", "interval"},
+		{"extraArgs: [reconcile-interval=1m]", "extraArgs"},
+		{"extraEnv: [{value: x}]", "name"},
+		{"updateStrategy: {type: Recreate}", "updateStrategy"},
+		{"tolerations: {operator: Exists}", "tolerations"},
+		{"imagePullSecrets: [regcred]", "imagePullSecrets"},
 	} {
 		var values map[string]any
 		if err := yaml.Unmarshal([]byte(tc.values), &values); err != nil {

@@ -18,6 +18,7 @@ type Metrics struct {
 
 	gateRequests     *prometheus.CounterVec
 	gateWait         prometheus.Histogram
+	gateWaiting      prometheus.Gauge
 	enrollFailures   *prometheus.CounterVec
 	reconcileActions *prometheus.CounterVec
 	chainRepairs     prometheus.Counter
@@ -43,6 +44,10 @@ func NewMetrics(enrolled func() int, ready func() bool, counters func() CounterR
 			Help:    "How long a pod's Add was held at the gate: waiting for readiness plus enrollment.",
 			Buckets: []float64{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60},
 		}),
+		gateWaiting: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "meshcni_gate_pods_waiting",
+			Help: "Pod Adds held at the gate now, waiting for readiness or enrollment: their pods have not started.",
+		}),
 		enrollFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "meshcni_enrollment_failures_total", Help: "Pods not admitted, by reason.",
 		}, []string{"reason"}),
@@ -59,7 +64,7 @@ func NewMetrics(enrolled func() int, ready func() bool, counters func() CounterR
 			Name: "meshcni_zds_acks_total", Help: "ZDS messages acknowledged by node proxies, by result.",
 		}, []string{"result"}),
 	}
-	m.Registry.MustRegister(m.gateRequests, m.gateWait, m.enrollFailures, m.reconcileActions, m.chainRepairs,
+	m.Registry.MustRegister(m.gateRequests, m.gateWait, m.gateWaiting, m.enrollFailures, m.reconcileActions, m.chainRepairs,
 		m.ZDSConnections, m.ZDSAcks,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "meshcni_enrolled_pods", Help: "Pod attachments with redirection in place."},
 			func() float64 { return float64(enrolled()) }),
@@ -106,12 +111,16 @@ func (m *Metrics) UnaryInterceptor(ctx context.Context, req any, info *grpc.Unar
 	if m == nil {
 		return handler(ctx, req)
 	}
-	start := time.Now()
-	resp, err := handler(ctx, req)
 	verb := info.FullMethod
 	if i := lastSlash(verb); i >= 0 {
 		verb = verb[i+1:]
 	}
+	if verb == "Add" {
+		m.gateWaiting.Inc()
+		defer m.gateWaiting.Dec()
+	}
+	start := time.Now()
+	resp, err := handler(ctx, req)
 	m.gateRequests.WithLabelValues(verb, status.Code(err).String()).Inc()
 	if verb == "Add" {
 		m.gateWait.Observe(time.Since(start).Seconds())

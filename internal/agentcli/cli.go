@@ -168,7 +168,7 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.BoolVar(&opts.failOpen, "fail-open", false, "pass traffic through when no proxy listens (default: refuse outbound connects and drop inbound SYNs)")
 
 	fs.BoolVar(&opts.cniInstall, "cni-install", true, "install the plugin binary and the chain entry, and keep the entry in place")
-	fs.BoolVar(&opts.runtimeCNICheck, "runtime-cni-check", false, "before installing, find the container runtime (containerd, CRI-O) in the host's processes and stay not ready while it loads CNI from other directories than --cni-conf-dir and --cni-bin-dir (a wrong platform would leave every new pod unmeshed); the DaemonSet turns it on")
+	fs.BoolVar(&opts.runtimeCNICheck, "runtime-cni-check", false, "before installing, find the container runtime (containerd, CRI-O) in the host's processes and stay not ready while it loads CNI from other directories than --cni-conf-dir and --cni-bin-dir (a wrong platform would leave every new pod unmeshed); the chart's cni.runtimeCheck turns it on")
 	opts.cniBinDirs = stringList{DefaultCNIBinDir}
 	fs.Var(&opts.cniBinDirs, "cni-bin-dir", "comma-separated CNI bin directories to install the mesh-cni binary into")
 	fs.StringVar(&opts.cniConfDir, "cni-conf-dir", DefaultCNIConfDir, "CNI configuration directory")

@@ -30,3 +30,83 @@ Labels of every object, as install/kubernetes sets them.
 app.kubernetes.io/name: {{ .name }}
 app.kubernetes.io/part-of: mesh-cni
 {{- end -}}
+
+{{/*
+The platform: the value, or with auto what the cluster says of itself.
+*/}}
+{{- define "mesh-cni.platform" -}}
+{{- if ne .Values.platform "auto" -}}
+{{ .Values.platform }}
+{{- else if contains "-gke" .Capabilities.KubeVersion.Version -}}
+gke
+{{- else if contains "-eks-" .Capabilities.KubeVersion.Version -}}
+eks
+{{- else if contains "+k3s" .Capabilities.KubeVersion.Version -}}
+k3s
+{{- else if .Capabilities.APIVersions.Has "security.openshift.io/v1" -}}
+openshift
+{{- else -}}
+default
+{{- end -}}
+{{- end -}}
+
+{{/*
+The node's CNI directories: cni.binDir and cni.confDir, else the platform's
+(the same table as install/kubernetes/platforms.go and its components).
+*/}}
+{{- define "mesh-cni.cniBinDir" -}}
+{{- $dirs := dict "default" "/opt/cni/bin" "eks" "/opt/cni/bin" "kind" "/opt/cni/bin" "gke" "/home/kubernetes/bin" "k3s" "/var/lib/rancher/k3s/data/cni" "microk8s" "/var/snap/microk8s/current/opt/cni/bin" "openshift" "/var/lib/cni/bin" -}}
+{{- .Values.cni.binDir | default (get $dirs (include "mesh-cni.platform" .)) -}}
+{{- end -}}
+
+{{- define "mesh-cni.cniConfDir" -}}
+{{- $dirs := dict "default" "/etc/cni/net.d" "eks" "/etc/cni/net.d" "kind" "/etc/cni/net.d" "gke" "/etc/cni/net.d" "k3s" "/var/lib/rancher/k3s/agent/etc/cni/net.d" "microk8s" "/var/snap/microk8s/current/args/cni-network" "openshift" "/etc/kubernetes/cni/net.d" -}}
+{{- .Values.cni.confDir | default (get $dirs (include "mesh-cni.platform" .)) -}}
+{{- end -}}
+
+{{/*
+The host the kubelet probes: the metrics address, or loopback for a wildcard.
+*/}}
+{{- define "mesh-cni.probeHost" -}}
+{{- if has .Values.metrics.bindAddress (list "0.0.0.0" "::") -}}
+127.0.0.1
+{{- else -}}
+{{ .Values.metrics.bindAddress }}
+{{- end -}}
+{{- end -}}
+
+{{/*
+host:port for --metrics-addr, with IPv6 in brackets.
+*/}}
+{{- define "mesh-cni.metricsAddr" -}}
+{{- if contains ":" .Values.metrics.bindAddress -}}
+[{{ .Values.metrics.bindAddress }}]:{{ .Values.metrics.port }}
+{{- else -}}
+{{ .Values.metrics.bindAddress }}:{{ .Values.metrics.port }}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Where the node's DaemonSets run, and how their images are pulled.
+*/}}
+{{- define "mesh-cni.scheduling" -}}
+{{- with .Values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .Values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
