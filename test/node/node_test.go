@@ -204,7 +204,7 @@ func (st agentStatus) enrolled(ns, name string) bool {
 // and whether it chains mesh-cni.
 func (s *scenario) chainEntry(t *testing.T) (string, bool) {
 	t.Helper()
-	dir := s.n.Path("/etc/cni/net.d")
+	dir := s.n.Path(s.n.CNIConfDir)
 	entries, err := os.ReadDir(dir)
 	if err != nil || len(entries) == 0 {
 		t.Fatalf("node conf dir: %v (%d files)", err, len(entries))

@@ -96,6 +96,22 @@ EOF`},
   --set plugin.logLevel=debug --set plugin.logFile=/var/run/mesh-cni/plugin.log`},
 			{Run: rollout},
 		}},
+		{Name: "platform", Cmds: []opCommand{
+			importAgent(),
+			{Run: "kubectl apply -f install/kubernetes/namespace.yaml"},
+			{Run: `helm install mesh-cni install/helm/mesh-cni -n mesh-system --set platform=$PLATFORM \
+  --set image.digest=$(cat bin/image/mesh-agent.tar.digest) --set proxyMark=0x539 \
+  --set metrics.bindAddress=0.0.0.0 --set metrics.service.enabled=true`},
+			{Run: rollout},
+		}},
+		{Name: "platform-uninstall", Cmds: []opCommand{
+			{Run: "helm uninstall mesh-cni -n mesh-system --cascade foreground --wait"},
+			{Run: `helm template mesh-cni install/helm/mesh-cni -n mesh-system --set platform=$PLATFORM \
+  --set image.digest=$(cat bin/image/mesh-agent.tar.digest) --set uninstall.node=$NODE \
+  --show-only templates/uninstall-job.yaml | kubectl apply -f -`},
+			{Run: `kubectl -n mesh-system wait --for=condition=Complete --timeout=3m job/mesh-agent-uninstall-$NODE`},
+			{Run: "kubectl delete -f install/kubernetes/namespace.yaml"},
+		}},
 		{Name: "helm-uninstall", Cmds: []opCommand{
 			{Run: "helm uninstall mesh-cni -n mesh-system --cascade foreground --wait"},
 			{Run: `helm template mesh-cni install/helm/mesh-cni -n mesh-system --set uninstall.node=$NODE \

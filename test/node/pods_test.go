@@ -25,6 +25,7 @@ import (
 	watchtools "k8s.io/client-go/tools/watch"
 	"k8s.io/utils/ptr"
 
+	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/node/nodeenv"
 )
 
@@ -59,6 +60,12 @@ func (c *cluster) namespace(ctx context.Context, name string, meshed bool) {
 	if _, err := c.n.Admin.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil {
 		c.t.Fatalf("create namespace %s: %v", name, err)
 	}
+	// The API server refuses pods until the controller-manager has made the
+	// namespace's default service account.
+	harness.WaitFor(c.t, time.Minute, "the default service account of namespace "+name, func() bool {
+		_, err := c.n.Admin.CoreV1().ServiceAccounts(name).Get(ctx, "default", metav1.GetOptions{})
+		return err == nil
+	})
 	c.t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()

@@ -28,7 +28,7 @@ type nodeSnapshot struct {
 func snapshotNode(t *testing.T, n *nodeenv.Node) nodeSnapshot {
 	t.Helper()
 	s := nodeSnapshot{conf: map[string][]byte{}, bins: map[string]string{}}
-	confDir := n.Path("/etc/cni/net.d")
+	confDir := n.Path(n.CNIConfDir)
 	entries, err := os.ReadDir(confDir)
 	if err != nil {
 		t.Fatal(err)
@@ -40,7 +40,7 @@ func snapshotNode(t *testing.T, n *nodeenv.Node) nodeSnapshot {
 		}
 		s.conf[e.Name()] = data
 	}
-	binDir := n.Path("/opt/cni/bin")
+	binDir := n.Path(n.CNIBinDir)
 	entries, err = os.ReadDir(binDir)
 	if err != nil {
 		t.Fatal(err)

@@ -27,7 +27,7 @@ const (
 // containerdConfig is the node's /etc/containerd/config.toml: the defaults of
 // containerd 2.x with the CNI dirs a kubelet node uses, runc from Debian, and
 // what this machine needs.
-func containerdConfig(bins Binaries) string {
+func containerdConfig(bins Binaries, cniBinDir, cniConfDir string) string {
 	return fmt.Sprintf(`version = 4
 root = '/var/lib/containerd'
 state = '/run/containerd'
@@ -47,13 +47,13 @@ disabled_plugins = ['io.containerd.nri.v1.nri', 'io.containerd.snapshotter.v1.bt
     # Restricted, containerd clamps every value at its own.
     restrict_oom_score_adj = true
   [plugins.'io.containerd.cri.v1.runtime'.cni]
-    bin_dirs = ['/opt/cni/bin']
-    conf_dir = '/etc/cni/net.d'
+    bin_dirs = ['%s']
+    conf_dir = '%s'
     max_conf_num = 1
   [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
     BinaryName = '%s'
     SystemdCgroup = false
-`, ContainerdSocket, SandboxImage, bins.Runc)
+`, ContainerdSocket, SandboxImage, cniBinDir, cniConfDir, bins.Runc)
 }
 
 // Containerd is containerd running on the node.
@@ -64,13 +64,13 @@ type Containerd struct {
 }
 
 // startContainerd writes the node's config and starts containerd.
-func startContainerd(tb testing.TB, m *Machine, bins Binaries) *Containerd {
+func startContainerd(tb testing.TB, m *Machine, bins Binaries, cniBinDir, cniConfDir string) *Containerd {
 	tb.Helper()
 	path := m.Path(ContainerdConfig)
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		tb.Fatal(err)
 	}
-	if err := os.WriteFile(path, []byte(containerdConfig(bins)), 0o644); err != nil {
+	if err := os.WriteFile(path, []byte(containerdConfig(bins, cniBinDir, cniConfDir)), 0o644); err != nil {
 		tb.Fatal(err)
 	}
 	c := &Containerd{m: m, bins: bins}

@@ -6,7 +6,7 @@
 // scripts in hack/ (cached outside the repository); runc comes from Debian.
 //
 // The node looks like a real machine to what runs on it: in its mount
-// namespace /etc, /opt, /var/lib and /var/log are overlays whose changes land
+// namespace /etc, /home, /opt, /var/lib and /var/log are overlays whose changes land
 // in the test's directory, /run is its own tmpfs and /sys/fs/bpf its own
 // bpffs, so /etc/cni/net.d, /opt/cni/bin, /var/run/mesh-cni and the pins of
 // a DaemonSet installed with its default host paths are the node's, never the

@@ -52,7 +52,7 @@ type Machine struct {
 
 // overlays are the host directories the node sees with a writable layer of
 // its own, so what its software writes there stays in the test's directory.
-func overlays() []string { return []string{"/etc", "/opt", "/var/lib", "/var/log"} }
+func overlays() []string { return []string{"/etc", "/home", "/opt", "/var/lib", "/var/log"} }
 
 // newMachine makes the node's namespaces, veth pair, directories and cgroups;
 // everything is removed in tb's cleanup.

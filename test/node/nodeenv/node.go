@@ -32,7 +32,7 @@ const (
 const PodCIDR = "10.244.0.0/24"
 
 // primaryPlugins are the reference plugins the primary conflist uses, copied
-// into the node's /opt/cni/bin.
+// into the node's CNI bin dir.
 func primaryPlugins() []string { return []string{"bridge", "host-local", "loopback", "portmap"} }
 
 // startTimeout bounds the node's start (kubelet's registration and the
@@ -52,6 +52,9 @@ type Node struct {
 	// credential as a file for kubectl and helm.
 	Admin           *kubernetes.Clientset
 	AdminKubeconfig string
+	// CNIBinDir and CNIConfDir are where the node's containerd looks for CNI
+	// plugins and configs (Options).
+	CNIBinDir, CNIConfDir string
 
 	// tb owns the node's processes: one restarted from a subtest must live
 	// as long as the node, not as the subtest.
@@ -63,6 +66,11 @@ type Options struct {
 	// PrimaryCNIVersion is the cniVersion of the primary conflist; default
 	// 1.0.0. With 1.1.0 the runtime also calls STATUS on every plugin.
 	PrimaryCNIVersion string
+	// CNIBinDir and CNIConfDir are the directories containerd is configured
+	// with, a platform's layout (install/kubernetes Platforms); default
+	// /opt/cni/bin and /etc/cni/net.d. Only /etc, /home, /opt and /var/lib
+	// are the node's own.
+	CNIBinDir, CNIConfDir string
 }
 
 // Start runs the control plane and the node, writes the primary CNI config
@@ -76,7 +84,13 @@ func Start(tb testing.TB, opts Options) *Node {
 	}
 	harness.Bins(tb).Require(tb, primaryPlugins()...)
 	m := newMachine(tb)
-	n := &Node{Machine: m, Bins: bins, tb: tb}
+	n := &Node{Machine: m, Bins: bins, tb: tb, CNIBinDir: opts.CNIBinDir, CNIConfDir: opts.CNIConfDir}
+	if n.CNIBinDir == "" {
+		n.CNIBinDir = "/opt/cni/bin"
+	}
+	if n.CNIConfDir == "" {
+		n.CNIConfDir = "/etc/cni/net.d"
+	}
 	n.Control = startControlPlane(tb, bins, m)
 	n.Admin = n.Control.API.Client(tb, kubeenv.AdminUser)
 	n.AdminKubeconfig = n.Control.kubeconfig(tb, kubeenv.AdminUser)
@@ -88,7 +102,7 @@ func Start(tb testing.TB, opts Options) *Node {
 	}
 	n.WritePrimary(tb, version)
 
-	n.Containerd = startContainerd(tb, m, bins)
+	n.Containerd = startContainerd(tb, m, bins, n.CNIBinDir, n.CNIConfDir)
 	n.Kubelet = startKubelet(tb, m, bins, n.Control)
 	n.KubeProxy = startKubeProxy(tb, m, bins, n.Control, PodCIDR)
 	// Runs before the processes' own cleanups (registered earlier): kubelet
@@ -125,7 +139,7 @@ func (n *Node) installPlugins(tb testing.TB) {
 		if err != nil {
 			tb.Fatal(err)
 		}
-		writeNodeFile(tb, n.Machine, filepath.Join("/opt/cni/bin", p), data, 0o755)
+		writeNodeFile(tb, n.Machine, filepath.Join(n.CNIBinDir, p), data, 0o755)
 	}
 }
 
@@ -152,7 +166,7 @@ func (n *Node) WritePrimary(tb testing.TB, cniVersion string) {
 	if err != nil {
 		tb.Fatal(err)
 	}
-	writeNodeFile(tb, n.Machine, filepath.Join("/etc/cni/net.d", PrimaryFile), append(data, '\n'), 0o644)
+	writeNodeFile(tb, n.Machine, filepath.Join(n.CNIConfDir, PrimaryFile), append(data, '\n'), 0o644)
 }
 
 // ReadyCondition is the node's Ready condition as the API server has it.
