@@ -75,5 +75,5 @@
 //     traffic); a pod connecting to its own address is not captured inbound.
 //   - MPTCP clients are redirected through their first subflow (the connect hook
 //     sees the subflow), original destination included; getpeername on the MPTCP
-//     socket still shows the proxy.
+//     socket shows that destination too, read through the same subflow.
 package redirect
