@@ -144,13 +144,14 @@ func (s *Service) adoptOne(ctx context.Context, p RunningPod, sb hostproc.Sandbo
 	key := podstore.Key{Network: network, ContainerID: sb.ContainerID, Ifname: ifnameOf(ifs, p.IPs)}
 	unlock := s.locks.Lock(key.String())
 	defer unlock()
-	cookie, err := netns.Cookie(sb.NetnsPath)
+	ns, err := netns.OpenHandle(sb.NetnsPath)
 	if err != nil {
 		s.adoptFailed(ctx, p.Pod, "adopt-netns", err)
 		return false, err
 	}
+	defer ns.Close()
 	// Looked at again under the lock: an ADD or a pass may have recorded it.
-	if _, ok := s.store.Get(key); ok || s.knownUID(p.Pod.GetUid()) || s.knownCookie(cookie) {
+	if _, ok := s.store.Get(key); ok || s.knownUID(p.Pod.GetUid()) || s.knownCookie(ns.Cookie) {
 		return false, nil
 	}
 	fields := podFields(p.Pod, key)
@@ -173,7 +174,7 @@ func (s *Service) adoptOne(ctx context.Context, p RunningPod, sb hostproc.Sandbo
 		Annotations:    p.Pod.GetAnnotations(),
 	}
 	if !decision.Enroll {
-		if err := s.skip(ctx, rec); err != nil {
+		if err := s.skip(ctx, rec, ns); err != nil {
 			s.adoptFailed(ctx, p.Pod, "record", err)
 			return false, err
 		}
@@ -182,7 +183,7 @@ func (s *Service) adoptOne(ctx context.Context, p RunningPod, sb hostproc.Sandbo
 		s.log.Info("running pod recorded, not enrolled", append(fields, zap.String("reason", decision.Reason))...)
 		return false, nil
 	}
-	rec, reason, err := s.enroll(ctx, rec)
+	rec, reason, err := s.enroll(ctx, rec, ns)
 	if err != nil {
 		s.adoptFailed(ctx, p.Pod, reason, err)
 		return false, fmt.Errorf("adopt pod %s/%s: %w", p.Pod.GetNamespace(), p.Pod.GetName(), err)

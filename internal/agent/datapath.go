@@ -2,7 +2,6 @@ package agent
 
 import (
 	"context"
-	"fmt"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/internal/podstore"
@@ -16,7 +15,7 @@ type Datapath interface {
 	// netnsPath (every interface inside it), with the pod's own deviations from
 	// the node's settings, and returns the namespace's cookie. It returns only
 	// once redirection is active. Idempotent.
-	Enroll(ctx context.Context, netnsPath string, capture podstore.Capture) (uint64, error)
+	Enroll(ctx context.Context, ns *netns.Handle, capture podstore.Capture) (uint64, error)
 	// Release removes redirection for the namespace with this cookie. Idempotent,
 	// and it works after the namespace is gone. netnsPath, when not empty, is
 	// where the namespace was enrolled from: while it still names that
@@ -36,12 +35,8 @@ type Datapath interface {
 type RecordOnly struct{}
 
 // Enroll implements Datapath.
-func (RecordOnly) Enroll(_ context.Context, netnsPath string, _ podstore.Capture) (uint64, error) {
-	cookie, err := netns.Cookie(netnsPath)
-	if err != nil {
-		return 0, fmt.Errorf("record-only enroll: %w", err)
-	}
-	return cookie, nil
+func (RecordOnly) Enroll(_ context.Context, ns *netns.Handle, _ podstore.Capture) (uint64, error) {
+	return ns.Cookie, nil
 }
 
 // Release implements Datapath.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"sync/atomic"
 
+	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/internal/podstore"
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
 )
@@ -28,12 +29,12 @@ func (l *lazyDatapath) get() (Datapath, error) {
 	return *p, nil
 }
 
-func (l *lazyDatapath) Enroll(ctx context.Context, netnsPath string, capture podstore.Capture) (uint64, error) {
+func (l *lazyDatapath) Enroll(ctx context.Context, ns *netns.Handle, capture podstore.Capture) (uint64, error) {
 	dp, err := l.get()
 	if err != nil {
 		return 0, err
 	}
-	return dp.Enroll(ctx, netnsPath, capture)
+	return dp.Enroll(ctx, ns, capture)
 }
 
 func (l *lazyDatapath) Release(ctx context.Context, cookie uint64, netnsPath string) error {

@@ -187,10 +187,32 @@ func (s *Service) reconcileOne(ctx context.Context, key podstore.Key) (reconcile
 	} else {
 		s.log.Warn("pod redirection broken; repairing", append(fields, zap.Error(err))...)
 	}
-	if _, err := s.datapath.Enroll(ctx, rec.NetnsPath, rec.Capture); err != nil {
+	ns, err := s.openRecorded(rec)
+	if err != nil {
+		return outcomeGone, fmt.Errorf("repair %s: %w", key, err)
+	}
+	defer ns.Close()
+	if _, err := s.datapath.Enroll(ctx, ns, rec.Capture); err != nil {
 		return outcomeGone, fmt.Errorf("repair %s: %w", key, err)
 	}
 	return outcomeRepaired, nil
+}
+
+// errNetnsReplaced: a record's namespace path now names another namespace.
+var errNetnsReplaced = errors.New("the recorded netns path names another namespace than the one recorded")
+
+// openRecorded opens a record's namespace for a request on it, refusing a path
+// that now names another namespace than the recorded cookie's.
+func (s *Service) openRecorded(rec podstore.Record) (*netns.Handle, error) {
+	ns, err := netns.OpenHandle(rec.NetnsPath)
+	if err != nil {
+		return nil, err
+	}
+	if ns.Cookie != rec.NetnsCookie {
+		ns.Close()
+		return nil, fmt.Errorf("%s has cookie %d, the record %d: %w", rec.NetnsPath, ns.Cookie, rec.NetnsCookie, errNetnsReplaced)
+	}
+	return ns, nil
 }
 
 // namespaceAlive: the record's namespace path still names a network namespace,

@@ -48,8 +48,8 @@ func (r RedirectDatapath) SetProxyProcesses(pids []int32) error {
 }
 
 // Enroll implements Datapath.
-func (r RedirectDatapath) Enroll(ctx context.Context, netnsPath string, capture podstore.Capture) (uint64, error) {
-	e, err := r.DP.Enroll(ctx, redirect.Target{NetnsPath: netnsPath, Settings: r.settingsFor(capture)})
+func (r RedirectDatapath) Enroll(ctx context.Context, ns *netns.Handle, capture podstore.Capture) (uint64, error) {
+	e, err := r.DP.Enroll(ctx, redirect.Target{NetnsPath: ns.Path, Netns: ns.File, Settings: r.settingsFor(capture)})
 	if err != nil {
 		return 0, err
 	}

@@ -50,7 +50,12 @@ func (s *Service) reevaluateOne(ctx context.Context, key podstore.Key) (changed,
 	switch {
 	case decision.Enroll && rec.Skipped:
 		rec.ServiceAccount, rec.Capture = decision.ServiceAccount, decision.Capture
-		if _, reason, err := s.enroll(ctx, rec); err != nil {
+		ns, err := s.openRecorded(rec)
+		if err != nil {
+			return false, false, fmt.Errorf("enroll %s after a policy change: %w", key, err)
+		}
+		defer ns.Close()
+		if _, reason, err := s.enroll(ctx, rec, ns); err != nil {
 			s.metrics.enrollFailed(reason)
 			s.report(ctx, pod, OutcomeFailed, err)
 			return false, true, fmt.Errorf("enroll %s after a policy change: %w", key, err)
@@ -59,7 +64,12 @@ func (s *Service) reevaluateOne(ctx context.Context, key podstore.Key) (changed,
 		s.log.Info("pod enrolled after a policy change", append(fields, zap.String("reason", decision.Reason))...)
 		return true, true, nil
 	case !decision.Enroll && !rec.Skipped:
-		if err := s.skip(ctx, rec); err != nil {
+		ns, err := s.openRecorded(rec)
+		if err != nil {
+			return false, false, fmt.Errorf("release %s after a policy change: %w", key, err)
+		}
+		defer ns.Close()
+		if err := s.skip(ctx, rec, ns); err != nil {
 			return false, false, fmt.Errorf("release %s after a policy change: %w", key, err)
 		}
 		s.report(ctx, pod, OutcomeDisabled, nil)

@@ -78,11 +78,21 @@ func podFields(pod *gatepb.PodIdentity, key podstore.Key) []zap.Field {
 // Add implements gatepb.GateServer.
 func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddResponse, error) {
 	start := s.now()
-	if err := gate.ValidateAdd(req); err != nil {
+	if err := gate.ValidateAddFields(req); err != nil {
 		s.metrics.enrollFailed("invalid-request")
 		s.log.Warn("rejected add", zap.Error(err))
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
+	// The pod's namespace, opened once: every step of this Add (the data path,
+	// the record's cookie) uses this descriptor, so the path is read once.
+	ns, err := netns.OpenHandle(req.GetNetnsPath())
+	if err != nil {
+		err = fmt.Errorf("%w: %w", gate.ErrInvalidRequest, err)
+		s.metrics.enrollFailed("invalid-request")
+		s.log.Warn("rejected add", zap.Error(err))
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	defer ns.Close()
 	key := keyOf(req.GetAttachment())
 	fields := podFields(req.GetPod(), key)
 
@@ -119,7 +129,7 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 		Annotations:    req.GetPod().GetAnnotations(),
 	}
 	if !decision.Enroll {
-		if err := s.skip(ctx, rec); err != nil {
+		if err := s.skip(ctx, rec, ns); err != nil {
 			s.metrics.enrollFailed("record")
 			return nil, status.Error(codes.Internal, err.Error())
 		}
@@ -127,7 +137,7 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 		s.log.Info("pod skipped", append(fields, zap.String("reason", decision.Reason), zap.Duration("waited", waited))...)
 		return &gatepb.AddResponse{Decision: gatepb.Decision_DECISION_SKIPPED, Reason: decision.Reason}, nil
 	}
-	rec, reason, err := s.enroll(ctx, rec)
+	rec, reason, err := s.enroll(ctx, rec, ns)
 	if err != nil {
 		s.metrics.enrollFailed(reason)
 		s.report(ctx, req.GetPod(), OutcomeFailed, err)
@@ -155,12 +165,13 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 	return &gatepb.AddResponse{Decision: gatepb.Decision_DECISION_ENROLLED, Reason: decision.Reason, NetnsCookie: rec.NetnsCookie}, nil
 }
 
-// enroll puts redirection in place for rec, records it and hands it to the node
-// proxy; on failure nothing is left enrolled. The caller holds the key's lock.
-// reason names the failing step for metrics.
-func (s *Service) enroll(ctx context.Context, rec podstore.Record) (podstore.Record, string, error) {
+// enroll puts redirection in place for rec, in the namespace ns (rec's, opened
+// by the caller), records it and hands it to the node proxy; on failure nothing
+// is left enrolled. The caller holds the key's lock. reason names the failing
+// step for metrics.
+func (s *Service) enroll(ctx context.Context, rec podstore.Record, ns *netns.Handle) (podstore.Record, string, error) {
 	s.enrolling.RLock()
-	cookie, err := s.datapath.Enroll(ctx, rec.NetnsPath, rec.Capture)
+	cookie, err := s.datapath.Enroll(ctx, ns, rec.Capture)
 	if err != nil {
 		s.enrolling.RUnlock()
 		return rec, "datapath", err
@@ -184,7 +195,7 @@ func (s *Service) enroll(ctx context.Context, rec podstore.Record) (podstore.Rec
 	}
 	s.enrolling.RUnlock()
 	if s.handoff != nil {
-		if err := s.handoff.PodAdded(ctx, rec); err != nil {
+		if err := s.handoff.PodAdded(ctx, rec, ns); err != nil {
 			// No pod starts before its node proxy's listeners exist: undo, so a
 			// retried ADD starts clean. The caller's deadline may be spent by now.
 			undoCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
@@ -200,8 +211,9 @@ func (s *Service) enroll(ctx context.Context, rec podstore.Record) (podstore.Rec
 }
 
 // skip records rec as out of the mesh, releasing an earlier redirection of the
-// same attachment. The caller holds the key's lock.
-func (s *Service) skip(ctx context.Context, rec podstore.Record) error {
+// same attachment; ns is rec's namespace, opened by the caller. The caller
+// holds the key's lock.
+func (s *Service) skip(ctx context.Context, rec podstore.Record, ns *netns.Handle) error {
 	if prev, ok := s.store.Get(rec.Key); ok && !prev.Skipped {
 		if err := s.datapath.Release(ctx, prev.NetnsCookie, prev.NetnsPath); err != nil {
 			return fmt.Errorf("release %s: %w", rec.Key, err)
@@ -210,11 +222,7 @@ func (s *Service) skip(ctx context.Context, rec podstore.Record) error {
 			s.handoff.PodDeleted(ctx, prev)
 		}
 	}
-	cookie, err := netns.Cookie(rec.NetnsPath)
-	if err != nil {
-		return err
-	}
-	rec.NetnsCookie, rec.Skipped, rec.EnrolledAt = cookie, true, s.now()
+	rec.NetnsCookie, rec.Skipped, rec.EnrolledAt = ns.Cookie, true, s.now()
 	return s.store.Put(rec)
 }
 

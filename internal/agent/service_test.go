@@ -29,18 +29,14 @@ type fakeDatapath struct {
 	checkErr error
 }
 
-func (d *fakeDatapath) Enroll(_ context.Context, path string, c podstore.Capture) (uint64, error) {
+func (d *fakeDatapath) Enroll(_ context.Context, ns *netns.Handle, c podstore.Capture) (uint64, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.enrollErr != nil {
 		return 0, d.enrollErr
 	}
-	cookie, err := netns.Cookie(path)
-	if err != nil {
-		return 0, err
-	}
-	d.enrolled[cookie] = c
-	return cookie, nil
+	d.enrolled[ns.Cookie] = c
+	return ns.Cookie, nil
 }
 
 func (d *fakeDatapath) Release(_ context.Context, cookie uint64, _ string) error {
@@ -316,5 +312,23 @@ func TestServiceReconcile(t *testing.T) {
 	res, err = e.svc.Reconcile(ctx)
 	if err != nil || res.Repaired != 1 {
 		t.Errorf("Reconcile of a broken pod = %+v, %v; want 1 repaired", res, err)
+	}
+}
+
+// A request on a recorded pod (repair, a policy change) opens its namespace
+// once and refuses a path that names another namespace than the record's.
+func TestOpenRecordedRefusesReplacedNamespace(t *testing.T) {
+	cookie, err := netns.Cookie(podNetns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &Service{}
+	ns, err := s.openRecorded(podstore.Record{NetnsPath: podNetns, NetnsCookie: cookie})
+	if err != nil {
+		t.Fatalf("the recorded namespace: %v", err)
+	}
+	ns.Close()
+	if _, err := s.openRecorded(podstore.Record{NetnsPath: podNetns, NetnsCookie: cookie + 1}); !errors.Is(err, errNetnsReplaced) {
+		t.Errorf("a path naming another namespace: %v, want errNetnsReplaced", err)
 	}
 }

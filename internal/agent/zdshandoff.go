@@ -10,6 +10,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/internal/podstore"
 	"github.com/mesh-cni/mesh-cni/pkg/zds"
 )
@@ -17,9 +18,10 @@ import (
 // Handoff tells a node proxy about enrolled pods (the ZDS protocol ztunnel
 // speaks), so it can open its listeners inside each pod's namespace.
 type Handoff interface {
-	// PodAdded is called after the pod is enrolled and recorded. When it returns
-	// an error the pod is not admitted.
-	PodAdded(ctx context.Context, rec podstore.Record) error
+	// PodAdded is called after the pod is enrolled and recorded, with its
+	// namespace as the request opened it. When it returns an error the pod is
+	// not admitted.
+	PodAdded(ctx context.Context, rec podstore.Record, ns *netns.Handle) error
 	// PodDeleted is called after the pod's record is gone; it never fails the
 	// caller.
 	PodDeleted(ctx context.Context, rec podstore.Record)
@@ -143,11 +145,12 @@ func (h *ZDSHandoff) Serve(ctx context.Context) error {
 func (h *ZDSHandoff) Close() error { return h.srv.Close() }
 
 // PodAdded implements Handoff.
-func (h *ZDSHandoff) PodAdded(ctx context.Context, rec podstore.Record) error {
+func (h *ZDSHandoff) PodAdded(ctx context.Context, rec podstore.Record, ns *netns.Handle) error {
 	if rec.UID == "" {
 		return nil // ZDS names workloads by pod uid; without one there is nothing to hand over
 	}
 	pod := zdsPod(rec)
+	pod.Netns = ns.File
 	waitCtx, cancel := withAnswerMargin(ctx)
 	defer cancel()
 	var err error

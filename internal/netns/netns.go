@@ -197,6 +197,33 @@ func Cookie(path string) (uint64, error) {
 	return cookie, nil
 }
 
+// Handle is a network namespace opened once for a request: the descriptor
+// every later step uses, the path it was opened from (for records and logs)
+// and its cookie, read on that descriptor.
+type Handle struct {
+	File   *os.File
+	Path   string
+	Cookie uint64
+}
+
+// OpenHandle opens and checks the namespace at path (as Open) and reads its
+// cookie. The caller closes it.
+func OpenHandle(path string) (*Handle, error) {
+	f, err := Open(path)
+	if err != nil {
+		return nil, err
+	}
+	cookie, err := CookieFd(int(f.Fd()))
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("netns cookie of %q: %w", path, err)
+	}
+	return &Handle{File: f, Path: path, Cookie: cookie}, nil
+}
+
+// Close closes the namespace's descriptor.
+func (h *Handle) Close() error { return h.File.Close() }
+
 // CookieFd is Cookie for an already-open namespace file descriptor. The
 // calling thread's own namespace needs no switch (nor the privilege to make
 // one): its cookie is read where the caller is.

@@ -145,3 +145,28 @@ func TestCookieOfOwnNamespace(t *testing.T) {
 		t.Errorf("the cookie of a mount namespace: %v, want ErrNotNetNS", err)
 	}
 }
+
+// OpenHandle reads the cookie on the descriptor it keeps, and refuses what is
+// not a network namespace.
+func TestOpenHandle(t *testing.T) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	want, err := netns.CurrentCookie()
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := netns.OpenHandle("/proc/thread-self/ns/net")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	if h.Cookie != want || h.Path != "/proc/thread-self/ns/net" {
+		t.Errorf("handle %+v, want cookie %d", h, want)
+	}
+	if got, err := netns.CookieFd(int(h.File.Fd())); err != nil || got != want {
+		t.Errorf("the handle's descriptor has cookie %d, %v; want %d", got, err, want)
+	}
+	if _, err := netns.OpenHandle("/proc/self/ns/mnt"); !errors.Is(err, netns.ErrNotNetNS) {
+		t.Errorf("a mount namespace: %v, want ErrNotNetNS", err)
+	}
+}

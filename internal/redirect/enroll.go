@@ -22,7 +22,11 @@ import (
 type Target struct {
 	// NetnsPath is the pod's network namespace (/proc/PID/ns/net or a bind mount).
 	NetnsPath string
-	Settings  Settings
+	// Netns, when set, is that namespace already opened (and checked) by the
+	// caller for its whole request: Enroll uses it and does not open the path.
+	// The caller keeps it and closes it.
+	Netns    *os.File
+	Settings Settings
 }
 
 // Enrollment is one enrolled pod, as the data path holds it.
@@ -45,8 +49,9 @@ type Enrollment struct {
 // the same or new settings is safe: an intact link is kept, one from an earlier
 // version is replaced.
 //
-// The namespace file is opened once, checked, and that descriptor is used for
-// every later step, so the path cannot be swapped between the check and the use.
+// The namespace is opened once (or taken from Target.Netns, opened by the
+// caller for its whole request), checked, and that descriptor is used for every
+// later step, so the path cannot be swapped between the check and the use.
 func (d *Datapath) Enroll(ctx context.Context, t Target) (Enrollment, error) {
 	if err := t.Settings.Validate(); err != nil {
 		return Enrollment{}, err
@@ -55,11 +60,15 @@ func (d *Datapath) Enroll(ctx context.Context, t Target) (Enrollment, error) {
 		return Enrollment{}, fmt.Errorf("enroll %s: %w", t.NetnsPath, ErrNoPacketHook)
 	}
 	s := t.Settings.normalized()
-	nsFile, err := netns.Open(t.NetnsPath)
-	if err != nil {
-		return Enrollment{}, fmt.Errorf("enroll: %w", err)
+	nsFile := t.Netns
+	if nsFile == nil {
+		f, err := netns.Open(t.NetnsPath)
+		if err != nil {
+			return Enrollment{}, fmt.Errorf("enroll: %w", err)
+		}
+		defer f.Close()
+		nsFile = f
 	}
-	defer nsFile.Close()
 	nsFd := int(nsFile.Fd())
 	ino, err := netns.InodeFd(nsFd)
 	if err != nil {

@@ -53,6 +53,22 @@ func ValidateAdd(req *gatepb.AddRequest) error {
 	return validatePodRequest(req.GetPod(), req.GetAttachment(), req.GetNetnsPath(), req.GetInterfaces())
 }
 
+// ValidateAddFields is ValidateAdd without opening the namespace: for a server
+// that opens it once itself (netns.OpenHandle) and uses that descriptor for the
+// whole request, so the path is read once and cannot be swapped in between.
+func ValidateAddFields(req *gatepb.AddRequest) error {
+	if err := validatePod(req.GetPod()); err != nil {
+		return err
+	}
+	if err := validateAttachment(req.GetAttachment()); err != nil {
+		return err
+	}
+	if err := validateNetnsPath(req.GetNetnsPath(), false); err != nil {
+		return err
+	}
+	return validateInterfaces(req.GetInterfaces())
+}
+
 // ValidateDel checks a Del request. The netns may already be gone, so only the
 // shape of its path is checked.
 func ValidateDel(req *gatepb.DelRequest) error {

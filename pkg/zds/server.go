@@ -18,6 +18,7 @@ import (
 	"fmt"
 	"math"
 	"net"
+	"os"
 	"slices"
 	"sync"
 	"time"
@@ -61,6 +62,11 @@ type Pod struct {
 	// one, so a path reused by another pod's namespace (after a node crash, or
 	// swapped) is never given to the proxy as this pod's.
 	NetnsCookie uint64
+	// Netns, when set, is the namespace at NetnsPath already opened by the
+	// caller for the request it is part of: AddPod and AddPodWait hand over a
+	// duplicate of it instead of opening the path again (the cookie check
+	// applies to it all the same). The caller keeps and closes it.
+	Netns *os.File
 }
 
 func (p Pod) check() error {

@@ -795,3 +795,56 @@ func TestNetnsSwappedBehindPath(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// A pod whose namespace the caller already opened for its request is handed
+// over as that descriptor: a namespace swapped in at the path meanwhile is
+// never the one the proxy gets. The cookie check applies to the descriptor.
+func TestAddPodUsesCallersNamespace(t *testing.T) {
+	harness.RequireRoot(t, rootReason)
+	ctx := testCtx(t)
+	held := pod(t, "held")
+	f, err := netns.Open(held.NetnsPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if held.NetnsCookie, err = netns.CookieFd(int(f.Fd())); err != nil {
+		t.Fatal(err)
+	}
+	held.Netns = f
+	wantID, err := zds.FdNetnsID(int(f.Fd()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := netns.Remove(held.NetnsPath); err != nil {
+		t.Fatal(err)
+	}
+	if err := netns.Create(held.NetnsPath); err != nil {
+		t.Fatal(err)
+	}
+
+	srv, path := startServer(t, &store{}, zds.Config{})
+	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
+	if got := takeSnapshot(t, ctx, pc); len(got) != 0 {
+		t.Fatalf("snapshot %v, want none", got)
+	}
+	done := async(func() error { return srv.AddPod(ctx, held) })
+	req := recv(t, ctx, pc)
+	if req.GetAdd().GetUid() != held.UID || req.Netns == nil {
+		t.Fatalf("want AddWorkload for %s with an fd, got %v", held.UID, req.WorkloadRequest)
+	}
+	if got, err := zds.FdNetnsID(int(req.Netns.Fd())); err != nil || got != wantID {
+		t.Errorf("the proxy got netns %+v (%v), want the caller's %+v, not the one now at the path", got, err, wantID)
+	}
+	ack(t, pc, "")
+	if err := wait(t, ctx, done); err != nil {
+		t.Fatal(err)
+	}
+
+	other := held
+	other.UID = "other-" + held.UID
+	other.NetnsCookie++
+	if err := srv.AddPod(ctx, other); !errors.Is(err, zds.ErrNetnsReplaced) {
+		t.Errorf("AddPod of a held namespace with another cookie = %v, want ErrNetnsReplaced", err)
+	}
+}
