@@ -59,13 +59,7 @@ func platformLayout(t *testing.T, platform kubernetes.Platform, current nodeenv.
 	ctx, cancel := context.WithTimeout(context.Background(), 12*time.Minute)
 	defer cancel()
 	n := nodeenv.Start(t, nodeenv.Options{CNIBinDir: platform.CNIBinDir, CNIConfDir: platform.CNIConfDir})
-	var tars []string
-	for _, name := range []string{"refproxy", "echoserver", "echoclient", "pause"} {
-		tars = append(tars, current[name].Tar)
-	}
-	if err := n.Containerd.Import(ctx, tars...); err != nil {
-		t.Fatal(err)
-	}
+	importTestImages(t, ctx, n, current)
 	op := newOperator(t, n)
 	op.env = append(op.env, "PLATFORM="+platform.Name)
 	dir := checkout(t, filepath.Dir(current["mesh-agent"].Tar))

@@ -80,14 +80,7 @@ func TestNode(t *testing.T) {
 
 	n := nodeenv.Start(t, nodeenv.Options{PrimaryCNIVersion: "1.0.0"})
 	c := &cluster{t: t, n: n, im: current}
-	// The test's own images; the agent's come with the steps of docs/install.md.
-	var tars []string
-	for _, name := range []string{"refproxy", "echoserver", "echoclient", "pause"} {
-		tars = append(tars, current[name].Tar)
-	}
-	if err := n.Containerd.Import(ctx, tars...); err != nil {
-		t.Fatal(err)
-	}
+	importTestImages(t, ctx, n, current)
 	op := newOperator(t, n)
 	releaseDir := checkout(t, filepath.Dir(release["mesh-agent"].Tar))
 	currentDir := checkout(t, filepath.Dir(current["mesh-agent"].Tar))
@@ -552,16 +545,26 @@ func (s *scenario) nodePortAndProbes(t *testing.T, ctx context.Context) {
 	// The node port's connections carry a line; the kubelet's TCP probes of
 	// the application connect and close. (The kubelet's startup probe of the
 	// proxy's own port reaches the proxy as it should, and is not counted.)
+	// The proxy writes its record once both sides have closed, which can be
+	// after the client has its echo: wait for the last one a little.
 	var viaProxy int
-	for _, r := range readLines[proxy.Record](t, filepath.Join(s.records(), "probed-proxy.jsonl")) {
-		if r.Direction != proxy.Inbound || !slices.Contains(nodeAddrs, r.Client.Addr()) || r.OriginalDst.Port() != serverPort {
-			continue
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		viaProxy = 0
+		for _, r := range readLines[proxy.Record](t, filepath.Join(s.records(), "probed-proxy.jsonl")) {
+			if r.Direction != proxy.Inbound || !slices.Contains(nodeAddrs, r.Client.Addr()) || r.OriginalDst.Port() != serverPort {
+				continue
+			}
+			if r.BytesToDst == 0 {
+				t.Errorf("the proxy took a connection from %s that carried nothing (a kubelet probe?): %+v", r.Client, r)
+				continue
+			}
+			viaProxy++
 		}
-		if r.BytesToDst == 0 {
-			t.Errorf("the proxy took a connection from %s that carried nothing (a kubelet probe?): %+v", r.Client, r)
-			continue
+		if viaProxy >= through || time.Now().After(deadline) || t.Failed() {
+			break
 		}
-		viaProxy++
+		time.Sleep(200 * time.Millisecond)
 	}
 	var probes int
 	for _, r := range readLines[accepted](t, filepath.Join(s.records(), "probed.jsonl")) {

@@ -311,3 +311,17 @@ func (c *cluster) agentReady(ctx context.Context) (time.Time, error) {
 		}
 	}
 }
+
+// importTestImages puts the test's own images (proxy, echo server and
+// client, pause) into the node's containerd; the agent's come with the steps
+// of docs/install.md.
+func importTestImages(t *testing.T, ctx context.Context, n *nodeenv.Node, im nodeenv.Images) {
+	t.Helper()
+	var tars []string
+	for _, name := range []string{"refproxy", "echoserver", "echoclient", "pause"} {
+		tars = append(tars, im[name].Tar)
+	}
+	if err := n.Containerd.Import(ctx, tars...); err != nil {
+		t.Fatal(err)
+	}
+}
