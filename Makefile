@@ -54,7 +54,10 @@ test-unit:
 	MESH_CNI_BIN_DIR= $(GO) test -short -count=1 $(UNIT_PKGS)
 
 # The whole suite, as root, on the real kernel.
+# ip netns makes /run/netns a shared mount point on its first use, before any
+# test mounts a namespace there (test/k8s's istio-cni needs it shared).
 test: build
+	ip netns add mesh-cni-make-test && ip netns delete mesh-cni-make-test
 	$(GO) test -count=1 -timeout 40m ./...
 
 # The kernel matrix (test/kernels/matrix.txt): each kernel booted in a QEMU VM,

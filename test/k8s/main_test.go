@@ -28,6 +28,12 @@ func TestMain(m *testing.M) {
 		}
 		os.Setenv(envIstioBinDir, dir)
 	}
+	// istio-cni's node agent sees the host's namespaces through a bind of
+	// /run/netns made before its pods' namespaces exist.
+	if err := harness.ShareNetnsDir(); err != nil {
+		fmt.Fprintf(os.Stderr, "k8s: %v\n", err)
+		os.Exit(1)
+	}
 	pkgs := harness.ReferencePlugins()
 	maps.Copy(pkgs, harness.ProductBinaries())
 	harness.Main(m, harness.Options{Packages: pkgs})
