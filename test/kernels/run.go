@@ -272,12 +272,15 @@ func runKernel(ctx context.Context, o Options, k Kernel, work string, b *builds,
 			r.Err = errors.Join(r.Err, err)
 			break
 		}
-		sr := runSuite(ctx, k, s, u, initramfs, results, tests[s.Name], modules, &r.Err)
+		var firstErr error
+		sr := runSuite(ctx, k, s, u, initramfs, results, tests[s.Name], modules, &firstErr)
 		// Under emulation on a busy machine a test can miss one of its own
-		// time limits (30 s for an agent to be ready, 1 s for a held ADD):
-		// a suite the matrix says passes gets a second boot, and the line
-		// says it needed one. A real regression fails both; an expected
-		// failure is never retried, so an unexpected pass still shows.
+		// time limits (30 s for an agent to be ready, 1 s for a held ADD),
+		// and a guest kernel can oops while it boots, before the suite runs
+		// (TCG patching its own text): a suite the matrix says passes gets a
+		// second boot, and the line says it needed one and why. A real
+		// regression fails both; an expected failure is never retried, so an
+		// unexpected pass still shows.
 		if sr.Outcome == Fail && k.Expect[s.Name] == Pass && ctx.Err() == nil {
 			first := sr
 			for _, suffix := range []string{".log", ".json", ".console.log", ".guest.json", ".dmesg.txt"} {
@@ -285,6 +288,11 @@ func runKernel(ctx context.Context, o Options, k Kernel, work string, b *builds,
 			}
 			sr = runSuite(ctx, k, s, u, initramfs, results, tests[s.Name], modules, &r.Err)
 			sr.Retried = fmt.Sprintf("the first boot failed %d of %d (%s.first.log)", first.Failed+first.Missing, first.Total, s.Name)
+			if firstErr != nil {
+				sr.Retried += ": " + strings.ReplaceAll(firstErr.Error(), "\n", "; ")
+			}
+		} else {
+			r.Err = errors.Join(r.Err, firstErr)
 		}
 		r.Suites = append(r.Suites, sr)
 	}
