@@ -172,13 +172,15 @@ func (s *Service) reconcileOne(ctx context.Context, key podstore.Key) (reconcile
 		return outcomeGone, nil // deleted meanwhile
 	}
 	fields := []zap.Field{zap.String("pod", rec.Namespace+"/"+rec.Name), zap.String("podUID", rec.UID), zap.String("attachment", key.String())}
-	if !s.namespaceAlive(rec) {
+	ns, err := netns.OpenExpected(rec.NetnsPath, rec.NetnsCookie)
+	if err != nil {
 		if _, err := s.release(ctx, key); err != nil {
 			return outcomeGone, err
 		}
 		s.log.Info("pod released: its network namespace is gone", fields...)
 		return outcomeReleased, nil
 	}
+	defer ns.Close()
 	if rec.Skipped {
 		return outcomeKept, nil
 	}
@@ -187,42 +189,21 @@ func (s *Service) reconcileOne(ctx context.Context, key podstore.Key) (reconcile
 	} else {
 		s.log.Warn("pod redirection broken; repairing", append(fields, zap.Error(err))...)
 	}
-	ns, err := s.openRecorded(rec)
-	if err != nil {
-		return outcomeGone, fmt.Errorf("repair %s: %w", key, err)
-	}
-	defer ns.Close()
 	if _, err := s.datapath.Enroll(ctx, ns, rec.Capture); err != nil {
 		return outcomeGone, fmt.Errorf("repair %s: %w", key, err)
 	}
 	return outcomeRepaired, nil
 }
 
-// errNetnsReplaced: a record's namespace path now names another namespace.
-var errNetnsReplaced = errors.New("the recorded netns path names another namespace than the one recorded")
-
-// openRecorded opens a record's namespace for a request on it, refusing a path
-// that now names another namespace than the recorded cookie's.
-func (s *Service) openRecorded(rec podstore.Record) (*netns.Handle, error) {
-	ns, err := netns.OpenHandle(rec.NetnsPath)
-	if err != nil {
-		return nil, err
-	}
-	if ns.Cookie != rec.NetnsCookie {
-		ns.Close()
-		return nil, fmt.Errorf("%s has cookie %d, the record %d: %w", rec.NetnsPath, ns.Cookie, rec.NetnsCookie, errNetnsReplaced)
-	}
-	return ns, nil
-}
-
 // namespaceAlive: the record's namespace path still names a network namespace,
 // and the same one (a path can be reused by a new pod after a node crash).
 func (s *Service) namespaceAlive(rec podstore.Record) bool {
-	if netns.Validate(rec.NetnsPath) != nil {
+	ns, err := netns.OpenExpected(rec.NetnsPath, rec.NetnsCookie)
+	if err != nil {
 		return false
 	}
-	cookie, err := netns.Cookie(rec.NetnsPath)
-	return err == nil && cookie == rec.NetnsCookie
+	ns.Close()
+	return true
 }
 
 func logReconcile(log *zap.Logger, when string, res ReconcileResult, err error) {

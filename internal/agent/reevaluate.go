@@ -7,6 +7,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/internal/podstore"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 )
@@ -50,7 +51,7 @@ func (s *Service) reevaluateOne(ctx context.Context, key podstore.Key) (changed,
 	switch {
 	case decision.Enroll && rec.Skipped:
 		rec.ServiceAccount, rec.Capture = decision.ServiceAccount, decision.Capture
-		ns, err := s.openRecorded(rec)
+		ns, err := netns.OpenExpected(rec.NetnsPath, rec.NetnsCookie)
 		if err != nil {
 			return false, false, fmt.Errorf("enroll %s after a policy change: %w", key, err)
 		}
@@ -64,7 +65,7 @@ func (s *Service) reevaluateOne(ctx context.Context, key podstore.Key) (changed,
 		s.log.Info("pod enrolled after a policy change", append(fields, zap.String("reason", decision.Reason))...)
 		return true, true, nil
 	case !decision.Enroll && !rec.Skipped:
-		ns, err := s.openRecorded(rec)
+		ns, err := netns.OpenExpected(rec.NetnsPath, rec.NetnsCookie)
 		if err != nil {
 			return false, false, fmt.Errorf("release %s after a policy change: %w", key, err)
 		}

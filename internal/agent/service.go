@@ -78,16 +78,8 @@ func podFields(pod *gatepb.PodIdentity, key podstore.Key) []zap.Field {
 // Add implements gatepb.GateServer.
 func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddResponse, error) {
 	start := s.now()
-	if err := gate.ValidateAddFields(req); err != nil {
-		s.metrics.enrollFailed("invalid-request")
-		s.log.Warn("rejected add", zap.Error(err))
-		return nil, status.Error(codes.InvalidArgument, err.Error())
-	}
-	// The pod's namespace, opened once: every step of this Add (the data path,
-	// the record's cookie) uses this descriptor, so the path is read once.
-	ns, err := netns.OpenHandle(req.GetNetnsPath())
+	ns, err := openAddNetns(req)
 	if err != nil {
-		err = fmt.Errorf("%w: %w", gate.ErrInvalidRequest, err)
 		s.metrics.enrollFailed("invalid-request")
 		s.log.Warn("rejected add", zap.Error(err))
 		return nil, status.Error(codes.InvalidArgument, err.Error())
@@ -163,6 +155,20 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 		zap.Duration("waited", waited),
 		zap.Duration("took", s.now().Sub(start)))...)
 	return &gatepb.AddResponse{Decision: gatepb.Decision_DECISION_ENROLLED, Reason: decision.Reason, NetnsCookie: rec.NetnsCookie}, nil
+}
+
+// openAddNetns validates req and opens the pod's namespace, once: every step
+// of the Add (the data path, the record's cookie, the node proxy's handoff)
+// uses this descriptor, so the path is read once.
+func openAddNetns(req *gatepb.AddRequest) (*netns.Handle, error) {
+	if err := gate.ValidateAddFields(req); err != nil {
+		return nil, err
+	}
+	ns, err := netns.OpenHandle(req.GetNetnsPath())
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", gate.ErrInvalidRequest, err)
+	}
+	return ns, nil
 }
 
 // enroll puts redirection in place for rec, in the namespace ns (rec's, opened

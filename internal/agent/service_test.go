@@ -314,21 +314,3 @@ func TestServiceReconcile(t *testing.T) {
 		t.Errorf("Reconcile of a broken pod = %+v, %v; want 1 repaired", res, err)
 	}
 }
-
-// A request on a recorded pod (repair, a policy change) opens its namespace
-// once and refuses a path that names another namespace than the record's.
-func TestOpenRecordedRefusesReplacedNamespace(t *testing.T) {
-	cookie, err := netns.Cookie(podNetns)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := &Service{}
-	ns, err := s.openRecorded(podstore.Record{NetnsPath: podNetns, NetnsCookie: cookie})
-	if err != nil {
-		t.Fatalf("the recorded namespace: %v", err)
-	}
-	ns.Close()
-	if _, err := s.openRecorded(podstore.Record{NetnsPath: podNetns, NetnsCookie: cookie + 1}); !errors.Is(err, errNetnsReplaced) {
-		t.Errorf("a path naming another namespace: %v, want errNetnsReplaced", err)
-	}
-}

@@ -224,6 +224,24 @@ func OpenHandle(path string) (*Handle, error) {
 // Close closes the namespace's descriptor.
 func (h *Handle) Close() error { return h.File.Close() }
 
+// ErrReplaced is returned (wrapped) when a path names another namespace than
+// the one expected: a path reused after a node crash, or swapped.
+var ErrReplaced = errors.New("the netns path names another namespace than the one expected")
+
+// OpenExpected is OpenHandle for a namespace known by its cookie: it refuses
+// the path when it now names another one.
+func OpenExpected(path string, cookie uint64) (*Handle, error) {
+	h, err := OpenHandle(path)
+	if err != nil {
+		return nil, err
+	}
+	if h.Cookie != cookie {
+		h.Close()
+		return nil, fmt.Errorf("netns %q has cookie %d, not %d: %w", path, h.Cookie, cookie, ErrReplaced)
+	}
+	return h, nil
+}
+
 // CookieFd is Cookie for an already-open namespace file descriptor. The
 // calling thread's own namespace needs no switch (nor the privilege to make
 // one): its cookie is read where the caller is.

@@ -128,45 +128,44 @@ func TestThreadThatCannotReturnIsDiscarded(t *testing.T) {
 }
 
 // The caller's own namespace has its cookie read without a switch, so without
-// the privilege to make one: the same cookie as a socket made here sees.
-// /proc/self/ns/net is not used: it names the main thread's namespace, where
-// an earlier test may have left that thread wedged.
+// the privilege to make one: the same cookie as a socket made here sees, by
+// path (Cookie), on a kept descriptor (OpenHandle), and as an expected one
+// (OpenExpected, which refuses any other cookie). /proc/self/ns/net is not
+// used: it names the main thread's namespace, where an earlier test may have
+// left that thread wedged.
 func TestCookieOfOwnNamespace(t *testing.T) {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
+	const own = "/proc/thread-self/ns/net"
 	want, err := netns.CurrentCookie()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got, err := netns.Cookie("/proc/thread-self/ns/net"); err != nil || got != want {
-		t.Errorf("Cookie(/proc/thread-self/ns/net) = %d, %v; want %d", got, err, want)
+	if got, err := netns.Cookie(own); err != nil || got != want {
+		t.Errorf("Cookie(%s) = %d, %v; want %d", own, got, err, want)
 	}
-	if _, err := netns.Cookie("/proc/self/ns/mnt"); !errors.Is(err, netns.ErrNotNetNS) {
-		t.Errorf("the cookie of a mount namespace: %v, want ErrNotNetNS", err)
-	}
-}
-
-// OpenHandle reads the cookie on the descriptor it keeps, and refuses what is
-// not a network namespace.
-func TestOpenHandle(t *testing.T) {
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	want, err := netns.CurrentCookie()
-	if err != nil {
-		t.Fatal(err)
-	}
-	h, err := netns.OpenHandle("/proc/thread-self/ns/net")
+	h, err := netns.OpenHandle(own)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer h.Close()
-	if h.Cookie != want || h.Path != "/proc/thread-self/ns/net" {
-		t.Errorf("handle %+v, want cookie %d", h, want)
+	if got, err := netns.CookieFd(int(h.File.Fd())); err != nil || got != want || h.Cookie != want || h.Path != own {
+		t.Errorf("handle %+v, its descriptor's cookie %d, %v; want %d", h, got, err, want)
 	}
-	if got, err := netns.CookieFd(int(h.File.Fd())); err != nil || got != want {
-		t.Errorf("the handle's descriptor has cookie %d, %v; want %d", got, err, want)
+	e, err := netns.OpenExpected(own, want)
+	if err != nil {
+		t.Fatalf("OpenExpected with its own cookie: %v", err)
 	}
-	if _, err := netns.OpenHandle("/proc/self/ns/mnt"); !errors.Is(err, netns.ErrNotNetNS) {
-		t.Errorf("a mount namespace: %v, want ErrNotNetNS", err)
+	e.Close()
+	if _, err := netns.OpenExpected(own, want+1); !errors.Is(err, netns.ErrReplaced) {
+		t.Errorf("OpenExpected with another cookie: %v, want ErrReplaced", err)
+	}
+	for _, open := range []func() error{
+		func() error { _, err := netns.Cookie("/proc/self/ns/mnt"); return err },
+		func() error { _, err := netns.OpenHandle("/proc/self/ns/mnt"); return err },
+	} {
+		if err := open(); !errors.Is(err, netns.ErrNotNetNS) {
+			t.Errorf("a mount namespace: %v, want ErrNotNetNS", err)
+		}
 	}
 }

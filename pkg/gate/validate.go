@@ -50,23 +50,14 @@ func Invalid(format string, args ...any) error {
 // ValidateAdd checks an Add request completely, including that the netns path is a
 // network namespace on this host.
 func ValidateAdd(req *gatepb.AddRequest) error {
-	return validatePodRequest(req.GetPod(), req.GetAttachment(), req.GetNetnsPath(), req.GetInterfaces())
+	return validatePodRequest(req.GetPod(), req.GetAttachment(), req.GetNetnsPath(), req.GetInterfaces(), true)
 }
 
 // ValidateAddFields is ValidateAdd without opening the namespace: for a server
 // that opens it once itself (netns.OpenHandle) and uses that descriptor for the
 // whole request, so the path is read once and cannot be swapped in between.
 func ValidateAddFields(req *gatepb.AddRequest) error {
-	if err := validatePod(req.GetPod()); err != nil {
-		return err
-	}
-	if err := validateAttachment(req.GetAttachment()); err != nil {
-		return err
-	}
-	if err := validateNetnsPath(req.GetNetnsPath(), false); err != nil {
-		return err
-	}
-	return validateInterfaces(req.GetInterfaces())
+	return validatePodRequest(req.GetPod(), req.GetAttachment(), req.GetNetnsPath(), req.GetInterfaces(), false)
 }
 
 // ValidateDel checks a Del request. The netns may already be gone, so only the
@@ -88,20 +79,20 @@ func ValidateDel(req *gatepb.DelRequest) error {
 
 // ValidateCheck checks a Check request.
 func ValidateCheck(req *gatepb.CheckRequest) error {
-	return validatePodRequest(req.GetPod(), req.GetAttachment(), req.GetNetnsPath(), req.GetInterfaces())
+	return validatePodRequest(req.GetPod(), req.GetAttachment(), req.GetNetnsPath(), req.GetInterfaces(), true)
 }
 
 // validatePodRequest checks what Add and Check both carry: the pod, its
-// attachment, a netns path that is a network namespace on this host, and the
-// interfaces.
-func validatePodRequest(pod *gatepb.PodIdentity, att *gatepb.Attachment, netnsPath string, ifs []*gatepb.Interface) error {
+// attachment, a netns path (with open, one that is a network namespace on this
+// host), and the interfaces.
+func validatePodRequest(pod *gatepb.PodIdentity, att *gatepb.Attachment, netnsPath string, ifs []*gatepb.Interface, open bool) error {
 	if err := validatePod(pod); err != nil {
 		return err
 	}
 	if err := validateAttachment(att); err != nil {
 		return err
 	}
-	if err := validateNetnsPath(netnsPath, true); err != nil {
+	if err := validateNetnsPath(netnsPath, open); err != nil {
 		return err
 	}
 	return validateInterfaces(ifs)

@@ -1,9 +1,7 @@
 package zds
 
 import (
-	"errors"
 	"fmt"
-	"os"
 
 	"golang.org/x/sys/unix"
 
@@ -57,39 +55,33 @@ func openNetns(path string) (int, NetnsID, error) {
 	return fd, id, nil
 }
 
-// dupNetns duplicates a namespace descriptor the caller opened, to hand over
-// and close like one the server opened itself.
-func dupNetns(f *os.File) (int, NetnsID, error) {
-	fd, err := unix.FcntlInt(f.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+// podNetns is pod's namespace descriptor to hand over and close: a duplicate
+// of the one its caller opened, else the path opened now.
+func podNetns(pod Pod) (int, NetnsID, error) {
+	if pod.Netns == nil {
+		return openNetns(pod.NetnsPath)
+	}
+	fd, err := unix.FcntlInt(pod.Netns.Fd(), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
-		return -1, NetnsID{}, fmt.Errorf("duplicate netns %q: %w", f.Name(), err)
+		return -1, NetnsID{}, fmt.Errorf("duplicate netns %q: %w", pod.NetnsPath, err)
 	}
 	id, err := FdNetnsID(fd)
 	if err != nil {
 		unix.Close(fd)
-		return -1, NetnsID{}, fmt.Errorf("netns %q: %w", f.Name(), err)
+		return -1, NetnsID{}, fmt.Errorf("netns %q: %w", pod.NetnsPath, err)
 	}
 	return fd, id, nil
 }
 
 // ErrNetnsReplaced is returned (wrapped) when a pod's netns path names another
 // namespace than the one the agent enrolled.
-var ErrNetnsReplaced = errors.New("the netns path names another namespace than the one enrolled")
+var ErrNetnsReplaced = netns.ErrReplaced
 
 // openPodNetns opens pod's namespace and, when the pod carries the enrolled
 // namespace's cookie, checks that it is that namespace, on the descriptor that
 // will be handed over, so the path cannot change in between.
 func openPodNetns(pod Pod) (int, NetnsID, error) {
-	var (
-		fd  int
-		id  NetnsID
-		err error
-	)
-	if pod.Netns != nil {
-		fd, id, err = dupNetns(pod.Netns)
-	} else {
-		fd, id, err = openNetns(pod.NetnsPath)
-	}
+	fd, id, err := podNetns(pod)
 	if err != nil || pod.NetnsCookie == 0 {
 		return fd, id, err
 	}
