@@ -60,7 +60,7 @@ test: build
 	ip netns add mesh-cni-make-test && ip netns delete mesh-cni-make-test
 	$(GO) test -count=1 -timeout 40m ./...
 
-# The kernel matrix (test/kernels/matrix.txt): each kernel booted in a QEMU VM,
+# The kernel matrix (tools/kernels/matrix.txt): each kernel booted in a QEMU VM,
 # internal/redirect and a subset of test/e2e run inside it, one summary line per
 # kernel; any result other than the matrix's, failure or pass, fails the target.
 # Kernels and apt state are cached in KERNELS_CACHE, results go to
@@ -69,7 +69,7 @@ KERNELS_CACHE ?= /var/cache/mesh-cni/kernels
 KERNELS ?=
 .PHONY: test-kernels
 test-kernels: build
-	$(GO) run ./test/cmd/kernels -cache $(KERNELS_CACHE) -out $(BIN)/kernels -bin $(BIN) -kernels '$(KERNELS)'
+	$(GO) run ./tools/cmd/kernels -cache $(KERNELS_CACHE) -out $(BIN)/kernels -bin $(BIN) -kernels '$(KERNELS)'
 
 # The node test alone (test/node; make test runs it too): a real node on this
 # machine (kubelet, containerd with runc, kube-proxy and the control plane, all
@@ -79,7 +79,7 @@ test-kernels: build
 e2e-node: build
 	@rm -rf $(BIN)/bench-node && mkdir -p $(BIN)/bench-node
 	MESH_BENCH_OUT=$(BIN)/bench-node $(GO) test -count=1 -v -run '^Test(Node|ReleaseImageReproducible|ReadmeInstall)$$' -timeout 40m ./test/node/
-	$(GO) run ./test/bench/cmd/benchreport -in $(BIN)/bench-node -only node -out docs/benchmarks.md -figs docs/bench
+	$(GO) run ./tools/cmd/benchreport -in $(BIN)/bench-node -only node -out docs/benchmarks.md -figs docs/bench
 
 # A simulated node: real namespaces, the real chain and agent, narrated.
 demo: build
@@ -131,7 +131,7 @@ lint: $(TOOLS)/golangci-lint
 bench: build
 	@rm -rf $(BIN)/bench && mkdir -p $(BIN)/bench
 	set -o pipefail; MESH_BENCH_OUT=$(BIN)/bench $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 60m ./test/bench/ 2>&1 | tee $(BIN)/bench/bench.txt
-	$(GO) run ./test/bench/cmd/benchreport -in $(BIN)/bench -out docs/benchmarks.md -figs docs/bench
+	$(GO) run ./tools/cmd/benchreport -in $(BIN)/bench -out docs/benchmarks.md -figs docs/bench
 
 # Every fuzz target for FUZZTIME each (11 targets: 5m each is about an hour);
 # `make test` already replays the committed seeds and crashers.

@@ -54,7 +54,7 @@ func requireRoot(b *testing.B) {
 // reproduce is the command that measures one benchmark again and regenerates
 // the report, run as root from the module root.
 func reproduce(bench string) string {
-	return fmt.Sprintf("make build && MESH_CNI_BIN_DIR=$PWD/bin go test -run '^$' -bench '^%s$' -benchtime 1x -timeout 60m ./test/bench/ && go run ./test/bench/cmd/benchreport", bench)
+	return fmt.Sprintf("make build && MESH_CNI_BIN_DIR=$PWD/bin go test -run '^$' -bench '^%s$' -benchtime 1x -timeout 60m ./test/bench/ && go run ./tools/cmd/benchreport", bench)
 }
 
 // loadInterval is how often the load average is read while a benchmark runs.

@@ -22,7 +22,7 @@ import (
 const resultName = "node"
 
 // nodeBench collects what TestNode measured: raw samples, in ms, for the
-// report generator (test/bench/report), which computes every number in
+// report generator (tools/benchreport), which computes every number in
 // docs/benchmarks.md from them.
 type nodeBench struct {
 	mu      sync.Mutex

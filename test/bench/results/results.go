@@ -1,5 +1,5 @@
 // Package results is the file format between mesh-cni's benchmarks (test/bench)
-// and the report generator (test/bench/report): every benchmark writes one JSON
+// and the report generator (tools/benchreport): every benchmark writes one JSON
 // file of raw samples, and the report computes its tables, ratios and plots from
 // those samples alone, so a report can be regenerated without measuring again.
 package results

@@ -2,7 +2,7 @@
 // results the benchmarks in test/bench wrote (make bench runs both). Run it from
 // the module root:
 //
-//	go run ./test/bench/cmd/benchreport [-in bin/bench] [-out docs/benchmarks.md] [-figs docs/bench]
+//	go run ./tools/cmd/benchreport [-in bin/bench] [-out docs/benchmarks.md] [-figs docs/bench]
 //
 // With -only NAME it rewrites just that result's section of the report (the
 // node test's, from make e2e-node) and leaves the rest as it is.
@@ -18,8 +18,8 @@ import (
 	"path/filepath"
 	"strings"
 
-	"github.com/mesh-cni/mesh-cni/test/bench/report"
 	"github.com/mesh-cni/mesh-cni/test/bench/results"
+	"github.com/mesh-cni/mesh-cni/tools/benchreport"
 )
 
 func main() {
@@ -42,21 +42,21 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "benchreport: %v\n", err)
 		return 1
 	}
-	opts := report.Options{In: *in, Out: abs(root, *out), FigDir: abs(root, *figs), Format: *format}
+	opts := benchreport.Options{In: *in, Out: abs(root, *out), FigDir: abs(root, *figs), Format: *format}
 	if opts.In == "" {
 		opts.In = results.Out(root)
 	} else {
 		opts.In = abs(root, opts.In)
 	}
 	if *only != "" {
-		if err := report.UpdateSection(opts, *only); err != nil {
+		if err := benchreport.UpdateSection(opts, *only); err != nil {
 			fmt.Fprintf(stderr, "benchreport: %v\n", err)
 			return 1
 		}
 		fmt.Fprintf(stderr, "benchreport: rewrote the %s section of %s from %s\n", *only, opts.Out, opts.In)
 		return 0
 	}
-	if err := report.Generate(opts); err != nil {
+	if err := benchreport.Generate(opts); err != nil {
 		fmt.Fprintf(stderr, "benchreport: %v\n", err)
 		return 1
 	}

@@ -149,7 +149,7 @@ func build(ctx context.Context, o Options, work string) (*builds, error) {
 		return nil
 	}
 	// The init runs before any loader or libc is there: static.
-	if err := goCmd([]string{"CGO_ENABLED=0"}, "build", "-o", b.init, "./test/cmd/kernels"); err != nil {
+	if err := goCmd([]string{"CGO_ENABLED=0"}, "build", "-o", b.init, "./tools/cmd/kernels"); err != nil {
 		return nil, err
 	}
 	for _, s := range Suites {

@@ -1,11 +1,11 @@
-// Command kernels runs the kernel matrix (package test/kernels): each kernel of
-// test/kernels/matrix.txt booted in a QEMU VM on this machine, the data-path and
+// Command kernels runs the kernel matrix (package tools/kernels): each kernel of
+// tools/kernels/matrix.txt booted in a QEMU VM on this machine, the data-path and
 // end-to-end suites run inside it, one summary line per kernel. It exits 1 when
 // any result differs from the matrix, in either direction, or a required kernel
 // could not run. As root, after `make build`:
 //
-//	go run ./test/cmd/kernels                  # what `make test-kernels` runs
-//	go run ./test/cmd/kernels -kernels 6.1      # one row
+//	go run ./tools/cmd/kernels                  # what `make test-kernels` runs
+//	go run ./tools/cmd/kernels -kernels 6.1      # one row
 //
 // It is a command under test/cmd, next to the other programs the tests run,
 // because the same binary, built static, is also the VM's init: started as pid
@@ -22,7 +22,7 @@ import (
 	"runtime/debug"
 	"syscall"
 
-	"github.com/mesh-cni/mesh-cni/test/kernels"
+	"github.com/mesh-cni/mesh-cni/tools/kernels"
 )
 
 func main() {

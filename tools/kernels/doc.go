@@ -1,7 +1,7 @@
 // Package kernels runs the project's kernel matrix: the data-path tests and a
 // fast end-to-end subset, on each kernel the project makes a claim about,
 // booted in a QEMU VM on the test machine. It is how every kernel claim in the
-// docs (docs/compatibility.md) is proved; `make test-kernels` runs it (test/cmd/kernels), CI too.
+// docs (docs/compatibility.md) is proved; `make test-kernels` runs it (tools/cmd/kernels), CI too.
 //
 // The matrix (matrix.txt, embedded) lists each kernel, where its packages come
 // from, and for each suite (suites.go) whether it must pass or must fail there.
@@ -16,7 +16,7 @@
 //     package's SHA256 checked, the machine's apt state untouched), unpacked
 //     with dpkg-deb and indexed with busybox depmod, all in a cache outside the
 //     repository that later runs reuse.
-//   - An initramfs of a few megabytes: a static build of test/cmd/kernels as
+//   - An initramfs of a few megabytes: a static build of tools/cmd/kernels as
 //     init, a plan (plan in guest.go), and the modules needed to reach the
 //     host's tree (virtio PCI, 9p, overlayfs), in load order.
 //   - One boot per suite, so a kernel that crashes or hangs in one suite still

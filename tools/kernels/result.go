@@ -278,7 +278,7 @@ func Summarize(w io.Writer, results []*KernelResult) int {
 	fmt.Fprintf(w, "kernels: %d as the matrix says%s, %d unexpected%s, %d unavailable%s\n",
 		len(expected), list(expected), len(unexpected), list(unexpected), len(unavailable), list(unavailable))
 	if len(unexpected) > 0 {
-		fmt.Fprintln(w, "kernels: FAIL: a result differs from test/kernels/matrix.txt; fix the regression, or update the matrix (and docs/compatibility.md) if the change is intended")
+		fmt.Fprintln(w, "kernels: FAIL: a result differs from tools/kernels/matrix.txt; fix the regression, or update the matrix (and docs/compatibility.md) if the change is intended")
 		return 1
 	}
 	return 0
