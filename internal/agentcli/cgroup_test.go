@@ -12,7 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
-	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 func TestCgroupRoot(t *testing.T) {
@@ -34,7 +34,7 @@ func TestCgroupRoot(t *testing.T) {
 	}
 
 	// A hybrid node's layout: a tmpfs with the v2 hierarchy at unified/.
-	harness.RequireRoot(t, "the hybrid layout needs mounts")
+	fixtures.RequireRoot(t, "the hybrid layout needs mounts")
 	hybrid := t.TempDir()
 	if err := unix.Mount("tmpfs", hybrid, "tmpfs", 0, "mode=0755"); err != nil {
 		t.Fatalf("mount tmpfs: %v", err)

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -120,7 +121,7 @@ func waitProcesses(t *testing.T, cgroup string, count int) {
 // other namespace a process of the pod makes for itself; the sandbox's id from
 // containerd's shim, else from the container that started first.
 func TestSandboxes(t *testing.T) {
-	harness.RequireRoot(t, "makes cgroups and network namespaces")
+	fixtures.RequireRoot(t, "makes cgroups and network namespaces")
 	base := harness.NewCgroup(t, "hostproc")
 	netnsDir := t.TempDir()
 	proc := Procfs{Root: "/proc"}

@@ -18,19 +18,11 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/containernetworking/plugins/pkg/netlinksafe"
-	"github.com/vishvananda/netlink"
 	"go.uber.org/zap/zaptest"
 	"golang.org/x/sys/unix"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
-)
-
-// Test topology: two pod network namespaces joined by a veth pair, each end named
-// eth0 inside its pod. All addresses live only inside these namespaces.
-var (
-	podAddr4 = [2]netip.Addr{netip.MustParseAddr("10.77.0.1"), netip.MustParseAddr("10.77.0.2")}
-	podAddr6 = [2]netip.Addr{netip.MustParseAddr("fd00:77::1"), netip.MustParseAddr("fd00:77::2")}
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 const (
@@ -40,12 +32,11 @@ const (
 
 func requireRoot(t testing.TB) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root (BPF, network namespaces, bpffs)")
-	}
+	fixtures.RequireRoot(t, "BPF, network namespaces, bpffs")
 }
 
-// pod is a test network namespace.
+// pod is a test network namespace (test/fixtures), with the fields the tests
+// here read.
 type pod struct {
 	name   string
 	path   string
@@ -56,105 +47,19 @@ type pod struct {
 
 func newNetns(t testing.TB, name string) *pod {
 	t.Helper()
-	path := filepath.Join(t.TempDir(), name)
-	if err := netns.Create(path); err != nil {
-		t.Fatalf("create netns: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := netns.Remove(path); err != nil {
-			t.Errorf("remove netns %s: %v", path, err)
-		}
-	})
-	cookie, err := netns.Cookie(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &pod{name: name, path: path, cookie: cookie}
-	p.do(t, func() error {
-		lo, err := netlinksafe.LinkByName("lo")
-		if err != nil {
-			return err
-		}
-		return netlink.LinkSetUp(lo)
-	})
-	return p
+	n := fixtures.NewNetns(t, filepath.Join(t.TempDir(), name))
+	return &pod{name: name, path: n.Path, cookie: n.Cookie}
 }
 
 // newPodPair makes pods a and b with eth0 <-> eth0 and addresses 10.77.0.1/.2 and
-// fd00:77::1/::2.
+// fd00:77::1/::2 (fixtures.NewPodPair).
 func newPodPair(t testing.TB) (a, b *pod) {
 	t.Helper()
-	a, b = newNetns(t, "a"), newNetns(t, "b")
-	a.addr4, a.addr6 = podAddr4[0], podAddr6[0]
-	b.addr4, b.addr6 = podAddr4[1], podAddr6[1]
-	bFile, err := os.Open(b.path)
-	if err != nil {
-		t.Fatal(err)
+	fa, fb := fixtures.NewPodPair(t)
+	wrap := func(name string, p *fixtures.Pod) *pod {
+		return &pod{name: name, path: p.Path, cookie: p.Cookie, addr4: p.IPv4, addr6: p.IPv6}
 	}
-	defer bFile.Close()
-	a.do(t, func() error {
-		veth := &netlink.Veth{
-			LinkAttrs:     netlink.LinkAttrs{Name: ifName},
-			PeerName:      ifName,
-			PeerNamespace: netlink.NsFd(int(bFile.Fd())),
-		}
-		if err := netlink.LinkAdd(veth); err != nil {
-			return fmt.Errorf("add veth: %w", err)
-		}
-		return nil
-	})
-	for _, p := range []*pod{a, b} {
-		p.do(t, func() error {
-			for _, pfx := range []netip.Prefix{netip.PrefixFrom(p.addr4, 24), netip.PrefixFrom(p.addr6, 64)} {
-				if err := addAddr(ifName, pfx); err != nil {
-					return err
-				}
-			}
-			l, err := netlinksafe.LinkByName(ifName)
-			if err != nil {
-				return err
-			}
-			return netlink.LinkSetUp(l)
-		})
-	}
-	// Until the kernel's link watcher has seen the carrier, a veth drops what it is
-	// given (the first neighbor solicitation would be lost and retried a second
-	// later): wait for both ends to be operationally up.
-	for _, p := range []*pod{a, b} {
-		p.do(t, func() error { return waitOperUp(ifName, 10*time.Second) })
-	}
-	return a, b
-}
-
-func waitOperUp(ifname string, timeout time.Duration) error {
-	deadline := time.Now().Add(timeout)
-	for {
-		l, err := netlinksafe.LinkByName(ifname)
-		if err != nil {
-			return err
-		}
-		if l.Attrs().OperState == netlink.OperUp {
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("%s not up after %s (state %s)", ifname, timeout, l.Attrs().OperState)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
-// addAddr adds an address to an interface of the calling thread's netns.
-func addAddr(ifname string, pfx netip.Prefix) error {
-	l, err := netlinksafe.LinkByName(ifname)
-	if err != nil {
-		return err
-	}
-	ipn := &net.IPNet{IP: pfx.Addr().AsSlice(), Mask: net.CIDRMask(pfx.Bits(), pfx.Addr().BitLen())}
-	// NODAD: the address is usable at once, no duplicate detection wait.
-	if err := netlink.AddrAdd(l, &netlink.Addr{IPNet: ipn, Flags: unix.IFA_F_NODAD}); err != nil {
-		return fmt.Errorf("add %s to %s: %w", pfx, ifname, err)
-	}
-	return nil
+	return wrap("a", fa), wrap("b", fb)
 }
 
 func (p *pod) do(t testing.TB, fn func() error) {
@@ -164,20 +69,10 @@ func (p *pod) do(t testing.TB, fn func() error) {
 	}
 }
 
-// listen opens a TCP listener inside the pod. MPTCP is off: Go listens with MPTCP
-// by default, proxies like ztunnel and Envoy use plain TCP.
+// listen opens a TCP listener inside the pod, MPTCP off (fixtures.Netns.Listen).
 func (p *pod) listen(t testing.TB, addr string) net.Listener {
 	t.Helper()
-	var ln net.Listener
-	p.do(t, func() error {
-		var lc net.ListenConfig
-		lc.SetMultipathTCP(false)
-		var err error
-		ln, err = lc.Listen(context.Background(), "tcp", addr)
-		return err
-	})
-	t.Cleanup(func() { ln.Close() })
-	return ln
+	return (&fixtures.Netns{Path: p.path}).Listen(t, "tcp", addr)
 }
 
 // dialOpts tune a test connect.

@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 const appPort = 8080
@@ -201,7 +202,7 @@ func TestNotRedirected(t *testing.T) {
 		// c has only loopback, with an extra address that is not loopback.
 		c := newNetns(t, "c")
 		addr := netip.MustParseAddr("10.77.1.1")
-		c.do(t, func() error { return addAddr("lo", netip.PrefixFrom(addr, 32)) })
+		c.do(t, func() error { return fixtures.AddAddr("lo", netip.PrefixFrom(addr, 32)) })
 		startApp(t, c, appPort)
 		startOutboundProxy(t, c, 15001)
 		target := hostPort(addr, appPort)

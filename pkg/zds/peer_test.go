@@ -10,14 +10,14 @@ import (
 	"testing"
 
 	"github.com/mesh-cni/mesh-cni/pkg/zds"
-	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // TestNonRootProxyRejected: every connection is handed every pod's netns, so a
 // peer that is not an allowed uid gets nothing, even when the socket's file mode
 // would let it in.
 func TestNonRootProxyRejected(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	dir := t.TempDir()
 	socket := filepath.Join(dir, "zds.sock")
 	victim := pod(t, "victim")

@@ -20,6 +20,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/pkg/zds"
 	"github.com/mesh-cni/mesh-cni/pkg/zds/zdspb"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -249,7 +250,7 @@ func checkDel(t *testing.T, req *zds.Request, uid string) {
 // pod with its real netns fd, a KeepWorkload for the pod whose namespace is gone,
 // nothing for an invalid entry, and SnapshotSent; then it counts as connected.
 func TestSnapshot(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	a, b := pod(t, "a"), pod(t, "b")
 	gone := zds.Pod{UID: "gone-uid", Name: "gone", Namespace: "ns", NetnsPath: "/run/netns/zds-no-such-netns"}
@@ -283,7 +284,7 @@ func TestSnapshot(t *testing.T) {
 // only the newest has is deleted there only, and a pod a proxy already has is
 // not sent again.
 func TestAddToNewestDeleteToAll(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	p1, p2, p3 := pod(t, "p1"), pod(t, "p2"), pod(t, "p3")
 	st := &store{pods: []zds.Pod{p1}}
@@ -349,7 +350,7 @@ func TestAddToNewestDeleteToAll(t *testing.T) {
 // TestAckDeadline: a proxy that does not ack within the deadline fails the add
 // and loses its connection; nothing is left to add to.
 func TestAckDeadline(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	p := pod(t, "slow")
 	st := &store{}
@@ -379,7 +380,7 @@ func TestAckDeadline(t *testing.T) {
 // TestAckError: a proxy's refusal is an AckError for that pod; the connection
 // stays, and the same pod can be added again.
 func TestAckError(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	p := pod(t, "refused")
 	srv, path := startServer(t, &store{}, zds.Config{})
@@ -414,7 +415,7 @@ func TestAckError(t *testing.T) {
 // next to a good one: each bad connection is closed on its own, any fd it sent
 // is closed, and the good proxy keeps working.
 func TestMisbehavingProxies(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	p1 := pod(t, "p1")
 	st := &store{pods: []zds.Pod{p1}}
@@ -553,7 +554,7 @@ func openFdsTo(t *testing.T, ino uint64) int {
 
 // TestLiveness: an idle proxy that goes away is noticed without any request.
 func TestLiveness(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	srv, path := startServer(t, &store{}, zds.Config{})
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
@@ -569,7 +570,7 @@ func TestLiveness(t *testing.T) {
 // TestAddPodWait: a pod enrolled while no proxy is connected waits for the next
 // proxy; the pod comes in that proxy's snapshot and is not sent twice.
 func TestAddPodWait(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	p := pod(t, "early")
 	st := &store{}
@@ -605,7 +606,7 @@ func TestAddPodWait(t *testing.T) {
 
 // TestAddPodErrors: pods that cannot be handed off fail before any proxy sees them.
 func TestAddPodErrors(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	srv, path := startServer(t, &store{}, zds.Config{})
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
@@ -642,7 +643,7 @@ func TestAddPodErrors(t *testing.T) {
 // TestSocket checks the socket's mode and directory and that only a stale socket
 // is ever replaced.
 func TestSocket(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	dir := filepath.Join(t.TempDir(), "ztunnel")
 	path := filepath.Join(dir, "zds.sock")
@@ -738,7 +739,7 @@ func leaveStaleSocket(path string) error {
 // TestAnyHelloVersion: a proxy announcing a version other than V1 is served V1,
 // as Istio's node agent serves it (it logs the version and goes on).
 func TestAnyHelloVersion(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	p1 := pod(t, "p1")
 	_, path := startServer(t, &store{pods: []zds.Pod{p1}}, zds.Config{})
@@ -756,7 +757,7 @@ func TestAnyHelloVersion(t *testing.T) {
 // it, a snapshot sends KeepWorkload without a descriptor, and the pod whose
 // path still names its namespace goes through.
 func TestNetnsSwappedBehindPath(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	swapped, intact := pod(t, "swapped"), pod(t, "intact")
 	for _, p := range []*zds.Pod{&swapped, &intact} {
@@ -800,7 +801,7 @@ func TestNetnsSwappedBehindPath(t *testing.T) {
 // over as that descriptor: a namespace swapped in at the path meanwhile is
 // never the one the proxy gets. The cookie check applies to the descriptor.
 func TestAddPodUsesCallersNamespace(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	held := pod(t, "held")
 	f, err := netns.Open(held.NetnsPath)

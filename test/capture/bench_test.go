@@ -8,7 +8,7 @@ import (
 	"time"
 
 	"github.com/mesh-cni/mesh-cni/test/capture"
-	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
@@ -18,7 +18,7 @@ import (
 // itself ("echo", the cost of the capture and one proxy hop alone). These are the
 // baselines mesh-cni's eBPF capture is compared with.
 func BenchmarkConnectEcho(b *testing.B) {
-	harness.RequireRoot(b, "creates network namespaces and netfilter rules")
+	fixtures.RequireRoot(b, "creates network namespaces and netfilter rules")
 	b.Run("nocapture", func(b *testing.B) { benchConnectEcho(b, nil, false) })
 	for _, inst := range installers {
 		b.Run(inst.name+"/forward", func(b *testing.B) { benchConnectEcho(b, inst.install, false) })
@@ -29,7 +29,7 @@ func BenchmarkConnectEcho(b *testing.B) {
 func benchConnectEcho(b *testing.B, install installer, echo bool) {
 	ctx, cancel := context.WithTimeout(b.Context(), 10*time.Minute)
 	defer cancel()
-	podA, podB := capture.NewPodPair(b)
+	podA, podB := fixtures.NewPodPair(b)
 	podB.ServeEcho(b, 8080)
 	if install != nil {
 		var args []string
@@ -38,8 +38,8 @@ func benchConnectEcho(b *testing.B, install installer, echo bool) {
 		}
 		startBenchProxy(b, ctx, podA, args...)
 		startBenchProxy(b, ctx, podB)
-		for _, pod := range []capture.Pod{podA, podB} {
-			cleanup, err := install(ctx, pod.NetNS, capture.DefaultRules())
+		for _, pod := range []*fixtures.Pod{podA, podB} {
+			cleanup, err := install(ctx, pod.Path, capture.DefaultRules())
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -54,7 +54,7 @@ func benchConnectEcho(b *testing.B, install installer, echo bool) {
 	msg := make([]byte, 64)
 	buf := make([]byte, len(msg))
 	for b.Loop() {
-		conn, err := podA.Dial(ctx, dst)
+		conn, err := podA.DialTCP(ctx, dst)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -68,13 +68,13 @@ func benchConnectEcho(b *testing.B, install installer, echo bool) {
 	}
 }
 
-func startBenchProxy(b *testing.B, ctx context.Context, pod capture.Pod, args ...string) {
+func startBenchProxy(b *testing.B, ctx context.Context, pod *fixtures.Pod, args ...string) {
 	b.Helper()
 	bin, err := buildOnce()
 	if err != nil {
 		b.Fatalf("build refproxy: %v", err)
 	}
-	p, err := proxy.StartProcess(ctx, proxy.ProcessOptions{Binary: bin, NetNS: pod.NetNS, Args: append(args, "-log-level", "warn")})
+	p, err := proxy.StartProcess(ctx, proxy.ProcessOptions{Binary: bin, NetNS: pod.Path, Args: append(args, "-log-level", "warn")})
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -12,7 +12,7 @@ import (
 	"time"
 
 	"github.com/mesh-cni/mesh-cni/test/capture"
-	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
@@ -69,11 +69,11 @@ func family(v6 bool) string {
 	return "ipv4"
 }
 
-func installCapture(t *testing.T, ctx context.Context, install installer, pod capture.Pod) {
+func installCapture(t *testing.T, ctx context.Context, install installer, pod *fixtures.Pod) {
 	t.Helper()
-	cleanup, err := install(ctx, pod.NetNS, capture.DefaultRules())
+	cleanup, err := install(ctx, pod.Path, capture.DefaultRules())
 	if err != nil {
-		t.Fatalf("install capture in %s: %v", pod.NetNS, err)
+		t.Fatalf("install capture in %s: %v", pod.Path, err)
 	}
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -86,7 +86,7 @@ func installCapture(t *testing.T, ctx context.Context, install installer, pod ca
 
 // startRefproxy runs the refproxy binary in the pod with nsenter and returns its
 // record file. It is stopped with SIGTERM in cleanup and must exit with status 0.
-func startRefproxy(t *testing.T, ctx context.Context, pod capture.Pod, extra ...string) string {
+func startRefproxy(t *testing.T, ctx context.Context, pod *fixtures.Pod, extra ...string) string {
 	t.Helper()
 	dir := t.TempDir()
 	records := filepath.Join(dir, "records.jsonl")
@@ -98,12 +98,12 @@ func startRefproxy(t *testing.T, ctx context.Context, pod capture.Pod, extra ...
 	defer logFile.Close()
 	p, err := proxy.StartProcess(ctx, proxy.ProcessOptions{
 		Binary: refproxyBinary(t),
-		NetNS:  pod.NetNS,
+		NetNS:  pod.Path,
 		Args:   append([]string{"-record", records, "-log-level", "debug"}, extra...),
 		Stderr: logFile,
 	})
 	if err != nil {
-		t.Fatalf("start refproxy in %s: %v", pod.NetNS, err)
+		t.Fatalf("start refproxy in %s: %v", pod.Path, err)
 	}
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -113,7 +113,7 @@ func startRefproxy(t *testing.T, ctx context.Context, pod capture.Pod, extra ...
 		}
 		if t.Failed() {
 			if log, err := os.ReadFile(logPath); err == nil {
-				t.Logf("refproxy log (%s):\n%s", pod.NetNS, log)
+				t.Logf("refproxy log (%s):\n%s", pod.Path, log)
 			}
 		}
 	})
@@ -133,7 +133,7 @@ func randomPayload(t *testing.T, n int) []byte {
 // each pod, and checks the bytes and both proxies' records, for each capture
 // variant and address family.
 func TestCaptureThroughProxies(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	for _, inst := range installers {
 		for _, v6 := range []bool{false, true} {
 			t.Run(inst.name+"/"+family(v6), func(t *testing.T) {
@@ -147,7 +147,7 @@ func TestCaptureThroughProxies(t *testing.T) {
 func testThroughProxies(t *testing.T, install installer, v6 bool) {
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()
-	a, b := capture.NewPodPair(t)
+	a, b := fixtures.NewPodPair(t)
 	const appPort = 8080
 	b.ServeEcho(t, appPort)
 	recA := startRefproxy(t, ctx, a)
@@ -157,11 +157,11 @@ func testThroughProxies(t *testing.T, install installer, v6 bool) {
 
 	dst := netip.AddrPortFrom(b.Addr(v6), appPort)
 	payload := randomPayload(t, 256<<10)
-	conn, err := a.Dial(ctx, dst)
+	conn, err := a.DialTCP(ctx, dst)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := capture.EchoRoundTrip(ctx, conn, payload); err != nil {
+	if err := fixtures.EchoRoundTrip(ctx, conn, payload); err != nil {
 		t.Fatalf("A → %s: %v", dst, err)
 	}
 

@@ -8,7 +8,7 @@ import (
 	"time"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
-	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 func testRules() Rules {
@@ -131,7 +131,7 @@ func TestRulesDefaultsAndValidation(t *testing.T) {
 // namespace, removes them, and sees them gone; a cleanup after the namespace is
 // deleted succeeds.
 func TestInstallAndCleanup(t *testing.T) {
-	harness.RequireRoot(t, "creates network namespaces and netfilter rules")
+	fixtures.RequireRoot(t, "creates network namespaces and netfilter rules")
 	type lister func(ctx context.Context, path string) (string, error)
 	iptablesList := func(ctx context.Context, path string) (string, error) {
 		v4, err := outputIn(ctx, path, "iptables-save", "-t", "nat")
@@ -158,12 +158,12 @@ func TestInstallAndCleanup(t *testing.T) {
 			t.Parallel()
 			ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 			defer cancel()
-			a, b := NewPodPair(t)
-			cleanup, err := tc.install(ctx, a.NetNS, testRules())
+			a, b := fixtures.NewPodPair(t)
+			cleanup, err := tc.install(ctx, a.Path, testRules())
 			if err != nil {
 				t.Fatal(err)
 			}
-			listed, err := tc.list(ctx, a.NetNS)
+			listed, err := tc.list(ctx, a.Path)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -173,7 +173,7 @@ func TestInstallAndCleanup(t *testing.T) {
 			if err := cleanup(ctx); err != nil {
 				t.Fatalf("cleanup: %v", err)
 			}
-			listed, err = tc.list(ctx, a.NetNS)
+			listed, err = tc.list(ctx, a.Path)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -182,11 +182,11 @@ func TestInstallAndCleanup(t *testing.T) {
 			}
 
 			// Installed in B, then B deleted: the cleanup has nothing to do.
-			cleanupB, err := tc.install(ctx, b.NetNS, testRules())
+			cleanupB, err := tc.install(ctx, b.Path, testRules())
 			if err != nil {
 				t.Fatal(err)
 			}
-			if err := netns.Remove(b.NetNS); err != nil {
+			if err := netns.Remove(b.Path); err != nil {
 				t.Fatal(err)
 			}
 			if err := cleanupB(ctx); err != nil {

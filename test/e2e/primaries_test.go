@@ -17,6 +17,7 @@ import (
 	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/vishvananda/netlink"
 
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
@@ -421,7 +422,7 @@ func runChainAfterMesh(t *testing.T, primary harness.Primary) {
 	if err := node.Do(func() (err error) { ln, err = net.Listen("tcp", fmt.Sprintf("[::]:%d", hostPort)); return err }); err != nil {
 		t.Fatal(err)
 	}
-	harness.ServeEcho(t, ln)
+	fixtures.ServeEcho(t, ln)
 	for _, addr := range nodeAddrs {
 		if err := nodeRoundTrip(ctx, node, netip.AddrPortFrom(addr, hostPort), payload); err != nil {
 			t.Fatalf("host port after DEL does not reach the node's own listener (portmap's rules left behind?): %v", err)
@@ -483,7 +484,7 @@ func nodeRoundTrip(ctx context.Context, node *harness.Node, addr netip.AddrPort,
 		return fmt.Errorf("dial %s from the node: %w", addr, err)
 	}
 	defer conn.Close()
-	if err := harness.EchoRoundTrip(ctx, conn, payload); err != nil {
+	if err := fixtures.EchoRoundTrip(ctx, conn, payload); err != nil {
 		return fmt.Errorf("%s from the node: %w", addr, err)
 	}
 	return nil

@@ -5,12 +5,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
 // BenchmarkBridgeAdd measures one ADD+DEL of a pod through [bridge] via libcni.
 func BenchmarkBridgeAdd(b *testing.B) {
-	harness.RequireRoot(b, rootReason)
+	fixtures.RequireRoot(b, rootReason)
 	ctx, cancel := context.WithTimeout(b.Context(), 10*time.Minute)
 	defer cancel()
 	node := harness.NewNode(b, harness.NodeOptions{})

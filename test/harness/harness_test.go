@@ -18,6 +18,7 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -36,7 +37,7 @@ func testCtx(t *testing.T) context.Context {
 const rootReason = "these tests make network namespaces"
 
 func TestReferencePluginsBuilt(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	t.Parallel()
 	ctx := testCtx(t)
 	harness.Bins(t).Require(t, harness.ReferencePluginNames()...)
@@ -55,7 +56,7 @@ func TestReferencePluginsBuilt(t *testing.T) {
 // TestBridgeDualStack drives the reference primary network through libcni the way a
 // runtime does and checks real pod-to-pod TCP, CHECK, STATUS, GC and DEL.
 func TestBridgeDualStack(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	t.Parallel()
 	ctx := testCtx(t)
 	node := harness.NewNode(t, harness.NodeOptions{})
@@ -87,12 +88,12 @@ func TestBridgeDualStack(t *testing.T) {
 		{"tcp6", server.IPv6(t), client.IPv6(t)},
 	} {
 		ln := server.Listen(t, tc.network, net.JoinHostPort(tc.dst.String(), "0"))
-		harness.ServeEcho(t, ln)
+		fixtures.ServeEcho(t, ln)
 		conn, err := client.Dial(ctx, tc.network, ln.Addr().String())
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := harness.EchoRoundTrip(ctx, conn, []byte("hello over "+tc.network)); err != nil {
+		if err := fixtures.EchoRoundTrip(ctx, conn, []byte("hello over "+tc.network)); err != nil {
 			t.Fatalf("%s echo: %v", tc.network, err)
 		}
 		local := conn.LocalAddr().(*net.TCPAddr).AddrPort().Addr().Unmap()
@@ -139,7 +140,7 @@ func TestBridgeDualStack(t *testing.T) {
 // TestCleanupReleasesEverything adds pods in a subtest that never deletes them and
 // checks that the subtest's cleanup DELeted them and removed every namespace.
 func TestCleanupReleasesEverything(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	t.Parallel()
 	dir := t.TempDir()
 	var (
@@ -185,7 +186,7 @@ func TestCleanupReleasesEverything(t *testing.T) {
 // TestChainedExtraPlugin shows the extra entries of Conflist run chained after the
 // bridge, as the mesh-cni entry will.
 func TestChainedExtraPlugin(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	t.Parallel()
 	ctx := testCtx(t)
 	node := harness.NewNode(t, harness.NodeOptions{})
@@ -215,7 +216,7 @@ func TestChainedExtraPlugin(t *testing.T) {
 // TestArgsOverride proves per-call CNI_ARGS reach the plugins: the bridge plugin
 // rejects unknown args unless IgnoreUnknown is set.
 func TestArgsOverride(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	t.Parallel()
 	ctx := testCtx(t)
 	node := harness.NewNode(t, harness.NodeOptions{})
@@ -234,7 +235,7 @@ func TestArgsOverride(t *testing.T) {
 }
 
 func TestLoadConflist(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	t.Parallel()
 	node := harness.NewNode(t, harness.NodeOptions{})
 	if _, _, err := node.LoadConflist(); err == nil {
@@ -254,7 +255,7 @@ func TestLoadConflist(t *testing.T) {
 }
 
 func TestProcess(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	t.Parallel()
 	ctx := testCtx(t)
 
@@ -380,7 +381,7 @@ func requireNoCachedResults(t *testing.T, node *harness.Node) {
 // its cleanup would, and checks the leak check finds and removes it. Not parallel:
 // CheckLeaks also reports this process's running children.
 func TestCheckLeaks(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	path := filepath.Join(harness.NetnsDir, harness.NetnsPrefix()+"planted")
 	if err := netns.Create(path); err != nil {
 		t.Fatal(err)
@@ -405,7 +406,7 @@ func TestCheckLeaks(t *testing.T) {
 // TestConcurrentPods drives several pods through one node at once, as a runtime
 // starting many pods does; run with -race it also checks the harness's own locking.
 func TestConcurrentPods(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	t.Parallel()
 	ctx := testCtx(t)
 	node := harness.NewNode(t, harness.NodeOptions{})
@@ -447,7 +448,7 @@ func TestConcurrentPods(t *testing.T) {
 // TestPluginCreatesBridge checks the node mode where the bridge plugin makes the
 // bridge itself.
 func TestPluginCreatesBridge(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	t.Parallel()
 	ctx := testCtx(t)
 	node := harness.NewNode(t, harness.NodeOptions{PluginCreatesBridge: true})
@@ -488,7 +489,7 @@ func requireBridge(t *testing.T, node *harness.Node) harness.Link {
 // node's interfaces as they were. A kernel without the primary's driver (ipvlan
 // here) skips its rows.
 func TestPrimaryOption(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	t.Parallel()
 	for _, primary := range harness.Primaries() {
 		for _, families := range []harness.Families{harness.IPv4Only, harness.IPv6Only, harness.DualStack} {
@@ -527,12 +528,12 @@ func TestPrimaryOption(t *testing.T) {
 				}
 				for _, dst := range server.Addrs() {
 					ln := server.Listen(t, "tcp", net.JoinHostPort(dst.String(), "0"))
-					harness.ServeEcho(t, ln)
+					fixtures.ServeEcho(t, ln)
 					conn, err := client.Dial(ctx, "tcp", ln.Addr().String())
 					if err != nil {
 						t.Fatal(err)
 					}
-					if err := harness.EchoRoundTrip(ctx, conn, []byte("hello")); err != nil {
+					if err := fixtures.EchoRoundTrip(ctx, conn, []byte("hello")); err != nil {
 						t.Fatalf("echo to %s: %v", dst, err)
 					}
 					conn.Close()

@@ -3,9 +3,7 @@ package harness
 import (
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/netip"
 	"os/exec"
@@ -18,10 +16,8 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	types100 "github.com/containernetworking/cni/pkg/types/100"
 
-	"github.com/containernetworking/plugins/pkg/netlinksafe"
-	"github.com/vishvananda/netlink"
-
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // cleanupTimeout bounds each CNI DEL the harness issues from a test's cleanup, where
@@ -65,21 +61,8 @@ func (n *Node) NewPod(tb testing.TB, namespace, name string) *Pod {
 		IfName:      "eth0",
 		attached:    map[string]attachment{},
 	}
-	if err := netns.Create(p.NetNSPath); err != nil {
-		tb.Fatalf("create pod netns: %v", err)
-	}
-	// A container runtime brings the sandbox's loopback up (containerd and CRI-O
-	// do it themselves or through the loopback plugin); pods rely on 127.0.0.1.
-	if err := netns.Do(p.NetNSPath, func() error {
-		lo, err := netlinksafe.LinkByName("lo")
-		if err != nil {
-			return err
-		}
-		return netlink.LinkSetUp(lo)
-	}); err != nil {
-		netns.Remove(p.NetNSPath)
-		tb.Fatalf("bring up lo in pod netns: %v", err)
-	}
+	// Removed after the DELs below: cleanups run last registered first.
+	fixtures.NewNetns(tb, p.NetNSPath)
 	tb.Cleanup(func() {
 		p.mu.Lock()
 		pending := make([]attachment, 0, len(p.attached))
@@ -93,9 +76,6 @@ func (n *Node) NewPod(tb testing.TB, namespace, name string) *Pod {
 				tb.Logf("cleanup: DEL pod %s/%s from %s: %v", namespace, name, a.list.Name, err)
 			}
 			cancel()
-		}
-		if err := netns.Remove(p.NetNSPath); err != nil {
-			tb.Errorf("remove pod netns: %v", err)
 		}
 	})
 	return p
@@ -314,95 +294,13 @@ func (p *Pod) Start(tb testing.TB, opts ProcessOptions) *Process {
 // Listen opens a listener inside the pod's netns, closed in cleanup.
 func (p *Pod) Listen(tb testing.TB, network, address string) net.Listener {
 	tb.Helper()
-	var ln net.Listener
-	err := p.Do(func() error {
-		var err error
-		ln, err = net.Listen(network, address)
-		return err
-	})
-	if err != nil {
-		tb.Fatalf("listen %s %s in pod %s/%s: %v", network, address, p.Namespace, p.Name, err)
-	}
-	tb.Cleanup(func() { ln.Close() })
-	return ln
+	return p.netns().Listen(tb, network, address)
 }
 
 // Dial connects from inside the pod's netns. The connection may be used from any
 // goroutine afterwards.
 func (p *Pod) Dial(ctx context.Context, network, address string) (net.Conn, error) {
-	var conn net.Conn
-	err := p.Do(func() error {
-		var d net.Dialer
-		var err error
-		conn, err = d.DialContext(ctx, network, address)
-		return err
-	})
-	if err != nil {
-		return nil, fmt.Errorf("dial %s %s from pod %s/%s: %w", network, address, p.Namespace, p.Name, err)
-	}
-	return conn, nil
+	return p.netns().Dial(ctx, nil, network, address)
 }
 
-// ServeEcho echoes every connection accepted on ln until the test ends; the listener
-// and all connections are closed, and the serving goroutines waited for, in cleanup.
-func ServeEcho(tb testing.TB, ln net.Listener) {
-	var (
-		wg     sync.WaitGroup
-		mu     sync.Mutex
-		closed bool
-		conns  = map[net.Conn]struct{}{}
-	)
-	wg.Go(func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			if closed {
-				mu.Unlock()
-				c.Close()
-				return
-			}
-			conns[c] = struct{}{}
-			mu.Unlock()
-			wg.Go(func() {
-				_, _ = io.Copy(c, c)
-				mu.Lock()
-				delete(conns, c)
-				mu.Unlock()
-				c.Close()
-			})
-		}
-	})
-	tb.Cleanup(func() {
-		mu.Lock()
-		closed = true
-		for c := range conns {
-			c.Close()
-		}
-		mu.Unlock()
-		ln.Close()
-		wg.Wait()
-	})
-}
-
-// EchoRoundTrip writes msg on conn and reads it back, bounded by ctx.
-func EchoRoundTrip(ctx context.Context, conn net.Conn, msg []byte) error {
-	if dl, ok := ctx.Deadline(); ok {
-		if err := conn.SetDeadline(dl); err != nil {
-			return fmt.Errorf("set deadline: %w", err)
-		}
-	}
-	if _, err := conn.Write(msg); err != nil {
-		return fmt.Errorf("write: %w", err)
-	}
-	got := make([]byte, len(msg))
-	if _, err := io.ReadFull(conn, got); err != nil {
-		return fmt.Errorf("read echo: %w", err)
-	}
-	if !bytes.Equal(got, msg) {
-		return errors.New("echo differs from what was sent")
-	}
-	return nil
-}
+func (p *Pod) netns() *fixtures.Netns { return &fixtures.Netns{Path: p.NetNSPath} }

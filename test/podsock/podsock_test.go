@@ -13,8 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
-	"github.com/mesh-cni/mesh-cni/test/capture"
-	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // testMark is ztunnel's mark, what the node proxies set.
@@ -45,10 +44,10 @@ func acceptAndClose(tb testing.TB, ln net.Listener) {
 }
 
 // podListener listens on 127.0.0.1 (port chosen by the kernel) inside pod.
-func podListener(tb testing.TB, pod capture.Pod) (netip.AddrPort, *os.File) {
+func podListener(tb testing.TB, pod *fixtures.Pod) (netip.AddrPort, *os.File) {
 	tb.Helper()
 	var ln net.Listener
-	if err := netns.Do(pod.NetNS, func() error {
+	if err := netns.Do(pod.Path, func() error {
 		var err error
 		ln, err = net.Listen("tcp4", "127.0.0.1:0")
 		return err
@@ -56,7 +55,7 @@ func podListener(tb testing.TB, pod capture.Pod) (netip.AddrPort, *os.File) {
 		tb.Fatal(err)
 	}
 	acceptAndClose(tb, ln)
-	ns, err := os.Open(pod.NetNS)
+	ns, err := os.Open(pod.Path)
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -67,10 +66,10 @@ func podListener(tb testing.TB, pod capture.Pod) (netip.AddrPort, *os.File) {
 // TestDial checks that Dial's socket lives in the pod's namespace and
 // carries the mark, and that failures come back as errors.
 func TestDial(t *testing.T) {
-	harness.RequireRoot(t, "creates network namespaces")
+	fixtures.RequireRoot(t, "creates network namespaces")
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
-	pod, _ := capture.NewPodPair(t)
+	pod, _ := fixtures.NewPodPair(t)
 	dst, ns := podListener(t, pod)
 	// The listener is only reachable inside the pod: a dial from the host
 	// namespace would be refused or reach something else.
@@ -104,7 +103,7 @@ func TestDial(t *testing.T) {
 	// address in the pod's subnet, so the SYN waits for neighbour discovery.
 	cctx, ccancel := context.WithCancel(ctx)
 	ccancel()
-	if _, err := Dial(cctx, int(ns.Fd()), netip.MustParseAddrPort("10.199.0.99:9"), DialOptions{Mark: testMark, Timeout: time.Minute}); !errors.Is(err, context.Canceled) {
+	if _, err := Dial(cctx, int(ns.Fd()), netip.MustParseAddrPort("10.77.0.99:9"), DialOptions{Mark: testMark, Timeout: time.Minute}); !errors.Is(err, context.Canceled) {
 		t.Errorf("dial with a cancelled context: %v", err)
 	}
 }
@@ -117,9 +116,9 @@ func TestDial(t *testing.T) {
 // floor. Each iteration is connect + close against an accept-and-close listener
 // on loopback inside the pod (on the host's loopback for same-netns).
 func BenchmarkPodDial(b *testing.B) {
-	harness.RequireRoot(b, "creates network namespaces")
+	fixtures.RequireRoot(b, "creates network namespaces")
 	ctx := context.Background()
-	pod, _ := capture.NewPodPair(b)
+	pod, _ := fixtures.NewPodPair(b)
 	dst, ns := podListener(b, pod)
 	closeFast := func(b *testing.B, c *net.TCPConn) {
 		// No TIME_WAIT: thousands of iterations must not run out of ports.

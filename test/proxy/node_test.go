@@ -23,7 +23,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/pkg/zds"
 	"github.com/mesh-cni/mesh-cni/pkg/zds/zdspb"
 	"github.com/mesh-cni/mesh-cni/test/capture"
-	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
@@ -63,12 +63,12 @@ func (s *agentStore) del(uid string) {
 	delete(s.pods, uid)
 }
 
-func zdsPod(t *testing.T, name string, p capture.Pod) zds.Pod {
+func zdsPod(t *testing.T, name string, p *fixtures.Pod) zds.Pod {
 	var b [4]byte
 	if _, err := rand.Read(b[:]); err != nil {
 		t.Fatal(err)
 	}
-	return zds.Pod{UID: name + "-" + hex.EncodeToString(b[:]), Name: name, Namespace: "default", ServiceAccount: "sa-" + name, NetnsPath: p.NetNS}
+	return zds.Pod{UID: name + "-" + hex.EncodeToString(b[:]), Name: name, Namespace: "default", ServiceAccount: "sa-" + name, NetnsPath: p.Path}
 }
 
 // startAgent runs a ZDS server at path until it is closed or the test ends.
@@ -131,10 +131,10 @@ func sameUIDs(st proxy.NodeStatus, want ...string) bool {
 	return slices.Equal(podUIDs(st), want)
 }
 
-func installIPTables(t *testing.T, ctx context.Context, pods ...capture.Pod) {
+func installIPTables(t *testing.T, ctx context.Context, pods ...*fixtures.Pod) {
 	t.Helper()
 	for _, p := range pods {
-		cleanup, err := capture.InstallIPTables(ctx, p.NetNS, capture.DefaultRules())
+		cleanup, err := capture.InstallIPTables(ctx, p.Path, capture.DefaultRules())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -153,14 +153,14 @@ func zdsPath(t *testing.T) string {
 }
 
 // roundTrip sends a payload from A to dst and back through the capture.
-func roundTrip(t *testing.T, ctx context.Context, from capture.Pod, dst netip.AddrPort, size int) {
+func roundTrip(t *testing.T, ctx context.Context, from *fixtures.Pod, dst netip.AddrPort, size int) {
 	t.Helper()
-	conn, err := from.Dial(ctx, dst)
+	conn, err := from.DialTCP(ctx, dst)
 	if err != nil {
 		t.Fatalf("dial %s: %v", dst, err)
 	}
-	if err := capture.EchoRoundTrip(ctx, conn, payload(t, size)); err != nil {
-		t.Fatalf("%s → %s: %v", from.NetNS, dst, err)
+	if err := fixtures.EchoRoundTrip(ctx, conn, payload(t, size)); err != nil {
+		t.Fatalf("%s → %s: %v", from.Path, dst, err)
 	}
 }
 
@@ -169,14 +169,14 @@ func roundTrip(t *testing.T, ctx context.Context, from capture.Pod, dst netip.Ad
 // moment in this test process: another test's fork copies every fd into the
 // child, and the copy lasts until the child's exec closes it. A SYN in that
 // window is answered (then reset), so only a refusal counts.
-func refused(t *testing.T, ctx context.Context, in capture.Pod, dst netip.AddrPort) {
+func refused(t *testing.T, ctx context.Context, in *fixtures.Pod, dst netip.AddrPort) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	tick := time.NewTicker(10 * time.Millisecond)
 	defer tick.Stop()
 	for {
-		conn, err := in.Dial(ctx, dst)
+		conn, err := in.DialTCP(ctx, dst)
 		if err == nil {
 			conn.Close()
 		}
@@ -185,7 +185,7 @@ func refused(t *testing.T, ctx context.Context, in capture.Pod, dst netip.AddrPo
 		}
 		select {
 		case <-ctx.Done():
-			t.Fatalf("%s in %s still accepts connections: last dial: %v", dst, in.NetNS, err)
+			t.Fatalf("%s in %s still accepts connections: last dial: %v", dst, in.Path, err)
 		case <-tick.C:
 		}
 	}
@@ -197,10 +197,10 @@ func refused(t *testing.T, ctx context.Context, in capture.Pod, dst netip.AddrPo
 // listener inside B, and each record names its pod. Deleting B closes its
 // listeners.
 func TestNodeForwards(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	families(t, func(t *testing.T, v6 bool) {
 		ctx := testCtx(t)
-		a, b := capture.NewPodPair(t)
+		a, b := fixtures.NewPodPair(t)
 		const appPort = 9000
 		b.ServeEcho(t, appPort)
 		podA, podB := zdsPod(t, "a", a), zdsPod(t, "b", b)
@@ -270,9 +270,9 @@ func TestNodeForwards(t *testing.T) {
 // proxy reconnects to the new agent, and the snapshot, which no longer names B,
 // makes it drop B.
 func TestNodeAgentRestart(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
-	a, b := capture.NewPodPair(t)
+	a, b := fixtures.NewPodPair(t)
 	const appPort = 9000
 	b.ServeEcho(t, appPort)
 	podA, podB := zdsPod(t, "a", a), zdsPod(t, "b", b)
@@ -301,7 +301,7 @@ func TestNodeAgentRestart(t *testing.T) {
 	}
 	refused(t, ctx, b, netip.AddrPortFrom(b.IPv4, proxy.DefaultInboundPort))
 	// A's listener is still there.
-	conn, err := a.Dial(ctx, netip.MustParseAddrPort("127.0.0.1:15001"))
+	conn, err := a.DialTCP(ctx, netip.MustParseAddrPort("127.0.0.1:15001"))
 	if err != nil {
 		t.Fatalf("A's outbound listener: %v", err)
 	}
@@ -313,14 +313,14 @@ func TestNodeAgentRestart(t *testing.T) {
 // nowhere to send A's connections (refused); a new process takes the snapshot and
 // traffic resumes.
 func TestNodeProcessRestart(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Minute)
 	defer cancel()
 	bin, err := proxy.Binary(ctx, t.TempDir())
 	if err != nil {
 		t.Fatal(err)
 	}
-	a, b := capture.NewPodPair(t)
+	a, b := fixtures.NewPodPair(t)
 	const appPort = 9000
 	b.ServeEcho(t, appPort)
 	podA, podB := zdsPod(t, "a", a), zdsPod(t, "b", b)
@@ -368,7 +368,7 @@ func TestNodeProcessRestart(t *testing.T) {
 	waitRecords(t, ctx, first, 2)
 	stop(p)
 
-	conn, err := a.Dial(ctx, dst)
+	conn, err := a.DialTCP(ctx, dst)
 	if err == nil {
 		conn.Close()
 		t.Fatal("A reached B with the node proxy stopped")
@@ -523,13 +523,13 @@ func openFd(t *testing.T, path string) int {
 // reconnects): keep after the snapshot, an add without fd or without
 // workload_info, two fds, garbage.
 func TestNodeRequests(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
-	a, b := capture.NewPodPair(t)
+	a, b := fixtures.NewPodPair(t)
 	path := zdsPath(t)
 	agent := newFakeAgent(t, path)
 	n := startNode(t, ctx, proxy.NodeConfig{ZDSPath: path, ReconnectMax: 50 * time.Millisecond})
-	fdA, fdB := openFd(t, a.NetNS), openFd(t, b.NetNS)
+	fdA, fdB := openFd(t, a.Path), openFd(t, b.Path)
 
 	c := agent.accept(ctx)
 	if msg := c.request(addReq("a", true), fdA); msg != "" {
@@ -570,7 +570,7 @@ func TestNodeRequests(t *testing.T) {
 		t.Fatalf("a kept its old netns: %+v", st.Pods)
 	}
 	refused(t, ctx, a, netip.MustParseAddrPort("127.0.0.1:15001"))
-	conn, err := b.Dial(ctx, netip.MustParseAddrPort("127.0.0.1:15001"))
+	conn, err := b.DialTCP(ctx, netip.MustParseAddrPort("127.0.0.1:15001"))
 	if err != nil {
 		t.Fatalf("a's listener in B's netns: %v", err)
 	}

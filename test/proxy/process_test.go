@@ -9,8 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mesh-cni/mesh-cni/test/capture"
-	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
@@ -69,24 +68,24 @@ func TestStartProcessNotReady(t *testing.T) {
 // TestProcessLifecycle builds refproxy, runs it in a pod with nsenter, and stops it:
 // it must exit with status 0 on SIGTERM.
 func TestProcessLifecycle(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Minute)
 	defer cancel()
 	bin, err := proxy.Binary(ctx, t.TempDir())
 	if err != nil {
 		t.Fatal(err)
 	}
-	pod, _ := capture.NewPodPair(t)
+	pod, _ := fixtures.NewPodPair(t)
 	records := filepath.Join(t.TempDir(), "records.jsonl")
-	p, err := proxy.StartProcess(ctx, proxy.ProcessOptions{Binary: bin, NetNS: pod.NetNS, Args: []string{"-echo", "-record", records}})
+	p, err := proxy.StartProcess(ctx, proxy.ProcessOptions{Binary: bin, NetNS: pod.Path, Args: []string{"-echo", "-record", records}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	conn, err := pod.Dial(ctx, netip.AddrPortFrom(pod.IPv4, proxy.DefaultInboundPort))
+	conn, err := pod.DialTCP(ctx, netip.AddrPortFrom(pod.IPv4, proxy.DefaultInboundPort))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := capture.EchoRoundTrip(ctx, conn, []byte("hi")); err != nil {
+	if err := fixtures.EchoRoundTrip(ctx, conn, []byte("hi")); err != nil {
 		t.Fatal(err)
 	}
 	got, err := proxy.WaitForRecords(ctx, records, func(rs []proxy.Record) bool { return len(rs) == 1 })

@@ -15,7 +15,7 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/mesh-cni/mesh-cni/test/capture"
-	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
@@ -29,9 +29,9 @@ func testCtx(t *testing.T) context.Context {
 }
 
 // startProxy runs the proxy in-process, listening and dialing in pod's namespace.
-func startProxy(t *testing.T, ctx context.Context, pod capture.Pod, cfg proxy.Config) *proxy.Proxy {
+func startProxy(t *testing.T, ctx context.Context, pod *fixtures.Pod, cfg proxy.Config) *proxy.Proxy {
 	t.Helper()
-	cfg.NetNS = pod.NetNS
+	cfg.NetNS = pod.Path
 	cfg.Logger = zaptest.NewLogger(t)
 	p, err := proxy.Start(ctx, cfg)
 	if err != nil {
@@ -92,10 +92,10 @@ func waitRecords(t *testing.T, ctx context.Context, path string, n int) []proxy.
 // outbound one has no original destination and echoes anyway, the inbound one falls
 // back to its local address.
 func TestEchoDirect(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	families(t, func(t *testing.T, v6 bool) {
 		ctx := testCtx(t)
-		pod, _ := capture.NewPodPair(t)
+		pod, _ := fixtures.NewPodPair(t)
 		records := filepath.Join(t.TempDir(), "records.jsonl")
 		p := startProxy(t, ctx, pod, proxy.Config{Echo: true, RecordPath: records})
 
@@ -103,11 +103,11 @@ func TestEchoDirect(t *testing.T) {
 		in := netip.AddrPortFrom(pod.Addr(v6), proxy.DefaultInboundPort)
 		data := payload(t, 64<<10)
 		for _, dst := range []netip.AddrPort{out, in} {
-			conn, err := pod.Dial(ctx, dst)
+			conn, err := pod.DialTCP(ctx, dst)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if err := capture.EchoRoundTrip(ctx, conn, data); err != nil {
+			if err := fixtures.EchoRoundTrip(ctx, conn, data); err != nil {
 				t.Fatalf("echo via %s: %v", dst, err)
 			}
 			// One at a time, so the records come in a known order.
@@ -134,17 +134,17 @@ func TestEchoDirect(t *testing.T) {
 // outbound connection has no original destination and the inbound one would loop
 // back to the proxy, so both are closed and recorded with their error.
 func TestDirectDialRefused(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	families(t, func(t *testing.T, v6 bool) {
 		ctx := testCtx(t)
-		pod, _ := capture.NewPodPair(t)
+		pod, _ := fixtures.NewPodPair(t)
 		records := filepath.Join(t.TempDir(), "records.jsonl")
 		startProxy(t, ctx, pod, proxy.Config{RecordPath: records})
 
 		out := netip.AddrPortFrom(loopback(v6), proxy.DefaultOutboundPort)
 		in := netip.AddrPortFrom(pod.Addr(v6), proxy.DefaultInboundPort)
 		for _, dst := range []netip.AddrPort{out, in} {
-			conn, err := pod.Dial(ctx, dst)
+			conn, err := pod.DialTCP(ctx, dst)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -177,14 +177,14 @@ func isReset(err error) bool {
 // the original destination with getsockopt and dials it (with its mark, from A's
 // namespace) without being captured again.
 func TestForwardThroughIPTables(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	families(t, func(t *testing.T, v6 bool) {
 		ctx := testCtx(t)
-		a, b := capture.NewPodPair(t)
+		a, b := fixtures.NewPodPair(t)
 		b.ServeEcho(t, 9000)
 		records := filepath.Join(t.TempDir(), "records.jsonl")
 		p := startProxy(t, ctx, a, proxy.Config{RecordPath: records})
-		cleanup, err := capture.InstallIPTables(ctx, a.NetNS, capture.DefaultRules())
+		cleanup, err := capture.InstallIPTables(ctx, a.Path, capture.DefaultRules())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -198,11 +198,11 @@ func TestForwardThroughIPTables(t *testing.T) {
 		data := payload(t, 1<<20)
 		const conns = 3
 		for range conns {
-			conn, err := a.Dial(ctx, dst)
+			conn, err := a.DialTCP(ctx, dst)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if err := capture.EchoRoundTrip(ctx, conn, data); err != nil {
+			if err := fixtures.EchoRoundTrip(ctx, conn, data); err != nil {
 				t.Fatalf("A → %s: %v", dst, err)
 			}
 		}
@@ -224,15 +224,15 @@ func TestForwardThroughIPTables(t *testing.T) {
 // proxy's onward connection is captured again, and the proxy recognises its own
 // connection coming back instead of dialing in circles.
 func TestLoopDetected(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
-	a, b := capture.NewPodPair(t)
+	a, b := fixtures.NewPodPair(t)
 	b.ServeEcho(t, 9000)
 	records := filepath.Join(t.TempDir(), "records.jsonl")
 	startProxy(t, ctx, a, proxy.Config{RecordPath: records, Mark: 0x539})
 	rules := capture.DefaultRules()
 	rules.Mark = 0x540
-	cleanup, err := capture.InstallNFTables(ctx, a.NetNS, rules)
+	cleanup, err := capture.InstallNFTables(ctx, a.Path, rules)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -241,11 +241,11 @@ func TestLoopDetected(t *testing.T) {
 			t.Errorf("remove capture: %v", err)
 		}
 	})
-	conn, err := a.Dial(ctx, netip.AddrPortFrom(b.IPv4, 9000))
+	conn, err := a.DialTCP(ctx, netip.AddrPortFrom(b.IPv4, 9000))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := capture.EchoRoundTrip(ctx, conn, []byte("loop")); err == nil {
+	if err := fixtures.EchoRoundTrip(ctx, conn, []byte("loop")); err == nil {
 		t.Fatal("echo through a looping capture succeeded")
 	}
 	_, err = proxy.WaitForRecords(ctx, records, func(rs []proxy.Record) bool {
@@ -264,14 +264,14 @@ func TestLoopDetected(t *testing.T) {
 // TestCloseEndsConnections closes the proxy while a client holds a connection open:
 // Close returns, the client sees its connection end, and the connection is recorded.
 func TestCloseEndsConnections(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
-	pod, _ := capture.NewPodPair(t)
-	p, err := proxy.Start(ctx, proxy.Config{Echo: true, NetNS: pod.NetNS, Logger: zaptest.NewLogger(t)})
+	pod, _ := fixtures.NewPodPair(t)
+	p, err := proxy.Start(ctx, proxy.Config{Echo: true, NetNS: pod.Path, Logger: zaptest.NewLogger(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	conn, err := pod.Dial(ctx, netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), proxy.DefaultOutboundPort))
+	conn, err := pod.DialTCP(ctx, netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), proxy.DefaultOutboundPort))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -302,20 +302,20 @@ func TestCloseEndsConnections(t *testing.T) {
 }
 
 func TestStartErrors(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
-	pod, _ := capture.NewPodPair(t)
-	if _, err := proxy.Start(ctx, proxy.Config{NetNS: pod.NetNS, OutboundPort: 16000, InboundPort: 16000}); err == nil {
+	pod, _ := fixtures.NewPodPair(t)
+	if _, err := proxy.Start(ctx, proxy.Config{NetNS: pod.Path, OutboundPort: 16000, InboundPort: 16000}); err == nil {
 		t.Error("same outbound and inbound port accepted")
 	}
 	if _, err := proxy.Start(ctx, proxy.Config{NetNS: t.TempDir()}); err == nil {
 		t.Error("a directory accepted as netns")
 	}
-	if _, err := proxy.Start(ctx, proxy.Config{NetNS: pod.NetNS, RecordPath: filepath.Join(t.TempDir(), "no", "such", "dir")}); err == nil {
+	if _, err := proxy.Start(ctx, proxy.Config{NetNS: pod.Path, RecordPath: filepath.Join(t.TempDir(), "no", "such", "dir")}); err == nil {
 		t.Error("unwritable record path accepted")
 	}
 	startProxy(t, ctx, pod, proxy.Config{})
-	if _, err := proxy.Start(ctx, proxy.Config{NetNS: pod.NetNS}); err == nil {
+	if _, err := proxy.Start(ctx, proxy.Config{NetNS: pod.Path}); err == nil {
 		t.Error("second proxy on the same ports started")
 	}
 	// The failed start released what it had bound: a third proxy on other ports works.

@@ -20,7 +20,7 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/pkg/zds"
-	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/ztunnel"
 )
 
@@ -188,7 +188,7 @@ func zdsPod(t *testing.T, name string) zds.Pod {
 // opened), an add and a delete after it, each with the pod's service account.
 // Any deviation ztunnel would refuse fails the client's Serve.
 func TestConformance(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	a, b, c := zdsPod(t, "a"), zdsPod(t, "b"), zdsPod(t, "c")
 	gone := zds.Pod{UID: "gone-" + suffix(t), Name: "gone", Namespace: "shop", ServiceAccount: "sa-gone", NetnsPath: "/run/netns/ztunnel-no-such-" + suffix(t)}
@@ -235,7 +235,7 @@ func TestConformance(t *testing.T) {
 // without a service account (ztunnel would ack it and never serve it), so the
 // conformance tests fail on it.
 func TestConformanceEmptyServiceAccount(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	p := zdsPod(t, "nosa")
 	p.ServiceAccount = ""
@@ -276,7 +276,7 @@ func encodedAddSize(p zds.Pod) int {
 // one byte more is refused by the agent before anything is sent, and the
 // connection carries on.
 func TestConformanceRequestCap(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	snap := &pods{}
 	path := filepath.Join(t.TempDir(), "ztunnel.sock")
@@ -372,7 +372,7 @@ func dialAs(ctx context.Context, path string, fsuid int, caps []uint) (*ztunnel.
 // NET_RAW) connects and takes its snapshot. A process with another file
 // system uid (1337) is refused by the file modes, so the check is real.
 func TestZtunnelAsIstioRunsItConnects(t *testing.T) {
-	harness.RequireRoot(t, rootReason)
+	fixtures.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	kubeletDir := filepath.Join(t.TempDir(), "kubelet-made")
 	if err := os.Mkdir(kubeletDir, 0o755); err != nil {

@@ -14,8 +14,7 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/pkg/zds"
-	"github.com/mesh-cni/mesh-cni/test/capture"
-	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
@@ -44,10 +43,10 @@ func TestRunBadFlags(t *testing.T) {
 // it prints exactly "ready", serves (echo mode) and records, and returns 0 when its
 // context ends, as on SIGTERM.
 func TestRunServesUntilCancelled(t *testing.T) {
-	harness.RequireRoot(t, "creates network namespaces")
+	fixtures.RequireRoot(t, "creates network namespaces")
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
-	pod, _ := capture.NewPodPair(t)
+	pod, _ := fixtures.NewPodPair(t)
 	records := filepath.Join(t.TempDir(), "records.jsonl")
 
 	runCtx, stop := context.WithCancel(ctx)
@@ -58,7 +57,7 @@ func TestRunServesUntilCancelled(t *testing.T) {
 	go func() {
 		var code int
 		// run binds its listeners on the calling thread, here inside the pod.
-		err := netns.Do(pod.NetNS, func() error {
+		err := netns.Do(pod.Path, func() error {
 			code = run(runCtx, []string{"-echo", "-record", records, "-outbound-port", "15101", "-mark", "1337"}, stdoutW, &stderr)
 			return nil
 		})
@@ -74,11 +73,11 @@ func TestRunServesUntilCancelled(t *testing.T) {
 	if err != nil || line != "ready\n" {
 		t.Fatalf("first stdout line %q, %v", line, err)
 	}
-	conn, err := pod.Dial(ctx, netip.MustParseAddrPort("127.0.0.1:15101"))
+	conn, err := pod.DialTCP(ctx, netip.MustParseAddrPort("127.0.0.1:15101"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := capture.EchoRoundTrip(ctx, conn, []byte("hello through refproxy")); err != nil {
+	if err := fixtures.EchoRoundTrip(ctx, conn, []byte("hello through refproxy")); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := proxy.WaitForRecords(ctx, records, func(rs []proxy.Record) bool { return len(rs) == 1 }); err != nil {
@@ -98,15 +97,15 @@ func TestRunServesUntilCancelled(t *testing.T) {
 // host namespace: it prints "ready" once the agent's snapshot is served, and the
 // pod it was handed has its (echo) listener inside the pod's namespace.
 func TestRunNodeMode(t *testing.T) {
-	harness.RequireRoot(t, "creates network namespaces")
+	fixtures.RequireRoot(t, "creates network namespaces")
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
-	pod, _ := capture.NewPodPair(t)
+	pod, _ := fixtures.NewPodPair(t)
 	path := filepath.Join(t.TempDir(), "ztunnel.sock")
 	uid := "refproxy-test-pod"
 	srv, err := zds.NewServer(ctx, zds.Config{SocketPath: path, Logger: zaptest.NewLogger(t),
 		Snapshot: zds.SnapshotFunc(func(context.Context) ([]zds.Pod, error) {
-			return []zds.Pod{{UID: uid, Name: "p", Namespace: "default", NetnsPath: pod.NetNS}}, nil
+			return []zds.Pod{{UID: uid, Name: "p", Namespace: "default", NetnsPath: pod.Path}}, nil
 		})})
 	if err != nil {
 		t.Fatal(err)
@@ -135,11 +134,11 @@ func TestRunNodeMode(t *testing.T) {
 	if err != nil || line != "ready\n" {
 		t.Fatalf("first stdout line %q, %v", line, err)
 	}
-	conn, err := pod.Dial(ctx, netip.MustParseAddrPort("[::1]:15001"))
+	conn, err := pod.DialTCP(ctx, netip.MustParseAddrPort("[::1]:15001"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := capture.EchoRoundTrip(ctx, conn, []byte("hello through the node proxy")); err != nil {
+	if err := fixtures.EchoRoundTrip(ctx, conn, []byte("hello through the node proxy")); err != nil {
 		t.Fatal(err)
 	}
 	got, err := proxy.WaitForRecords(ctx, records, func(rs []proxy.Record) bool { return len(rs) == 1 })
