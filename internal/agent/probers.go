@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+	"k8s.io/apimachinery/pkg/util/wait"
 
 	"github.com/mesh-cni/mesh-cni/internal/hostproc"
 	"github.com/mesh-cni/mesh-cni/internal/netns"
@@ -82,16 +83,8 @@ func (w ProbeWatch) Start(ctx context.Context) (stop func()) {
 	apply()
 	go func() {
 		defer close(done)
-		t := time.NewTicker(w.Interval)
-		defer t.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-t.C:
-				apply()
-			}
-		}
+		// The first call finds nothing changed: apply returns early on the same key.
+		wait.UntilWithContext(ctx, func(context.Context) { apply() }, w.Interval)
 	}()
 	return func() {
 		cancel()

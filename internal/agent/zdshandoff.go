@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+	"k8s.io/apimachinery/pkg/util/wait"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/internal/podstore"
@@ -124,20 +125,11 @@ func (h *ZDSHandoff) shouldWait() bool {
 
 // Serve serves proxies until ctx ends.
 func (h *ZDSHandoff) Serve(ctx context.Context) error {
-	go func() {
-		t := time.NewTicker(time.Second)
-		defer t.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-t.C:
-				if h.metrics != nil {
-					h.metrics.ZDSConnections.Set(float64(h.srv.Connected()))
-				}
-			}
-		}
-	}()
+	if h.metrics != nil {
+		go wait.UntilWithContext(ctx, func(context.Context) {
+			h.metrics.ZDSConnections.Set(float64(h.srv.Connected()))
+		}, time.Second)
+	}
 	return h.srv.Serve(ctx)
 }
 

@@ -467,6 +467,27 @@ func (d *Datapath) adoptPods(ctx context.Context) {
 	}
 }
 
+// lockPod takes what a change to one pod holds: the data path open (its read
+// lock; Close waits) and the pod's own lock, in that order, then checks ctx,
+// which may have ended while it waited. unlock releases both.
+func (d *Datapath) lockPod(ctx context.Context, cookie uint64) (unlock func(), err error) {
+	d.mu.RLock()
+	if d.closed {
+		d.mu.RUnlock()
+		return nil, ErrClosed
+	}
+	podUnlock := d.pods.Lock(cookie)
+	unlock = func() {
+		podUnlock()
+		d.mu.RUnlock()
+	}
+	if err := ctx.Err(); err != nil {
+		unlock()
+		return nil, err
+	}
+	return unlock, nil
+}
+
 // Close releases this process's handles. Pins stay: the data path keeps redirecting
 // with no agent running, and the next Open adopts it.
 func (d *Datapath) Close() error {

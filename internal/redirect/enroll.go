@@ -106,15 +106,11 @@ func (d *Datapath) Enroll(ctx context.Context, t Target) (Enrollment, error) {
 	}
 	log := d.log.With(zap.Uint64("cookie", cookie), zap.String("netns", t.NetnsPath))
 
-	d.mu.RLock()
-	defer d.mu.RUnlock()
-	if d.closed {
-		return Enrollment{}, ErrClosed
-	}
-	defer d.pods.Lock(cookie)()
-	if err := ctx.Err(); err != nil {
+	unlock, err := d.lockPod(ctx, cookie)
+	if err != nil {
 		return Enrollment{}, err
 	}
+	defer unlock()
 
 	var old redirectPodSettings
 	wasEnrolled := d.objs.Pods.Lookup(cookie, &old) == nil
@@ -236,34 +232,26 @@ func (d *Datapath) Release(ctx context.Context, cookie uint64) error {
 // ReleaseNetns releases the pod whose namespace is at netnsPath, as Release does,
 // and removes what Enroll put inside that namespace (the reply route).
 func (d *Datapath) ReleaseNetns(ctx context.Context, netnsPath string) error {
-	nsFile, err := netns.Open(netnsPath)
+	ns, err := netns.OpenHandle(netnsPath)
 	if err != nil {
 		return fmt.Errorf("release: %w", err)
 	}
-	defer nsFile.Close()
-	cookie, err := netns.CookieFd(int(nsFile.Fd()))
-	if err != nil {
-		return fmt.Errorf("release %s: %w", netnsPath, err)
-	}
-	if d.isNodeCookie(cookie) {
+	defer ns.Close()
+	if d.isNodeCookie(ns.Cookie) {
 		return fmt.Errorf("release %s: %w", netnsPath, ErrNodeNamespace)
 	}
-	return d.release(ctx, cookie, int(nsFile.Fd()))
+	return d.release(ctx, ns.Cookie, int(ns.File.Fd()))
 }
 
 func (d *Datapath) release(ctx context.Context, cookie uint64, nsFd int) error {
-	d.mu.RLock()
-	defer d.mu.RUnlock()
-	if d.closed {
-		return ErrClosed
-	}
-	if err := ctx.Err(); err != nil {
+	unlock, err := d.lockPod(ctx, cookie)
+	if err != nil {
 		return err
 	}
-	defer d.pods.Lock(cookie)()
+	defer unlock()
 	var v redirectPodSettings
 	enrolled := d.objs.Pods.Lookup(cookie, &v) == nil
-	err := func() error {
+	err = func() error {
 		d.mapMu.Lock()
 		defer d.mapMu.Unlock()
 		return d.deletePod(cookie)
@@ -291,15 +279,11 @@ func (d *Datapath) release(ctx context.Context, cookie uint64, nsFd int) error {
 // the cgroup programs are attached. The error says everything that is missing.
 // Inbound capture is per namespace: the one link covers every interface of the pod.
 func (d *Datapath) Check(ctx context.Context, cookie uint64) error {
-	d.mu.RLock()
-	defer d.mu.RUnlock()
-	if d.closed {
-		return ErrClosed
-	}
-	defer d.pods.Lock(cookie)()
-	if err := ctx.Err(); err != nil {
+	unlock, err := d.lockPod(ctx, cookie)
+	if err != nil {
 		return err
 	}
+	defer unlock()
 	var s redirectPodSettings
 	if err := d.objs.Pods.Lookup(cookie, &s); err != nil {
 		if errors.Is(err, ebpf.ErrKeyNotExist) {

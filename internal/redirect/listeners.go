@@ -97,24 +97,17 @@ func (d *Datapath) dropListeners(cookie uint64, port uint16) {
 // proxy having to listen again. The reconcile pass calls it for pods with a
 // refusal on record.
 func (d *Datapath) Recollect(ctx context.Context, netnsPath string) error {
-	nsFile, err := netns.Open(netnsPath)
+	ns, err := netns.OpenHandle(netnsPath)
 	if err != nil {
 		return fmt.Errorf("recollect: %w", err)
 	}
-	defer nsFile.Close()
-	cookie, err := netns.CookieFd(int(nsFile.Fd()))
+	defer ns.Close()
+	cookie, nsFile := ns.Cookie, ns.File
+	unlock, err := d.lockPod(ctx, cookie)
 	if err != nil {
-		return fmt.Errorf("recollect %s: %w", netnsPath, err)
-	}
-	d.mu.RLock()
-	defer d.mu.RUnlock()
-	if d.closed {
-		return ErrClosed
-	}
-	defer d.pods.Lock(cookie)()
-	if err := ctx.Err(); err != nil {
 		return err
 	}
+	defer unlock()
 	var s redirectPodSettings
 	if err := d.objs.Pods.Lookup(cookie, &s); err != nil {
 		return fmt.Errorf("recollect %s: %w", netnsPath, ErrNotEnrolled)
