@@ -20,26 +20,9 @@ CACHE_ROOT="${MESH_CNI_NODE_CACHE:-/var/cache/mesh-cni/node}"
 OUT="$CACHE_ROOT/containerd-$CONTAINERD_VERSION-crictl-$CRICTL_VERSION"
 BINS=(containerd containerd-shim-runc-v2 ctr crictl)
 
-have() {
-	[[ -f "$OUT/.complete" ]] || return 1
-	local b
-	for b in "${BINS[@]}"; do [[ -x "$OUT/$b" ]] || return 1; done
-}
-
-if have; then
-	echo "$OUT"
-	exit 0
-fi
-
-mkdir -p "$CACHE_ROOT"
-# One build at a time per cache: parallel test binaries (or engineers) wait for
-# the first builder instead of all building at once.
-exec 9>"$CACHE_ROOT/.build.lock"
-flock 9
-if have; then
-	echo "$OUT"
-	exit 0
-fi
+# shellcheck source=hack/cache.sh
+source "$(dirname "${BASH_SOURCE[0]}")/cache.sh"
+cache_lookup
 
 export GOFLAGS="-mod=mod -buildvcs=false"
 export CGO_ENABLED=0
@@ -47,7 +30,6 @@ work="$(mktemp -d "${TMPDIR:-/tmp}/mesh-cni-containerd-build.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 cd "$work"
 
-start=$(date +%s)
 echo "building containerd $CONTAINERD_VERSION and crictl $CRICTL_VERSION into $OUT" >&2
 go mod init mesh-cni.local/containerd-build >/dev/null 2>&1
 go get "github.com/containerd/containerd/v2@$CONTAINERD_VERSION" "sigs.k8s.io/cri-tools@$CRICTL_VERSION" >&2
@@ -60,12 +42,7 @@ go build -trimpath -tags urfave_cli_no_docs -ldflags "$cldflags" -o bin/ \
 go build -trimpath -ldflags "-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version=$CRICTL_VERSION" \
 	-o bin/crictl sigs.k8s.io/cri-tools/cmd/crictl >&2
 
-# Move into place whole: a half-written cache is never taken for a built one.
-tmp_out="$(mktemp -d "$CACHE_ROOT/.partial.XXXXXX")"
-for b in "${BINS[@]}"; do mv "bin/$b" "$tmp_out/"; chmod 0755 "$tmp_out/$b"; done
-chmod 0755 "$tmp_out"
-echo "built $(date -u +%FT%TZ) in $(($(date +%s) - start))s: containerd $CONTAINERD_VERSION, crictl $CRICTL_VERSION" >"$tmp_out/.complete"
-rm -rf "$OUT"
-mv "$tmp_out" "$OUT"
-cat "$OUT/.complete" >&2
-echo "$OUT"
+stage="$(cache_stage)"
+trap 'rm -rf "$work" "$stage"' EXIT
+for b in "${BINS[@]}"; do mv "bin/$b" "$stage/"; done
+cache_publish "$stage" "containerd $CONTAINERD_VERSION, crictl $CRICTL_VERSION"

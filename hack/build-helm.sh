@@ -15,37 +15,18 @@ set -euo pipefail
 HELM_VERSION="${HELM_VERSION:-v3.22.0}"
 CACHE_ROOT="${MESH_CNI_NODE_CACHE:-/var/cache/mesh-cni/node}"
 OUT="$CACHE_ROOT/helm-$HELM_VERSION"
+BINS=(helm)
 
-have() { [[ -f "$OUT/.complete" && -x "$OUT/helm" ]]; }
-
-if have; then
-	echo "$OUT"
-	exit 0
-fi
-
-mkdir -p "$CACHE_ROOT"
-# One build at a time per cache (shared with hack/build-containerd.sh).
-exec 9>"$CACHE_ROOT/.build.lock"
-flock 9
-if have; then
-	echo "$OUT"
-	exit 0
-fi
+# shellcheck source=hack/cache.sh
+source "$(dirname "${BASH_SOURCE[0]}")/cache.sh"
+cache_lookup
 
 export GOFLAGS="-buildvcs=false"
 export CGO_ENABLED=0
-start=$(date +%s)
 echo "building helm $HELM_VERSION into $OUT" >&2
-# Move into place whole: a half-written cache is never taken for a built one.
-tmp_out="$(mktemp -d "$CACHE_ROOT/.partial.XXXXXX")"
-trap 'rm -rf "$tmp_out"' EXIT
-GOBIN="$tmp_out" go install -trimpath \
+stage="$(cache_stage)"
+trap 'rm -rf "$stage"' EXIT
+GOBIN="$stage" go install -trimpath \
 	-ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean" \
 	"helm.sh/helm/v3/cmd/helm@$HELM_VERSION" >&2
-chmod 0755 "$tmp_out" "$tmp_out/helm"
-echo "built $(date -u +%FT%TZ) in $(($(date +%s) - start))s: helm $HELM_VERSION" >"$tmp_out/.complete"
-rm -rf "$OUT"
-mv "$tmp_out" "$OUT"
-trap - EXIT
-cat "$OUT/.complete" >&2
-echo "$OUT"
+cache_publish "$stage" "helm $HELM_VERSION"

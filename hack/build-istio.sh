@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds Istio's control plane and CNI node agent from the Go module proxy (no
-# other download) into a cache directory outside the repository, for test/istio,
+# other download) into a cache directory outside the repository, for test/k8s,
 # which runs them as the peers mesh-cni replaces or works with: istiod
 # (pilot-discovery), istio-cni's node agent (install-cni, which also installs its
 # plugin and serves ZDS) and its plugin (istio-cni). A second run finds them there
@@ -19,40 +19,16 @@ OUT="$CACHE_ROOT/istio-$ISTIO_VERSION"
 CMDS=(pilot/cmd/pilot-discovery cni/cmd/install-cni cni/cmd/istio-cni)
 BINS=(pilot-discovery install-cni istio-cni)
 
-have() {
-	[[ -f "$OUT/.complete" ]] || return 1
-	local b
-	for b in "${BINS[@]}"; do [[ -x "$OUT/$b" ]] || return 1; done
-}
-
-if have; then
-	echo "$OUT"
-	exit 0
-fi
-
-mkdir -p "$CACHE_ROOT"
-# One build at a time per cache.
-exec 9>"$CACHE_ROOT/.build.lock"
-flock 9
-if have; then
-	echo "$OUT"
-	exit 0
-fi
+# shellcheck source=hack/cache.sh
+source "$(dirname "${BASH_SOURCE[0]}")/cache.sh"
+cache_lookup
 
 export GOFLAGS="-buildvcs=false"
 export CGO_ENABLED=0
-start=$(date +%s)
 echo "building ${BINS[*]} (istio.io/istio $ISTIO_VERSION) into $OUT" >&2
-# Move into place whole: a half-written cache is never taken for a built one.
-tmp_out="$(mktemp -d "$CACHE_ROOT/.partial.XXXXXX")"
-trap 'rm -rf "$tmp_out"' EXIT
+stage="$(cache_stage)"
+trap 'rm -rf "$stage"' EXIT
 pkgs=()
 for c in "${CMDS[@]}"; do pkgs+=("istio.io/istio/$c@$ISTIO_VERSION"); done
-GOBIN="$tmp_out" go install -trimpath -ldflags "-s -w" "${pkgs[@]}" >&2
-chmod 0755 "$tmp_out"
-echo "built $(date -u +%FT%TZ) in $(($(date +%s) - start))s: ${BINS[*]} (istio.io/istio $ISTIO_VERSION)" >"$tmp_out/.complete"
-rm -rf "$OUT"
-mv "$tmp_out" "$OUT"
-trap - EXIT
-cat "$OUT/.complete" >&2
-echo "$OUT"
+GOBIN="$stage" go install -trimpath -ldflags "-s -w" "${pkgs[@]}" >&2
+cache_publish "$stage" "${BINS[*]} (istio.io/istio $ISTIO_VERSION)"

@@ -40,26 +40,9 @@ node)
 	;;
 esac
 
-have() {
-	[[ -f "$OUT/.complete" ]] || return 1
-	local b
-	for b in "${BINS[@]}"; do [[ -x "$OUT/$b" ]] || return 1; done
-}
-
-if have; then
-	echo "$OUT"
-	exit 0
-fi
-
-mkdir -p "$CACHE_ROOT"
-# One build at a time per cache: parallel test binaries (or engineers) wait for
-# the first builder instead of all building at once.
-exec 9>"$CACHE_ROOT/.build.lock"
-flock 9
-if have; then
-	echo "$OUT"
-	exit 0
-fi
+# shellcheck source=hack/cache.sh
+source "$(dirname "${BASH_SOURCE[0]}")/cache.sh"
+cache_lookup
 
 export GOFLAGS="-mod=mod -buildvcs=false"
 export CGO_ENABLED=0
@@ -67,7 +50,6 @@ work="$(mktemp -d "${TMPDIR:-/tmp}/mesh-cni-kube-build.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 cd "$work"
 
-start=$(date +%s)
 echo "building ${BINS[*]} ($KUBE_VERSION) into $OUT" >&2
 go mod init mesh-cni.local/kube-build >/dev/null 2>&1
 
@@ -102,12 +84,7 @@ if [[ "$set_name" == apiserver ]]; then
 	go build -trimpath -ldflags "-s -w" -o bin/etcd go.etcd.io/etcd/server/v3 >&2
 fi
 
-# Move into place whole: a half-written cache is never taken for a built one.
-tmp_out="$(mktemp -d "$CACHE_ROOT/.partial.XXXXXX")"
-for b in "${BINS[@]}"; do mv "bin/$b" "$tmp_out/"; chmod 0755 "$tmp_out/$b"; done
-chmod 0755 "$tmp_out"
-echo "built $(date -u +%FT%TZ) in $(($(date +%s) - start))s: ${BINS[*]} ($KUBE_VERSION)" >"$tmp_out/.complete"
-rm -rf "$OUT"
-mv "$tmp_out" "$OUT"
-cat "$OUT/.complete" >&2
-echo "$OUT"
+stage="$(cache_stage)"
+trap 'rm -rf "$work" "$stage"' EXIT
+for b in "${BINS[@]}"; do mv "bin/$b" "$stage/"; done
+cache_publish "$stage" "${BINS[*]} ($KUBE_VERSION)"
