@@ -3,8 +3,11 @@
 # other download) into a cache directory outside the repository, for test/k8s,
 # which runs them as the peers mesh-cni replaces or works with: istiod
 # (pilot-discovery), istio-cni's node agent (install-cni, which also installs its
-# plugin and serves ZDS) and its plugin (istio-cni). A second run finds them there
-# and builds nothing. Prints the directory holding the binaries as its last line.
+# plugin and serves ZDS) and its plugin (istio-cni). With them, hack/istio-inpod
+# (its own module, pinned to the same Istio): istio-cni's in-pod rules applied
+# by istio-cni's code, the baseline of test/capture and test/bench. A second run
+# finds them there and builds nothing. Prints the directory holding the
+# binaries as its last line.
 #
 #   hack/build-istio.sh
 #   MESH_CNI_ISTIO_CACHE=/some/dir hack/build-istio.sh
@@ -15,9 +18,16 @@ set -euo pipefail
 
 ISTIO_VERSION="${ISTIO_VERSION:-v0.0.0-20260827124520-eed52ebb66ad}"
 CACHE_ROOT="${MESH_CNI_ISTIO_CACHE:-/var/cache/mesh-cni/istio}"
-OUT="$CACHE_ROOT/istio-$ISTIO_VERSION"
+INPOD="$(cd "$(dirname "${BASH_SOURCE[0]}")/istio-inpod" && pwd)"
+if ! grep -q "istio.io/istio $ISTIO_VERSION\$" "$INPOD/go.mod"; then
+	echo "$INPOD/go.mod does not require istio.io/istio $ISTIO_VERSION: pin both to one version" >&2
+	exit 1
+fi
+# The helper's sources name the cache too: a change to them is a new build.
+inpod_sum="$(cat "$INPOD/go.mod" "$INPOD/go.sum" "$INPOD"/*.go | sha256sum | cut -c1-12)"
+OUT="$CACHE_ROOT/istio-$ISTIO_VERSION-inpod-$inpod_sum"
 CMDS=(pilot/cmd/pilot-discovery cni/cmd/install-cni cni/cmd/istio-cni)
-BINS=(pilot-discovery install-cni istio-cni)
+BINS=(pilot-discovery install-cni istio-cni istio-inpod)
 
 # shellcheck source=hack/cache.sh
 source "$(dirname "${BASH_SOURCE[0]}")/cache.sh"
@@ -31,4 +41,5 @@ trap 'rm -rf "$stage"' EXIT
 pkgs=()
 for c in "${CMDS[@]}"; do pkgs+=("istio.io/istio/$c@$ISTIO_VERSION"); done
 GOBIN="$stage" go install -trimpath -ldflags "-s -w" "${pkgs[@]}" >&2
+(cd "$INPOD" && go build -trimpath -ldflags "-s -w" -o "$stage/istio-inpod" .) >&2
 cache_publish "$stage" "${BINS[*]} (istio.io/istio $ISTIO_VERSION)"

@@ -6,6 +6,10 @@
 // A proxy then finds the original destination with SO_ORIGINAL_DST, as with
 // mesh-cni's eBPF capture.
 //
+// InstallIstio applies Istio ambient's in-pod rules themselves, written by
+// istio-cni's own code (hack/istio-inpod): the baseline of what Istio users run
+// today, where the others are reconstructions that a test can vary.
+//
 // This is test code: it shells out to iptables-restore and nft. The product never does.
 package capture
 

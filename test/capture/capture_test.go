@@ -13,6 +13,7 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/test/capture"
 	"github.com/mesh-cni/mesh-cni/test/fixtures"
+	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
@@ -60,6 +61,24 @@ var installers = []struct {
 }{
 	{"iptables", capture.InstallIPTables},
 	{"nftables", capture.InstallNFTables},
+	{"istio-cni", installIstio},
+}
+
+// istioBuild finds (or builds, once per package run) hack/build-istio.sh's
+// cache, which holds the istio-inpod helper.
+var istioBuild = sync.OnceValues(func() (string, error) {
+	dir, err := harness.IstioBinDir(context.Background())
+	return filepath.Join(dir, capture.IstioBinary), err
+})
+
+// installIstio applies istio-cni's own rules; they take no Rules: they are
+// Istio's, whose ports and mark are DefaultRules'.
+func installIstio(ctx context.Context, netnsPath string, _ capture.Rules) (capture.Cleanup, error) {
+	helper, err := istioBuild()
+	if err != nil {
+		return nil, fmt.Errorf("istio-inpod: %w", err)
+	}
+	return capture.InstallIstio(ctx, helper, netnsPath)
 }
 
 func family(v6 bool) string {

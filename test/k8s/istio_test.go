@@ -54,14 +54,12 @@ var istioDNSAddr = netip.MustParseAddr("192.0.2.53")
 // istioBins is the directory of pilot-discovery, install-cni and istio-cni.
 func istioBins(t *testing.T) string {
 	t.Helper()
-	dir := os.Getenv(envIstioBinDir)
+	dir := os.Getenv(harness.EnvIstioBinDir)
 	if dir == "" {
-		t.Fatalf("$%s is not set: TestMain builds Istio with hack/build-istio.sh", envIstioBinDir)
+		t.Fatalf("$%s is not set: TestMain builds Istio with hack/build-istio.sh", harness.EnvIstioBinDir)
 	}
 	return dir
 }
-
-const envIstioBinDir = "MESH_CNI_ISTIO_BIN_DIR"
 
 // ambientNode is one node of an Istio ambient cluster of its own: etcd, the API
 // server and istiod on a link the node's namespace reaches, a harness node, the

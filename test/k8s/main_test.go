@@ -20,14 +20,12 @@ func TestMain(m *testing.M) {
 	}
 	// istiod and istio-cni, the peers of TestIstioAmbient: built once with
 	// hack/build-istio.sh into its cache (or found there).
-	if os.Getenv(envIstioBinDir) == "" {
-		dir, err := kubeenv.CachedBuild(context.Background(), "build-istio.sh")
-		if err != nil {
-			fmt.Fprintf(os.Stderr, "k8s: istiod and istio-cni: %v\n", err)
-			os.Exit(1)
-		}
-		os.Setenv(envIstioBinDir, dir)
+	dir, err := harness.IstioBinDir(context.Background())
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "k8s: %v\n", err)
+		os.Exit(1)
 	}
+	os.Setenv(harness.EnvIstioBinDir, dir)
 	// istio-cni's node agent sees the host's namespaces through a bind of
 	// /run/netns made before its pods' namespaces exist.
 	if err := harness.ShareNetnsDir(); err != nil {

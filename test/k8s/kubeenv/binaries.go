@@ -1,15 +1,11 @@
 package kubeenv
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"strings"
-	"time"
 
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
@@ -19,10 +15,6 @@ import (
 // hack/build-kube.sh, which builds them from the Go module proxy into its cache
 // (outside the repository) or finds them there.
 const EnvBinDir = "MESH_CNI_KUBE_BIN_DIR"
-
-// BuildTimeout bounds a cold build of kube-apiserver and etcd (about seven
-// minutes on two cores, downloads included).
-const BuildTimeout = 30 * time.Minute
 
 // Binaries are the kube-apiserver and etcd executables.
 type Binaries struct {
@@ -68,7 +60,7 @@ func EnsureBinaries(ctx context.Context) (Binaries, error) {
 		}
 		return b, nil
 	}
-	dir, err := CachedBuild(ctx, "build-kube.sh")
+	dir, err := harness.CachedBuild(ctx, "build-kube.sh")
 	if err != nil {
 		return Binaries{}, err
 	}
@@ -80,33 +72,6 @@ func EnsureBinaries(ctx context.Context) (Binaries, error) {
 		return b, err
 	}
 	return b, nil
-}
-
-// CachedBuild runs one of the repository's hack/ build scripts (which build
-// from the Go module proxy into a cache outside the repository, or find the
-// cache filled) with args, and returns the directory it printed last.
-func CachedBuild(ctx context.Context, script string, args ...string) (string, error) {
-	root, err := harness.ModuleRoot(ctx)
-	if err != nil {
-		return "", err
-	}
-	path := filepath.Join(root, "hack", script)
-	ctx, cancel := context.WithTimeout(ctx, BuildTimeout)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, "bash", append([]string{path}, args...)...)
-	cmd.Dir = root
-	var stdout, stderr bytes.Buffer
-	cmd.Stdout = &stdout
-	cmd.Stderr = &stderr
-	if err := cmd.Run(); err != nil {
-		return "", fmt.Errorf("%s %s: %w\n%s", path, strings.Join(args, " "), err, stderr.String())
-	}
-	lines := strings.Split(strings.TrimSpace(stdout.String()), "\n")
-	dir := strings.TrimSpace(lines[len(lines)-1])
-	if !filepath.IsAbs(dir) {
-		return "", fmt.Errorf("%s printed %q, not a directory", path, dir)
-	}
-	return dir, nil
 }
 
 // FromEnv returns the binaries EnsureBinaries found, for tests.

@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 
+	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
 )
 
@@ -77,7 +78,7 @@ func EnsureBinaries(ctx context.Context) (Binaries, error) {
 			*d.dst = dir
 			continue
 		}
-		dir, err := kubeenv.CachedBuild(ctx, d.script, d.args...)
+		dir, err := harness.CachedBuild(ctx, d.script, d.args...)
 		if err != nil {
 			return b, err
 		}
