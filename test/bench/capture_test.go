@@ -4,6 +4,7 @@ import (
 	"context"
 	"net/netip"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -23,6 +24,7 @@ const (
 	varEBPF     = "ebpf"
 	varIPTables = "iptables"
 	varNFTables = "nftables"
+	varIstio    = "istio-cni"
 )
 
 var variantLabels = map[string]string{
@@ -31,6 +33,7 @@ var variantLabels = map[string]string{
 	varEBPF:     "eBPF (mesh-cni)",
 	varIPTables: "iptables REDIRECT",
 	varNFTables: "nftables redirect",
+	varIstio:    "istio-cni's in-pod rules",
 }
 
 // forwardToFlag is the refproxy flag the "limit" variant of the full chain
@@ -74,7 +77,7 @@ func BenchmarkCapture(b *testing.B) {
 	requireRoot(b)
 	ctx := benchContext(b, 40*time.Minute)
 	env := newCaptureEnv(ctx, b)
-	res := newResult(b, "capture", "Connection capture: eBPF vs iptables vs nftables", "BenchmarkCapture", captureDescription(env))
+	res := newResult(b, "capture", "Connection capture: eBPF vs istio-cni's rules vs iptables vs nftables", "BenchmarkCapture", captureDescription(env))
 	if env.noLimit != "" {
 		res.Notes = append(res.Notes, env.noLimit)
 	}
@@ -92,6 +95,7 @@ func BenchmarkCapture(b *testing.B) {
 			res.Metrics = append(res.Metrics, rate, cycle)
 			reportRatio(b, &rate, cfg.name+":", varEBPF, rate.Baseline)
 			reportRatio(b, &rate, cfg.name+":", varEBPF, varIPTables)
+			reportRatio(b, &rate, cfg.name+":", varEBPF, varIstio)
 		}
 		b.ReportMetric(0, "ns/op")
 	})
@@ -147,7 +151,8 @@ func captureDescription(env *captureEnv) string {
 		"The server application echoes (a connection starting with `S` is a bulk upload it counts instead). " +
 		"Every capture variant runs the same reference proxy (`test/cmd/refproxy`, `-log-level warn`) in both pods. " +
 		"Variants: `direct` = no proxy, no capture; `ebpf` = pods added through [bridge, mesh-cni] with a real `mesh-agent` (eBPF data path); " +
-		"`iptables` / `nftables` = pods added through [bridge] with in-pod NAT REDIRECT rules like Istio ambient's (`test/capture`); " + limit + " " +
+		"`iptables` / `nftables` = pods added through [bridge] with in-pod NAT REDIRECT rules like Istio ambient's (`test/capture`); " +
+		"`istio-cni` = pods added through [bridge] with Istio ambient's own in-pod rules, written by istio-cni's code (`hack/istio-inpod`: its nat, mangle and raw chains, the policy route and the mark rule, DNS capture on as in its chart); " + limit + " " +
 		"Two configurations: **chain** = client → client proxy → server proxy → server, a mesh's real path; " +
 		"**capture** = the client's proxy runs with `-echo` and answers itself, which isolates the capture (the `limit` there dials 127.0.0.1:15001 of an echoing proxy). " +
 		"Throughput: in the chain, uploads of 128 MiB (32 MiB in quick mode) to a counting sink; in the capture-only configuration the same amount sent and echoed back at once. " +
@@ -186,6 +191,11 @@ func newCaptureEnv(ctx context.Context, b *testing.B) *captureEnv {
 			fn = capture.InstallIPTables
 		case varNFTables:
 			fn = capture.InstallNFTables
+		case varIstio:
+			helper := istioHelper(b)
+			fn = func(ctx context.Context, netnsPath string, _ capture.Rules) (capture.Cleanup, error) {
+				return capture.InstallIstio(ctx, helper, netnsPath)
+			}
 		default:
 			return
 		}
@@ -207,9 +217,9 @@ func newCaptureEnv(ctx context.Context, b *testing.B) *captureEnv {
 	}
 
 	// Full chain: a client and a server pod per variant.
-	chainVariants := []string{varDirect, varEBPF, varIPTables, varNFTables}
+	chainVariants := []string{varDirect, varEBPF, varIstio, varIPTables, varNFTables}
 	if env.noLimit == "" {
-		chainVariants = []string{varDirect, varLimit, varEBPF, varIPTables, varNFTables}
+		chainVariants = []string{varDirect, varLimit, varEBPF, varIstio, varIPTables, varNFTables}
 	}
 	for _, v := range chainVariants {
 		cp := addPod(listFor(v), v+"-client")
@@ -233,7 +243,7 @@ func newCaptureEnv(ctx context.Context, b *testing.B) *captureEnv {
 	// Capture only: one client pod per variant with an echoing proxy; the
 	// destination is the direct server, which the capture never lets it reach.
 	nominal := env.chain[0].client.target
-	for _, v := range []string{varLimit, varEBPF, varIPTables, varNFTables} {
+	for _, v := range []string{varLimit, varEBPF, varIstio, varIPTables, varNFTables} {
 		cp := addPod(listFor(v), v+"-echo")
 		startRefproxy(ctx, b, spawn, cp, "-echo")
 		install(cp, v)
@@ -244,6 +254,17 @@ func newCaptureEnv(ctx context.Context, b *testing.B) *captureEnv {
 		env.echo = append(env.echo, captureSetup{variant: v, client: client{netns: cp.NetNSPath, target: target}})
 	}
 	return env
+}
+
+// istioHelper is hack/istio-inpod from hack/build-istio.sh's cache
+// (harness.IstioBinDir).
+func istioHelper(tb testing.TB) string {
+	tb.Helper()
+	dir, err := harness.IstioBinDir(context.Background())
+	if err != nil {
+		tb.Fatalf("istio-cni's rules: %v", err)
+	}
+	return filepath.Join(dir, capture.IstioBinary)
 }
 
 func refproxyHasFlag(tb testing.TB, bin, name string) bool {
