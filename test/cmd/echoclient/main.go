@@ -79,7 +79,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 		start := time.Now()
 		local, err := roundTrip(ctx, *addr, *timeout, fmt.Appendf(nil, "echoclient %d\n", i))
-		if err != nil && ctx.Err() != nil && *n == 0 {
+		if err != nil && stopped(ctx) && *n == 0 {
 			break // stopped mid-connection: not a failure of the path
 		}
 		c := Connection{Time: start.UTC(), Local: local}
@@ -102,6 +102,17 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 	return 0
+}
+
+// stopped reports whether ctx has ended. A deadline counts from its instant:
+// a dial bounded by it fails with an i/o timeout just before the context's
+// own timer marks it done.
+func stopped(ctx context.Context) bool {
+	if ctx.Err() != nil {
+		return true
+	}
+	dl, ok := ctx.Deadline()
+	return ok && !time.Now().Before(dl)
 }
 
 // Connection is one line of the record file: a round trip's start, the local
