@@ -104,11 +104,14 @@ func BenchmarkCapture(b *testing.B) {
 			name   string
 			setups []captureSetup
 		}{{"chain", env.chain}, {"capture", env.echo}} {
-			m := benchRequests(ctx, b, cfg.setups, rounds, size(2000, 500))
+			m, cpu := benchRequests(ctx, b, cfg.setups, rounds, size(2000, 500))
 			m.Name = "rr-" + cfg.name
 			m.Title = "Request/response latency on a kept connection (64 B), " + configTitle(cfg.name)
-			res.Metrics = append(res.Metrics, m)
+			cpu.Name = "rr-cpu-" + cfg.name
+			cpu.Title = "CPU time per request on a kept connection (all CPUs busy: client, application, proxies, kernel, softirq), " + configTitle(cfg.name)
+			res.Metrics = append(res.Metrics, m, cpu)
 			report(b, &m, varEBPF, 0, cfg.name+"-us")
+			reportRatio(b, &cpu, cfg.name+"-cpu:", varEBPF, varIstio)
 		}
 		b.ReportMetric(0, "ns/op")
 	})
@@ -156,6 +159,7 @@ func captureDescription(env *captureEnv) string {
 		"Two configurations: **chain** = client → client proxy → server proxy → server, a mesh's real path; " +
 		"**capture** = the client's proxy runs with `-echo` and answers itself, which isolates the capture (the `limit` there dials 127.0.0.1:15001 of an echoing proxy). " +
 		"Throughput: in the chain, uploads of 128 MiB (32 MiB in quick mode) to a counting sink; in the capture-only configuration the same amount sent and echoed back at once. " +
+		"CPU per request: the machine's busy CPU time (user, system, irq and softirq of both CPUs, from /proc/stat, in 10 ms ticks) over a request batch, divided by its requests; only that variant runs meanwhile, so it is everything a request costs: client, application, both proxies and the kernel. " +
 		"In every round each variant runs one batch, in rotating order; rates are per batch (conn/s, MiB/s), latencies per operation. " +
 		"Ratios are paired: the median over rounds of variant ÷ baseline in the same round."
 }
@@ -344,22 +348,36 @@ func benchConnect(ctx context.Context, b *testing.B, setups []captureSetup, roun
 	return rate, cycle
 }
 
-func benchRequests(ctx context.Context, b *testing.B, setups []captureSetup, rounds, perRound int) results.Metric {
-	m := results.Metric{Unit: "µs", Baseline: baselineOf(setups), Series: newSeries(setups)}
+// benchRequests measures request/response latency on kept connections, and
+// the machine's CPU time per request of each batch (machineBusy).
+func benchRequests(ctx context.Context, b *testing.B, setups []captureSetup, rounds, perRound int) (latency, cpu results.Metric) {
+	latency = results.Metric{Unit: "µs", Baseline: baselineOf(setups), Series: newSeries(setups)}
+	cpu = results.Metric{Unit: "µs", Baseline: baselineOf(setups), Series: newSeries(setups)}
 	eachRound(b, setups, rounds, func(r, j int) error {
+		before, err := machineBusy()
+		if err != nil {
+			return err
+		}
 		lat, err := setups[j].client.requests(ctx, perRound)
 		if err != nil || r < 0 {
+			return err
+		}
+		after, err := machineBusy()
+		if err != nil {
 			return err
 		}
 		var round []float64
 		for _, d := range lat {
 			round = append(round, us(d))
 		}
-		m.Series[j].Samples = append(m.Series[j].Samples, round...)
-		m.Series[j].Rounds = append(m.Series[j].Rounds, results.Median(round))
+		latency.Series[j].Samples = append(latency.Series[j].Samples, round...)
+		latency.Series[j].Rounds = append(latency.Series[j].Rounds, results.Median(round))
+		perReq := us(after-before) / float64(len(lat))
+		cpu.Series[j].Samples = append(cpu.Series[j].Samples, perReq)
+		cpu.Series[j].Rounds = append(cpu.Series[j].Rounds, perReq)
 		return nil
 	})
-	return m
+	return latency, cpu
 }
 
 func benchThroughput(ctx context.Context, b *testing.B, setups []captureSetup, rounds, perRound int, bytes int64, echo bool) results.Metric {

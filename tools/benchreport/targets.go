@@ -599,6 +599,11 @@ func requestVsIstio(d data) target {
 		return t
 	}
 	t.measured = fmt.Sprintf("%.3f× (paired median; p50 %s µs vs %s µs)", r, num(med(e)), num(med(i)))
+	if c := d.metric("capture", "rr-cpu-chain"); c != nil {
+		if ce, ci := med(c.Find("ebpf", 0)), med(c.Find("istio-cni", 0)); ok(ce, ci) {
+			t.measured += fmt.Sprintf("; machine CPU per request %s µs vs %s µs", num(ce), num(ci))
+		}
+	}
 	t.status = check(r <= 0.70)
 	limits := fmt.Sprintf("%.3f× against 0.70×. On a kept connection no capture program runs: eBPF and istio-cni's rules send each request through the same three TCP hops (application to its proxy and proxy to application inside the pods, proxy to proxy between them) of the same two proxies", r)
 	if l := m.Find("limit", 0); l != nil {
