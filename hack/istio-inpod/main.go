@@ -7,15 +7,16 @@
 //	istio-inpod -netns /run/netns/pod           # add, as on pod add
 //	istio-inpod -netns /run/netns/pod -delete   # remove, as on pod delete
 //
-// Like istio-cni's node agent, it runs on the host, detects the iptables
-// variant (legacy or nft) there, and switches into the pod's namespace only
-// to write the rules.
+// Like istio-cni's node agent, it runs on the host and switches into the
+// pod's namespace only to write the rules.
 //
 // The defaults are istio-cni's: DNS capture and IPv6 on (its chart's
 // ambient.dnsCapture and ambient.ipv6), kubelet probes SNATed to its
 // HOST_PROBE_SNAT_IP and HOST_PROBE_SNAT_IPV6, iptables (not native nftables).
-// The iptables variant is pinned to nft, the one Debian's iptables command
-// is, so the baseline does not change with what else ran on the host.
+// The iptables variant is pinned to nft (Debian's iptables is iptables-nft)
+// instead of detected as istio-cni does by default: its detection picks
+// legacy wherever a legacy table exists, and its own probe makes one, so the
+// baseline would change with what ran on the host before.
 // It lives in a module of its own so that Istio's dependencies stay out of
 // mesh-cni's go.mod.
 package main
