@@ -12,7 +12,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -134,37 +133,12 @@ func readLines(conn net.Conn) ([]string, error) {
 	return lines, sc.Err()
 }
 
-// serve runs handle for every connection ln accepts until the test ends.
-func serve(t testing.TB, ln net.Listener, handle func(net.Conn)) {
-	var wg sync.WaitGroup
-	t.Cleanup(func() {
-		ln.Close()
-		wg.Wait()
-	})
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			conn, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer conn.Close()
-				handle(conn)
-			}()
-		}
-	}()
-}
-
 // startOutboundProxy listens on the pod's outbound port (dual-stack wildcard), reads
 // SO_ORIGINAL_DST, answers "OUT <orig>" and then relays what the original
 // destination says when dialed with the proxy mark from inside the pod.
 func startOutboundProxy(t testing.TB, p *pod, port uint16) {
 	ln := p.listen(t, fmt.Sprintf("[::]:%d", port))
-	serve(t, ln, func(conn net.Conn) {
+	fixtures.Serve(t, ln, func(conn net.Conn) {
 		orig, err := originalDst(conn)
 		if err != nil {
 			fmt.Fprintf(conn, "OUT ERR %v\n", err)
@@ -185,7 +159,7 @@ func startOutboundProxy(t testing.TB, p *pod, port uint16) {
 // startInboundProxy listens on the pod's inbound port and answers "IN <orig>".
 func startInboundProxy(t testing.TB, p *pod, port uint16) {
 	ln := p.listen(t, fmt.Sprintf("[::]:%d", port))
-	serve(t, ln, func(conn net.Conn) {
+	fixtures.Serve(t, ln, func(conn net.Conn) {
 		orig, err := originalDst(conn)
 		if err != nil {
 			fmt.Fprintf(conn, "IN ERR %v\n", err)
@@ -198,7 +172,7 @@ func startInboundProxy(t testing.TB, p *pod, port uint16) {
 // startApp listens on a pod port and answers "APP <local address>".
 func startApp(t testing.TB, p *pod, port uint16) {
 	ln := p.listen(t, fmt.Sprintf("[::]:%d", port))
-	serve(t, ln, func(conn net.Conn) {
+	fixtures.Serve(t, ln, func(conn net.Conn) {
 		fmt.Fprintf(conn, "APP %s\n", unmapAddrPort(conn.LocalAddr()))
 	})
 }

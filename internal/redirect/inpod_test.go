@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // What a node proxy sees and does inside a pod, as ztunnel does by default:
@@ -28,7 +29,7 @@ import (
 // startPeerApp listens on a pod port and answers "APP <local> FROM <peer>".
 func startPeerApp(t testing.TB, p *pod, port uint16) {
 	ln := p.listen(t, fmt.Sprintf("[::]:%d", port))
-	serve(t, ln, func(conn net.Conn) {
+	fixtures.Serve(t, ln, func(conn net.Conn) {
 		fmt.Fprintf(conn, "APP %s FROM %s\n", unmapAddrPort(conn.LocalAddr()), unmapAddrPort(conn.RemoteAddr()).Addr())
 	})
 }
@@ -37,7 +38,7 @@ func startPeerApp(t testing.TB, p *pod, port uint16) {
 // <peer address>".
 func startPeerProxy(t testing.TB, p *pod, port uint16) {
 	ln := p.listen(t, fmt.Sprintf("[::]:%d", port))
-	serve(t, ln, func(conn net.Conn) {
+	fixtures.Serve(t, ln, func(conn net.Conn) {
 		orig, err := originalDst(conn)
 		fmt.Fprintf(conn, "OUT %s FROM %s %v\n", orig, unmapAddrPort(conn.RemoteAddr()).Addr(), err)
 	})
@@ -80,7 +81,7 @@ func startTransparentInbound(t testing.TB, p *pod, port uint16) {
 		return err
 	})
 	t.Cleanup(func() { ln.Close() })
-	serve(t, ln, func(conn net.Conn) {
+	fixtures.Serve(t, ln, func(conn net.Conn) {
 		orig, err := originalDst(conn)
 		if err != nil {
 			fmt.Fprintf(conn, "IN ERR %v\n", err)
@@ -274,7 +275,7 @@ func TestLinkLocalOriginalDstScope(t *testing.T) {
 	startApp(t, b, appPort)
 	// The outbound proxy dials what SO_ORIGINAL_DST says, scope included.
 	ln := a.listen(t, "[::]:15001")
-	serve(t, ln, func(conn net.Conn) {
+	fixtures.Serve(t, ln, func(conn net.Conn) {
 		rc, _ := conn.(*net.TCPConn).SyscallConn()
 		var (
 			sa   *unix.SockaddrInet6

@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // listenReusePort opens a dual-stack listener with SO_REUSEPORT in the pod, as each
@@ -37,7 +38,7 @@ func listenReusePort(t *testing.T, p *pod, port uint16, n int) net.Listener {
 		return err
 	})
 	t.Cleanup(func() { ln.Close() })
-	serve(t, ln, func(conn net.Conn) {
+	fixtures.Serve(t, ln, func(conn net.Conn) {
 		orig, err := originalDst(conn)
 		if err != nil {
 			fmt.Fprintf(conn, "IN%d ERR %v\n", n, err)
@@ -178,7 +179,7 @@ func TestProxyConnectionIntoPod(t *testing.T) {
 	a, b := newPodPair(t)
 	startApp(t, b, appPort)
 	ln := b.listen(t, "[::]:15006")
-	serve(t, ln, func(conn net.Conn) {
+	fixtures.Serve(t, ln, func(conn net.Conn) {
 		orig, err := originalDst(conn)
 		if err != nil {
 			fmt.Fprintf(conn, "IN ERR %v\n", err)

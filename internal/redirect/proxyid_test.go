@@ -14,6 +14,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // TestHelperDial is not a test: it is the process TestProxyCgroup starts in a
@@ -92,7 +94,7 @@ func TestProxyCgroup(t *testing.T) {
 	// this process's, which is not in the proxy cgroup.
 	for _, p := range []*pod{a, b} {
 		ln := p.listen(t, fmt.Sprintf("[::]:%d", s.OutboundPort))
-		serve(t, ln, func(conn net.Conn) {
+		fixtures.Serve(t, ln, func(conn net.Conn) {
 			orig, err := originalDst(conn)
 			fmt.Fprintf(conn, "OUT %s %v\n", orig, err)
 		})

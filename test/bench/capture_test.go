@@ -188,6 +188,7 @@ func newCaptureEnv(ctx context.Context, b *testing.B) *captureEnv {
 		}
 		return p
 	}
+	istio := istioHelper(b) // looked up (or built) once, before any pod
 	install := func(p *harness.Pod, variant string) {
 		var fn func(context.Context, string, capture.Rules) (capture.Cleanup, error)
 		switch variant {
@@ -196,9 +197,8 @@ func newCaptureEnv(ctx context.Context, b *testing.B) *captureEnv {
 		case varNFTables:
 			fn = capture.InstallNFTables
 		case varIstio:
-			helper := istioHelper(b)
 			fn = func(ctx context.Context, netnsPath string, _ capture.Rules) (capture.Cleanup, error) {
-				return capture.InstallIstio(ctx, helper, netnsPath)
+				return capture.InstallIstio(ctx, istio, netnsPath)
 			}
 		default:
 			return

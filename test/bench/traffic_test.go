@@ -9,11 +9,11 @@ import (
 	"io"
 	"net"
 	"net/netip"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -36,40 +36,7 @@ const rrSize = 64
 func serveApp(tb testing.TB, pod *harness.Pod, port int) {
 	tb.Helper()
 	ln := pod.Listen(tb, "tcp", fmt.Sprintf("[::]:%d", port))
-	var (
-		wg    sync.WaitGroup
-		mu    sync.Mutex
-		conns = map[net.Conn]struct{}{}
-	)
-	wg.Go(func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns[c] = struct{}{}
-			mu.Unlock()
-			wg.Go(func() {
-				defer func() {
-					mu.Lock()
-					delete(conns, c)
-					mu.Unlock()
-					c.Close()
-				}()
-				serveConn(c.(*net.TCPConn))
-			})
-		}
-	})
-	tb.Cleanup(func() {
-		ln.Close()
-		mu.Lock()
-		for c := range conns {
-			c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
+	fixtures.Serve(tb, ln, func(c net.Conn) { serveConn(c.(*net.TCPConn)) })
 }
 
 func serveConn(c *net.TCPConn) {
