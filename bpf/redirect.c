@@ -369,6 +369,75 @@ struct {
 	__type(value, __u64);
 } counters SEC(".maps");
 
+// Splicing of the pod-local hop between an application and its proxy (off
+// unless splice_node.enabled): the bytes an application writes to its proxy
+// are moved by an sk_msg program straight into the proxy's socket's receive
+// queue instead of crossing loopback TCP. Only the direction into the proxy is
+// spliced: its readers are known (the proxy contract), an application's are
+// not. Everything that decides is per connection and fails towards plain TCP:
+//   - a connection is spliced only from its first byte; one whose first byte
+//     went through TCP stays on TCP (a spliced byte after a TCP one would be
+//     read first);
+//   - once the proxy leaves more than max_unread spliced bytes unread, the
+//     connection goes back to TCP for good, whose buffers then push back on the
+//     writer: the redirect itself is charged to no buffer limit;
+//   - a missing peer, a full map, a disabled splice: TCP.
+// Going from spliced to TCP keeps the order, since the kernel's reader takes
+// the redirected queue first.
+
+enum splice_state {
+	SPLICE_PENDING = 0, // the application's side is up, the proxy's not yet
+	SPLICE_READY = 1,   // both sides are in splice_socks
+	SPLICE_TCP = 2,     // plain TCP for the rest of the connection
+};
+
+// One entry: the splice switch and its bound.
+struct splice_config {
+	__u32 enabled;
+	__u32 pad;
+	__s64 max_unread; // spliced bytes the proxy may leave unread
+};
+
+// A spliced direction, keyed by the proxy's socket as it sees its connection.
+struct splice_flow {
+	__s64 unread; // bytes spliced into the proxy's socket, not yet read
+	enum splice_state state;
+	__u32 pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct splice_config);
+} splice_node SEC(".maps");
+
+// Both sockets of a spliced connection, each under its own tuple.
+struct {
+	__uint(type, BPF_MAP_TYPE_SOCKHASH);
+	__uint(max_entries, 131072);
+	__type(key, struct tuple_key);
+	__type(value, __u64);
+} splice_socks SEC(".maps");
+
+// The spliced directions. LRU: an entry lost under pressure sends its
+// connection to TCP, which is safe.
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct tuple_key);
+	__type(value, struct splice_flow);
+} splice_flows SEC(".maps");
+
+// On the proxy's socket of a spliced connection: its splice_flows key, for the
+// read accounting and the clean-up at close.
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct tuple_key);
+} splice_rx SEC(".maps");
+
 // sockaddr layouts written into getsockopt's buffer: user ABI, not kernel types.
 struct mesh_sockaddr_in {
 	__u16 family;
@@ -970,6 +1039,103 @@ static __always_inline void collect_listener(struct bpf_sock_ops *ctx)
 	}
 }
 
+// splice_enabled returns the splice settings when splicing is on.
+static __always_inline struct splice_config *splice_enabled(void)
+{
+	__u32 zero = 0;
+	struct splice_config *c = bpf_map_lookup_elem(&splice_node, &zero);
+	return c && c->enabled ? c : NULL;
+}
+
+// splice_app_connected runs when an application's connect, redirected to its
+// proxy, is established: the connection's direction into the proxy is pending
+// until the proxy's side is established too (peer is that side's key). A
+// connection that already sent data (TCP Fast Open) is left on TCP.
+static __always_inline void splice_app_connected(struct bpf_sock_ops *ctx, struct tuple_key *peer)
+{
+	if (!splice_enabled() || ctx->data_segs_out)
+		return;
+	struct tuple_key own = {};
+	if (!own_key(ctx, &own))
+		return;
+	struct splice_flow f = {.state = SPLICE_PENDING};
+	if (bpf_map_update_elem(&splice_flows, peer, &f, BPF_NOEXIST))
+		return;
+	if (bpf_sock_hash_update(ctx, &splice_socks, &own, BPF_NOEXIST))
+		bpf_map_delete_elem(&splice_flows, peer);
+}
+
+// splice_proxy_side puts the proxy's socket (own is its key) of a pod-local
+// connection into splice_socks and makes its direction ready: the pending one
+// of an application that connected first, or a new one when the proxy
+// connected (the application's side then joins when it is established).
+static __always_inline void splice_proxy_side(struct bpf_sock_ops *ctx, struct bpf_sock *sk, struct tuple_key *own,
+					      bool app_first)
+{
+	if (!splice_enabled())
+		return;
+	struct splice_flow *pending = NULL;
+	if (app_first) {
+		pending = bpf_map_lookup_elem(&splice_flows, own);
+		if (!pending || pending->state != SPLICE_PENDING)
+			return;
+	}
+	if (bpf_sock_hash_update(ctx, &splice_socks, own, BPF_NOEXIST))
+		return;
+	struct tuple_key *rx = bpf_sk_storage_get(&splice_rx, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!rx)
+		return; // never ready: the application's bytes go through TCP
+	*rx = *own;
+	bpf_sock_ops_cb_flags_set(ctx, ctx->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
+	if (pending) {
+		// The application's first write may be deciding for TCP right now.
+		__sync_val_compare_and_swap(&pending->state, SPLICE_PENDING, SPLICE_READY);
+		return;
+	}
+	struct splice_flow f = {.state = SPLICE_READY};
+	bpf_map_update_elem(&splice_flows, own, &f, BPF_NOEXIST);
+}
+
+// splice_proxy_connected: the proxy's connect inside its pod is established.
+// When it went to the pod itself (the application's listener), its direction
+// from the application is spliced.
+static __always_inline void splice_proxy_connected(struct bpf_sock_ops *ctx, struct bpf_sock *sk)
+{
+	struct tuple_key own = {};
+	if (!own_key(ctx, &own))
+		return;
+	struct pod_settings *s = bpf_map_lookup_elem(&pods, &own.netns);
+	if (!s || (!is_pod_addr(s, own.remote) && !is_loopback_or_any(own.remote)))
+		return;
+	splice_proxy_side(ctx, sk, &own, false);
+}
+
+// splice_app_accepted: an application's socket accepted a connection; when the
+// proxy's side of it is ready (the proxy connected to the application), the
+// application's socket joins splice_socks so its writes are spliced.
+static __always_inline void splice_app_accepted(struct bpf_sock_ops *ctx)
+{
+	if (!splice_enabled())
+		return;
+	struct tuple_key peer = {};
+	if (!peer_key(ctx, &peer))
+		return;
+	struct splice_flow *f = bpf_map_lookup_elem(&splice_flows, &peer);
+	if (!f || f->state != SPLICE_READY)
+		return;
+	struct tuple_key own = {};
+	if (!own_key(ctx, &own) || bpf_sock_hash_update(ctx, &splice_socks, &own, BPF_NOEXIST))
+		f->state = SPLICE_TCP;
+}
+
+// splice_forget drops the spliced direction of a closing proxy socket.
+static __always_inline void splice_forget(struct bpf_sock *sk)
+{
+	struct tuple_key *rx = bpf_sk_storage_get(&splice_rx, sk, 0, 0);
+	if (rx)
+		bpf_map_delete_elem(&splice_flows, rx);
+}
+
 // accepted records SO_ORIGINAL_DST for a socket accepted in an enrolled netns.
 static __always_inline void accepted(struct bpf_sock_ops *ctx)
 {
@@ -985,7 +1151,9 @@ static __always_inline void accepted(struct bpf_sock_ops *ctx)
 	struct orig_dst *handed = bpf_map_lookup_elem(&orig_dsts, &k);
 	if (handed) {
 		d = *handed;
+		splice_proxy_side(ctx, sk, &k, true);
 	} else {
+		splice_app_accepted(ctx);
 		if (is_loopback_or_any(k.local))
 			return;
 		__builtin_memcpy(d.addr, k.local, sizeof(d.addr));
@@ -1051,8 +1219,10 @@ static __always_inline void forget(struct bpf_sock_ops *ctx, struct bpf_sock *sk
 			bpf_map_delete_elem(&probe_conns, &k);
 		}
 	} else if (closing && bpf_sk_storage_get(&sock_orig, sk, 0, 0)) {
-		if (peer_key(ctx, &k))
+		if (peer_key(ctx, &k)) {
 			bpf_map_delete_elem(&orig_dsts, &k);
+			bpf_map_delete_elem(&splice_flows, &k);
+		}
 	}
 }
 
@@ -1081,8 +1251,11 @@ int mesh_sockops(struct bpf_sock_ops *ctx)
 			// changes at TCP_CONNECT; any other socket leaves here. The
 			// flag stays: another data path sharing the cgroup root may
 			// have asked for it too.
-			if (ctx->bpf_sock_ops_cb_flags & BPF_SOCK_OPS_STATE_CB_FLAG)
+			if (ctx->bpf_sock_ops_cb_flags & BPF_SOCK_OPS_STATE_CB_FLAG) {
 				forget(ctx, sk, false);
+				if (bpf_sk_storage_get(&proxy_socks, sk, 0, 0))
+					splice_proxy_connected(ctx, sk);
+			}
 			return 1;
 		}
 		struct tuple_key k = {};
@@ -1091,6 +1264,7 @@ int mesh_sockops(struct bpf_sock_ops *ctx)
 		struct orig_dst v = *o;
 		bpf_map_update_elem(&orig_dsts, &k, &v, BPF_ANY);
 		bpf_sock_ops_cb_flags_set(ctx, ctx->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
+		splice_app_connected(ctx, &k);
 		return 1;
 	}
 	case BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB:
@@ -1108,8 +1282,10 @@ int mesh_sockops(struct bpf_sock_ops *ctx)
 			probe_connect(ctx);
 		return 1;
 	case BPF_SOCK_OPS_STATE_CB:
-		if (sk && ctx->args[1] == BPF_TCP_CLOSE)
+		if (sk && ctx->args[1] == BPF_TCP_CLOSE) {
 			forget(ctx, sk, true);
+			splice_forget(sk);
+		}
 		return 1;
 	}
 	return 1;
@@ -1419,4 +1595,108 @@ int mesh_lookup_main(struct bpf_sk_lookup *ctx)
 	// No proxy listening: the client gets a reset, as from a closed port.
 	count(COUNTER_IN_DROPPED);
 	return SK_DROP;
+}
+
+// msg_proxy_key is the key of the proxy's socket of the connection an sk_msg
+// program runs for, as that socket sees it (the writer's peer).
+static __always_inline bool msg_proxy_key(struct sk_msg_md *msg, struct tuple_key *k)
+{
+	k->netns = bpf_get_netns_cookie(msg);
+	if (msg->family == AF_INET) {
+		map_v4(k->local, msg->remote_ip4);
+		map_v4(k->remote, msg->local_ip4);
+	} else if (msg->family == AF_INET6) {
+		k->local[0] = msg->remote_ip6[0];
+		k->local[1] = msg->remote_ip6[1];
+		k->local[2] = msg->remote_ip6[2];
+		k->local[3] = msg->remote_ip6[3];
+		k->remote[0] = msg->local_ip6[0];
+		k->remote[1] = msg->local_ip6[1];
+		k->remote[2] = msg->local_ip6[2];
+		k->remote[3] = msg->local_ip6[3];
+	} else {
+		return false;
+	}
+	// remote_port is the network-order port, shifted into the upper half on
+	// little-endian as in sock_ops: take whichever half holds it.
+	__u32 rp = msg->remote_port;
+	k->local_port = (__u16)((rp & 0xffff) ? rp : rp >> 16);
+	k->remote_port = bpf_htons((__u16)msg->local_port);
+	return true;
+}
+
+// mesh_splice_msg runs for every write on a socket in splice_socks: the
+// application's side of a spliced connection (its writes go to the proxy) and
+// the proxy's (its writes to the application always go through TCP: no entry
+// is keyed by the application's socket). Returning SK_PASS without a redirect
+// sends the bytes through TCP.
+SEC("sk_msg")
+int mesh_splice_msg(struct sk_msg_md *msg)
+{
+	struct tuple_key k = {};
+	if (!msg_proxy_key(msg, &k))
+		return SK_PASS;
+	struct splice_flow *f = bpf_map_lookup_elem(&splice_flows, &k);
+	if (!f)
+		return SK_PASS;
+	enum splice_state state = f->state;
+	if (state == SPLICE_PENDING) {
+		// The first byte, and the proxy's side is not up: TCP from here on,
+		// unless it got ready in between.
+		state = __sync_val_compare_and_swap(&f->state, SPLICE_PENDING, SPLICE_TCP);
+		if (state == SPLICE_PENDING)
+			return SK_PASS;
+	}
+	if (state != SPLICE_READY)
+		return SK_PASS;
+	struct splice_config *c = splice_enabled();
+	if (!c || f->unread + (__s64)msg->size > c->max_unread ||
+	    bpf_msg_redirect_hash(msg, &splice_socks, &k, BPF_F_INGRESS) != SK_PASS) {
+		f->state = SPLICE_TCP;
+		return SK_PASS;
+	}
+	__sync_fetch_and_add(&f->unread, (__s64)msg->size);
+	return SK_PASS;
+}
+
+#define MSG_PEEK 2
+
+// splice_read takes what the proxy read from a spliced socket off its unread
+// count. A peek reads nothing off.
+static __always_inline void splice_read(struct sock *sk, int flags, int ret)
+{
+	if (ret <= 0 || (flags & MSG_PEEK))
+		return;
+	struct tuple_key *k = bpf_sk_storage_get(&splice_rx, sk, 0, 0);
+	if (!k)
+		return;
+	struct splice_flow *f = bpf_map_lookup_elem(&splice_flows, k);
+	if (f)
+		__sync_fetch_and_add(&f->unread, -(__s64)ret);
+}
+
+// The reader of a socket in a sockmap: tcp_bpf_recvmsg, which takes the
+// redirected bytes first, then the TCP queue. A variant for each of its
+// signatures (Linux 5.19 dropped the nonblock argument, 6.18 addr_len); the
+// loader attaches the one the kernel's BTF matches.
+SEC("fexit/tcp_bpf_recvmsg")
+int BPF_PROG(mesh_splice_read_noaddr, struct sock *sk, struct msghdr *msg, size_t len, int flags, int ret)
+{
+	splice_read(sk, flags, ret);
+	return 0;
+}
+
+SEC("fexit/tcp_bpf_recvmsg")
+int BPF_PROG(mesh_splice_read, struct sock *sk, struct msghdr *msg, size_t len, int flags, int *addr_len, int ret)
+{
+	splice_read(sk, flags, ret);
+	return 0;
+}
+
+SEC("fexit/tcp_bpf_recvmsg")
+int BPF_PROG(mesh_splice_read_nonblock, struct sock *sk, struct msghdr *msg, size_t len, int nonblock, int flags,
+	     int *addr_len, int ret)
+{
+	splice_read(sk, flags, ret);
+	return 0;
 }

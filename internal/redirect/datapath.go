@@ -49,6 +49,14 @@ type Config struct {
 	// pods enrolled with DenyPacketSockets (the node's kernel must run the BPF
 	// LSM); without it such pods are refused (ErrNoPacketHook).
 	PacketSockets bool
+	// Splice moves the bytes applications write to their proxy straight into
+	// the proxy's socket (splice.go). Where the kernel cannot, Open logs why,
+	// Datapath.Splice reports it and connections stay on TCP. Off, Open
+	// switches off a splice an earlier agent left on.
+	Splice bool
+	// SpliceMaxUnread bounds the spliced bytes a proxy may leave unread on one
+	// connection before it goes back to TCP (DefaultSpliceMaxUnread when 0).
+	SpliceMaxUnread int64
 	// Logger receives what the data path does; nil means no logging.
 	Logger *zap.Logger
 }
@@ -166,6 +174,10 @@ type Datapath struct {
 	cgLinks map[string]link.Link
 	// packetHook is the BPF LSM link of Config.PacketSockets (nil: none).
 	packetHook link.Link
+	// spliceRead is the splice's read accounting (nil: splicing is off);
+	// spliceErr says why Config.Splice could not be honoured.
+	spliceRead link.Link
+	spliceErr  error
 
 	// mapMu serializes the multi-step map updates (CIDR sets, then the pod
 	// entry) so that readers see whole enrollments.
@@ -270,6 +282,7 @@ func Open(ctx context.Context, cfg Config) (_ *Datapath, err error) {
 	} else {
 		d.dropPacketHook()
 	}
+	d.setSplice()
 	if legacy != nil {
 		d.finishMigration(legacy)
 	}
@@ -511,6 +524,10 @@ func (d *Datapath) closeAll() error {
 	if d.packetHook != nil {
 		errs = append(errs, d.packetHook.Close())
 		d.packetHook = nil
+	}
+	if d.spliceRead != nil {
+		errs = append(errs, d.spliceRead.Close())
+		d.spliceRead = nil
 	}
 	if err := d.objs.Close(); err != nil {
 		errs = append(errs, fmt.Errorf("close BPF objects: %w", err))

@@ -45,6 +45,9 @@ type Snapshot struct {
 	Pods     []PodState  `json:"pods"`
 	Refused  []Refusal   `json:"refusedListeners,omitempty"`
 	Counters Counters    `json:"counters"`
+	// Splice is the splice's switch and connections (nil: a build without
+	// it pinned this data path).
+	Splice *SpliceStatus `json:"splice,omitempty"`
 }
 
 // ErrNotInstalled is returned when nothing is pinned under the root.
@@ -115,7 +118,10 @@ func Inspect(ctx context.Context, pinRoot string) (Snapshot, error) {
 		return snap, fmt.Errorf("open pinned counters map: %w", err)
 	}
 	defer counters.Close()
-	snap.Counters, err = sumCounters(counters)
+	if snap.Counters, err = sumCounters(counters); err != nil {
+		return snap, err
+	}
+	snap.Splice, err = inspectSplice(pins)
 	return snap, err
 }
 

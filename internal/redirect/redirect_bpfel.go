@@ -118,6 +118,28 @@ const (
 	redirectSettingFlagsSETTING_DENY_PACKET     redirectSettingFlags = 16384
 )
 
+type redirectSpliceConfig struct {
+	_         structs.HostLayout
+	Enabled   uint32
+	Pad       uint32
+	MaxUnread int64
+}
+
+type redirectSpliceFlow struct {
+	_      structs.HostLayout
+	Unread int64
+	State  redirectSpliceState
+	Pad    uint32
+}
+
+type redirectSpliceState uint32
+
+const (
+	redirectSpliceStateSPLICE_PENDING redirectSpliceState = 0
+	redirectSpliceStateSPLICE_READY   redirectSpliceState = 1
+	redirectSpliceStateSPLICE_TCP     redirectSpliceState = 2
+)
+
 type redirectTupleKey struct {
 	_          structs.HostLayout
 	Netns      uint64
@@ -132,38 +154,46 @@ type redirectTupleKey struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	redirectMapAcceptedOrig      = "accepted_orig"
-	redirectMapCounters          = "counters"
-	redirectMapExcludedDsts      = "excluded_dsts"
-	redirectMapExcludedPorts     = "excluded_ports"
-	redirectMapListenRefused     = "listen_refused"
-	redirectMapListeners         = "listeners"
-	redirectMapLookupMain        = "lookup_main"
-	redirectMapLookupScratch     = "lookup_scratch"
-	redirectMapNode              = "node"
-	redirectMapOrigDsts          = "orig_dsts"
-	redirectMapPods              = "pods"
-	redirectMapProbeConns        = "probe_conns"
-	redirectMapProbeNode         = "probe_node"
-	redirectMapProbeSocks        = "probe_socks"
-	redirectMapProbeSrcs         = "probe_srcs"
-	redirectMapProxyConns        = "proxy_conns"
-	redirectMapProxySocks        = "proxy_socks"
-	redirectMapSockOrig          = "sock_orig"
-	redirectProgMeshConnect4     = "mesh_connect4"
-	redirectProgMeshConnect6     = "mesh_connect6"
-	redirectProgMeshGetpeername4 = "mesh_getpeername4"
-	redirectProgMeshGetpeername6 = "mesh_getpeername6"
-	redirectProgMeshGetsockopt   = "mesh_getsockopt"
-	redirectProgMeshLookup       = "mesh_lookup"
-	redirectProgMeshLookupMain   = "mesh_lookup_main"
-	redirectProgMeshRecvmsg4     = "mesh_recvmsg4"
-	redirectProgMeshRecvmsg6     = "mesh_recvmsg6"
-	redirectProgMeshSendmsg4     = "mesh_sendmsg4"
-	redirectProgMeshSendmsg6     = "mesh_sendmsg6"
-	redirectProgMeshSockCreate   = "mesh_sock_create"
-	redirectProgMeshSocketCreate = "mesh_socket_create"
-	redirectProgMeshSockops      = "mesh_sockops"
+	redirectMapAcceptedOrig            = "accepted_orig"
+	redirectMapCounters                = "counters"
+	redirectMapExcludedDsts            = "excluded_dsts"
+	redirectMapExcludedPorts           = "excluded_ports"
+	redirectMapListenRefused           = "listen_refused"
+	redirectMapListeners               = "listeners"
+	redirectMapLookupMain              = "lookup_main"
+	redirectMapLookupScratch           = "lookup_scratch"
+	redirectMapNode                    = "node"
+	redirectMapOrigDsts                = "orig_dsts"
+	redirectMapPods                    = "pods"
+	redirectMapProbeConns              = "probe_conns"
+	redirectMapProbeNode               = "probe_node"
+	redirectMapProbeSocks              = "probe_socks"
+	redirectMapProbeSrcs               = "probe_srcs"
+	redirectMapProxyConns              = "proxy_conns"
+	redirectMapProxySocks              = "proxy_socks"
+	redirectMapSockOrig                = "sock_orig"
+	redirectMapSpliceFlows             = "splice_flows"
+	redirectMapSpliceNode              = "splice_node"
+	redirectMapSpliceRx                = "splice_rx"
+	redirectMapSpliceSocks             = "splice_socks"
+	redirectProgMeshConnect4           = "mesh_connect4"
+	redirectProgMeshConnect6           = "mesh_connect6"
+	redirectProgMeshGetpeername4       = "mesh_getpeername4"
+	redirectProgMeshGetpeername6       = "mesh_getpeername6"
+	redirectProgMeshGetsockopt         = "mesh_getsockopt"
+	redirectProgMeshLookup             = "mesh_lookup"
+	redirectProgMeshLookupMain         = "mesh_lookup_main"
+	redirectProgMeshRecvmsg4           = "mesh_recvmsg4"
+	redirectProgMeshRecvmsg6           = "mesh_recvmsg6"
+	redirectProgMeshSendmsg4           = "mesh_sendmsg4"
+	redirectProgMeshSendmsg6           = "mesh_sendmsg6"
+	redirectProgMeshSockCreate         = "mesh_sock_create"
+	redirectProgMeshSocketCreate       = "mesh_socket_create"
+	redirectProgMeshSockops            = "mesh_sockops"
+	redirectProgMeshSpliceMsg          = "mesh_splice_msg"
+	redirectProgMeshSpliceRead         = "mesh_splice_read"
+	redirectProgMeshSpliceReadNoaddr   = "mesh_splice_read_noaddr"
+	redirectProgMeshSpliceReadNonblock = "mesh_splice_read_nonblock"
 )
 
 // loadRedirect returns the embedded CollectionSpec for redirect.
@@ -208,20 +238,24 @@ type redirectSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type redirectProgramSpecs struct {
-	MeshConnect4     *ebpf.ProgramSpec `ebpf:"mesh_connect4"`
-	MeshConnect6     *ebpf.ProgramSpec `ebpf:"mesh_connect6"`
-	MeshGetpeername4 *ebpf.ProgramSpec `ebpf:"mesh_getpeername4"`
-	MeshGetpeername6 *ebpf.ProgramSpec `ebpf:"mesh_getpeername6"`
-	MeshGetsockopt   *ebpf.ProgramSpec `ebpf:"mesh_getsockopt"`
-	MeshLookup       *ebpf.ProgramSpec `ebpf:"mesh_lookup"`
-	MeshLookupMain   *ebpf.ProgramSpec `ebpf:"mesh_lookup_main"`
-	MeshRecvmsg4     *ebpf.ProgramSpec `ebpf:"mesh_recvmsg4"`
-	MeshRecvmsg6     *ebpf.ProgramSpec `ebpf:"mesh_recvmsg6"`
-	MeshSendmsg4     *ebpf.ProgramSpec `ebpf:"mesh_sendmsg4"`
-	MeshSendmsg6     *ebpf.ProgramSpec `ebpf:"mesh_sendmsg6"`
-	MeshSockCreate   *ebpf.ProgramSpec `ebpf:"mesh_sock_create"`
-	MeshSocketCreate *ebpf.ProgramSpec `ebpf:"mesh_socket_create"`
-	MeshSockops      *ebpf.ProgramSpec `ebpf:"mesh_sockops"`
+	MeshConnect4           *ebpf.ProgramSpec `ebpf:"mesh_connect4"`
+	MeshConnect6           *ebpf.ProgramSpec `ebpf:"mesh_connect6"`
+	MeshGetpeername4       *ebpf.ProgramSpec `ebpf:"mesh_getpeername4"`
+	MeshGetpeername6       *ebpf.ProgramSpec `ebpf:"mesh_getpeername6"`
+	MeshGetsockopt         *ebpf.ProgramSpec `ebpf:"mesh_getsockopt"`
+	MeshLookup             *ebpf.ProgramSpec `ebpf:"mesh_lookup"`
+	MeshLookupMain         *ebpf.ProgramSpec `ebpf:"mesh_lookup_main"`
+	MeshRecvmsg4           *ebpf.ProgramSpec `ebpf:"mesh_recvmsg4"`
+	MeshRecvmsg6           *ebpf.ProgramSpec `ebpf:"mesh_recvmsg6"`
+	MeshSendmsg4           *ebpf.ProgramSpec `ebpf:"mesh_sendmsg4"`
+	MeshSendmsg6           *ebpf.ProgramSpec `ebpf:"mesh_sendmsg6"`
+	MeshSockCreate         *ebpf.ProgramSpec `ebpf:"mesh_sock_create"`
+	MeshSocketCreate       *ebpf.ProgramSpec `ebpf:"mesh_socket_create"`
+	MeshSockops            *ebpf.ProgramSpec `ebpf:"mesh_sockops"`
+	MeshSpliceMsg          *ebpf.ProgramSpec `ebpf:"mesh_splice_msg"`
+	MeshSpliceRead         *ebpf.ProgramSpec `ebpf:"mesh_splice_read"`
+	MeshSpliceReadNoaddr   *ebpf.ProgramSpec `ebpf:"mesh_splice_read_noaddr"`
+	MeshSpliceReadNonblock *ebpf.ProgramSpec `ebpf:"mesh_splice_read_nonblock"`
 }
 
 // redirectMapSpecs contains maps before they are loaded into the kernel.
@@ -246,6 +280,10 @@ type redirectMapSpecs struct {
 	ProxyConns    *ebpf.MapSpec `ebpf:"proxy_conns"`
 	ProxySocks    *ebpf.MapSpec `ebpf:"proxy_socks"`
 	SockOrig      *ebpf.MapSpec `ebpf:"sock_orig"`
+	SpliceFlows   *ebpf.MapSpec `ebpf:"splice_flows"`
+	SpliceNode    *ebpf.MapSpec `ebpf:"splice_node"`
+	SpliceRx      *ebpf.MapSpec `ebpf:"splice_rx"`
+	SpliceSocks   *ebpf.MapSpec `ebpf:"splice_socks"`
 }
 
 // redirectVariableSpecs contains global variables before they are loaded into the kernel.
@@ -292,6 +330,10 @@ type redirectMaps struct {
 	ProxyConns    *ebpf.Map `ebpf:"proxy_conns"`
 	ProxySocks    *ebpf.Map `ebpf:"proxy_socks"`
 	SockOrig      *ebpf.Map `ebpf:"sock_orig"`
+	SpliceFlows   *ebpf.Map `ebpf:"splice_flows"`
+	SpliceNode    *ebpf.Map `ebpf:"splice_node"`
+	SpliceRx      *ebpf.Map `ebpf:"splice_rx"`
+	SpliceSocks   *ebpf.Map `ebpf:"splice_socks"`
 }
 
 func (m *redirectMaps) Close() error {
@@ -314,6 +356,10 @@ func (m *redirectMaps) Close() error {
 		m.ProxyConns,
 		m.ProxySocks,
 		m.SockOrig,
+		m.SpliceFlows,
+		m.SpliceNode,
+		m.SpliceRx,
+		m.SpliceSocks,
 	)
 }
 
@@ -327,20 +373,24 @@ type redirectVariables struct {
 //
 // It can be passed to loadRedirectObjects or ebpf.CollectionSpec.LoadAndAssign.
 type redirectPrograms struct {
-	MeshConnect4     *ebpf.Program `ebpf:"mesh_connect4"`
-	MeshConnect6     *ebpf.Program `ebpf:"mesh_connect6"`
-	MeshGetpeername4 *ebpf.Program `ebpf:"mesh_getpeername4"`
-	MeshGetpeername6 *ebpf.Program `ebpf:"mesh_getpeername6"`
-	MeshGetsockopt   *ebpf.Program `ebpf:"mesh_getsockopt"`
-	MeshLookup       *ebpf.Program `ebpf:"mesh_lookup"`
-	MeshLookupMain   *ebpf.Program `ebpf:"mesh_lookup_main"`
-	MeshRecvmsg4     *ebpf.Program `ebpf:"mesh_recvmsg4"`
-	MeshRecvmsg6     *ebpf.Program `ebpf:"mesh_recvmsg6"`
-	MeshSendmsg4     *ebpf.Program `ebpf:"mesh_sendmsg4"`
-	MeshSendmsg6     *ebpf.Program `ebpf:"mesh_sendmsg6"`
-	MeshSockCreate   *ebpf.Program `ebpf:"mesh_sock_create"`
-	MeshSocketCreate *ebpf.Program `ebpf:"mesh_socket_create"`
-	MeshSockops      *ebpf.Program `ebpf:"mesh_sockops"`
+	MeshConnect4           *ebpf.Program `ebpf:"mesh_connect4"`
+	MeshConnect6           *ebpf.Program `ebpf:"mesh_connect6"`
+	MeshGetpeername4       *ebpf.Program `ebpf:"mesh_getpeername4"`
+	MeshGetpeername6       *ebpf.Program `ebpf:"mesh_getpeername6"`
+	MeshGetsockopt         *ebpf.Program `ebpf:"mesh_getsockopt"`
+	MeshLookup             *ebpf.Program `ebpf:"mesh_lookup"`
+	MeshLookupMain         *ebpf.Program `ebpf:"mesh_lookup_main"`
+	MeshRecvmsg4           *ebpf.Program `ebpf:"mesh_recvmsg4"`
+	MeshRecvmsg6           *ebpf.Program `ebpf:"mesh_recvmsg6"`
+	MeshSendmsg4           *ebpf.Program `ebpf:"mesh_sendmsg4"`
+	MeshSendmsg6           *ebpf.Program `ebpf:"mesh_sendmsg6"`
+	MeshSockCreate         *ebpf.Program `ebpf:"mesh_sock_create"`
+	MeshSocketCreate       *ebpf.Program `ebpf:"mesh_socket_create"`
+	MeshSockops            *ebpf.Program `ebpf:"mesh_sockops"`
+	MeshSpliceMsg          *ebpf.Program `ebpf:"mesh_splice_msg"`
+	MeshSpliceRead         *ebpf.Program `ebpf:"mesh_splice_read"`
+	MeshSpliceReadNoaddr   *ebpf.Program `ebpf:"mesh_splice_read_noaddr"`
+	MeshSpliceReadNonblock *ebpf.Program `ebpf:"mesh_splice_read_nonblock"`
 }
 
 func (p *redirectPrograms) Close() error {
@@ -359,6 +409,10 @@ func (p *redirectPrograms) Close() error {
 		p.MeshSockCreate,
 		p.MeshSocketCreate,
 		p.MeshSockops,
+		p.MeshSpliceMsg,
+		p.MeshSpliceRead,
+		p.MeshSpliceReadNoaddr,
+		p.MeshSpliceReadNonblock,
 	)
 }
 
