@@ -32,6 +32,11 @@ type CounterReader interface {
 	Counters() (redirect.Counters, error)
 }
 
+// SpliceReader is a data path that can report its splice.
+type SpliceReader interface {
+	Splice() (redirect.SpliceStatus, error)
+}
+
 // NewMetrics registers every metric. enrolled and ready are read at scrape time.
 func NewMetrics(enrolled func() int, ready func() bool, counters func() CounterReader) *Metrics {
 	m := &Metrics{
@@ -158,7 +163,17 @@ var bpfPacketRefused = prometheus.NewDesc("meshcni_datapath_packet_sockets_refus
 	"Packet sockets refused to enrolled pods (--deny-packet-sockets).",
 	nil, nil)
 
+var bpfSpliceEnabled = prometheus.NewDesc("meshcni_datapath_splice_enabled",
+	"1 while the data path splices applications' writes into their proxy (--splice, on a kernel that can), else 0.",
+	nil, nil)
+
+var bpfSpliceConnections = prometheus.NewDesc("meshcni_datapath_splice_connections",
+	"Open application-to-proxy connections of the splice, by state: spliced, tcp (went back to TCP: a proxy that left too much unread, a first byte before the proxy's side was up) or pending.",
+	[]string{"state"}, nil)
+
 func (c *datapathCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- bpfSpliceEnabled
+	ch <- bpfSpliceConnections
 	ch <- bpfDecisions
 	ch <- bpfListenersRefused
 	ch <- bpfRawRefused
@@ -183,4 +198,23 @@ func (c *datapathCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(bpfListenersRefused, prometheus.CounterValue, float64(counts.ListenersRefused))
 	ch <- prometheus.MustNewConstMetric(bpfRawRefused, prometheus.CounterValue, float64(counts.RawSocketsRefused))
 	ch <- prometheus.MustNewConstMetric(bpfPacketRefused, prometheus.CounterValue, float64(counts.PacketSocketsRefused))
+	if sr, ok := r.(SpliceReader); ok {
+		collectSplice(ch, sr)
+	}
+}
+
+func collectSplice(ch chan<- prometheus.Metric, r SpliceReader) {
+	st, err := r.Splice()
+	if err != nil {
+		ch <- prometheus.NewInvalidMetric(bpfSpliceConnections, err)
+		return
+	}
+	on := 0.0
+	if st.Enabled {
+		on = 1
+	}
+	ch <- prometheus.MustNewConstMetric(bpfSpliceEnabled, prometheus.GaugeValue, on)
+	for state, n := range map[string]int{"spliced": st.Spliced, "tcp": st.TCP, "pending": st.Pending} {
+		ch <- prometheus.MustNewConstMetric(bpfSpliceConnections, prometheus.GaugeValue, float64(n), state)
+	}
 }

@@ -103,5 +103,8 @@ func (r RedirectDatapath) Enrolled(ctx context.Context) ([]uint64, error) {
 // Counters implements CounterReader.
 func (r RedirectDatapath) Counters() (redirect.Counters, error) { return r.DP.Counters() }
 
+// Splice implements SpliceReader.
+func (r RedirectDatapath) Splice() (redirect.SpliceStatus, error) { return r.DP.Splice() }
+
 // Refusals implements RefusalReader.
 func (r RedirectDatapath) Refusals() ([]redirect.Refusal, error) { return r.DP.Refusals() }

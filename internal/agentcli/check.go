@@ -66,6 +66,9 @@ func runChecks(ctx context.Context, opts options) []checkResult {
 		}
 		add("cgroup v2 mounted"+suffix(cg), problem)
 		add("kernel features (Linux "+redirect.KernelFloor+" or newer)", kernelProblems())
+		if opts.splice {
+			add("kernel can splice (--splice)", errOr(redirect.SpliceSupport(), ""))
+		}
 
 		if ok, err := redirect.IsBPFFS(opts.bpffsRoot); err != nil || !ok {
 			add("bpffs at "+opts.bpffsRoot, fmt.Sprintf("not a bpffs (%v)", errOr(err, "wrong filesystem type")))
@@ -98,6 +101,9 @@ func runChecks(ctx context.Context, opts options) []checkResult {
 			}
 			add("pod inbound capture attached", strings.Join(broken, ", "))
 			add("proxy listeners captured", strings.Join(uncaptured, ", "))
+			if opts.splice {
+				add("splice on (--splice)", spliceProblem(snap.Splice))
+			}
 		}
 	}
 
@@ -108,6 +114,19 @@ func runChecks(ctx context.Context, opts options) []checkResult {
 	add("gate socket modes", checkSocketModes(opts.socketPath))
 	add("agent ready", checkAgentReady(ctx, opts.socketPath))
 	return out
+}
+
+// spliceProblem says why the pinned data path does not splice.
+func spliceProblem(st *redirect.SpliceStatus) string {
+	switch {
+	case st == nil:
+		return "the pinned data path has no splice (an agent build without it pinned it)"
+	case st.Error != "":
+		return st.Error
+	case !st.Enabled:
+		return "splicing is off (the agent runs without --splice, or could not start it: its log says why)"
+	}
+	return ""
 }
 
 func suffix(s string) string {

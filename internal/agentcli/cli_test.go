@@ -6,6 +6,8 @@ import (
 	"io"
 	"strings"
 	"testing"
+
+	"github.com/mesh-cni/mesh-cni/internal/redirect"
 )
 
 // Every flag of `mesh-agent run` is also read from its environment variable, the
@@ -77,5 +79,24 @@ func TestKNIRefusesChainEntry(t *testing.T) {
 	}
 	if err := checkKNIChain(opts); err != nil {
 		t.Errorf("KNI without the chain entry: %v", err)
+	}
+}
+
+// mesh-agent check --splice fails, saying why, unless the pinned data path
+// splices.
+func TestSpliceCheck(t *testing.T) {
+	for _, tc := range []struct {
+		st   *redirect.SpliceStatus
+		want string
+	}{
+		{nil, "has no splice"},
+		{&redirect.SpliceStatus{}, "splicing is off"},
+		{&redirect.SpliceStatus{Error: "tracing refused"}, "tracing refused"},
+		{&redirect.SpliceStatus{Enabled: true, Spliced: 3}, ""},
+	} {
+		got := spliceProblem(tc.st)
+		if (tc.want == "") != (got == "") || !strings.Contains(got, tc.want) {
+			t.Errorf("%+v: %q, want %q", tc.st, got, tc.want)
+		}
 	}
 }
