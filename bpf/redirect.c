@@ -32,7 +32,8 @@
 //
 // Only UAPI context structures are read (their layout is stable), so the programs
 // carry no CO-RE relocations and a per-pod program loads with one short verifier
-// pass.
+// pass. The splice's programs, loaded apart and only with splicing on, are the
+// exception: they read two sequence numbers of struct tcp_sock.
 
 #define BPF_NO_PRESERVE_ACCESS_INDEX
 #include "vmlinux.h"
@@ -379,16 +380,22 @@ struct {
 //     went through TCP stays on TCP (a spliced byte after a TCP one would be
 //     read first);
 //   - once the proxy leaves more than max_unread spliced bytes unread, the
-//     connection goes back to TCP for good, whose buffers then push back on the
-//     writer: the redirect itself is charged to no buffer limit;
-//   - a missing peer, a full map, a disabled splice: TCP.
+//     writes go through TCP, whose buffers push back on the writer (the
+//     redirect itself is charged to no buffer limit), until the proxy has read
+//     every byte the application gave TCP: splicing then resumes;
+//   - a missing peer, a full map, a disabled splice: TCP for good.
 // Going from spliced to TCP keeps the order, since the kernel's reader takes
-// the redirected queue first.
+// the redirected queue first. Going back is safe only once no TCP byte is
+// unread or in flight: when the application's socket's write_seq equals the
+// proxy's socket's copied_seq, both of one sequence space, which the read
+// accounting records after each read. These two fields of struct tcp_sock are
+// the only kernel-internal ones read (CO-RE, in the splice's programs alone).
 
 enum splice_state {
 	SPLICE_PENDING = 0, // the application's side is up, the proxy's not yet
 	SPLICE_READY = 1,   // both sides are in splice_socks
 	SPLICE_TCP = 2,     // plain TCP for the rest of the connection
+	SPLICE_BEHIND = 3,  // the proxy fell behind: TCP until it read everything
 };
 
 // One entry: the splice switch and its bound.
@@ -402,8 +409,15 @@ struct splice_config {
 struct splice_flow {
 	__s64 unread; // bytes spliced into the proxy's socket, not yet read
 	enum splice_state state;
-	__u32 pad;
+	__u32 proxy_copied; // the proxy's socket's copied_seq after its last read
 };
+
+// The fields of struct tcp_sock the splice reads, relocated against the
+// kernel's BTF at load.
+struct tcp_sock___splice {
+	__u32 copied_seq;
+	__u32 write_seq;
+} __attribute__((preserve_access_index));
 
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
@@ -1087,12 +1101,14 @@ static __always_inline void splice_proxy_side(struct bpf_sock_ops *ctx, struct b
 		return; // never ready: the application's bytes go through TCP
 	*rx = *own;
 	bpf_sock_ops_cb_flags_set(ctx, ctx->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
+	// Nothing was received yet: copied_seq is rcv_nxt.
 	if (pending) {
+		pending->proxy_copied = ctx->rcv_nxt;
 		// The application's first write may be deciding for TCP right now.
 		__sync_val_compare_and_swap(&pending->state, SPLICE_PENDING, SPLICE_READY);
 		return;
 	}
-	struct splice_flow f = {.state = SPLICE_READY};
+	struct splice_flow f = {.state = SPLICE_READY, .proxy_copied = ctx->rcv_nxt};
 	bpf_map_update_elem(&splice_flows, own, &f, BPF_NOEXIST);
 }
 
@@ -1647,11 +1663,29 @@ int mesh_splice_msg(struct sk_msg_md *msg)
 		if (state == SPLICE_PENDING)
 			return SK_PASS;
 	}
+	struct splice_config *c = splice_enabled();
+	if (state == SPLICE_BEHIND) {
+		// The writes of one socket are serialized, and its write_seq
+		// counts exactly what TCP took of them: once the proxy has read up
+		// to it, no TCP byte is unread or in flight, and a spliced one
+		// cannot overtake one.
+		struct tcp_sock___splice *tp = (void *)bpf_skc_to_tcp_sock(msg->sk);
+		if (!c || !tp || tp->write_seq != f->proxy_copied)
+			return SK_PASS;
+		state = SPLICE_READY;
+		f->state = SPLICE_READY;
+	}
 	if (state != SPLICE_READY)
 		return SK_PASS;
-	struct splice_config *c = splice_enabled();
-	if (!c || f->unread + (__s64)msg->size > c->max_unread ||
-	    bpf_msg_redirect_hash(msg, &splice_socks, &k, BPF_F_INGRESS) != SK_PASS) {
+	if (!c) {
+		f->state = SPLICE_TCP;
+		return SK_PASS;
+	}
+	if (f->unread + (__s64)msg->size > c->max_unread) {
+		f->state = SPLICE_BEHIND;
+		return SK_PASS;
+	}
+	if (bpf_msg_redirect_hash(msg, &splice_socks, &k, BPF_F_INGRESS) != SK_PASS) {
 		f->state = SPLICE_TCP;
 		return SK_PASS;
 	}
@@ -1660,19 +1694,32 @@ int mesh_splice_msg(struct sk_msg_md *msg)
 }
 
 #define MSG_PEEK 2
+#define MSG_ERRQUEUE 0x2000
 
-// splice_read takes what the proxy read from a spliced socket off its unread
-// count. A peek reads nothing off.
+// splice_read accounts for what the proxy read from a spliced socket. The
+// kernel's reader returns either redirected bytes or TCP ones, never both in
+// one call: a read that left copied_seq where it was took spliced bytes off
+// the unread count, one that moved it read TCP bytes up to the new value. A
+// peek reads nothing off, nor does a read of the error queue (timestamps),
+// which the reader answers before either queue. Concurrent reads of one
+// socket can be taken for the other kind, which only shifts the bound, never
+// the order.
 static __always_inline void splice_read(struct sock *sk, int flags, int ret)
 {
-	if (ret <= 0 || (flags & MSG_PEEK))
+	if (ret <= 0 || (flags & (MSG_PEEK | MSG_ERRQUEUE)))
 		return;
 	struct tuple_key *k = bpf_sk_storage_get(&splice_rx, sk, 0, 0);
 	if (!k)
 		return;
 	struct splice_flow *f = bpf_map_lookup_elem(&splice_flows, k);
-	if (f)
+	struct tcp_sock___splice *tp = (void *)bpf_skc_to_tcp_sock(sk);
+	if (!f || !tp)
+		return;
+	__u32 copied = tp->copied_seq;
+	if (copied == f->proxy_copied)
 		__sync_fetch_and_add(&f->unread, -(__s64)ret);
+	else
+		f->proxy_copied = copied;
 }
 
 // The reader of a socket in a sockmap: tcp_bpf_recvmsg, which takes the

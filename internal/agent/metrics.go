@@ -168,7 +168,7 @@ var bpfSpliceEnabled = prometheus.NewDesc("meshcni_datapath_splice_enabled",
 	nil, nil)
 
 var bpfSpliceConnections = prometheus.NewDesc("meshcni_datapath_splice_connections",
-	"Open application-to-proxy connections of the splice, by state: spliced, tcp (went back to TCP: a proxy that left too much unread, a first byte before the proxy's side was up) or pending.",
+	"Open application-to-proxy connections of the splice, by state: spliced, behind (the proxy left more than --splice-max-unread unread: on TCP until it caught up), tcp (on TCP for good: a first byte before the proxy's side was up) or pending.",
 	[]string{"state"}, nil)
 
 func (c *datapathCollector) Describe(ch chan<- *prometheus.Desc) {
@@ -214,7 +214,7 @@ func collectSplice(ch chan<- prometheus.Metric, r SpliceReader) {
 		on = 1
 	}
 	ch <- prometheus.MustNewConstMetric(bpfSpliceEnabled, prometheus.GaugeValue, on)
-	for state, n := range map[string]int{"spliced": st.Spliced, "tcp": st.TCP, "pending": st.Pending} {
+	for state, n := range map[string]int{"spliced": st.Spliced, "behind": st.Behind, "tcp": st.TCP, "pending": st.Pending} {
 		ch <- prometheus.MustNewConstMetric(bpfSpliceConnections, prometheus.GaugeValue, float64(n), state)
 	}
 }

@@ -70,7 +70,7 @@ func (r spliceReporter) Splice() (redirect.SpliceStatus, error) { return r.st, n
 // A data path that splices exports its switch and its connections by state,
 // which is how an operator sees connections falling back to TCP.
 func TestSpliceMetrics(t *testing.T) {
-	dp := spliceReporter{redirect.SpliceStatus{Enabled: true, Spliced: 5, TCP: 2, Pending: 1}}
+	dp := spliceReporter{redirect.SpliceStatus{Enabled: true, Spliced: 5, Behind: 3, TCP: 2, Pending: 1}}
 	m := NewMetrics(func() int { return 0 }, func() bool { return true }, func() CounterReader { return dp })
 	families, err := m.Registry.Gather()
 	if err != nil {
@@ -89,6 +89,7 @@ func TestSpliceMetrics(t *testing.T) {
 	want := map[string]float64{
 		"meshcni_datapath_splice_enabled":             1,
 		"meshcni_datapath_splice_connections/spliced": 5,
+		"meshcni_datapath_splice_connections/behind":  3,
 		"meshcni_datapath_splice_connections/tcp":     2,
 		"meshcni_datapath_splice_connections/pending": 1,
 	}

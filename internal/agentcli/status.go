@@ -219,7 +219,7 @@ func printStatus(w io.Writer, st NodeStatus) {
 		fmt.Fprintf(w, "counters:   outbound redirected %d passed %d dropped %d; inbound redirected %d passed %d dropped %d\n",
 			d.Counters.Outbound.Redirected, d.Counters.Outbound.Passed, d.Counters.Outbound.Dropped,
 			d.Counters.Inbound.Redirected, d.Counters.Inbound.Passed, d.Counters.Inbound.Dropped)
-		if sp := d.Splice; sp != nil && (sp.Enabled || sp.Error != "" || sp.Spliced+sp.TCP+sp.Pending > 0) {
+		if sp := d.Splice; sp != nil && (sp.Enabled || sp.Error != "" || sp.Spliced+sp.Behind+sp.TCP+sp.Pending > 0) {
 			state := "on"
 			if !sp.Enabled {
 				state = "off"
@@ -227,7 +227,8 @@ func printStatus(w io.Writer, st NodeStatus) {
 			if sp.Error != "" {
 				state += " (" + sp.Error + ")"
 			}
-			fmt.Fprintf(w, "splice:     %s; connections spliced %d, back on TCP %d, pending %d\n", state, sp.Spliced, sp.TCP, sp.Pending)
+			fmt.Fprintf(w, "splice:     %s; connections spliced %d, behind %d, on TCP %d, pending %d\n",
+				state, sp.Spliced, sp.Behind, sp.TCP, sp.Pending)
 		}
 	}
 	for _, p := range st.Problems {

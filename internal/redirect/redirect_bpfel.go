@@ -126,10 +126,10 @@ type redirectSpliceConfig struct {
 }
 
 type redirectSpliceFlow struct {
-	_      structs.HostLayout
-	Unread int64
-	State  redirectSpliceState
-	Pad    uint32
+	_           structs.HostLayout
+	Unread      int64
+	State       redirectSpliceState
+	ProxyCopied uint32
 }
 
 type redirectSpliceState uint32
@@ -138,6 +138,7 @@ const (
 	redirectSpliceStateSPLICE_PENDING redirectSpliceState = 0
 	redirectSpliceStateSPLICE_READY   redirectSpliceState = 1
 	redirectSpliceStateSPLICE_TCP     redirectSpliceState = 2
+	redirectSpliceStateSPLICE_BEHIND  redirectSpliceState = 3
 )
 
 type redirectTupleKey struct {

@@ -22,15 +22,15 @@ import (
 //   - the sk_msg program, attached to the splice_socks sockhash, which sockops
 //     fills at establishment: a socket keeps the program it was inserted with;
 //   - the read accounting, an fexit program on tcp_bpf_recvmsg pinned as
-//     links/splice_read, without which every connection goes back to TCP
-//     after max_unread bytes;
+//     links/splice_read, without which every connection goes to TCP after
+//     max_unread bytes and never comes back;
 //   - the switch in splice_node, turned on only once both are in place, and
 //     off first when splicing stops: each spliced connection then goes to TCP
 //     at its next write.
 
 // DefaultSpliceMaxUnread is how many spliced bytes a proxy may leave unread on
-// one connection before it goes back to TCP, whose buffers push back on the
-// writer: a redirect is charged to no socket buffer limit, so without the
+// one connection before its writes go through TCP, whose buffers push back on
+// the writer, until the proxy has caught up: a redirect is charged to no socket buffer limit, so without the
 // bound one pod could fill the node's TCP memory. 1 MiB is below what
 // loopback TCP buffers by default (tcp_rmem's and tcp_wmem's maximums).
 const DefaultSpliceMaxUnread = 1 << 20
@@ -203,10 +203,12 @@ type SpliceStatus struct {
 	// Error says why it is off although it was asked for.
 	Error string `json:"error,omitempty"`
 	// Spliced counts the open connections whose writes into the proxy are
-	// spliced, TCP those that went back to TCP (a full bound, a first byte
-	// before the proxy's side was up), Pending those waiting for the proxy's
-	// side.
+	// spliced; Behind those whose proxy left more than the bound unread, on
+	// TCP until it has read everything; TCP those on TCP for good (a first
+	// byte before the proxy's side was up, a socket the kernel would not
+	// redirect to); Pending those waiting for the proxy's side.
 	Spliced int `json:"spliced"`
+	Behind  int `json:"behind"`
 	TCP     int `json:"tcp"`
 	Pending int `json:"pending"`
 }
@@ -245,6 +247,8 @@ func readSplice(node, flows *ebpf.Map) (SpliceStatus, error) {
 		switch f.State {
 		case redirectSpliceStateSPLICE_READY:
 			st.Spliced++
+		case redirectSpliceStateSPLICE_BEHIND:
+			st.Behind++
 		case redirectSpliceStateSPLICE_TCP:
 			st.TCP++
 		default:
