@@ -1722,9 +1722,20 @@ static __always_inline void splice_read(struct sock *sk, int flags, int ret)
 		f->proxy_copied = copied;
 }
 
-// The reader of a socket in a sockmap: tcp_bpf_recvmsg, which takes the
-// redirected bytes first, then the TCP queue. A variant for each of its
-// signatures (Linux 5.19 dropped the nonblock argument, 6.18 addr_len); the
+// Where the kernel has it (Linux 6.3 and later), the sock_recv_length
+// tracepoint, which every recvmsg of a socket passes (read, recv, readv,
+// recvmmsg, io_uring) with what it returned: a tracepoint attaches where
+// function tracing is refused. Most sockets leave at the storage lookup.
+SEC("tp_btf/sock_recv_length")
+int BPF_PROG(mesh_splice_read_tp, struct sock *sk, int ret, int flags)
+{
+	splice_read(sk, flags, ret);
+	return 0;
+}
+
+// Before it, the reader of a socket in a sockmap: tcp_bpf_recvmsg, which
+// takes the redirected bytes first, then the TCP queue. A variant for each of
+// its signatures (Linux 5.19 dropped the nonblock argument, 6.18 addr_len); the
 // loader attaches the one the kernel's BTF matches.
 SEC("fexit/tcp_bpf_recvmsg")
 int BPF_PROG(mesh_splice_read_noaddr, struct sock *sk, struct msghdr *msg, size_t len, int flags, int ret)

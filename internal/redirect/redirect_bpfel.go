@@ -195,6 +195,7 @@ const (
 	redirectProgMeshSpliceRead         = "mesh_splice_read"
 	redirectProgMeshSpliceReadNoaddr   = "mesh_splice_read_noaddr"
 	redirectProgMeshSpliceReadNonblock = "mesh_splice_read_nonblock"
+	redirectProgMeshSpliceReadTp       = "mesh_splice_read_tp"
 )
 
 // loadRedirect returns the embedded CollectionSpec for redirect.
@@ -257,6 +258,7 @@ type redirectProgramSpecs struct {
 	MeshSpliceRead         *ebpf.ProgramSpec `ebpf:"mesh_splice_read"`
 	MeshSpliceReadNoaddr   *ebpf.ProgramSpec `ebpf:"mesh_splice_read_noaddr"`
 	MeshSpliceReadNonblock *ebpf.ProgramSpec `ebpf:"mesh_splice_read_nonblock"`
+	MeshSpliceReadTp       *ebpf.ProgramSpec `ebpf:"mesh_splice_read_tp"`
 }
 
 // redirectMapSpecs contains maps before they are loaded into the kernel.
@@ -392,6 +394,7 @@ type redirectPrograms struct {
 	MeshSpliceRead         *ebpf.Program `ebpf:"mesh_splice_read"`
 	MeshSpliceReadNoaddr   *ebpf.Program `ebpf:"mesh_splice_read_noaddr"`
 	MeshSpliceReadNonblock *ebpf.Program `ebpf:"mesh_splice_read_nonblock"`
+	MeshSpliceReadTp       *ebpf.Program `ebpf:"mesh_splice_read_tp"`
 }
 
 func (p *redirectPrograms) Close() error {
@@ -414,6 +417,7 @@ func (p *redirectPrograms) Close() error {
 		p.MeshSpliceRead,
 		p.MeshSpliceReadNoaddr,
 		p.MeshSpliceReadNonblock,
+		p.MeshSpliceReadTp,
 	)
 }
 

@@ -21,9 +21,10 @@ import (
 // decides per connection. What the Go side owns:
 //   - the sk_msg program, attached to the splice_socks sockhash, which sockops
 //     fills at establishment: a socket keeps the program it was inserted with;
-//   - the read accounting, an fexit program on tcp_bpf_recvmsg pinned as
-//     links/splice_read, without which every connection goes to TCP after
-//     max_unread bytes and never comes back;
+//   - the read accounting, pinned as links/splice_read, without which every
+//     connection goes to TCP after max_unread bytes and never comes back: a
+//     program on the sock_recv_length tracepoint (Linux 6.3 and later), else
+//     an fexit program on tcp_bpf_recvmsg;
 //   - the switch in splice_node, turned on only once both are in place, and
 //     off first when splicing stops: each spliced connection then goes to TCP
 //     at its next write.
@@ -37,8 +38,12 @@ const DefaultSpliceMaxUnread = 1 << 20
 
 const spliceReadLink = "splice_read"
 
-// Reader variants by tcp_bpf_recvmsg's argument count: it lost nonblock in
-// Linux 5.19 and addr_len in 6.18.
+// spliceTracepointReader is the read accounting on the sock_recv_length
+// tracepoint, which attaches where function tracing (fexit) is refused.
+const spliceTracepointReader = "mesh_splice_read_tp"
+
+// Reader variants by tcp_bpf_recvmsg's argument count, for kernels without
+// the tracepoint: it lost nonblock in Linux 5.19 and addr_len in 6.18.
 var spliceReaders = map[int]string{
 	4: "mesh_splice_read_noaddr",
 	5: "mesh_splice_read",
@@ -58,7 +63,7 @@ func SpliceSupport() error {
 			func() error { return features.HaveProgramHelper(ebpf.SkMsg, asm.FnMsgRedirectHash) }},
 		{"bpf_get_netns_cookie in sk_msg programs",
 			func() error { return features.HaveProgramHelper(ebpf.SkMsg, asm.FnGetNetnsCookie) }},
-		{"tcp_bpf_recvmsg in the kernel's BTF", func() error { _, err := spliceReader(); return err }},
+		{"sock_recv_length or tcp_bpf_recvmsg in the kernel's BTF", func() error { _, err := spliceReader(); return err }},
 	}
 	var missing []error
 	for _, p := range probes {
@@ -69,12 +74,16 @@ func SpliceSupport() error {
 	return errors.Join(missing...)
 }
 
-// spliceReader names the read-accounting program matching this kernel's
-// tcp_bpf_recvmsg.
+// spliceReader names the read-accounting program for this kernel: the
+// tracepoint's where it has one, else the one matching its tcp_bpf_recvmsg.
 func spliceReader() (string, error) {
 	spec, err := btf.LoadKernelSpec()
 	if err != nil {
 		return "", fmt.Errorf("kernel BTF: %w", err)
+	}
+	var tp *btf.Typedef
+	if err := spec.TypeByName("btf_trace_sock_recv_length", &tp); err == nil {
+		return spliceTracepointReader, nil
 	}
 	var fn *btf.Func
 	if err := spec.TypeByName("tcp_bpf_recvmsg", &fn); err != nil {
@@ -162,7 +171,7 @@ func (d *Datapath) startSplice(spec *ebpf.CollectionSpec) error {
 	}
 	l, err := link.AttachTracing(link.TracingOptions{Program: coll.Programs[readSpec.Name]})
 	if err != nil {
-		return fmt.Errorf("attach the splice read accounting to tcp_bpf_recvmsg: %w", err)
+		return fmt.Errorf("attach the splice read accounting (%s): %w", reader, err)
 	}
 	if err := l.Pin(pin); err != nil {
 		l.Close()

@@ -46,13 +46,14 @@ func addMeshPod(ctx context.Context, t *testing.T, node *harness.Node, list *lib
 	return &meshPod{Pod: p}
 }
 
-// startProxy runs the reference proxy inside the pod, the way a sidecar runs.
-func (p *meshPod) startProxy(ctx context.Context, t *testing.T) {
+// startProxy runs the reference proxy inside the pod, the way a sidecar runs,
+// with args added to its flags.
+func (p *meshPod) startProxy(ctx context.Context, t *testing.T, args ...string) {
 	t.Helper()
 	p.records = filepath.Join(t.TempDir(), p.Name+"-records.jsonl")
 	p.proxy = p.Start(t, harness.ProcessOptions{
 		Path: harness.Bins(t).Path("refproxy"),
-		Args: []string{"-record", p.records},
+		Args: append([]string{"-record", p.records}, args...),
 		Name: "refproxy-" + p.Name,
 	})
 	readyCtx, cancel := context.WithTimeout(ctx, 30*time.Second)

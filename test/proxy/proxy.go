@@ -69,6 +69,10 @@ type Config struct {
 	// its original destination, with no lookup and no loop check: two proxies
 	// chained explicitly, the "no capture at all" limit in benchmarks.
 	ForwardTo netip.AddrPort
+	// ReadCopy copies with read(2) and write(2) instead of splice(2): what a
+	// proxy must do under the data path's --splice, whose bytes splice(2)
+	// from the socket does not see.
+	ReadCopy bool
 	// DialTimeout bounds each onward connect; 0 means DefaultDialTimeout.
 	DialTimeout time.Duration
 	// NetNS, when set, is the network namespace the proxy listens and dials in,
@@ -366,7 +370,7 @@ func (p *Proxy) proxy(client *net.TCPConn, ln *listener, rec *Record) error {
 		if err != nil {
 			p.log.Debug("echo without original destination", zap.Error(err))
 		}
-		n, err := io.Copy(client, client)
+		n, err := p.copy(client, client)
 		rec.BytesToDst, rec.BytesToClient = n, n
 		if err != nil {
 			return fmt.Errorf("echo: %w", err)
@@ -398,7 +402,7 @@ func (p *Proxy) forward(client *net.TCPConn, dst netip.AddrPort, rec *Record) er
 	defer p.removeOnward(self)
 	stop := context.AfterFunc(p.ctx, func() { upstream.Close() })
 	defer stop()
-	rec.BytesToDst, rec.BytesToClient, err = pipe(client, upstream)
+	rec.BytesToDst, rec.BytesToClient, err = pipe(client, upstream, p.copy)
 	return err
 }
 
@@ -435,11 +439,20 @@ func (p *Proxy) destination(c *net.TCPConn, dir Direction, local netip.AddrPort)
 	return netip.AddrPort{}, SourceNone, fmt.Errorf("original destination: %w", err)
 }
 
-// pipe copies both ways until both directions end. io.Copy between two
-// *net.TCPConn uses splice(2). A direction that ends cleanly passes the client's or
-// server's FIN on with CloseWrite so the other direction keeps flowing (half-close);
-// one that fails resets both sides.
-func pipe(client, upstream *net.TCPConn) (toDst, toClient int64, err error) {
+// copy copies src to dst until src ends: with splice(2) (io.Copy between two
+// *net.TCPConn), or with read(2) and write(2) under Config.ReadCopy, where the
+// wrappers hide ReadFrom and WriteTo.
+func (p *Proxy) copy(dst, src *net.TCPConn) (int64, error) {
+	if p.cfg.ReadCopy {
+		return io.Copy(struct{ io.Writer }{dst}, struct{ io.Reader }{src})
+	}
+	return io.Copy(dst, src)
+}
+
+// pipe copies both ways with cp until both directions end. A direction that ends
+// cleanly passes the client's or server's FIN on with CloseWrite so the other
+// direction keeps flowing (half-close); one that fails resets both sides.
+func pipe(client, upstream *net.TCPConn, cp func(dst, src *net.TCPConn) (int64, error)) (toDst, toClient int64, err error) {
 	var (
 		wg    sync.WaitGroup
 		upErr error
@@ -447,10 +460,10 @@ func pipe(client, upstream *net.TCPConn) (toDst, toClient int64, err error) {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		toDst, upErr = io.Copy(upstream, client)
+		toDst, upErr = cp(upstream, client)
 		endHalf(upstream, client, upErr)
 	}()
-	toClient, downErr := io.Copy(client, upstream)
+	toClient, downErr := cp(client, upstream)
 	endHalf(client, upstream, downErr)
 	wg.Wait()
 	if upErr != nil {

@@ -52,8 +52,8 @@ var Suites = []Suite{
 	{
 		Name:    "traffic",
 		Package: "./test/e2e",
-		Tests:   []string{"TestRedirectThroughChain", "TestFailClosedAndRelease", "TestAgentRestartKeepsDataPath"},
+		Tests:   []string{"TestRedirectThroughChain", "TestFailClosedAndRelease", "TestAgentRestartKeepsDataPath", "TestSpliceThroughChain"},
 		Timeout: 6 * time.Minute,
-		Claim:   "pods enrolled through the chain: their traffic through the reference proxies both ways over IPv4 and IPv6, fail-closed without a proxy, release on DEL, and an agent killed and restarted without a connection failing",
+		Claim:   "pods enrolled through the chain: their traffic through the reference proxies both ways over IPv4 and IPv6, fail-closed without a proxy, release on DEL, an agent killed and restarted without a connection failing, and with `--splice` the client's writes and the server's answers spliced into their proxies",
 	},
 }
