@@ -25,16 +25,27 @@ const (
 	varIPTables = "iptables"
 	varNFTables = "nftables"
 	varIstio    = "istio-cni"
+	// The splice and its baselines, whose proxies copy with read(2), as
+	// --splice asks of a proxy (the others' copy with splice(2)).
+	varLimitRead = "limit-read"
+	varEBPFRead  = "ebpf-read"
+	varSplice    = "splice"
 )
 
 var variantLabels = map[string]string{
-	varDirect:   "direct, no proxy",
-	varLimit:    "proxy port dialed, no capture",
-	varEBPF:     "eBPF (mesh-cni)",
-	varIPTables: "iptables REDIRECT",
-	varNFTables: "nftables redirect",
-	varIstio:    "istio-cni's in-pod rules",
+	varDirect:    "direct, no proxy",
+	varLimit:     "proxy port dialed, no capture",
+	varEBPF:      "eBPF (mesh-cni)",
+	varIPTables:  "iptables REDIRECT",
+	varNFTables:  "nftables redirect",
+	varIstio:     "istio-cni's in-pod rules",
+	varLimitRead: "proxy port dialed, no capture (proxies read(2))",
+	varEBPFRead:  "eBPF (mesh-cni), proxies read(2)",
+	varSplice:    "eBPF with --splice, proxies read(2)",
 }
+
+// readCopy says which variants' proxies copy with read(2).
+var readCopy = map[string]bool{varLimitRead: true, varEBPFRead: true, varSplice: true}
 
 // forwardToFlag is the refproxy flag the "limit" variant of the full chain
 // needs: forward every accepted connection to one fixed address instead of its
@@ -59,6 +70,8 @@ type captureEnv struct {
 	echo []captureSetup
 	// noLimit says why the chain has no "limit" variant ("" when it has one).
 	noLimit string
+	// noSplice says why there is no "splice" variant ("" when there is).
+	noSplice string
 }
 
 // BenchmarkCapture measures connection capture pod→pod on one node: the same
@@ -78,8 +91,10 @@ func BenchmarkCapture(b *testing.B) {
 	ctx := benchContext(b, 40*time.Minute)
 	env := newCaptureEnv(ctx, b)
 	res := newResult(b, "capture", "Connection capture: eBPF vs istio-cni's rules vs iptables vs nftables", "BenchmarkCapture", captureDescription(env))
-	if env.noLimit != "" {
-		res.Notes = append(res.Notes, env.noLimit)
+	for _, note := range []string{env.noLimit, env.noSplice} {
+		if note != "" {
+			res.Notes = append(res.Notes, note)
+		}
 	}
 	rounds := size(20, 3)
 
@@ -96,6 +111,7 @@ func BenchmarkCapture(b *testing.B) {
 			reportRatio(b, &rate, cfg.name+":", varEBPF, rate.Baseline)
 			reportRatio(b, &rate, cfg.name+":", varEBPF, varIPTables)
 			reportRatio(b, &rate, cfg.name+":", varEBPF, varIstio)
+			reportRatio(b, &rate, cfg.name+":", varSplice, varLimitRead)
 		}
 		b.ReportMetric(0, "ns/op")
 	})
@@ -112,6 +128,7 @@ func BenchmarkCapture(b *testing.B) {
 			res.Metrics = append(res.Metrics, m, cpu)
 			report(b, &m, varEBPF, 0, cfg.name+"-us")
 			reportRatio(b, &cpu, cfg.name+"-cpu:", varEBPF, varIstio)
+			reportRatio(b, &m, cfg.name+":", varSplice, varLimitRead)
 		}
 		b.ReportMetric(0, "ns/op")
 	})
@@ -129,6 +146,7 @@ func BenchmarkCapture(b *testing.B) {
 			}
 			res.Metrics = append(res.Metrics, m)
 			reportRatio(b, &m, cfg.name+":", varEBPF, m.Baseline)
+			reportRatio(b, &m, cfg.name+":", varSplice, varLimitRead)
 		}
 		b.ReportMetric(0, "ns/op")
 	})
@@ -156,6 +174,9 @@ func captureDescription(env *captureEnv) string {
 		"Variants: `direct` = no proxy, no capture; `ebpf` = pods added through [bridge, mesh-cni] with a real `mesh-agent` (eBPF data path); " +
 		"`iptables` / `nftables` = pods added through [bridge] with in-pod NAT REDIRECT rules like Istio ambient's (`test/capture`); " +
 		"`istio-cni` = pods added through [bridge] with Istio ambient's own in-pod rules, written by istio-cni's code (`hack/istio-inpod`: its nat, mangle and raw chains, the policy route and the mark rule, DNS capture on as in its chart); " + limit + " " +
+		"`splice` = pods of a second `mesh-agent`, run with `--splice`: what an application writes to its proxy is moved into the proxy's socket instead of through loopback TCP. " +
+		"Its proxies copy with read(2) and write(2) (refproxy `-read-copy`), as the splice asks of a proxy, where the others' copy with splice(2); `limit-read` and `ebpf-read` are `limit` and `ebpf` with those same proxies, the splice's own baselines. " +
+		"The splice's read accounting runs on every socket read of the node, in every variant alike, and leaves at its first lookup for the sockets that are not spliced. " +
 		"Two configurations: **chain** = client → client proxy → server proxy → server, a mesh's real path; " +
 		"**capture** = the client's proxy runs with `-echo` and answers itself, which isolates the capture (the `limit` there dials 127.0.0.1:15001 of an echoing proxy). " +
 		"Throughput: in the chain, uploads of 128 MiB (32 MiB in quick mode) to a counting sink; in the capture-only configuration the same amount sent and echoed back at once. " +
@@ -172,8 +193,24 @@ func newCaptureEnv(ctx context.Context, b *testing.B) *captureEnv {
 	node := harness.NewNode(b, harness.NodeOptions{Plugins: append(harness.ReferencePluginNames(), "mesh-cni")})
 	bridgeOnly := node.Conflist(b, benchNet)
 	withMesh := node.Conflist(b, benchNet, a.meshEntry("mesh-cni"))
+	// The splice's pods are another agent's, with --splice: data paths of
+	// several agents share the cgroup root, each acting on its own pods.
+	sa := newAgent(b, agentOptions{Args: []string{"--splice"}})
+	if _, _, err := sa.start(ctx); err != nil {
+		b.Fatal(err)
+	}
+	withSplice := node.Conflist(b, benchNet, sa.meshEntry("mesh-cni"))
 	refproxy := harness.Bins(b).Path("refproxy")
 	env := &captureEnv{}
+	if _, on := sa.logFields("splicing the pod-local hop into the proxy", 0); on == 0 {
+		why := "no reason logged"
+		for _, line := range strings.Split(sa.proc.Output(), "\n") {
+			if strings.Contains(line, "splicing is off") {
+				why = line
+			}
+		}
+		env.noSplice = "There is no `splice` variant: the agent with `--splice` could not splice on this kernel (its log: " + why + ")."
+	}
 	spawn := newSpawner(b)
 	if !refproxyHasFlag(b, refproxy, forwardToFlag) {
 		env.noLimit = "The full-chain `limit` variant is missing: the reference proxy has no `-" + forwardToFlag +
@@ -214,16 +251,28 @@ func newCaptureEnv(ctx context.Context, b *testing.B) *captureEnv {
 		})
 	}
 	listFor := func(variant string) *libcni.NetworkConfigList {
-		if variant == varEBPF {
+		switch variant {
+		case varEBPF, varEBPFRead:
 			return withMesh
+		case varSplice:
+			return withSplice
 		}
 		return bridgeOnly
+	}
+	proxyArgs := func(variant string, args ...string) []string {
+		if readCopy[variant] {
+			return append(args, "-read-copy")
+		}
+		return args
 	}
 
 	// Full chain: a client and a server pod per variant.
 	chainVariants := []string{varDirect, varEBPF, varIstio, varIPTables, varNFTables}
 	if env.noLimit == "" {
-		chainVariants = []string{varDirect, varLimit, varEBPF, varIstio, varIPTables, varNFTables}
+		chainVariants = []string{varDirect, varLimit, varEBPF, varIstio, varIPTables, varNFTables, varLimitRead, varEBPFRead}
+	}
+	if env.noSplice == "" {
+		chainVariants = append(chainVariants, varSplice)
 	}
 	for _, v := range chainVariants {
 		cp := addPod(listFor(v), v+"-client")
@@ -232,13 +281,13 @@ func newCaptureEnv(ctx context.Context, b *testing.B) *captureEnv {
 		target := netip.AddrPortFrom(sp.IPv4(b), appPort)
 		switch v {
 		case varDirect:
-		case varLimit:
-			startRefproxy(ctx, b, spawn, cp, "-"+forwardToFlag, netip.AddrPortFrom(sp.IPv4(b), proxy.DefaultInboundPort).String())
-			startRefproxy(ctx, b, spawn, sp, "-"+forwardToFlag, target.String())
+		case varLimit, varLimitRead:
+			startRefproxy(ctx, b, spawn, cp, proxyArgs(v, "-"+forwardToFlag, netip.AddrPortFrom(sp.IPv4(b), proxy.DefaultInboundPort).String())...)
+			startRefproxy(ctx, b, spawn, sp, proxyArgs(v, "-"+forwardToFlag, target.String())...)
 			target = netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), proxy.DefaultOutboundPort)
 		default:
-			startRefproxy(ctx, b, spawn, cp)
-			startRefproxy(ctx, b, spawn, sp)
+			startRefproxy(ctx, b, spawn, cp, proxyArgs(v)...)
+			startRefproxy(ctx, b, spawn, sp, proxyArgs(v)...)
 			install(cp, v)
 			install(sp, v)
 		}
@@ -247,12 +296,16 @@ func newCaptureEnv(ctx context.Context, b *testing.B) *captureEnv {
 	// Capture only: one client pod per variant with an echoing proxy; the
 	// destination is the direct server, which the capture never lets it reach.
 	nominal := env.chain[0].client.target
-	for _, v := range []string{varLimit, varEBPF, varIstio, varIPTables, varNFTables} {
+	echoVariants := []string{varLimit, varEBPF, varIstio, varIPTables, varNFTables, varLimitRead, varEBPFRead}
+	if env.noSplice == "" {
+		echoVariants = append(echoVariants, varSplice)
+	}
+	for _, v := range echoVariants {
 		cp := addPod(listFor(v), v+"-echo")
-		startRefproxy(ctx, b, spawn, cp, "-echo")
+		startRefproxy(ctx, b, spawn, cp, proxyArgs(v, "-echo")...)
 		install(cp, v)
 		target := nominal
-		if v == varLimit {
+		if v == varLimit || v == varLimitRead {
 			target = netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), proxy.DefaultOutboundPort)
 		}
 		env.echo = append(env.echo, captureSetup{variant: v, client: client{netns: cp.NetNSPath, target: target}})

@@ -104,8 +104,9 @@ func writeTargets(w *bytes.Buffer, rs []*results.Result, dir string) {
 		enrollRelease(d), enrollVsIPTables(d),
 		connRateVsLimit(d), connRateVsInPod(d, "iptables", "iptables REDIRECT"),
 		connRateVsInPod(d, "istio-cni", "istio-cni's in-pod rules"), requestVsIstio(d), throughputVsLimit(d),
-		enrollScaling(d), agentMemory(d), restartReady(d),
 	}
+	ts = append(ts, spliceTargets(d)...)
+	ts = append(ts, enrollScaling(d), agentMemory(d), restartReady(d))
 	fmt.Fprintf(w, "## Targets\n\n")
 	fmt.Fprintf(w, "Each target checked against this run; ratios are between variants measured side by side in the same run. "+
 		"The thresholds are the targets' own; every other number below comes from this run's samples.\n\n")
@@ -693,4 +694,72 @@ func restartReady(d data) target {
 	t.status = check(worst < 2000)
 	t.limits = fmt.Sprintf("%s ms against 2000 ms: a restart adopts the pinned data path and reconciles every enrolled pod (its namespace, its sk_lookup link) before it is ready.", num(worst))
 	return t
+}
+
+// spliceTargets check the splice (variant "splice": --splice, its proxies
+// copying with read(2)) against the no-capture limit with the same proxies
+// ("limit-read") and against istio-cni's rules, each with the splice's own
+// gain over the same capture without it ("ebpf-read").
+func spliceTargets(d data) []target {
+	const (
+		splice, limit, plain = "splice", "limit-read", "ebpf-read"
+		hops                 = "The splice takes two directions of the pod-local hops out of TCP: the client's writes into its proxy and the server's answers into its proxy. " +
+			"The proxies' writes to their applications and the proxy-to-proxy hop stay TCP."
+	)
+	gain := func(metric string) string {
+		if r, cfg := captureRatio(d, metric, splice, plain); ok(r) {
+			return fmt.Sprintf("; against the same capture without it: %.3f× (%s)", r, configNote(cfg))
+		}
+		return ""
+	}
+	ratio := func(goal, metric, baseline string, want float64, higher bool) target {
+		t := target{goal: goal}
+		r, cfg := captureRatio(d, metric, splice, baseline)
+		if !ok(r) {
+			return t
+		}
+		t.measured = fmt.Sprintf("%.3f× (paired median, %s%s)%s", r, configNote(cfg), otherConfig(d, metric, splice, baseline, cfg), gain(metric))
+		t.status = check((higher && r >= want) || (!higher && r <= want))
+		t.limits = join(fmt.Sprintf("%.3f× against %.2f×.", r, want), hops, loadNote(d, "capture"))
+		return t
+	}
+	request := func(goal, baseline string, want float64, quantile float64) target {
+		t := target{goal: goal}
+		m := d.metric("capture", "rr-chain")
+		if m == nil {
+			return t
+		}
+		a, b := m.Find(splice, 0), m.Find(baseline, 0)
+		if a == nil || b == nil {
+			return t
+		}
+		var r float64
+		if quantile == 0.5 {
+			var found bool
+			if r, found = results.PairedRatio(a, b); !found {
+				return t
+			}
+		} else {
+			r = results.Quantile(samplesOf(a), quantile) / results.Quantile(samplesOf(b), quantile)
+		}
+		if !ok(r) {
+			return t
+		}
+		qa, qb := results.Quantile(samplesOf(a), quantile), results.Quantile(samplesOf(b), quantile)
+		t.measured = fmt.Sprintf("%.3f× (p%.0f %s µs vs %s µs)", r, 100*quantile, num(qa), num(qb))
+		if p, found := results.PairedRatio(a, m.Find(plain, 0)); found && ok(p) {
+			t.measured += fmt.Sprintf("; against the same capture without it: %.3f× (paired median)", p)
+		}
+		t.status = check(r <= want)
+		t.limits = join(fmt.Sprintf("%.3f× against %.2f×.", r, want), hops, loadNote(d, "capture"))
+		return t
+	}
+	return []target{
+		request("splice: request/response p50 ≤ 0.85× the no-capture limit (full chain, proxies read(2))", limit, 0.85, 0.5),
+		request("splice: request/response p99 ≤ 0.95× the no-capture limit (full chain, proxies read(2))", limit, 0.95, 0.99),
+		ratio("splice: throughput ≥ 1.3× the no-capture limit (proxies read(2))", "throughput", limit, 1.3, true),
+		ratio("splice: conn/s ≥ 0.98× the no-capture limit (proxies read(2))", "conn-rate", limit, 0.98, true),
+		ratio("splice: conn/s ≥ 1.2× istio-cni's in-pod rules", "conn-rate", "istio-cni", 1.2, true),
+		request("splice: request/response p50 ≤ 0.70× istio-cni's in-pod rules (full chain)", "istio-cni", 0.70, 0.5),
+	}
 }
