@@ -393,7 +393,7 @@ struct {
 
 enum splice_state {
 	SPLICE_PENDING = 0, // the application's side is up, the proxy's not yet
-	SPLICE_READY = 1,   // both sides are in splice_socks
+	SPLICE_READY = 1,   // both sides are in their sockhash
 	SPLICE_TCP = 2,     // plain TCP for the rest of the connection
 	SPLICE_BEHIND = 3,  // the proxy fell behind: TCP until it read everything
 };
@@ -426,13 +426,26 @@ struct {
 	__type(value, struct splice_config);
 } splice_node SEC(".maps");
 
-// Both sockets of a spliced connection, each under its own tuple.
+// The applications' sockets of spliced connections, each under its own tuple:
+// the sk_msg program is attached to this map, so it runs for their writes.
 struct {
 	__uint(type, BPF_MAP_TYPE_SOCKHASH);
 	__uint(max_entries, 131072);
 	__type(key, struct tuple_key);
 	__type(value, __u64);
 } splice_socks SEC(".maps");
+
+// The proxies' sockets of spliced connections, the redirects' targets. No
+// program is attached to this map: a socket in a sockhash without one keeps
+// the kernel's plain TCP send path, and only its reader changes (to the one
+// that takes the redirected bytes first), so the proxy's own writes cost
+// nothing more.
+struct {
+	__uint(type, BPF_MAP_TYPE_SOCKHASH);
+	__uint(max_entries, 65536);
+	__type(key, struct tuple_key);
+	__type(value, __u64);
+} splice_targets SEC(".maps");
 
 // The spliced directions. LRU: an entry lost under pressure sends its
 // connection to TCP, which is safe.
@@ -1080,7 +1093,7 @@ static __always_inline void splice_app_connected(struct bpf_sock_ops *ctx, struc
 }
 
 // splice_proxy_side puts the proxy's socket (own is its key) of a pod-local
-// connection into splice_socks and makes its direction ready: the pending one
+// connection into splice_targets and makes its direction ready: the pending one
 // of an application that connected first, or a new one when the proxy
 // connected (the application's side then joins when it is established).
 static __always_inline void splice_proxy_side(struct bpf_sock_ops *ctx, struct bpf_sock *sk, struct tuple_key *own,
@@ -1094,7 +1107,7 @@ static __always_inline void splice_proxy_side(struct bpf_sock_ops *ctx, struct b
 		if (!pending || pending->state != SPLICE_PENDING)
 			return;
 	}
-	if (bpf_sock_hash_update(ctx, &splice_socks, own, BPF_NOEXIST))
+	if (bpf_sock_hash_update(ctx, &splice_targets, own, BPF_NOEXIST))
 		return;
 	struct tuple_key *rx = bpf_sk_storage_get(&splice_rx, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
 	if (!rx)
@@ -1641,11 +1654,10 @@ static __always_inline bool msg_proxy_key(struct sk_msg_md *msg, struct tuple_ke
 	return true;
 }
 
-// mesh_splice_msg runs for every write on a socket in splice_socks: the
-// application's side of a spliced connection (its writes go to the proxy) and
-// the proxy's (its writes to the application always go through TCP: no entry
-// is keyed by the application's socket). Returning SK_PASS without a redirect
-// sends the bytes through TCP.
+// mesh_splice_msg runs for every write on a socket in splice_socks, the
+// application's side of a spliced connection: its writes go to the proxy's
+// socket in splice_targets. Returning SK_PASS without a redirect sends the
+// bytes through TCP.
 SEC("sk_msg")
 int mesh_splice_msg(struct sk_msg_md *msg)
 {
@@ -1685,7 +1697,7 @@ int mesh_splice_msg(struct sk_msg_md *msg)
 		f->state = SPLICE_BEHIND;
 		return SK_PASS;
 	}
-	if (bpf_msg_redirect_hash(msg, &splice_socks, &k, BPF_F_INGRESS) != SK_PASS) {
+	if (bpf_msg_redirect_hash(msg, &splice_targets, &k, BPF_F_INGRESS) != SK_PASS) {
 		f->state = SPLICE_TCP;
 		return SK_PASS;
 	}

@@ -177,6 +177,7 @@ const (
 	redirectMapSpliceNode              = "splice_node"
 	redirectMapSpliceRx                = "splice_rx"
 	redirectMapSpliceSocks             = "splice_socks"
+	redirectMapSpliceTargets           = "splice_targets"
 	redirectProgMeshConnect4           = "mesh_connect4"
 	redirectProgMeshConnect6           = "mesh_connect6"
 	redirectProgMeshGetpeername4       = "mesh_getpeername4"
@@ -287,6 +288,7 @@ type redirectMapSpecs struct {
 	SpliceNode    *ebpf.MapSpec `ebpf:"splice_node"`
 	SpliceRx      *ebpf.MapSpec `ebpf:"splice_rx"`
 	SpliceSocks   *ebpf.MapSpec `ebpf:"splice_socks"`
+	SpliceTargets *ebpf.MapSpec `ebpf:"splice_targets"`
 }
 
 // redirectVariableSpecs contains global variables before they are loaded into the kernel.
@@ -337,6 +339,7 @@ type redirectMaps struct {
 	SpliceNode    *ebpf.Map `ebpf:"splice_node"`
 	SpliceRx      *ebpf.Map `ebpf:"splice_rx"`
 	SpliceSocks   *ebpf.Map `ebpf:"splice_socks"`
+	SpliceTargets *ebpf.Map `ebpf:"splice_targets"`
 }
 
 func (m *redirectMaps) Close() error {
@@ -363,6 +366,7 @@ func (m *redirectMaps) Close() error {
 		m.SpliceNode,
 		m.SpliceRx,
 		m.SpliceSocks,
+		m.SpliceTargets,
 	)
 }
 

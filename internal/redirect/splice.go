@@ -20,7 +20,8 @@ import (
 // direction into the application stays on TCP. bpf/redirect.c says what
 // decides per connection. What the Go side owns:
 //   - the sk_msg program, attached to the splice_socks sockhash, which sockops
-//     fills at establishment: a socket keeps the program it was inserted with;
+//     fills with applications' sockets at establishment (a socket keeps the
+//     program it was inserted with), the proxies' going to splice_targets;
 //   - the read accounting, pinned as links/splice_read, without which every
 //     connection goes to TCP after max_unread bytes and never comes back: a
 //     program on the sock_recv_length tracepoint (Linux 6.3 and later), else
@@ -134,7 +135,7 @@ func (d *Datapath) startSplice(spec *ebpf.CollectionSpec) error {
 	}
 	m := &d.objs.redirectMaps
 	replace := map[string]*ebpf.Map{
-		"splice_node": m.SpliceNode, "splice_socks": m.SpliceSocks,
+		"splice_node": m.SpliceNode, "splice_socks": m.SpliceSocks, "splice_targets": m.SpliceTargets,
 		"splice_flows": m.SpliceFlows, "splice_rx": m.SpliceRx,
 	}
 	msgSpec := spec.Programs["mesh_splice_msg"]
