@@ -1675,20 +1675,20 @@ int mesh_splice_msg(struct sk_msg_md *msg)
 		if (state == SPLICE_PENDING)
 			return SK_PASS;
 	}
-	struct splice_config *c = splice_enabled();
 	if (state == SPLICE_BEHIND) {
 		// The writes of one socket are serialized, and its write_seq
 		// counts exactly what TCP took of them: once the proxy has read up
 		// to it, no TCP byte is unread or in flight, and a spliced one
 		// cannot overtake one.
 		struct tcp_sock___splice *tp = (void *)bpf_skc_to_tcp_sock(msg->sk);
-		if (!c || !tp || tp->write_seq != f->proxy_copied)
+		if (!tp || tp->write_seq != f->proxy_copied)
 			return SK_PASS;
 		state = SPLICE_READY;
 		f->state = SPLICE_READY;
 	}
 	if (state != SPLICE_READY)
 		return SK_PASS;
+	struct splice_config *c = splice_enabled();
 	if (!c) {
 		f->state = SPLICE_TCP;
 		return SK_PASS;

@@ -32,9 +32,10 @@ import (
 
 // DefaultSpliceMaxUnread is how many spliced bytes a proxy may leave unread on
 // one connection before its writes go through TCP, whose buffers push back on
-// the writer, until the proxy has caught up: a redirect is charged to no socket buffer limit, so without the
-// bound one pod could fill the node's TCP memory. 1 MiB is below what
-// loopback TCP buffers by default (tcp_rmem's and tcp_wmem's maximums).
+// the writer, until the proxy has caught up: a redirect is charged to no
+// socket buffer limit, so without the bound one pod could fill the node's TCP
+// memory. 1 MiB is below what loopback TCP buffers by default (tcp_rmem's and
+// tcp_wmem's maximums).
 const DefaultSpliceMaxUnread = 1 << 20
 
 const spliceReadLink = "splice_read"
