@@ -267,9 +267,9 @@ func newCaptureEnv(ctx context.Context, b *testing.B) *captureEnv {
 	}
 
 	// Full chain: a client and a server pod per variant.
-	chainVariants := []string{varDirect, varEBPF, varIstio, varIPTables, varNFTables}
+	chainVariants := []string{varDirect, varEBPF, varIstio, varIPTables, varNFTables, varEBPFRead}
 	if env.noLimit == "" {
-		chainVariants = []string{varDirect, varLimit, varEBPF, varIstio, varIPTables, varNFTables, varLimitRead, varEBPFRead}
+		chainVariants = append(chainVariants, varLimit, varLimitRead)
 	}
 	if env.noSplice == "" {
 		chainVariants = append(chainVariants, varSplice)

@@ -122,9 +122,9 @@ func roundTrip(ctx context.Context, p *harness.Pod, addr netip.AddrPort, payload
 	return roundTripMarked(ctx, p, addr, payload, 0)
 }
 
-// roundTripMarked is roundTrip with SO_MARK set on the client socket before it
-// connects (0: none).
-func roundTripMarked(ctx context.Context, p *harness.Pod, addr netip.AddrPort, payload []byte, mark int) error {
+// dialInPod connects from inside pod p, with SO_MARK set on the socket before
+// it connects (0: none), within 5 seconds.
+func dialInPod(ctx context.Context, p *harness.Pod, addr netip.AddrPort, mark int) (net.Conn, error) {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	var c net.Conn
@@ -142,7 +142,17 @@ func roundTripMarked(ctx context.Context, p *harness.Pod, addr netip.AddrPort, p
 		return err
 	})
 	if err != nil {
-		return fmt.Errorf("dial %s from pod %s: %w", addr, p.Name, err)
+		return nil, fmt.Errorf("dial %s from pod %s: %w", addr, p.Name, err)
+	}
+	return c, nil
+}
+
+// roundTripMarked is roundTrip with SO_MARK set on the client socket before it
+// connects (0: none).
+func roundTripMarked(ctx context.Context, p *harness.Pod, addr netip.AddrPort, payload []byte, mark int) error {
+	c, err := dialInPod(ctx, p, addr, mark)
+	if err != nil {
+		return err
 	}
 	defer c.Close()
 	c.SetDeadline(time.Now().Add(5 * time.Second))

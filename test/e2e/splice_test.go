@@ -2,7 +2,6 @@ package e2e
 
 import (
 	"bytes"
-	"context"
 	"fmt"
 	"io"
 	"net"
@@ -53,7 +52,11 @@ func TestSpliceThroughChain(t *testing.T) {
 	}
 	for i, dst := range []netip.Addr{srv.IPv4(t), srv.IPv6(t)} {
 		target := netip.AddrPortFrom(dst, 8080)
-		c := dialFrom(ctx, t, client.Pod, target)
+		c, err := dialInPod(ctx, client.Pod, target, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
 		if err := echoed(c, payload[:64<<10]); err != nil {
 			t.Fatalf("%s: %v", target, err)
 		}
@@ -79,23 +82,6 @@ func TestSpliceThroughChain(t *testing.T) {
 			return spliceState("spliced")+spliceState("behind")+spliceState("tcp")+spliceState("pending") == 0
 		})
 	}
-}
-
-// dialFrom connects from inside pod p.
-func dialFrom(ctx context.Context, t *testing.T, p *harness.Pod, addr netip.AddrPort) net.Conn {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	var c net.Conn
-	if err := p.Do(func() error {
-		var err error
-		c, err = (&net.Dialer{}).DialContext(ctx, "tcp", addr.String())
-		return err
-	}); err != nil {
-		t.Fatalf("dial %s from pod %s: %v", addr, p.Name, err)
-	}
-	t.Cleanup(func() { c.Close() })
-	return c
 }
 
 // echoed writes payload on c while reading its echo, and checks the echo.

@@ -733,19 +733,19 @@ func spliceTargets(d data) []target {
 		if a == nil || b == nil {
 			return t
 		}
-		var r float64
+		// The median is compared round by round, as everywhere else; a tail
+		// quantile over all samples.
+		qa, qb := results.Quantile(samplesOf(a), quantile), results.Quantile(samplesOf(b), quantile)
+		r := qa / qb
 		if quantile == 0.5 {
 			var found bool
 			if r, found = results.PairedRatio(a, b); !found {
 				return t
 			}
-		} else {
-			r = results.Quantile(samplesOf(a), quantile) / results.Quantile(samplesOf(b), quantile)
 		}
 		if !ok(r) {
 			return t
 		}
-		qa, qb := results.Quantile(samplesOf(a), quantile), results.Quantile(samplesOf(b), quantile)
 		t.measured = fmt.Sprintf("%.3f× (p%.0f %s µs vs %s µs)", r, 100*quantile, num(qa), num(qb))
 		if p, found := results.PairedRatio(a, m.Find(plain, 0)); found && ok(p) {
 			t.measured += fmt.Sprintf("; against the same capture without it: %.3f× (paired median)", p)
