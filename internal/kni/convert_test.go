@@ -263,6 +263,8 @@ func FuzzAttachToGate(f *testing.F) {
 	f.Add(mustMarshal(f, &knipb.AttachInterfaceRequest{Id: "x", Name: "a", Namespace: "b"}),
 		mustMarshal(f, &knipb.AttachInterfaceResponse{Extradata: map[string]string{kni.ExtradataNetns: "/run/netns/n"},
 			Ipconfigs: map[string]*knipb.IPConfig{"eth0": {Ip: []string{"::ffff:10.0.0.1", "10.0.0.1/8"}}, "": {Mac: "bad"}}}))
+	f.Add(mustMarshal(f, &knipb.AttachInterfaceRequest{Id: "x", Name: "a", Namespace: "b", Isolation: req.GetIsolation(),
+		Labels: map[string]string{"": "x"}, Annotations: map[string]string{"": ""}}), mustMarshal(f, resp))
 	f.Add([]byte{}, []byte{})
 	f.Add([]byte{0x0a, 0xff}, []byte{0x0a})
 
@@ -303,8 +305,11 @@ func FuzzAttachToGate(f *testing.F) {
 		if add.GetNetnsPath() != wantNetns {
 			t.Fatalf("netns %q, want %q", add.GetNetnsPath(), wantNetns)
 		}
-		if !maps.Equal(add.GetPod().GetLabels(), req.GetLabels()) || !maps.Equal(add.GetPod().GetAnnotations(), req.GetAnnotations()) {
-			t.Fatal("labels or annotations not copied")
+		// Copied as the gate fits them: empty or oversized keys dropped, long
+		// values replaced, the pod never refused for them.
+		fit, _ := gate.FitPodMetadata(&gatepb.PodIdentity{Labels: req.GetLabels(), Annotations: req.GetAnnotations()})
+		if !maps.Equal(add.GetPod().GetLabels(), fit.GetLabels()) || !maps.Equal(add.GetPod().GetAnnotations(), fit.GetAnnotations()) {
+			t.Fatal("labels or annotations not copied as fitted")
 		}
 		var names []string
 		for _, i := range add.GetInterfaces() {

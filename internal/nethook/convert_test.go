@@ -143,6 +143,8 @@ func FuzzSetupToGate(f *testing.F) {
 		&nethookpb.SetupPodNetworkRequest{SandboxId: "a", NetnsPath: "/n", PodName: "p", PodNamespace: "n",
 			PrevResult: &nethookpb.SetupPodNetworkResponse{Interfaces: []*nethookpb.NetworkInterface{
 				{Name: "", Addresses: []string{"x"}}, {Name: "eth0", Addresses: []string{"fe80::1%eth0"}}}}},
+		&nethookpb.SetupPodNetworkRequest{SandboxId: "a", NetnsPath: "/n", PodName: "p", PodNamespace: "n",
+			Labels: map[string]string{"": "x"}, Annotations: map[string]string{"": ""}},
 	} {
 		b, err := proto.Marshal(m)
 		if err != nil {
@@ -182,9 +184,12 @@ func FuzzSetupToGate(f *testing.F) {
 		if a.GetContainerId() != req.GetSandboxId() || a.GetNetwork() != "nethook" || add.GetNetnsPath() != req.GetNetnsPath() || add.GetSource() != gatepb.Source_SOURCE_HOOK {
 			t.Fatalf("converted %v from sandbox %q netns %q", add, req.GetSandboxId(), req.GetNetnsPath())
 		}
+		// Labels and annotations are copied as the gate fits them (empty or
+		// oversized keys dropped, long values replaced), never refused.
 		p := add.GetPod()
+		fit, _ := gate.FitPodMetadata(&gatepb.PodIdentity{Labels: req.GetLabels(), Annotations: req.GetAnnotations()})
 		if p.GetName() != req.GetPodName() || p.GetNamespace() != req.GetPodNamespace() || p.GetUid() != req.GetPodUid() ||
-			!maps.Equal(p.GetLabels(), req.GetLabels()) || !maps.Equal(p.GetAnnotations(), req.GetAnnotations()) {
+			!maps.Equal(p.GetLabels(), fit.GetLabels()) || !maps.Equal(p.GetAnnotations(), fit.GetAnnotations()) {
 			t.Fatalf("pod %v from request %v", p, req)
 		}
 		// Interfaces: exactly the distinct NETDEV names with addresses, eth0 first.
