@@ -2,6 +2,8 @@ package bench
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"net/netip"
 	"os/exec"
 	"path/filepath"
@@ -150,7 +152,68 @@ func BenchmarkCapture(b *testing.B) {
 		}
 		b.ReportMetric(0, "ns/op")
 	})
+	b.Run("machine-profile", func(b *testing.B) {
+		profileSplice(ctx, b, res, env.chain)
+		b.ReportMetric(0, "ns/op")
+	})
 	finish(b, res)
+}
+
+// profileSplice records machine profiles (perf, every CPU, kernel included)
+// of the splice and of the same capture without it, each alone on the
+// machine, in the full chain: a bulk upload and a request/response batch.
+// They show what bounds the splice where it misses its targets.
+func profileSplice(ctx context.Context, b *testing.B, res *run, chain []captureSetup) {
+	const uploads = 8
+	uploadSize := int64(size(128<<20, 32<<20))
+	requests := size(10000, 2000)
+	buf := make([]byte, 256<<10)
+	for _, su := range chain {
+		if su.variant != varSplice && su.variant != varEBPFRead {
+			continue
+		}
+		for _, kind := range []struct {
+			name, title string
+			ops         int
+			op          string
+			run         func() error
+		}{
+			{"throughput", "bulk upload", uploads * int(uploadSize>>20), "MiB", func() error {
+				for range uploads {
+					if _, err := su.client.upload(ctx, uploadSize, buf); err != nil {
+						return err
+					}
+				}
+				return nil
+			}},
+			{"request", "request/response", requests, "request", func() error {
+				_, err := su.client.requests(ctx, requests)
+				return err
+			}},
+		} {
+			name := "machine-" + kind.name + "-" + su.variant
+			file, err := profileFile(outDir(b), name)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if err := machineProfile(ctx, file, kind.run); err != nil {
+				if errors.Is(err, errNoPerf) {
+					res.Notes = append(res.Notes, "No machine profiles: "+err.Error()+".")
+					return
+				}
+				b.Fatalf("%s: %v", name, err)
+			}
+			rel, _ := filepath.Rel(outDir(b), file)
+			res.Profiles = append(res.Profiles, results.Profile{
+				Name:       name,
+				Title:      fmt.Sprintf("Machine, %s, full chain: `%s` %s (perf, all CPUs, kernel included)", kind.title, su.variant, variantLabels[su.variant]),
+				File:       rel,
+				Command:    "go tool pprof -top " + filepath.Join(results.DefaultOut, rel),
+				Operations: kind.ops,
+				Operation:  kind.op,
+			})
+		}
+	}
 }
 
 func configTitle(name string) string {
@@ -182,7 +245,9 @@ func captureDescription(env *captureEnv) string {
 		"Throughput: in the chain, uploads of 128 MiB (32 MiB in quick mode) to a counting sink; in the capture-only configuration the same amount sent and echoed back at once. " +
 		"CPU per request: the machine's busy CPU time (user, system, irq and softirq of both CPUs, from /proc/stat, in 10 ms ticks) over a request batch, divided by its requests; only that variant runs meanwhile, so it is everything a request costs: client, application, both proxies and the kernel. " +
 		"In every round each variant runs one batch, in rotating order; rates are per batch (conn/s, MiB/s), latencies per operation. " +
-		"Ratios are paired: the median over rounds of variant ÷ baseline in the same round."
+		"Ratios are paired: the median over rounds of variant ÷ baseline in the same round. " +
+		"Machine profiles: after the rounds, `splice` and `ebpf-read` each run 8 uploads and one batch of 10,000 requests (2,000 in quick mode) of the full chain alone, under `perf record -a -g` " +
+		"(cpu-clock at 997 Hz on every CPU: user space, kernel and softirq, whichever process they run for; idle CPUs left out), converted to pprof with each process's name as the root of its stacks."
 }
 
 func newCaptureEnv(ctx context.Context, b *testing.B) *captureEnv {

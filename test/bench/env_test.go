@@ -44,7 +44,7 @@ func benchContext(b *testing.B, d time.Duration) context.Context {
 	return ctx
 }
 
-func requireRoot(b *testing.B) {
+func requireRoot(b testing.TB) {
 	b.Helper()
 	if os.Geteuid() != 0 {
 		b.Fatal("the benchmarks make network namespaces, load BPF and run CNI plugins: run them as root")

@@ -99,9 +99,12 @@ func topFunctions(path string, n int) ([]funcCost, int64, float64, error) {
 }
 
 // interesting drops the runtime's and the standard library's scheduling frames
-// that top every cumulative list (main, goexit, ...) without saying anything.
+// that top every cumulative list (main, goexit, ...) without saying anything,
+// and the kernel's system call entry, under every system call of a machine
+// profile.
 func interesting(name string) bool {
-	for _, boring := range []string{"runtime.goexit", "runtime.main", "main.main", "runtime.mcall", "runtime.systemstack"} {
+	for _, boring := range []string{"runtime.goexit", "runtime.main", "main.main", "runtime.mcall", "runtime.systemstack",
+		"entry_SYSCALL_64_after_hwframe", "do_syscall_64", "x64_sys_call"} {
 		if name == boring {
 			return false
 		}

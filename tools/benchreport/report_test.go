@@ -7,8 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/google/pprof/profile"
-
 	"github.com/mesh-cni/mesh-cni/test/bench/results"
 )
 
@@ -99,28 +97,11 @@ func writeFixture(t *testing.T, dir string) {
 // program load: 4 ms in all, 3 of them in the load.
 func writeProfile(t *testing.T, path string) {
 	t.Helper()
-	work := &profile.Function{ID: 1, Name: "github.com/mesh-cni/mesh-cni/internal/agent.(*Service).Add"}
-	hot := &profile.Function{ID: 2, Name: "github.com/mesh-cni/mesh-cni/internal/redirect.(*lookupTemplate).load"}
-	lWork := &profile.Location{ID: 1, Line: []profile.Line{{Function: work}}}
-	lHot := &profile.Location{ID: 2, Line: []profile.Line{{Function: hot}}}
-	p := &profile.Profile{
-		SampleType:    []*profile.ValueType{{Type: "samples", Unit: "count"}, {Type: "cpu", Unit: "nanoseconds"}},
-		Sample:        []*profile.Sample{{Location: []*profile.Location{lHot, lWork}, Value: []int64{3, 3e6}}, {Location: []*profile.Location{lWork}, Value: []int64{1, 1e6}}},
-		Location:      []*profile.Location{lWork, lHot},
-		Function:      []*profile.Function{work, hot},
-		DurationNanos: 2e9,
-	}
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	f, err := os.Create(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	if err := p.Write(f); err != nil {
-		t.Fatal(err)
-	}
+	const (
+		work = "github.com/mesh-cni/mesh-cni/internal/agent.(*Service).Add"
+		hot  = "github.com/mesh-cni/mesh-cni/internal/redirect.(*lookupTemplate).load"
+	)
+	writeStacks(t, path, []string{hot, work}, []string{hot, work}, []string{hot, work}, []string{work})
 }
 
 func TestGenerate(t *testing.T) {
