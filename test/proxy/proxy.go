@@ -42,6 +42,10 @@ const (
 	DefaultDialTimeout  = 5 * time.Second
 )
 
+// loopDepth is the loop depth at which the proxy refuses a connection: its own
+// onward connection, captured again, whose client was one too.
+const loopDepth = 2
+
 // ErrLoop is recorded (wrapped) when a connection would make the proxy connect to
 // itself over and over: its destination is the proxy's own listener, or it comes
 // from one of the proxy's own onward sockets (the capture did not exempt the mark).
@@ -116,10 +120,12 @@ type Proxy struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 
-	// onward holds the local addresses of the proxy's open onward connections, to
-	// recognise one of them arriving back at a listener.
+	// onward holds the local addresses of the proxy's open onward connections,
+	// to recognise one of them arriving back at a listener, each with its
+	// loop depth: how many of the proxy's own connections, captured again,
+	// lead to it.
 	onwardMu sync.Mutex
-	onward   map[netip.AddrPort]struct{}
+	onward   map[netip.AddrPort]int
 
 	closeOnce sync.Once
 	closeErr  error
@@ -160,7 +166,7 @@ func Start(ctx context.Context, cfg Config) (*Proxy, error) {
 // start binds and serves in the namespace ns (nil: the calling thread's), which the
 // proxy owns from here on, also on error. cfg has its defaults applied.
 func start(ctx context.Context, cfg Config, ns *os.File, rec *recorder, ownRec bool, pod string) (*Proxy, error) {
-	p := &Proxy{cfg: cfg, log: cfg.Logger, rec: rec, ownRec: ownRec, pod: pod, ns: ns, onward: map[netip.AddrPort]struct{}{}}
+	p := &Proxy{cfg: cfg, log: cfg.Logger, rec: rec, ownRec: ownRec, pod: pod, ns: ns, onward: map[netip.AddrPort]int{}}
 	if pod != "" {
 		p.log = p.log.With(zap.String("pod", pod))
 	}
@@ -356,13 +362,20 @@ func (p *Proxy) handle(client *net.TCPConn, ln *listener) {
 func (p *Proxy) proxy(client *net.TCPConn, ln *listener, rec *Record) error {
 	if p.cfg.ForwardTo.IsValid() {
 		rec.OriginalDst, rec.DstSource = p.cfg.ForwardTo, SourceForwarded
-		return p.forward(client, p.cfg.ForwardTo, rec)
+		return p.forward(client, p.cfg.ForwardTo, rec, 0)
 	}
-	// Best effort: an onward connect completes at about the time its looped copy is
-	// accepted, so the first hop of a loop may slip through; the next one is caught.
-	if p.isOnward(rec.Client) {
-		return fmt.Errorf("client %s is the proxy's own onward connection, captured again (is mark %#x exempt?): %w",
-			rec.Client, p.cfg.Mark, ErrLoop)
+	// An address does not prove a loop: an application's connection to the
+	// same destination may get the local port an onward connection has (the
+	// kernel's port choice sees the capture's destination, not the original
+	// one), and look exactly like that onward connection come back. A loop
+	// repeats, a coincidence hardly twice in a row: the proxy refuses a
+	// connection that is its own onward connection's once removed. Best effort
+	// too: an onward connect completes at about the time its looped copy is
+	// accepted, so a loop's first hops may slip through; a later one is caught.
+	depth := p.onwardDepth(rec.Client)
+	if depth >= loopDepth {
+		return fmt.Errorf("client %s is the proxy's own onward connection, captured again %d times (is mark %#x exempt?): %w",
+			rec.Client, depth, p.cfg.Mark, ErrLoop)
 	}
 	dst, src, err := p.destination(client, ln.dir, rec.Local)
 	rec.OriginalDst, rec.DstSource = dst, src
@@ -387,18 +400,19 @@ func (p *Proxy) proxy(client *net.TCPConn, ln *listener, rec *Record) error {
 	if dst.Port() == ln.port && (dst.Addr() == rec.Local.Addr() || dst.Addr().IsLoopback() || dst.Addr().IsUnspecified()) {
 		return fmt.Errorf("%s: %w", dst, ErrLoop)
 	}
-	return p.forward(client, dst, rec)
+	return p.forward(client, dst, rec, depth)
 }
 
-// forward dials dst with the mark and copies both ways.
-func (p *Proxy) forward(client *net.TCPConn, dst netip.AddrPort, rec *Record) error {
+// forward dials dst with the mark and copies both ways; depth is the loop
+// depth of the connection it serves.
+func (p *Proxy) forward(client *net.TCPConn, dst netip.AddrPort, rec *Record, depth int) error {
 	upstream, err := p.dial(dst)
 	if err != nil {
 		return fmt.Errorf("dial original destination %s: %w", dst, err)
 	}
 	defer upstream.Close()
 	self := addrPortOf(upstream.LocalAddr())
-	p.addOnward(self)
+	p.addOnward(self, depth)
 	defer p.removeOnward(self)
 	stop := context.AfterFunc(p.ctx, func() { upstream.Close() })
 	defer stop()
@@ -406,10 +420,10 @@ func (p *Proxy) forward(client *net.TCPConn, dst netip.AddrPort, rec *Record) er
 	return err
 }
 
-func (p *Proxy) addOnward(a netip.AddrPort) {
+func (p *Proxy) addOnward(a netip.AddrPort, depth int) {
 	p.onwardMu.Lock()
 	defer p.onwardMu.Unlock()
-	p.onward[a] = struct{}{}
+	p.onward[a] = depth
 }
 
 func (p *Proxy) removeOnward(a netip.AddrPort) {
@@ -418,11 +432,16 @@ func (p *Proxy) removeOnward(a netip.AddrPort) {
 	delete(p.onward, a)
 }
 
-func (p *Proxy) isOnward(a netip.AddrPort) bool {
+// onwardDepth is the loop depth of a connection from client: 0 unless client
+// is one of the proxy's open onward connections, else one more than that
+// connection's.
+func (p *Proxy) onwardDepth(client netip.AddrPort) int {
 	p.onwardMu.Lock()
 	defer p.onwardMu.Unlock()
-	_, ok := p.onward[a]
-	return ok
+	if d, ok := p.onward[client]; ok {
+		return d + 1
+	}
+	return 0
 }
 
 // destination finds where the client meant to connect. Outbound connections have
