@@ -16,6 +16,10 @@ import (
 // topN is how many functions a profile's table lists.
 const topN = 15
 
+// machinePrefix starts the names of machine profiles (perf, every CPU), as
+// opposed to one Go process's.
+const machinePrefix = "machine-"
+
 // funcCost is one function's share of a CPU profile.
 type funcCost struct {
 	name        string
@@ -103,7 +107,7 @@ func topFunctions(path string, n int) ([]funcCost, int64, float64, error) {
 // and the kernel's system call entry, under every system call of a machine
 // profile.
 func interesting(name string) bool {
-	for _, boring := range []string{"runtime.goexit", "runtime.main", "main.main", "runtime.mcall", "runtime.systemstack",
+	for _, boring := range []string{"runtime.goexit", "runtime.goexit.abi0", "runtime.main", "main.main", "runtime.mcall", "runtime.systemstack",
 		"entry_SYSCALL_64_after_hwframe", "do_syscall_64", "x64_sys_call"} {
 		if name == boring {
 			return false
@@ -116,6 +120,14 @@ func writeProfiles(w *bytes.Buffer, r *results.Result, dir string) {
 	fmt.Fprintf(w, "### CPU profiles\n\n")
 	fmt.Fprintf(w, "The functions with the most CPU time, including what they call (cum), and in themselves (flat), "+
 		"as shares of the profile's samples. The profiles are in `%s/profiles/`; open one with the command given.\n\n", results.DefaultOut)
+	for _, p := range r.Profiles {
+		if strings.HasPrefix(p.Name, machinePrefix) {
+			fmt.Fprintf(w, "Machine profiles (`%s…`) are perf's cpu-clock samples of every CPU, with each process's name as the root of its stacks. "+
+				"Without hardware counters (as in a VM) a sample due while interrupts were off is taken where they are turned on again, "+
+				"so `_raw_spin_unlock_irqrestore` and `finish_task_switch` stand for work done just before them.\n\n", machinePrefix)
+			break
+		}
+	}
 	for _, p := range r.Profiles {
 		path := filepath.Join(dir, p.File)
 		top, total, dur, err := topFunctions(path, topN+5)

@@ -51,10 +51,11 @@ func TestSpliceProfileNote(t *testing.T) {
 	send := []string{"copy", kfnBPFSend, "process app"}
 	recv := []string{kfnBPFRecv, "process proxy"}
 	trace := []string{kfnTraceRun, "process proxy"}
-	// Splice: 4 ms over 2 MiB (2 sends, 1 read, 1 trace); without: 2 ms
-	// over 2 MiB (1 plain send, 1 trace).
-	writeStacks(t, filepath.Join(dir, "profiles", "s.pprof"), send, send, recv, trace)
-	writeStacks(t, filepath.Join(dir, "profiles", "p.pprof"), []string{kfnTCPSend, "process app"}, trace)
+	plainSend := []string{kfnTCPSend, "process app"}
+	// Splice: 5 ms over 2 MiB (2 spliced sends, 1 plain, 1 read, 1
+	// trace); without: 2 ms over 2 MiB (1 plain send, 1 trace).
+	writeStacks(t, filepath.Join(dir, "profiles", "s.pprof"), send, send, plainSend, recv, trace)
+	writeStacks(t, filepath.Join(dir, "profiles", "p.pprof"), plainSend, trace)
 	d := data{dir: dir, byName: map[string]*results.Result{"capture": {Name: "capture",
 		Metrics: []results.Metric{{Name: "throughput-chain", Unit: "MiB/s", HigherIsBetter: true, Baseline: "limit-read", Series: []results.Series{
 			series("limit-read", 0, 1000, 1000), series("ebpf-read", 0, 1000, 1000), series("splice", 0, 900, 900)}}},
@@ -64,10 +65,11 @@ func TestSpliceProfileNote(t *testing.T) {
 		}}}}
 	note := spliceProfileNote(d, "throughput")
 	for _, want := range []string{
-		"2.00 ms of CPU per MiB with the splice, 1.00 ms without it (2.00×)",
-		"`tcp_bpf_sendmsg` take 50.0% of the CPU and the proxies' reads through `tcp_bpf_recvmsg` 25.0%",
-		"writes through `tcp_sendmsg` take 50.0%",
-		"takes 25.0% with the splice and 50.0% without",
+		"2.50 ms of CPU per MiB with the splice, 1.00 ms without it (2.50×)",
+		"go through `tcp_bpf_sendmsg` (40.0% of the CPU) and every other write through `tcp_sendmsg` (20.0%)",
+		"proxies' reads of them through `tcp_bpf_recvmsg` (20.0%)",
+		"every write goes through `tcp_sendmsg` (50.0%)",
+		"takes 20.0% with the splice and 50.0% without",
 	} {
 		if !strings.Contains(note, want) {
 			t.Errorf("note lacks %q:\n%s", want, note)

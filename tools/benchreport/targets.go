@@ -786,7 +786,7 @@ const (
 // "request") of the splice and of the same capture without it: CPU per
 // operation, and the shares of the functions that differ between the two.
 func spliceProfileNote(d data, kind string) string {
-	spl, plain := "machine-"+kind+"-splice", "machine-"+kind+"-ebpf-read"
+	spl, plain := machinePrefix+kind+"-splice", machinePrefix+kind+"-ebpf-read"
 	p, found := d.profileOf(spl)
 	if !found {
 		return ""
@@ -798,10 +798,10 @@ func spliceProfileNote(d data, kind string) string {
 		unit, scale = "µs", 1000
 	}
 	return join(
-		sentence("Machine profiles of both, full chain, each alone on the machine (perf, all CPUs, kernel included; CPU profiles below): %s %s of CPU per %s with the splice, %s %s without it (%.2f×).",
+		sentence("Machine profiles of both, full chain, one batch each alone on the machine (perf, all CPUs, kernel included; CPU profiles below): %s %s of CPU per %s with the splice, %s %s without it (%.2f×).",
 			num(a*scale), unit, p.Operation, num(b*scale), unit, a/b),
-		sentence("With the splice, the application's writes through `%s` take %.1f%% of the CPU and the proxies' reads through `%s` %.1f%%; without it, writes through `%s` take %.1f%%.",
-			kfnBPFSend, share(spl, kfnBPFSend), kfnBPFRecv, share(spl, kfnBPFRecv), kfnTCPSend, share(plain, kfnTCPSend)),
+		sentence("With the splice, the applications' writes into their proxies go through `%s` (%.1f%% of the CPU) and every other write through `%s` (%.1f%%), and the proxies' reads of them through `%s` (%.1f%%); without it, every write goes through `%s` (%.1f%%).",
+			kfnBPFSend, share(spl, kfnBPFSend), kfnTCPSend, share(spl, kfnTCPSend), kfnBPFRecv, share(spl, kfnBPFRecv), kfnTCPSend, share(plain, kfnTCPSend)),
 		sentence("The tracepoint the read accounting runs in (`%s`, on every read of the node) takes %.1f%% with the splice and %.1f%% without.",
 			kfnTraceRun, share(spl, kfnTraceRun), share(plain, kfnTraceRun)),
 	)
