@@ -23,7 +23,7 @@ import (
 
 // spliceDatapath opens a data path with splicing asked for, skipping where the
 // kernel cannot splice.
-func spliceDatapath(t *testing.T, maxUnread int64) (*Datapath, Config) {
+func spliceDatapath(t testing.TB, maxUnread int64) (*Datapath, Config) {
 	t.Helper()
 	requireRoot(t)
 	if err := SpliceSupport(); err != nil {
@@ -116,9 +116,16 @@ type spliceChain struct {
 	errs     chan error
 }
 
-func newSpliceChain(t *testing.T, maxUnread int64, o proxyOpts, server func(net.Conn)) *spliceChain {
+func newSpliceChain(t testing.TB, maxUnread int64, o proxyOpts, server func(net.Conn)) *spliceChain {
 	t.Helper()
 	d, cfg := spliceDatapath(t, maxUnread)
+	return newChain(t, d, cfg, o, server)
+}
+
+// newChain is the path of newSpliceChain on a data path of the caller's, with
+// or without splicing.
+func newChain(t testing.TB, d *Datapath, cfg Config, o proxyOpts, server func(net.Conn)) *spliceChain {
+	t.Helper()
 	a, b := newPodPair(t)
 	c := &spliceChain{d: d, cfg: cfg, a: a, b: b, received: make(chan relayed, 64), errs: make(chan error, 64)}
 	s := testSettings()
@@ -198,7 +205,7 @@ func peekThenRead(conn net.Conn, n int) ([]byte, error) {
 }
 
 // dial connects the application in a to the server in b.
-func (c *spliceChain) dial(t *testing.T, v6 bool) *net.TCPConn {
+func (c *spliceChain) dial(t testing.TB, v6 bool) *net.TCPConn {
 	t.Helper()
 	addr := c.b.addr4
 	if v6 {
