@@ -1,6 +1,7 @@
 package redirect
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"errors"
@@ -10,7 +11,9 @@ import (
 	"math/rand/v2"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -692,11 +695,14 @@ func TestSpliceAgentRestartMidStream(t *testing.T) {
 func TestSpliceManyConnections(t *testing.T) {
 	const conns = 10000
 	d, _ := spliceDatapath(t, 0)
-	raiseFileLimit(t, 2*conns+4096)
+	// The applications' sockets are this process's; the proxy's, another's,
+	// so that each stays within a file limit that only CAP_SYS_RESOURCE
+	// could raise past 2*conns.
+	raiseFileLimit(t, conns+4096)
 	a, _ := newPodPair(t)
 	s := testSettings()
 	// The proxy answers itself: the test is the pod-local hop.
-	fixtures.Serve(t, a.listen(t, fmt.Sprintf("[::]:%d", s.OutboundPort)), echo)
+	startEchoProcess(t, a, int(s.OutboundPort), conns+4096)
 	enroll(t, d, a, s)
 
 	open := make([]*net.TCPConn, 0, conns)
@@ -760,6 +766,71 @@ func TestSpliceManyConnections(t *testing.T) {
 			t.Fatalf("splice status %+v after every connection closed", st)
 		}
 		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// echoServer is a proxy that answers itself, in a process of its own: python3
+// with asyncio, which holds ten thousand connections in one thread. It
+// echoes with read(2) and write(2), as the splice's proxy contract asks.
+const echoServer = `
+import asyncio, resource, sys
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, int(sys.argv[2])), hard))
+async def echo(r, w):
+    try:
+        while True:
+            b = await r.read(65536)
+            if not b:
+                break
+            w.write(b)
+            await w.drain()
+    finally:
+        w.close()
+async def main():
+    s = await asyncio.start_server(echo, host=None, port=int(sys.argv[1]), backlog=4096)
+    print("ready", flush=True)
+    async with s:
+        await s.serve_forever()
+asyncio.run(main())
+`
+
+// startEchoProcess runs echoServer in p's namespace on port, its file limit
+// raised to files, until the test ends.
+func startEchoProcess(t *testing.T, p *pod, port, files int) {
+	t.Helper()
+	py, err := exec.LookPath("python3")
+	if err != nil {
+		t.Skipf("no python3 for the echoing proxy: %v", err)
+	}
+	cmd := exec.Command("nsenter", "--net="+p.path, py, "-c", echoServer, strconv.Itoa(port), strconv.Itoa(files))
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("start the echoing proxy: %v", err)
+	}
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	})
+	ready := make(chan error, 1)
+	go func() {
+		line, err := bufio.NewReader(out).ReadString('\n')
+		if err == nil && line != "ready\n" {
+			err = fmt.Errorf("said %q", line)
+		}
+		ready <- err
+	}()
+	select {
+	case err := <-ready:
+		if err != nil {
+			t.Fatalf("echoing proxy: %v (%s)", err, stderr.String())
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatalf("echoing proxy not ready (%s)", stderr.String())
 	}
 }
 
