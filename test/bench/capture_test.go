@@ -192,10 +192,7 @@ func profileSplice(ctx context.Context, b *testing.B, res *run, chain []captureS
 			}},
 		} {
 			name := "machine-" + kind.name + "-" + su.variant
-			file, err := profileFile(outDir(b), name)
-			if err != nil {
-				b.Fatal(err)
-			}
+			file := filepath.Join(profilesDir(b), name+".pprof")
 			if err := machineProfile(ctx, file, kind.run); err != nil {
 				if errors.Is(err, errNoPerf) {
 					res.Notes = append(res.Notes, "No machine profiles: "+err.Error()+".")

@@ -18,6 +18,9 @@ import (
 	"time"
 
 	"github.com/google/pprof/profile"
+
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
+	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
 // perfRate is the sampling frequency of a machine profile, per CPU: odd, so
@@ -55,8 +58,11 @@ func machineProfile(ctx context.Context, file string, fn func() error) error {
 		}
 	}()
 	// perf record has its events open once it wrote the file's header.
-	if err := waitForFile(ctx, data, 10*time.Second); err != nil {
-		return fmt.Errorf("perf record did not start: %w (%s)", err, strings.TrimSpace(stderr.String()))
+	if !harness.Eventually(ctx, 10*time.Second, 20*time.Millisecond, func() bool {
+		st, err := os.Stat(data)
+		return err == nil && st.Size() > 0
+	}) {
+		return fmt.Errorf("perf record did not start within 10s (%s)", strings.TrimSpace(stderr.String()))
 	}
 	start := time.Now()
 	ferr := fn()
@@ -96,22 +102,6 @@ func machineProfile(ctx context.Context, file string, fn func() error) error {
 		return fmt.Errorf("write %s: %w", file, err)
 	}
 	return f.Close()
-}
-
-// waitForFile waits until path exists and is not empty.
-func waitForFile(ctx context.Context, path string, timeout time.Duration) error {
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	for {
-		if st, err := os.Stat(path); err == nil && st.Size() > 0 {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(20 * time.Millisecond):
-		}
-	}
 }
 
 // perfScriptProfile reads `perf script -F comm,period,ip,sym` (a header line
@@ -211,13 +201,14 @@ func idle(frames []string) bool {
 	return inIdle
 }
 
-// profileFile is a machine profile's path in the results directory.
-func profileFile(out, name string) (string, error) {
-	dir := filepath.Join(out, "profiles")
+// profilesDir is the results directory's folder of profiles, made if need be.
+func profilesDir(b *testing.B) string {
+	b.Helper()
+	dir := filepath.Join(outDir(b), "profiles")
 	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return "", err
+		b.Fatal(err)
 	}
-	return filepath.Join(dir, name+".pprof"), nil
+	return dir
 }
 
 // A perf script excerpt: a write through the splice, softirq taken in the
@@ -280,24 +271,12 @@ func TestPerfScriptProfile(t *testing.T) {
 func TestMachineProfile(t *testing.T) {
 	requireRoot(t)
 	file := filepath.Join(t.TempDir(), "m.pprof")
-	err := machineProfile(context.Background(), file, func() error {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return err
-		}
-		defer l.Close()
-		go func() {
-			c, err := l.Accept()
-			if err == nil {
-				buf := make([]byte, 64<<10)
-				for {
-					if _, err := c.Read(buf); err != nil {
-						break
-					}
-				}
-				c.Close()
-			}
-		}()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	fixtures.Serve(t, l, func(c net.Conn) { _, _ = io.Copy(io.Discard, c) })
+	err = machineProfile(context.Background(), file, func() error {
 		c, err := net.Dial("tcp", l.Addr().String())
 		if err != nil {
 			return err

@@ -47,10 +47,7 @@ func BenchmarkProfile(b *testing.B) {
 	requireRoot(b)
 	ctx := benchContext(b, 30*time.Minute)
 	out := outDir(b)
-	profDir := filepath.Join(out, "profiles")
-	if err := os.MkdirAll(profDir, 0o755); err != nil {
-		b.Fatal(err)
-	}
+	profDir := profilesDir(b)
 	binDir := b.TempDir()
 	buildCtx, cancel := context.WithTimeout(ctx, 10*time.Minute)
 	err := harness.Build(buildCtx, binDir, map[string]string{"mesh-agent-prof": agentProfPkg, "mesh-cni-prof": pluginProfPkg})
