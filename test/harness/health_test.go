@@ -50,8 +50,11 @@ func TestWaitForHealthy(t *testing.T) {
 	hs.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
 	serveGRPC(t, socket, func(s *grpc.Server) { healthpb.RegisterHealthServer(s, hs) })
 
-	// While NOT_SERVING, a bounded wait ends with the status in its error.
-	short, cancelShort := context.WithTimeout(ctx, 300*time.Millisecond)
+	// While NOT_SERVING, a bounded wait ends with the status in its error. The
+	// bound leaves room for the client's first connection on a loaded machine:
+	// with less, a run under make test's load ended before the first answer
+	// and saw only the deadline.
+	short, cancelShort := context.WithTimeout(ctx, 3*time.Second)
 	err := harness.WaitForHealthy(short, socket)
 	cancelShort()
 	if err == nil || !strings.Contains(err.Error(), "NOT_SERVING") {
