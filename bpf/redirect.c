@@ -93,6 +93,10 @@ enum setting_flags {
 	// enrolls the pod again (no program reads it).
 	SETTING_EARLIER = 1 << 13,
 	SETTING_DENY_PACKET = 1 << 14, // the pod cannot create packet sockets (BPF LSM)
+	// The pod's applications' writes to its proxy may be spliced (when the
+	// node splices, splice_node): its applications read their sockets
+	// non-blocking, which a socket in a sockhash needs.
+	SETTING_SPLICE = 1 << 15,
 };
 
 #define DNS_PORT 53
@@ -1074,6 +1078,13 @@ static __always_inline struct splice_config *splice_enabled(void)
 	return c && c->enabled ? c : NULL;
 }
 
+// splices says whether the pod of this netns asked for the splice.
+static __always_inline bool splices(__u64 netns)
+{
+	struct pod_settings *s = bpf_map_lookup_elem(&pods, &netns);
+	return s && (s->flags & SETTING_SPLICE);
+}
+
 // splice_app_connected runs when an application's connect, redirected to its
 // proxy, is established: the connection's direction into the proxy is pending
 // until the proxy's side is established too (peer is that side's key). A
@@ -1083,7 +1094,7 @@ static __always_inline void splice_app_connected(struct bpf_sock_ops *ctx, struc
 	if (!splice_enabled() || ctx->data_segs_out)
 		return;
 	struct tuple_key own = {};
-	if (!own_key(ctx, &own))
+	if (!own_key(ctx, &own) || !splices(own.netns))
 		return;
 	struct splice_flow f = {.state = SPLICE_PENDING};
 	if (bpf_map_update_elem(&splice_flows, peer, &f, BPF_NOEXIST))
@@ -1134,7 +1145,7 @@ static __always_inline void splice_proxy_connected(struct bpf_sock_ops *ctx, str
 	if (!own_key(ctx, &own))
 		return;
 	struct pod_settings *s = bpf_map_lookup_elem(&pods, &own.netns);
-	if (!s || (!is_pod_addr(s, own.remote) && !is_loopback_or_any(own.remote)))
+	if (!s || !(s->flags & SETTING_SPLICE) || (!is_pod_addr(s, own.remote) && !is_loopback_or_any(own.remote)))
 		return;
 	splice_proxy_side(ctx, sk, &own, false);
 }

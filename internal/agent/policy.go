@@ -22,6 +22,36 @@ type Decision struct {
 	Capture podstore.Capture
 }
 
+// AnnotationSplice is the pod annotation that chooses the splice for a pod
+// (mesh-agent --splice): "enabled" opts the pod in, "disabled" out. It is
+// read when the pod is enrolled.
+const AnnotationSplice = "mesh-cni.io/splice"
+
+// SpliceChoice is the pod's choice by its AnnotationSplice annotation: nil
+// when it has none, or a value other than enabled or disabled.
+func SpliceChoice(annotations map[string]string) *bool {
+	var on bool
+	switch annotations[AnnotationSplice] {
+	case "enabled":
+		on = true
+	case "disabled":
+	default:
+		return nil
+	}
+	return &on
+}
+
+// decide asks the policy about a pod. A policy that does not read the pod's
+// splice choice (one that has no other copy of its annotations than the
+// request's) gets it from the request.
+func (s *Service) decide(ctx context.Context, pod *gatepb.PodIdentity) (Decision, error) {
+	d, err := s.policy.Decide(ctx, pod)
+	if err == nil && d.Capture.Splice == nil {
+		d.Capture.Splice = SpliceChoice(pod.GetAnnotations())
+	}
+	return d, err
+}
+
 // ServiceAccountSource is a policy that reads each pod's service account
 // (the Kubernetes source). A node proxy that derives identities from it
 // (ztunnel) can only be served when the policy is one.

@@ -66,7 +66,7 @@ func runChecks(ctx context.Context, opts options) []checkResult {
 		}
 		add("cgroup v2 mounted"+suffix(cg), problem)
 		add("kernel features (Linux "+redirect.KernelFloor+" or newer)", kernelProblems())
-		if opts.splice {
+		if opts.splice != SpliceOff {
 			add("kernel can splice (--splice)", errOr(redirect.SpliceSupport(), ""))
 		}
 
@@ -101,7 +101,7 @@ func runChecks(ctx context.Context, opts options) []checkResult {
 			}
 			add("pod inbound capture attached", strings.Join(broken, ", "))
 			add("proxy listeners captured", strings.Join(uncaptured, ", "))
-			if opts.splice {
+			if opts.splice != SpliceOff {
 				add("splice on (--splice)", spliceProblem(snap.Splice))
 			}
 		}
@@ -124,7 +124,7 @@ func spliceProblem(st *redirect.SpliceStatus) string {
 	case st.Error != "":
 		return st.Error
 	case !st.Enabled:
-		return "splicing is off (the agent runs without --splice, or could not start it: its log says why)"
+		return "splicing is off (the agent runs with --splice=off, or could not start it: its log says why)"
 	}
 	return ""
 }

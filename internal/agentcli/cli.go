@@ -79,7 +79,7 @@ type options struct {
 	denyRawSockets        bool
 	denyPacketSockets     bool
 	failOpen              bool
-	splice                bool
+	splice                spliceMode
 	spliceMaxUnread       int64
 
 	// The CNI chain entry.
@@ -167,7 +167,8 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.BoolVar(&opts.dnsFailClosed, "dns-fail-closed", false, "with --dns-capture, send DNS to the proxy's listener even when nothing listens there (queries then fail)")
 	fs.BoolVar(&opts.denyRawSockets, "deny-raw-sockets", false, "refuse enrolled pods raw IP sockets (socket() fails with EPERM): with CAP_NET_RAW, a default capability, a raw socket sends TCP past the outbound capture; packet sockets are not covered")
 	fs.BoolVar(&opts.denyPacketSockets, "deny-packet-sockets", false, "refuse enrolled pods packet (AF_PACKET) sockets, which send any frame (a TCP handshake as another address after answering ARP for it) with CAP_NET_RAW; needs the BPF LSM on the node (its lsm= list names bpf): the agent refuses to start without it")
-	fs.BoolVar(&opts.splice, "splice", false, "move the bytes enrolled applications write to their proxy straight into the proxy's socket (sk_msg) instead of through loopback TCP; the proxy must read its pod-side sockets with read or recv (docs/design.md, the splice); where the kernel cannot (mesh-agent check says), connections stay on TCP")
+	opts.splice = SpliceOff
+	fs.Var(&opts.splice, "splice", "splice what applications write to their proxy straight into the proxy's socket (sk_msg) instead of through loopback TCP, for pods whose applications read their sockets non-blocking (docs/design.md, the splice): \"off\", \"annotated\" (pods annotated mesh-cni.io/splice=enabled) or \"all\" (every enrolled pod but those annotated mesh-cni.io/splice=disabled); proxies must read their pod-side sockets with read or recv; where the kernel cannot (mesh-agent check says), connections stay on TCP")
 	fs.Int64Var(&opts.spliceMaxUnread, "splice-max-unread", redirect.DefaultSpliceMaxUnread, "with --splice, the spliced bytes a proxy may leave unread on one connection before its writes go through TCP, whose buffers push back on the writer, until the proxy has read everything")
 	fs.BoolVar(&opts.failOpen, "fail-open", false, "pass traffic through when no proxy listens (default: refuse outbound connects and drop inbound SYNs)")
 
@@ -226,6 +227,8 @@ func (o options) redirectSettings() (redirect.Settings, error) {
 	s.DenyRawSockets = o.denyRawSockets
 	s.DenyPacketSockets = o.denyPacketSockets
 	s.FailOpen = o.failOpen
+	// A pod without the annotation gets the node's choice.
+	s.Splice = o.splice == SpliceAll
 	if err := s.Validate(); err != nil {
 		return s, fmt.Errorf("redirection settings: %w", err)
 	}
@@ -435,7 +438,7 @@ func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {
 			return cfg, fmt.Errorf("--splice-max-unread %d: want a positive number of bytes", opts.spliceMaxUnread)
 		}
 		rcfg := redirect.Config{PinRoot: opts.bpffsRoot, CgroupRoot: cg, PacketSockets: opts.denyPacketSockets,
-			Splice: opts.splice, SpliceMaxUnread: opts.spliceMaxUnread, Logger: log.Named("datapath")}
+			Splice: opts.splice != SpliceOff, SpliceMaxUnread: opts.spliceMaxUnread, Logger: log.Named("datapath")}
 		cfg.OpenDatapath = func(ctx context.Context) (agent.Datapath, func() error, error) {
 			dp, err := redirect.Open(ctx, rcfg)
 			if err != nil {

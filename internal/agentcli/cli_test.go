@@ -100,3 +100,35 @@ func TestSpliceCheck(t *testing.T) {
 		}
 	}
 }
+
+// --splice chooses which pods are spliced: off loads nothing, annotated
+// splices only pods that ask for it, all every pod but those that opt out
+// (the default a pod without the annotation gets); any other value is refused
+// when the flags are parsed.
+func TestSpliceFlag(t *testing.T) {
+	none := func(string) (string, bool) { return "", false }
+	for _, tc := range []struct {
+		value                string
+		loads, podsByDefault bool
+	}{{"off", false, false}, {"annotated", true, false}, {"all", true, true}} {
+		var opts options
+		if err := parseFlags(flagSet("mesh-agent run", &opts, io.Discard), []string{"--splice", tc.value}, none); err != nil {
+			t.Fatalf("--splice %s: %v", tc.value, err)
+		}
+		s, err := opts.redirectSettings()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if loads := opts.splice != SpliceOff; loads != tc.loads || s.Splice != tc.podsByDefault {
+			t.Errorf("--splice %s: splicing loaded %v, pods spliced by default %v; want %v, %v", tc.value, loads, s.Splice, tc.loads, tc.podsByDefault)
+		}
+	}
+	var opts options
+	if err := parseFlags(flagSet("mesh-agent run", &opts, io.Discard), nil, none); err != nil || opts.splice != SpliceOff {
+		t.Errorf("default --splice %q (%v), want off", opts.splice, err)
+	}
+	err := parseFlags(flagSet("mesh-agent run", &opts, io.Discard), []string{"--splice=true"}, none)
+	if err == nil || !strings.Contains(err.Error(), "annotated") {
+		t.Errorf("--splice=true: %v, want an error listing the values", err)
+	}
+}

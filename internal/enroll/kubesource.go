@@ -310,6 +310,8 @@ func (k *KubeSource) Decide(ctx context.Context, pod *gatepb.PodIdentity) (agent
 	if k.cfg.Selectors.Profile == ProfileIstio {
 		d.Capture = IstioCapture(p.Annotations)
 	}
+	// The API server's copy, not the request's: a CNI request carries none.
+	d.Capture.Splice = agent.SpliceChoice(p.Annotations)
 	return d, nil
 }
 

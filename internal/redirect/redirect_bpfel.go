@@ -116,6 +116,7 @@ const (
 	redirectSettingFlagsSETTING_BYPASS_INBOUND  redirectSettingFlags = 4096
 	redirectSettingFlagsSETTING_EARLIER         redirectSettingFlags = 8192
 	redirectSettingFlagsSETTING_DENY_PACKET     redirectSettingFlags = 16384
+	redirectSettingFlagsSETTING_SPLICE          redirectSettingFlags = 32768
 )
 
 type redirectSpliceConfig struct {

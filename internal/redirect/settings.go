@@ -79,6 +79,12 @@ type Settings struct {
 	// any frame (a TCP handshake as another address, ARP answers for it). It
 	// needs the BPF LSM on the node (Config.PacketSockets).
 	DenyPacketSockets bool
+	// Splice lets the data path splice what the pod's applications write to
+	// its proxy, when it splices at all (Config.Splice). A socket in a
+	// sockhash gets the kernel's sockmap reader, which can end a blocking
+	// read with EAGAIN where TCP would go on waiting, so a pod asks for it
+	// only when its applications read non-blocking (design.md, the splice).
+	Splice bool
 }
 
 // HBONEPort is ztunnel's in-pod HBONE listener, the one port of a pod's proxy
@@ -283,6 +289,7 @@ func (s Settings) toBPF(ps podSets, a podAddrs) redirectPodSettings {
 	flag(s.DenyPacketSockets, redirectSettingFlagsSETTING_DENY_PACKET)
 	flag(s.ReplyMark != 0, redirectSettingFlagsSETTING_REPLY_MARK)
 	flag(s.BypassInbound, redirectSettingFlagsSETTING_BYPASS_INBOUND)
+	flag(s.Splice, redirectSettingFlagsSETTING_SPLICE)
 	if s.ProxyUID != nil {
 		v.ProxyUid = *s.ProxyUID
 		v.Flags |= redirectSettingFlagsSETTING_PROXY_UID
@@ -306,6 +313,7 @@ func settingsFromBPF(v redirectPodSettings, excluded, probes []netip.Prefix, inP
 		DenyRawSockets:        v.Flags&redirectSettingFlagsSETTING_DENY_RAW != 0,
 		DenyPacketSockets:     v.Flags&redirectSettingFlagsSETTING_DENY_PACKET != 0,
 		BypassInbound:         v.Flags&redirectSettingFlagsSETTING_BYPASS_INBOUND != 0,
+		Splice:                v.Flags&redirectSettingFlagsSETTING_SPLICE != 0,
 	}
 	if v.Flags&redirectSettingFlagsSETTING_PROXY_MARK != 0 {
 		s.ProxyMark, s.ProxyMarkMask = v.ProxyMark, v.ProxyMarkMask

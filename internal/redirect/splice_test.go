@@ -10,9 +10,11 @@ import (
 	"math"
 	"math/rand/v2"
 	"net"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"sync"
 	"testing"
@@ -94,8 +96,12 @@ func relay(client, upstream net.Conn) (fromClient, fromUpstream int64) {
 }
 
 // relayed is what one relayed connection's pod-side socket (the one the
-// splice feeds) got: all it read, and what of that came through TCP.
-type relayed struct{ read, tcp uint64 }
+// splice feeds) got: all it read, and what of that came through TCP; pod
+// names the proxy's pod.
+type relayed struct {
+	read, tcp uint64
+	pod       string
+}
 
 // proxyOpts change what the outbound test proxy does before it relays.
 type proxyOpts struct {
@@ -126,8 +132,15 @@ func newSpliceChain(t testing.TB, maxUnread int64, o proxyOpts, server func(net.
 }
 
 // newChain is the path of newSpliceChain on a data path of the caller's, with
-// or without splicing.
+// or without splicing; both pods ask for the splice.
 func newChain(t testing.TB, d *Datapath, cfg Config, o proxyOpts, server func(net.Conn)) *spliceChain {
+	t.Helper()
+	return newChainAsking(t, d, cfg, o, server, true, true)
+}
+
+// newChainAsking is newChain with each pod's Settings.Splice given: whether
+// a's application's writes to a's proxy, and b's to b's, may be spliced.
+func newChainAsking(t testing.TB, d *Datapath, cfg Config, o proxyOpts, server func(net.Conn), aAsks, bAsks bool) *spliceChain {
 	t.Helper()
 	a, b := newPodPair(t)
 	c := &spliceChain{d: d, cfg: cfg, a: a, b: b, received: make(chan relayed, 64), errs: make(chan error, 64)}
@@ -135,7 +148,9 @@ func newChain(t testing.TB, d *Datapath, cfg Config, o proxyOpts, server func(ne
 	fixtures.Serve(t, a.listen(t, fmt.Sprintf("[::]:%d", s.OutboundPort)), func(conn net.Conn) { c.proxy(conn, a, o) })
 	fixtures.Serve(t, b.listen(t, fmt.Sprintf("[::]:%d", s.InboundPort)), func(conn net.Conn) { c.proxy(conn, b, proxyOpts{}) })
 	fixtures.Serve(t, b.listen(t, fmt.Sprintf("[::]:%d", appPort)), server)
+	s.Splice = aAsks
 	enroll(t, d, a, s)
+	s.Splice = bAsks
 	enroll(t, d, b, s)
 	return c
 }
@@ -175,7 +190,7 @@ func (c *spliceChain) proxy(conn net.Conn, p *pod, o proxyOpts) {
 	if p == c.b {
 		podSide, fromPod = up, fromUpstream
 	}
-	c.received <- relayed{read: uint64(fromPod), tcp: tcpBytesReceived(podSide)}
+	c.received <- relayed{read: uint64(fromPod), tcp: tcpBytesReceived(podSide), pod: p.name}
 }
 
 // peekThenRead peeks at n bytes of conn, reads them and checks they are the
@@ -356,6 +371,134 @@ func TestSpliceIntoProxy(t *testing.T) {
 	if st.TCP != 0 {
 		t.Errorf("splice status %+v: a connection went back to TCP", st)
 	}
+}
+
+// Only a pod that asks for the splice (Settings.Splice) has its applications'
+// writes to its proxy spliced: in a chain where one pod asks and the other
+// does not, the asking pod's proxy gets its application's bytes past TCP and
+// the other's through it, whichever pod asks.
+func TestSpliceOnlyPodsThatAsk(t *testing.T) {
+	d, cfg := spliceDatapath(t, 0)
+	for _, aAsks := range []bool{true, false} {
+		c := newChainAsking(t, d, cfg, proxyOpts{}, echo, aAsks, !aAsks)
+		payload, sizes := randomPayload(11, 1<<20)
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		err := echoInWrites(ctx, c.dial(t, false), payload, sizes)
+		cancel()
+		if err != nil {
+			t.Fatal(err)
+		}
+		asking := map[string]bool{"a": aAsks, "b": !aAsks}
+		c.waitRelayed(t, 2, func(r relayed) error {
+			switch {
+			case asking[r.pod] && r.tcp > 1:
+				return fmt.Errorf("pod %s asks for the splice, yet its proxy received %d of %d bytes through TCP", r.pod, r.tcp, r.read)
+			case !asking[r.pod] && r.tcp < r.read:
+				return fmt.Errorf("pod %s does not ask for the splice, yet its proxy received only %d of %d bytes through TCP", r.pod, r.tcp, r.read)
+			}
+			return nil
+		})
+	}
+}
+
+// Why a pod asks for the splice only when its applications read their
+// sockets non-blocking: a socket in a sockhash is read by the kernel's sockmap
+// reader (tcp_bpf_recvmsg), which ends a blocking read whose wait a signal
+// interrupts with EAGAIN, where TCP's reader restarts it (SA_RESTART, as Go
+// installs its handlers). An application of a pod that does not ask reads
+// every byte without an error; one of a pod that asks sees EAGAIN on the
+// kernels this runs on. Should a kernel ever wait like TCP, the second half
+// fails, and the splice's requirement can be lifted there.
+func TestSpliceBlockingReaderUnderSignals(t *testing.T) {
+	d, _ := spliceDatapath(t, 0)
+	a, b := newPodPair(t)
+	s := testSettings()
+	const n = 100
+	for _, p := range []*pod{a, b} {
+		// The outbound proxy sends a byte every 2 ms through TCP, the
+		// direction never spliced, and the application waits for each.
+		fixtures.Serve(t, p.listen(t, fmt.Sprintf("[::]:%d", s.OutboundPort)), func(conn net.Conn) {
+			for range n {
+				if _, err := conn.Write([]byte{1}); err != nil {
+					return
+				}
+				time.Sleep(2 * time.Millisecond)
+			}
+		})
+	}
+	s.Splice = true
+	enroll(t, d, a, s)
+	s.Splice = false
+	enroll(t, d, b, s)
+
+	for _, tc := range []struct {
+		from *pod
+		to   netip.Addr
+	}{{b, a.addr4}, {a, b.addr4}} {
+		conn, err := tc.from.dial(hostPort(tc.to, appPort), dialOpts{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		read, eagain, err := blockingReadUnderSignals(conn, n)
+		conn.Close()
+		if err != nil {
+			t.Fatalf("pod %s: a blocking read after %d bytes: %v", tc.from.name, read, err)
+		}
+		asks := tc.from == a
+		t.Logf("pod %s (asks for the splice: %v): %d bytes read blocking, %d reads ended with EAGAIN", tc.from.name, asks, read, eagain)
+		switch {
+		case !asks && eagain > 0:
+			t.Errorf("pod %s does not ask for the splice, yet %d of its application's blocking reads ended with EAGAIN", tc.from.name, eagain)
+		case asks && eagain == 0:
+			t.Errorf("no blocking read of a spliced application's socket ended with EAGAIN under signals: this kernel's sockmap reader waits as TCP's does, and the splice's requirement (docs/design.md) is out of date here")
+		}
+	}
+}
+
+// blockingReadUnderSignals reads n bytes from conn's socket in blocking mode,
+// one read(2) at a time, on a thread that gets a signal (SIGURG, which the Go
+// runtime handles with SA_RESTART) every 200 µs meanwhile. It counts the reads
+// that ended with EAGAIN, which a blocking read never should, and reads on.
+func blockingReadUnderSignals(conn net.Conn, n int) (read, eagain int, err error) {
+	fd, err := blockingFd(conn)
+	if err != nil {
+		return 0, 0, err
+	}
+	defer unix.Close(fd)
+	tid := make(chan int, 1)
+	done := make(chan struct{})
+	defer close(done)
+	go func() {
+		t := <-tid
+		tick := time.NewTicker(200 * time.Microsecond)
+		defer tick.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-tick.C:
+				_ = unix.Tgkill(unix.Getpid(), t, unix.SIGURG)
+			}
+		}
+	}()
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	tid <- unix.Gettid()
+	buf := make([]byte, 1)
+	for read < n {
+		k, rerr := unix.Read(fd, buf)
+		switch {
+		case rerr == unix.EAGAIN:
+			eagain++
+		case rerr != nil:
+			return read, eagain, rerr
+		case k == 0:
+			return read, eagain, io.ErrUnexpectedEOF
+		default:
+			read += k
+		}
+	}
+	return read, eagain, nil
 }
 
 // A proxy that peeks before it reads (protocol sniffing) sees the spliced
@@ -701,6 +844,7 @@ func TestSpliceManyConnections(t *testing.T) {
 	raiseFileLimit(t, conns+4096)
 	a, _ := newPodPair(t)
 	s := testSettings()
+	s.Splice = true
 	// The proxy answers itself: the test is the pod-local hop.
 	startEchoProcess(t, a, int(s.OutboundPort), conns+4096)
 	enroll(t, d, a, s)
@@ -859,6 +1003,7 @@ func TestSpliceBoundedWhenProxyDoesNotRead(t *testing.T) {
 	d, _ := spliceDatapath(t, bound)
 	a, _ := newPodPair(t)
 	s := testSettings()
+	s.Splice = true
 	ln := a.listen(t, fmt.Sprintf("[::]:%d", s.OutboundPort))
 	accepted := make(chan net.Conn, 1)
 	go func() {

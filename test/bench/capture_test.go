@@ -43,7 +43,7 @@ var variantLabels = map[string]string{
 	varIstio:     "istio-cni's in-pod rules",
 	varLimitRead: "proxy port dialed, no capture (proxies read(2))",
 	varEBPFRead:  "eBPF (mesh-cni), proxies read(2)",
-	varSplice:    "eBPF with --splice, proxies read(2)",
+	varSplice:    "eBPF with --splice=all, proxies read(2)",
 }
 
 // readCopy says which variants' proxies copy with read(2).
@@ -234,7 +234,7 @@ func captureDescription(env *captureEnv) string {
 		"Variants: `direct` = no proxy, no capture; `ebpf` = pods added through [bridge, mesh-cni] with a real `mesh-agent` (eBPF data path); " +
 		"`iptables` / `nftables` = pods added through [bridge] with in-pod NAT REDIRECT rules like Istio ambient's (`test/capture`); " +
 		"`istio-cni` = pods added through [bridge] with Istio ambient's own in-pod rules, written by istio-cni's code (`hack/istio-inpod`: its nat, mangle and raw chains, the policy route and the mark rule, DNS capture on as in its chart); " + limit + " " +
-		"`splice` = pods of a second `mesh-agent`, run with `--splice`: what an application writes to its proxy is moved into the proxy's socket instead of through loopback TCP. " +
+		"`splice` = pods of a second `mesh-agent`, run with `--splice=all`: what an application writes to its proxy is moved into the proxy's socket instead of through loopback TCP. " +
 		"Its proxies copy with read(2) and write(2) (refproxy `-read-copy`), as the splice asks of a proxy, where the others' copy with splice(2); `limit-read` and `ebpf-read` are `limit` and `ebpf` with those same proxies, the splice's own baselines. " +
 		"The splice's read accounting runs on every socket read of the node, in every variant alike, and leaves at its first lookup for the sockets that are not spliced. " +
 		"Two configurations: **chain** = client → client proxy → server proxy → server, a mesh's real path; " +
@@ -255,9 +255,9 @@ func newCaptureEnv(ctx context.Context, b *testing.B) *captureEnv {
 	node := harness.NewNode(b, harness.NodeOptions{Plugins: append(harness.ReferencePluginNames(), "mesh-cni")})
 	bridgeOnly := node.Conflist(b, benchNet)
 	withMesh := node.Conflist(b, benchNet, a.meshEntry("mesh-cni"))
-	// The splice's pods are another agent's, with --splice: data paths of
+	// The splice's pods are another agent's, with --splice=all: data paths of
 	// several agents share the cgroup root, each acting on its own pods.
-	sa := newAgent(b, agentOptions{Args: []string{"--splice"}})
+	sa := newAgent(b, agentOptions{Args: []string{"--splice=all"}})
 	if _, _, err := sa.start(ctx); err != nil {
 		b.Fatal(err)
 	}
@@ -271,7 +271,7 @@ func newCaptureEnv(ctx context.Context, b *testing.B) *captureEnv {
 				why = line
 			}
 		}
-		env.noSplice = "There is no `splice` variant: the agent with `--splice` could not splice on this kernel (its log: " + why + ")."
+		env.noSplice = "There is no `splice` variant: the agent with `--splice=all` could not splice on this kernel (its log: " + why + ")."
 	}
 	spawn := newSpawner(b)
 	if !refproxyHasFlag(b, refproxy, forwardToFlag) {

@@ -13,7 +13,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
-// With --splice, pods' connections through the reference proxies (copying
+// With --splice=all, pods' connections through the reference proxies (copying
 // with read(2), as the proxy contract then asks) arrive exact both ways over
 // IPv4 and IPv6, and the agent counts them spliced while they are open: the
 // outbound hop into the client's proxy and the server's answers into the
@@ -22,7 +22,7 @@ import (
 func TestSpliceThroughChain(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
-	a := newAgent(t, "--splice", "--metrics-addr", "127.0.0.1:0")
+	a := newAgent(t, "--splice=all", "--metrics-addr", "127.0.0.1:0")
 	a.start(ctx)
 	addr := a.metricsAddr(ctx, t)
 	if v := metricValue(scrape(t, addr), "meshcni_datapath_splice_enabled", nil); v != 1 {
@@ -31,7 +31,7 @@ func TestSpliceThroughChain(t *testing.T) {
 		if why := a.Proc.Output(); strings.Contains(why, "splicing is off") && strings.Contains(why, "operation not permitted") {
 			t.Skip("this kernel refuses the splice's programs (the agent's log says which)")
 		}
-		t.Fatalf("meshcni_datapath_splice_enabled = %v with --splice; the agent's log:\n%s", v, a.Proc.Output())
+		t.Fatalf("meshcni_datapath_splice_enabled = %v with --splice=all; the agent's log:\n%s", v, a.Proc.Output())
 	}
 
 	node := meshNode(t)

@@ -23,8 +23,10 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 
+	meshagent "github.com/mesh-cni/mesh-cni/internal/agent"
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
 	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
+	"github.com/mesh-cni/mesh-cni/internal/redirect"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
@@ -498,12 +500,12 @@ func roundTrip(ctx context.Context, p *harness.Pod, addr netip.AddrPort) error {
 	return nil
 }
 
-// startProxy runs the reference proxy inside p, as a sidecar would, and
-// returns its record file.
-func startProxy(ctx context.Context, t *testing.T, p *harness.Pod) string {
+// startProxy runs the reference proxy inside p, as a sidecar would, with
+// args added to its own, and returns its record file.
+func startProxy(ctx context.Context, t *testing.T, p *harness.Pod, args ...string) string {
 	t.Helper()
 	records := filepath.Join(t.TempDir(), p.Name+"-records.jsonl")
-	proc := p.Start(t, harness.ProcessOptions{Path: harness.Bins(t).Path("refproxy"), Args: []string{"-record", records}, Name: "refproxy-" + p.Name})
+	proc := p.Start(t, harness.ProcessOptions{Path: harness.Bins(t).Path("refproxy"), Args: append([]string{"-record", records}, args...), Name: "refproxy-" + p.Name})
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	if _, err := proc.WaitForLine(ctx, "ready"); err != nil {
@@ -530,4 +532,59 @@ func waitRecords(ctx context.Context, t *testing.T, path string, n int) []proxy.
 		t.Fatalf("proxy: want %d records, have %d: %v", n, len(recs), err)
 	}
 	return recs
+}
+
+// testAgentSpliceAnnotated: with --splice=annotated, the agent splices what
+// the applications of a pod annotated mesh-cni.io/splice=enabled write to
+// their proxy, read from the API server as the pod is enrolled, and leaves a
+// pod without the annotation on plain TCP: in each direction between such two
+// pods, only the connection's hop inside the annotated pod is spliced.
+func testAgentSpliceAnnotated(t *testing.T, c *cluster) {
+	if err := redirect.SpliceSupport(); err != nil {
+		t.Skipf("kernel cannot splice: %v", err)
+	}
+	ctx := apiContext(t)
+	kubeNode := "node-" + randomHex(t, 4)
+	ns := c.namespace(t, "splice", enabled)
+	askingPod := c.pod(t, ns, "asking", kubeNode, nil, map[string]string{meshagent.AnnotationSplice: "enabled"})
+	plainPod := c.pod(t, ns, "plain", kubeNode, nil, nil)
+	a := newAgent(t, c.api, kubeNode, "--splice=annotated")
+	a.start(ctx)
+	node := harness.NewNode(t, harness.NodeOptions{Plugins: append(harness.ReferencePluginNames(), "mesh-cni")})
+	list := node.Conflist(t, "meshnet", a.meshEntry())
+	asking, plain := cniPod(t, node, askingPod), cniPod(t, node, plainPod)
+	for _, p := range []*harness.Pod{asking, plain} {
+		add(ctx, t, node, list, p)
+		// Copying with read(2), as the splice asks of a proxy.
+		startProxy(ctx, t, p, "-read-copy")
+		var app echoServer
+		app.serve(t, p, 8080)
+	}
+	for _, tc := range []struct{ from, to *harness.Pod }{{asking, plain}, {plain, asking}} {
+		conn, err := tc.from.Dial(ctx, "tcp", netip.AddrPortFrom(tc.to.IPv4(t), 8080).String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
+		payload := []byte("spliced or not")
+		got := make([]byte, len(payload))
+		if _, err := conn.Write(payload); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(conn, got); err != nil || !bytes.Equal(got, payload) {
+			t.Fatalf("%s -> %s: echo %q, %v", tc.from.Name, tc.to.Name, got, err)
+		}
+		snap, err := redirect.Inspect(ctx, a.BPFFS)
+		conn.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if sp := snap.Splice; sp == nil || !sp.Enabled || sp.Spliced != 1 {
+			t.Errorf("%s -> %s open: splice %+v, want one spliced connection (the hop inside %s)", tc.from.Name, tc.to.Name, sp, asking.Name)
+		}
+		harness.WaitFor(t, 30*time.Second, "the splice to forget the closed connection", func() bool {
+			snap, err := redirect.Inspect(ctx, a.BPFFS)
+			return err == nil && snap.Splice != nil && snap.Splice.Spliced+snap.Splice.Pending+snap.Splice.TCP+snap.Splice.Behind == 0
+		})
+	}
 }

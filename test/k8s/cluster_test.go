@@ -43,6 +43,7 @@ func TestKubernetes(t *testing.T) {
 	}{
 		{"SourceFollowsLabels", testSourceFollowsLabels},
 		{"SourceIstioProfile", testSourceIstioProfile},
+		{"SourceSpliceChoice", testSourceSpliceChoice},
 		{"SourceDirectGet", testSourceDirectGet},
 		{"SourceReportsOutcome", testSourceReportsOutcome},
 		{"SourceAPIServerDown", testSourceAPIServerDown},
@@ -52,6 +53,7 @@ func TestKubernetes(t *testing.T) {
 		{"AgentAddWithAPIServerDown", testAgentAddWithAPIServerDown},
 		{"AgentZDSEntryPoints", testAgentZDSEntryPoints},
 		{"AgentAdoptsRunningPods", testAgentAdoptsRunningPods},
+		{"AgentSpliceAnnotated", testAgentSpliceAnnotated},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()

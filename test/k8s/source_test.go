@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -153,6 +154,38 @@ func testSourceIstioProfile(t *testing.T, c *cluster) {
 	for _, tc := range cases {
 		if d := decide(t, src, tc.pod); d.Enroll != tc.enroll {
 			t.Errorf("%s/%s: %+v, want enroll=%v", tc.pod.Namespace, tc.pod.Name, d, tc.enroll)
+		}
+	}
+}
+
+// testSourceSpliceChoice: the pod's mesh-cni.io/splice annotation, read from
+// the API server's copy (a CNI request carries no annotations), under either
+// profile; a value other than enabled or disabled is no choice.
+func testSourceSpliceChoice(t *testing.T, c *cluster) {
+	node := "node-" + randomHex(t, 4)
+	ambient := map[string]string{enroll.IstioLabelDataplaneMode: enroll.IstioValueAmbient}
+	ours := c.namespace(t, "splice", enabled)
+	amb := c.namespace(t, "splice-ambient", ambient)
+	on, off := true, false
+	for _, profile := range []string{enroll.ProfileMeshCNI, enroll.ProfileIstio} {
+		ns := ours
+		if profile == enroll.ProfileIstio {
+			ns = amb
+		}
+		src := startSource(t, c.api, node, profile, 5*time.Second)
+		for _, tc := range []struct {
+			value string
+			want  *bool
+		}{{"enabled", &on}, {"disabled", &off}, {"yes", nil}, {"", nil}} {
+			var annotations map[string]string
+			if tc.value != "" {
+				annotations = map[string]string{meshagent.AnnotationSplice: tc.value}
+			}
+			pod := c.pod(t, ns, profile+"-"+strings.Trim(tc.value+"-none", "-"), node, nil, annotations)
+			d := decide(t, src, pod)
+			if !d.Enroll || !reflect.DeepEqual(d.Capture.Splice, tc.want) {
+				t.Errorf("profile %s, annotation %q: enroll %v, splice %v, want enrolled with %v", profile, tc.value, d.Enroll, d.Capture.Splice, tc.want)
+			}
 		}
 	}
 }

@@ -40,7 +40,7 @@ var Suites = []Suite{
 			"TestFloodDoesNotDisturbOtherPods": "a load test: it must send more SYNs within its time budget than an emulated CPU can",
 		},
 		Timeout: 7 * time.Minute,
-		Claim:   "the tests of `internal/redirect`: the eBPF programs load and attach, pods enroll and release, outbound and inbound TCP reach the proxy ports with the original destination, over IPv4 and IPv6, and with splicing on every byte an application writes to its proxy arrives once and in order (both families, `MSG_PEEK`, half-close, resets, `sendfile` and `splice(2)` writers, a slow or absent reader, agent restarts mid-stream, 10,000 connections)",
+		Claim:   "the tests of `internal/redirect`: the eBPF programs load and attach, pods enroll and release, outbound and inbound TCP reach the proxy ports with the original destination, over IPv4 and IPv6, and with splicing on every byte an application writes to its proxy arrives once and in order (both families, `MSG_PEEK`, half-close, resets, `sendfile` and `splice(2)` writers, a slow or absent reader, agent restarts mid-stream, 10,000 connections), only pods that ask for it are spliced, and a blocking read in a spliced pod ends with `EAGAIN` under signals, in no other",
 	},
 	{
 		Name:    "gate",
@@ -54,6 +54,6 @@ var Suites = []Suite{
 		Package: "./test/e2e",
 		Tests:   []string{"TestRedirectThroughChain", "TestFailClosedAndRelease", "TestAgentRestartKeepsDataPath", "TestSpliceThroughChain"},
 		Timeout: 6 * time.Minute,
-		Claim:   "pods enrolled through the chain: their traffic through the reference proxies both ways over IPv4 and IPv6, fail-closed without a proxy, release on DEL, an agent killed and restarted without a connection failing, and with `--splice` the client's writes and the server's answers spliced into their proxies",
+		Claim:   "pods enrolled through the chain: their traffic through the reference proxies both ways over IPv4 and IPv6, fail-closed without a proxy, release on DEL, an agent killed and restarted without a connection failing, and with `--splice=all` the client's writes and the server's answers spliced into their proxies",
 	},
 }
