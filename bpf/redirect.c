@@ -379,7 +379,10 @@ struct {
 // are moved by an sk_msg program straight into the proxy's socket's receive
 // queue instead of crossing loopback TCP. Only the direction into the proxy is
 // spliced: its readers are known (the proxy contract), an application's are
-// not. Everything that decides is per connection and fails towards plain TCP:
+// not. Only pods that ask for it are spliced (SETTING_SPLICE): an
+// application's socket in a sockhash is read by the kernel's sockmap reader,
+// which ends a blocking read that a signal interrupts with EAGAIN. Everything
+// that decides is per connection and fails towards plain TCP:
 //   - a connection is spliced only from its first byte; one whose first byte
 //     went through TCP stays on TCP (a spliced byte after a TCP one would be
 //     read first);
@@ -387,7 +390,10 @@ struct {
 //     writes go through TCP, whose buffers push back on the writer (the
 //     redirect itself is charged to no buffer limit), until the proxy has read
 //     every byte the application gave TCP: splicing then resumes;
-//   - a missing peer, a full map, a disabled splice: TCP for good.
+//   - a byte is spliced only once the proxy has read every byte the
+//     application gave TCP, whichever way they got there;
+//   - a missing peer, a full map, a disabled splice, a pod that stopped
+//     asking: TCP for good.
 // Going from spliced to TCP keeps the order, since the kernel's reader takes
 // the redirected queue first. Going back is safe only once no TCP byte is
 // unread or in flight: when the application's socket's write_seq equals the
@@ -1117,6 +1123,12 @@ static __always_inline void splice_proxy_side(struct bpf_sock_ops *ctx, struct b
 		pending = bpf_map_lookup_elem(&splice_flows, own);
 		if (!pending || pending->state != SPLICE_PENDING)
 			return;
+		// The pod may have stopped asking since its application's side
+		// was established: the connection stays on TCP.
+		if (!splices(own->netns)) {
+			pending->state = SPLICE_TCP;
+			return;
+		}
 	}
 	if (bpf_sock_hash_update(ctx, &splice_targets, own, BPF_NOEXIST))
 		return;
@@ -1164,7 +1176,7 @@ static __always_inline void splice_app_accepted(struct bpf_sock_ops *ctx)
 	if (!f || f->state != SPLICE_READY)
 		return;
 	struct tuple_key own = {};
-	if (!own_key(ctx, &own) || bpf_sock_hash_update(ctx, &splice_socks, &own, BPF_NOEXIST))
+	if (!own_key(ctx, &own) || !splices(own.netns) || bpf_sock_hash_update(ctx, &splice_socks, &own, BPF_NOEXIST))
 		f->state = SPLICE_TCP;
 }
 
@@ -1686,24 +1698,35 @@ int mesh_splice_msg(struct sk_msg_md *msg)
 		if (state == SPLICE_PENDING)
 			return SK_PASS;
 	}
-	if (state == SPLICE_BEHIND) {
-		// The writes of one socket are serialized, and its write_seq
-		// counts exactly what TCP took of them: once the proxy has read up
-		// to it, no TCP byte is unread or in flight, and a spliced one
-		// cannot overtake one.
-		struct tcp_sock___splice *tp = (void *)bpf_skc_to_tcp_sock(msg->sk);
-		if (!tp || tp->write_seq != f->proxy_copied)
-			return SK_PASS;
-		state = SPLICE_READY;
-		f->state = SPLICE_READY;
-	}
-	if (state != SPLICE_READY)
+	if (state != SPLICE_READY && state != SPLICE_BEHIND)
 		return SK_PASS;
 	struct splice_config *c = splice_enabled();
-	if (!c) {
+	if (!c || !splices(k.netns)) {
+		// Splicing stopped, on the node or for this pod (released, or
+		// enrolled again without it): TCP from here on, after what was
+		// spliced, which the proxy reads first.
 		f->state = SPLICE_TCP;
 		return SK_PASS;
 	}
+	// A byte may be spliced only when every byte the application gave TCP
+	// has been read by the proxy, or it would be read before them. The
+	// writes of one socket are serialized, and its write_seq counts exactly
+	// what TCP took of them, the proxy's copied_seq what it read of them
+	// (proxy_copied, recorded after each read). They differ while bytes are
+	// behind in TCP: after a write that fell back at the bound, and after
+	// one that reached TCP without this program, such as a write that
+	// started before the socket joined the sockhash and waited for the
+	// handshake there.
+	struct tcp_sock___splice *tp = (void *)bpf_skc_to_tcp_sock(msg->sk);
+	if (!tp)
+		return SK_PASS;
+	if (tp->write_seq != f->proxy_copied) {
+		if (state == SPLICE_READY)
+			f->state = SPLICE_BEHIND;
+		return SK_PASS;
+	}
+	if (state == SPLICE_BEHIND)
+		f->state = SPLICE_READY;
 	if (f->unread + (__s64)msg->size > c->max_unread) {
 		f->state = SPLICE_BEHIND;
 		return SK_PASS;

@@ -155,7 +155,7 @@ func (s *Service) adoptOne(ctx context.Context, p RunningPod, sb hostproc.Sandbo
 		return false, nil
 	}
 	fields := podFields(p.Pod, key)
-	decision, err := s.decide(ctx, p.Pod)
+	decision, err := s.policy.Decide(ctx, p.Pod)
 	if err != nil {
 		s.adoptFailed(ctx, p.Pod, "policy", err)
 		return false, err

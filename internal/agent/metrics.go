@@ -168,7 +168,7 @@ var bpfSpliceEnabled = prometheus.NewDesc("meshcni_datapath_splice_enabled",
 	nil, nil)
 
 var bpfSpliceConnections = prometheus.NewDesc("meshcni_datapath_splice_connections",
-	"Open application-to-proxy connections of the splice, by state: spliced, behind (the proxy left more than --splice-max-unread unread: on TCP until it caught up), tcp (on TCP for good: a first byte before the proxy's side was up) or pending.",
+	"Open application-to-proxy connections of the splice, by state: spliced, behind (on TCP until the proxy has read what went through TCP: after it left more than --splice-max-unread unread, or a write reached TCP before the splice), tcp (on TCP for good: a first byte before the proxy's side was up, or the pod stopped asking) or pending.",
 	[]string{"state"}, nil)
 
 func (c *datapathCollector) Describe(ch chan<- *prometheus.Desc) {

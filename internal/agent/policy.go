@@ -23,33 +23,21 @@ type Decision struct {
 }
 
 // AnnotationSplice is the pod annotation that chooses the splice for a pod
-// (mesh-agent --splice): "enabled" opts the pod in, "disabled" out. It is
-// read when the pod is enrolled.
+// (mesh-agent --splice): "enabled" opts the pod in, any other value out. It
+// is read when the pod is enrolled.
 const AnnotationSplice = "mesh-cni.io/splice"
 
 // SpliceChoice is the pod's choice by its AnnotationSplice annotation: nil
-// when it has none, or a value other than enabled or disabled.
+// when it has none. Only "enabled" asks for the splice: a value mistyped,
+// such as "false" or "Disabled", opts out, the side that cannot break a
+// blocking application.
 func SpliceChoice(annotations map[string]string) *bool {
-	var on bool
-	switch annotations[AnnotationSplice] {
-	case "enabled":
-		on = true
-	case "disabled":
-	default:
+	v, ok := annotations[AnnotationSplice]
+	if !ok {
 		return nil
 	}
+	on := v == "enabled"
 	return &on
-}
-
-// decide asks the policy about a pod. A policy that does not read the pod's
-// splice choice (one that has no other copy of its annotations than the
-// request's) gets it from the request.
-func (s *Service) decide(ctx context.Context, pod *gatepb.PodIdentity) (Decision, error) {
-	d, err := s.policy.Decide(ctx, pod)
-	if err == nil && d.Capture.Splice == nil {
-		d.Capture.Splice = SpliceChoice(pod.GetAnnotations())
-	}
-	return d, err
 }
 
 // ServiceAccountSource is a policy that reads each pod's service account
@@ -107,9 +95,14 @@ func (s *Service) report(ctx context.Context, pod *gatepb.PodIdentity, outcome s
 // excludeNamespaces list is then the only scope.
 type EnrollAll struct{}
 
-// Decide implements Policy.
-func (EnrollAll) Decide(context.Context, *gatepb.PodIdentity) (Decision, error) {
-	return Decision{Enroll: true, Reason: "every pod that reaches the agent is enrolled (no enrollment policy configured)"}, nil
+// Decide implements Policy. The pod's splice choice is the request's: KNI
+// and hook requests carry its annotations, CNI requests none.
+func (EnrollAll) Decide(_ context.Context, pod *gatepb.PodIdentity) (Decision, error) {
+	return Decision{
+		Enroll:  true,
+		Reason:  "every pod that reaches the agent is enrolled (no enrollment policy configured)",
+		Capture: podstore.Capture{Splice: SpliceChoice(pod.GetAnnotations())},
+	}, nil
 }
 
 // followSync keeps the enrollment-source condition up to date.

@@ -85,6 +85,12 @@ func (r RedirectDatapath) Recollect(ctx context.Context, netnsPath string) error
 	return r.DP.Recollect(ctx, netnsPath)
 }
 
+// SetSplice implements SpliceSetter: the node's splice setting with the
+// pod's own choice.
+func (r RedirectDatapath) SetSplice(ctx context.Context, cookie uint64, capture podstore.Capture) (bool, error) {
+	return r.DP.SetSplice(ctx, cookie, r.settingsFor(capture).Splice)
+}
+
 // Check implements Datapath.
 func (r RedirectDatapath) Check(ctx context.Context, cookie uint64) error {
 	return r.DP.Check(ctx, cookie)

@@ -44,7 +44,7 @@ func (s *Service) reevaluateOne(ctx context.Context, key podstore.Key) (changed,
 	}
 	pod := identityOf(rec)
 	fields := podFields(pod, key)
-	decision, err := s.decide(ctx, pod)
+	decision, err := s.policy.Decide(ctx, pod)
 	if err != nil {
 		return false, false, fmt.Errorf("re-decide %s: %w", key, err)
 	}

@@ -99,7 +99,7 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 	defer unlock()
 
 	locked := s.now()
-	decision, err := s.decide(ctx, req.GetPod())
+	decision, err := s.policy.Decide(ctx, req.GetPod())
 	decided := s.now()
 	if err != nil {
 		s.metrics.enrollFailed("policy")
@@ -351,7 +351,7 @@ func (s *Service) Check(ctx context.Context, req *gatepb.CheckRequest) (*gatepb.
 	unlock := s.locks.Lock(key.String())
 	defer unlock()
 
-	decision, err := s.decide(ctx, req.GetPod())
+	decision, err := s.policy.Decide(ctx, req.GetPod())
 	if err != nil {
 		return nil, status.Errorf(codes.Unavailable, "enrollment policy could not decide: %v", err)
 	}

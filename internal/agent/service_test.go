@@ -69,6 +69,7 @@ type fakePolicy struct {
 	enrolled map[string]bool // by namespace
 	err      error
 	outcomes map[string]string // pod name -> last outcome
+	splice   *bool             // every pod's splice choice
 }
 
 func (p *fakePolicy) Decide(_ context.Context, pod *gatepb.PodIdentity) (Decision, error) {
@@ -77,7 +78,8 @@ func (p *fakePolicy) Decide(_ context.Context, pod *gatepb.PodIdentity) (Decisio
 	if p.err != nil {
 		return Decision{}, p.err
 	}
-	return Decision{Enroll: p.enrolled[pod.GetNamespace()], Reason: "test", ServiceAccount: "sa-" + pod.GetName()}, nil
+	return Decision{Enroll: p.enrolled[pod.GetNamespace()], Reason: "test", ServiceAccount: "sa-" + pod.GetName(),
+		Capture: podstore.Capture{Splice: p.splice}}, nil
 }
 
 func (p *fakePolicy) Report(_ context.Context, pod *gatepb.PodIdentity, outcome string, _ error) {

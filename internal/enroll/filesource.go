@@ -213,7 +213,11 @@ func (f *FileSource) Decide(_ context.Context, pod *gatepb.PodIdentity) (agent.D
 		}
 		return agent.Decision{}, fmt.Errorf("no enrollment policy in force yet: %w", readErr)
 	}
-	return p.decide(pod), nil
+	d := p.decide(pod)
+	// The only copy of the pod's annotations the file source has is the
+	// request's (KNI and hook requests carry them).
+	d.Capture.Splice = agent.SpliceChoice(pod.GetAnnotations())
+	return d, nil
 }
 
 // Changed implements agent.PolicyWatcher: the channel is closed whenever a new

@@ -173,6 +173,11 @@ func (d *Datapath) Enroll(ctx context.Context, t Target) (Enrollment, error) {
 			log.Warn("collect existing inbound listeners", zap.Error(err))
 		}
 	}
+	if wasEnrolled && old.Flags&redirectSettingFlagsSETTING_SPLICE != 0 && !s.Splice {
+		if err := d.unspliceApplications(cookie); err != nil {
+			log.Warn("take the pod's applications off the splice", zap.Error(err))
+		}
+	}
 
 	// The entry is in place: now drop links this enrollment does not use (an
 	// earlier version's per-interface links, a link to a namespace inode that is
@@ -262,6 +267,9 @@ func (d *Datapath) release(ctx context.Context, cookie uint64, nsFd int) error {
 	errs := []error{removeLinkDir(d.pins.pod(cookie))}
 	if enrolled {
 		d.dropListeners(cookie, v.InboundPort)
+		if v.Flags&redirectSettingFlagsSETTING_SPLICE != 0 {
+			errs = append(errs, d.unspliceApplications(cookie))
+		}
 		if nsFd >= 0 && v.Flags&redirectSettingFlagsSETTING_REPLY_MARK != 0 {
 			s := Settings{ReplyMark: v.ReplyMark, ReplyMarkMask: v.ReplyMarkMask}
 			errs = append(errs, netns.DoFd(nsFd, func() error { return removeReplyRoute(&d.proc, s) }))

@@ -1,6 +1,7 @@
 package redirect
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -28,7 +29,9 @@ import (
 //     an fexit program on tcp_bpf_recvmsg;
 //   - the switch in splice_node, turned on only once both are in place, and
 //     off first when splicing stops: each spliced connection then goes to TCP
-//     at its next write.
+//     at its next write;
+//   - each pod's choice (SETTING_SPLICE), and taking the applications'
+//     sockets of a pod that no longer asks out of splice_socks.
 
 // DefaultSpliceMaxUnread is how many spliced bytes a proxy may leave unread on
 // one connection before its writes go through TCP, whose buffers push back on
@@ -137,7 +140,7 @@ func (d *Datapath) startSplice(spec *ebpf.CollectionSpec) error {
 	m := &d.objs.redirectMaps
 	replace := map[string]*ebpf.Map{
 		"splice_node": m.SpliceNode, "splice_socks": m.SpliceSocks, "splice_targets": m.SpliceTargets,
-		"splice_flows": m.SpliceFlows, "splice_rx": m.SpliceRx,
+		"splice_flows": m.SpliceFlows, "splice_rx": m.SpliceRx, "pods": m.Pods,
 	}
 	msgSpec := spec.Programs["mesh_splice_msg"]
 	readSpec := spec.Programs[reader]
@@ -214,10 +217,12 @@ type SpliceStatus struct {
 	// Error says why it is off although it was asked for.
 	Error string `json:"error,omitempty"`
 	// Spliced counts the open connections whose writes into the proxy are
-	// spliced; Behind those whose proxy left more than the bound unread, on
-	// TCP until it has read everything; TCP those on TCP for good (a first
+	// spliced; Behind those on TCP until the proxy has read what went
+	// through TCP (after it left more than the bound unread, or a write
+	// reached TCP before the splice); TCP those on TCP for good (a first
 	// byte before the proxy's side was up, a socket the kernel would not
-	// redirect to); Pending those waiting for the proxy's side.
+	// redirect to, a pod that stopped asking); Pending those waiting for the
+	// proxy's side.
 	Spliced int `json:"spliced"`
 	Behind  int `json:"behind"`
 	TCP     int `json:"tcp"`
@@ -300,4 +305,79 @@ func inspectSplice(pins layout) (*SpliceStatus, error) {
 		st.Error = "the switch is on but the read accounting (links/" + spliceReadLink + ") is not pinned"
 	}
 	return &st, nil
+}
+
+// SetSplice turns a pod's Settings.Splice on or off in place, without
+// enrolling it again; changed reports whether it was otherwise. A pod that
+// is not enrolled is ErrNotEnrolled. Turned on, the pod's new connections are
+// spliced; turned off, its open ones go to TCP as unspliceApplications says.
+func (d *Datapath) SetSplice(ctx context.Context, cookie uint64, on bool) (changed bool, err error) {
+	unlock, err := d.lockPod(ctx, cookie)
+	if err != nil {
+		return false, err
+	}
+	defer unlock()
+	d.mapMu.Lock()
+	defer d.mapMu.Unlock()
+	var v redirectPodSettings
+	if err := d.objs.Pods.Lookup(cookie, &v); errors.Is(err, ebpf.ErrKeyNotExist) {
+		return false, fmt.Errorf("netns cookie %d: %w", cookie, ErrNotEnrolled)
+	} else if err != nil {
+		return false, fmt.Errorf("read pod entry %d: %w", cookie, err)
+	}
+	was := v.Flags&redirectSettingFlagsSETTING_SPLICE != 0
+	if was == on {
+		return false, nil
+	}
+	v.Flags ^= redirectSettingFlagsSETTING_SPLICE
+	if err := d.objs.Pods.Update(cookie, v, ebpf.UpdateExist); err != nil {
+		return false, fmt.Errorf("write pod entry %d: %w", cookie, err)
+	}
+	if !on {
+		if err := d.unspliceApplications(cookie); err != nil {
+			return true, err
+		}
+	}
+	return true, nil
+}
+
+// unspliceApplications takes a pod's applications' sockets out of
+// splice_socks once the pod no longer asks for the splice (released, enrolled
+// again without it): back on TCP's own reader, a blocking read waits as on any
+// socket. Their connections went to TCP at their next write already
+// (mesh_splice_msg reads the pod's setting), after what was spliced, which
+// the proxy reads first. The proxies' sockets stay in splice_targets until
+// they close: taking one out would drop the spliced bytes it has not read.
+// Callers hold the pod's lock and have updated or deleted its entry.
+func (d *Datapath) unspliceApplications(cookie uint64) error {
+	var (
+		k, next redirectTupleKey
+		mine    []redirectTupleKey
+		prev    any // nil: the first key
+	)
+	// A key deleted meanwhile (its socket closed) starts the walk over from
+	// the first: bounded, it still ends.
+	for range 2 * d.objs.SpliceSocks.MaxEntries() {
+		if err := d.objs.SpliceSocks.NextKey(prev, &next); err != nil {
+			if errors.Is(err, ebpf.ErrKeyNotExist) {
+				break
+			}
+			return fmt.Errorf("list spliced sockets: %w", err)
+		}
+		if next.Netns == cookie {
+			mine = append(mine, next)
+		}
+		k = next
+		prev = &k
+	}
+	var errs []error
+	for _, key := range mine {
+		if err := d.objs.SpliceSocks.Delete(key); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			errs = append(errs, err)
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("unsplice the applications of netns cookie %d: %w", cookie, err)
+	}
+	return nil
 }

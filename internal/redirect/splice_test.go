@@ -17,6 +17,7 @@ import (
 	"runtime"
 	"strconv"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -451,6 +452,222 @@ func TestSpliceBlockingReaderUnderSignals(t *testing.T) {
 			t.Errorf("pod %s does not ask for the splice, yet %d of its application's blocking reads ended with EAGAIN", tc.from.name, eagain)
 		case asks && eagain == 0:
 			t.Errorf("no blocking read of a spliced application's socket ended with EAGAIN under signals: this kernel's sockmap reader waits as TCP's does, and the splice's requirement (docs/design.md) is out of date here")
+		}
+	}
+}
+
+// A pod that stops asking for the splice (enrolled again without it, the
+// agent's SetSplice, or released) takes its open connections off it: their
+// applications' sockets leave the sockhash, so their blocking reads wait as on
+// TCP again, and their writes go through TCP.
+func TestSpliceStopsWhenThePodStopsAsking(t *testing.T) {
+	d, _ := spliceDatapath(t, 0)
+	a, b := newPodPair(t)
+	s := testSettings()
+	const n = 100
+	// The outbound proxy sends a byte every 2 ms, as long as the
+	// application reads.
+	fixtures.Serve(t, a.listen(t, fmt.Sprintf("[::]:%d", s.OutboundPort)), func(conn net.Conn) {
+		for {
+			if _, err := conn.Write([]byte{1}); err != nil {
+				return
+			}
+			time.Sleep(2 * time.Millisecond)
+		}
+	})
+	s.Splice = true
+	enroll(t, d, a, s)
+	applications := func() int { return splicedApplications(d, a.cookie) }
+	dial := func() net.Conn {
+		conn, err := a.dial(hostPort(b.addr4, appPort), dialOpts{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { conn.Close() })
+		return conn
+	}
+	conn := dial()
+	if got := applications(); got != 1 {
+		t.Fatalf("%d of the pod's application sockets in the sockhash while it asks, want 1", got)
+	}
+
+	s.Splice = false
+	enroll(t, d, a, s)
+	if got := applications(); got != 0 {
+		t.Errorf("%d of the pod's application sockets still in the sockhash after it was enrolled without the splice", got)
+	}
+	if read, eagain, err := blockingReadUnderSignals(conn, n); err != nil || eagain > 0 {
+		t.Errorf("after the pod stopped asking, its open connection's blocking reads: %d bytes, %d ended with EAGAIN, %v; want none", read, eagain, err)
+	}
+
+	for _, stop := range []struct {
+		name string
+		fn   func() error
+	}{
+		{"SetSplice(false)", func() error {
+			_, err := d.SetSplice(context.Background(), a.cookie, false)
+			return err
+		}},
+		{"Release", func() error { return d.Release(context.Background(), a.cookie) }},
+	} {
+		if changed, err := d.SetSplice(context.Background(), a.cookie, true); err != nil || !changed {
+			t.Fatalf("SetSplice(true): changed %v, %v", changed, err)
+		}
+		dial()
+		if got := applications(); got != 1 {
+			t.Fatalf("%d of the pod's application sockets in the sockhash after SetSplice(true), want 1", got)
+		}
+		if err := stop.fn(); err != nil {
+			t.Fatalf("%s: %v", stop.name, err)
+		}
+		if got := applications(); got != 0 {
+			t.Errorf("%d of the pod's application sockets still in the sockhash after %s", got, stop.name)
+		}
+	}
+	if _, err := d.SetSplice(context.Background(), a.cookie, true); !errors.Is(err, ErrNotEnrolled) {
+		t.Errorf("SetSplice on a released pod: %v, want ErrNotEnrolled", err)
+	}
+}
+
+// splicedApplications counts the applications' sockets of netns cookie in
+// splice_socks.
+func splicedApplications(d *Datapath, cookie uint64) int {
+	var (
+		k     redirectTupleKey
+		v     uint64
+		count int
+	)
+	for it := d.objs.SpliceSocks.Iterate(); it.Next(&k, &v); {
+		if k.Netns == cookie {
+			count++
+		}
+	}
+	return count
+}
+
+// Inbound, a connection the proxy opened to the application while the pod
+// asked, whose application's side is established only after the pod stopped
+// asking (the application listens with TCP_DEFER_ACCEPT: its socket is made
+// when the first byte arrives): that socket stays out of the sockhash.
+func TestSpliceAcceptedAfterThePodStoppedAsking(t *testing.T) {
+	d, _ := spliceDatapath(t, 0)
+	a, _ := newPodPair(t)
+	s := testSettings()
+	var ln net.Listener
+	a.do(t, func() error {
+		lc := net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error {
+			var serr error
+			if err := c.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_DEFER_ACCEPT, 5) }); err != nil {
+				return err
+			}
+			return serr
+		}}
+		lc.SetMultipathTCP(false)
+		var err error
+		ln, err = lc.Listen(context.Background(), "tcp", hostPort(a.addr4, appPort))
+		return err
+	})
+	// The application keeps its connection open, reading, until the test
+	// ends: a closed socket leaves the sockhash by itself.
+	accepted := make(chan struct{}, 1)
+	fixtures.Serve(t, ln, func(conn net.Conn) {
+		accepted <- struct{}{}
+		_, _ = io.Copy(io.Discard, struct{ io.Reader }{conn})
+	})
+	s.Splice = true
+	enroll(t, d, a, s)
+	proxy, err := a.dial(hostPort(a.addr4, appPort), dialOpts{mark: testMark})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer proxy.Close()
+	s.Splice = false
+	enroll(t, d, a, s)
+	if _, err := proxy.Write([]byte("first")); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-accepted:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the application did not accept")
+	}
+	if got := splicedApplications(d, a.cookie); got != 0 {
+		t.Errorf("%d application sockets accepted after the pod stopped asking joined the sockhash", got)
+	}
+}
+
+// An application's write that reached TCP without the splice's program (one
+// that started before its socket joined the sockhash, and waited there for
+// the handshake) is read by the proxy before any later, spliced, write: a
+// blocking socket that connects with sendto(MSG_FASTOPEN) and no cookie, or
+// writes from a second thread while another connects.
+func TestSpliceWriteBeforeTheSocketJoined(t *testing.T) {
+	d, _ := spliceDatapath(t, 0)
+	a, b := newPodPair(t)
+	s := testSettings()
+	s.Splice = true
+	got := make(chan []byte, 64)
+	fixtures.Serve(t, a.listen(t, fmt.Sprintf("[::]:%d", s.OutboundPort)), func(conn net.Conn) {
+		_ = conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+		all, _ := io.ReadAll(struct{ io.Reader }{conn})
+		got <- all
+	})
+	enroll(t, d, a, s)
+	first, second := bytes.Repeat([]byte{'A'}, 300), bytes.Repeat([]byte{'B'}, 300)
+	dst := &unix.SockaddrInet4{Addr: b.addr4.As4(), Port: appPort}
+	connects := map[string]func(fd int) error{
+		"sendto(MSG_FASTOPEN)": func(fd int) error { return unix.Sendto(fd, first, unix.MSG_FASTOPEN, dst) },
+		"write while connecting": func(fd int) error {
+			werr := make(chan error, 1)
+			go func() {
+				// Until the connect is under way, the write fails
+				// with ENOTCONN or EPIPE: try again.
+				for {
+					_, err := unix.Write(fd, first)
+					if err != unix.ENOTCONN && err != unix.EPIPE {
+						werr <- err
+						return
+					}
+					runtime.Gosched()
+				}
+			}()
+			if err := unix.Connect(fd, dst); err != nil {
+				return err
+			}
+			return <-werr
+		},
+	}
+	for name, connect := range connects {
+		bad := 0
+		const conns = 30
+		for range conns {
+			var fd int
+			a.do(t, func() error {
+				var err error
+				fd, err = unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+				return err
+			})
+			err := connect(fd)
+			if err == nil {
+				_, err = unix.Write(fd, second)
+			}
+			_ = unix.Shutdown(fd, unix.SHUT_WR)
+			if err != nil {
+				unix.Close(fd)
+				t.Fatalf("%s: %v", name, err)
+			}
+			select {
+			case b := <-got:
+				if !bytes.Equal(b, append(append([]byte{}, first...), second...)) {
+					bad++
+				}
+			case <-time.After(15 * time.Second):
+				t.Fatalf("%s: the proxy did not read to the end", name)
+			}
+			unix.Close(fd)
+		}
+		if bad > 0 {
+			t.Errorf("%s: %d of %d connections reached the proxy out of order", name, bad, conns)
 		}
 	}
 }

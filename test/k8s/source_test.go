@@ -159,8 +159,9 @@ func testSourceIstioProfile(t *testing.T, c *cluster) {
 }
 
 // testSourceSpliceChoice: the pod's mesh-cni.io/splice annotation, read from
-// the API server's copy (a CNI request carries no annotations), under either
-// profile; a value other than enabled or disabled is no choice.
+// the API server's copy (a CNI request carries no annotations, and a request
+// that carries other ones does not count), under either profile; any value
+// but enabled opts out.
 func testSourceSpliceChoice(t *testing.T, c *cluster) {
 	node := "node-" + randomHex(t, 4)
 	ambient := map[string]string{enroll.IstioLabelDataplaneMode: enroll.IstioValueAmbient}
@@ -176,13 +177,20 @@ func testSourceSpliceChoice(t *testing.T, c *cluster) {
 		for _, tc := range []struct {
 			value string
 			want  *bool
-		}{{"enabled", &on}, {"disabled", &off}, {"yes", nil}, {"", nil}} {
+		}{{"enabled", &on}, {"disabled", &off}, {"yes", &off}, {"", nil}} {
 			var annotations map[string]string
 			if tc.value != "" {
 				annotations = map[string]string{meshagent.AnnotationSplice: tc.value}
 			}
 			pod := c.pod(t, ns, profile+"-"+strings.Trim(tc.value+"-none", "-"), node, nil, annotations)
-			d := decide(t, src, pod)
+			req := identity(pod)
+			req.Annotations = map[string]string{meshagent.AnnotationSplice: "enabled"}
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			d, err := src.Decide(ctx, req)
+			cancel()
+			if err != nil {
+				t.Fatal(err)
+			}
 			if !d.Enroll || !reflect.DeepEqual(d.Capture.Splice, tc.want) {
 				t.Errorf("profile %s, annotation %q: enroll %v, splice %v, want enrolled with %v", profile, tc.value, d.Enroll, d.Capture.Splice, tc.want)
 			}
