@@ -386,12 +386,12 @@ struct {
 //   - a connection is spliced only from its first byte; one whose first byte
 //     went through TCP stays on TCP (a spliced byte after a TCP one would be
 //     read first);
-//   - once the proxy leaves more than max_unread spliced bytes unread, the
-//     writes go through TCP, whose buffers push back on the writer (the
-//     redirect itself is charged to no buffer limit), until the proxy has read
-//     every byte the application gave TCP: splicing then resumes;
 //   - a byte is spliced only once the proxy has read every byte the
-//     application gave TCP, whichever way they got there;
+//     application gave TCP, whichever way they got there: after the proxy
+//     left more than max_unread spliced bytes unread (the writes then go
+//     through TCP, whose buffers push back on the writer; the redirect itself
+//     is charged to no buffer limit), or after a write that reached TCP
+//     without this program;
 //   - a missing peer, a full map, a disabled splice, a pod that stopped
 //     asking: TCP for good.
 // Going from spliced to TCP keeps the order, since the kernel's reader takes
@@ -1701,10 +1701,11 @@ int mesh_splice_msg(struct sk_msg_md *msg)
 	if (state != SPLICE_READY && state != SPLICE_BEHIND)
 		return SK_PASS;
 	struct splice_config *c = splice_enabled();
-	if (!c || !splices(k.netns)) {
-		// Splicing stopped, on the node or for this pod (released, or
-		// enrolled again without it): TCP from here on, after what was
-		// spliced, which the proxy reads first.
+	if (!c) {
+		// Splicing stopped on the node: TCP from here on, after what was
+		// spliced, which the proxy reads first. (A pod that stops asking
+		// has its applications' sockets taken out of splice_socks by the
+		// agent: this program no longer runs for them.)
 		f->state = SPLICE_TCP;
 		return SK_PASS;
 	}

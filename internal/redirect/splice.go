@@ -140,7 +140,7 @@ func (d *Datapath) startSplice(spec *ebpf.CollectionSpec) error {
 	m := &d.objs.redirectMaps
 	replace := map[string]*ebpf.Map{
 		"splice_node": m.SpliceNode, "splice_socks": m.SpliceSocks, "splice_targets": m.SpliceTargets,
-		"splice_flows": m.SpliceFlows, "splice_rx": m.SpliceRx, "pods": m.Pods,
+		"splice_flows": m.SpliceFlows, "splice_rx": m.SpliceRx,
 	}
 	msgSpec := spec.Programs["mesh_splice_msg"]
 	readSpec := spec.Programs[reader]
@@ -343,41 +343,51 @@ func (d *Datapath) SetSplice(ctx context.Context, cookie uint64, on bool) (chang
 
 // unspliceApplications takes a pod's applications' sockets out of
 // splice_socks once the pod no longer asks for the splice (released, enrolled
-// again without it): back on TCP's own reader, a blocking read waits as on any
-// socket. Their connections went to TCP at their next write already
-// (mesh_splice_msg reads the pod's setting), after what was spliced, which
-// the proxy reads first. The proxies' sockets stay in splice_targets until
-// they close: taking one out would drop the spliced bytes it has not read.
-// Callers hold the pod's lock and have updated or deleted its entry.
+// again without it): the splice's program no longer runs for their writes,
+// which go through TCP after what was spliced (the proxy reads that first),
+// and back on TCP's own reader a blocking read waits as on any socket. Their
+// connections count as on TCP for good. The proxies' sockets stay in
+// splice_targets until they close: taking one out would drop the spliced
+// bytes it has not read. Callers hold the pod's lock and have updated or
+// deleted its entry.
 func (d *Datapath) unspliceApplications(cookie uint64) error {
-	var (
-		k, next redirectTupleKey
-		mine    []redirectTupleKey
-		prev    any // nil: the first key
-	)
-	// A key deleted meanwhile (its socket closed) starts the walk over from
-	// the first: bounded, it still ends.
-	for range 2 * d.objs.SpliceSocks.MaxEntries() {
-		if err := d.objs.SpliceSocks.NextKey(prev, &next); err != nil {
-			if errors.Is(err, ebpf.ErrKeyNotExist) {
-				break
-			}
-			return fmt.Errorf("list spliced sockets: %w", err)
-		}
-		if next.Netns == cookie {
-			mine = append(mine, next)
-		}
-		k = next
-		prev = &k
-	}
+	socks, err := d.splicedApplications(cookie)
 	var errs []error
-	for _, key := range mine {
-		if err := d.objs.SpliceSocks.Delete(key); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+	for _, own := range socks {
+		if err := d.objs.SpliceSocks.Delete(own); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			errs = append(errs, err)
+			continue
+		}
+		// The connection's direction is keyed as the proxy sees it.
+		flow := redirectTupleKey{Netns: own.Netns, Local: own.Remote, Remote: own.Local, LocalPort: own.RemotePort, RemotePort: own.LocalPort}
+		var f redirectSpliceFlow
+		if d.objs.SpliceFlows.Lookup(flow, &f) == nil {
+			f.State = redirectSpliceStateSPLICE_TCP
+			_ = d.objs.SpliceFlows.Update(flow, f, ebpf.UpdateExist) // gone meanwhile: closed
 		}
 	}
-	if err := errors.Join(errs...); err != nil {
+	if err := errors.Join(append(errs, err)...); err != nil {
 		return fmt.Errorf("unsplice the applications of netns cookie %d: %w", cookie, err)
 	}
 	return nil
+}
+
+// splicedApplications lists the keys of the applications' sockets of netns
+// cookie in splice_socks.
+func (d *Datapath) splicedApplications(cookie uint64) ([]redirectTupleKey, error) {
+	var (
+		k    redirectTupleKey
+		v    uint64 // the socket's cookie
+		mine []redirectTupleKey
+	)
+	it := d.objs.SpliceSocks.Iterate()
+	for it.Next(&k, &v) {
+		if k.Netns == cookie {
+			mine = append(mine, k)
+		}
+	}
+	if err := it.Err(); err != nil {
+		return mine, fmt.Errorf("list spliced sockets: %w", err)
+	}
+	return mine, nil
 }

@@ -416,16 +416,7 @@ func TestSpliceBlockingReaderUnderSignals(t *testing.T) {
 	s := testSettings()
 	const n = 100
 	for _, p := range []*pod{a, b} {
-		// The outbound proxy sends a byte every 2 ms through TCP, the
-		// direction never spliced, and the application waits for each.
-		fixtures.Serve(t, p.listen(t, fmt.Sprintf("[::]:%d", s.OutboundPort)), func(conn net.Conn) {
-			for range n {
-				if _, err := conn.Write([]byte{1}); err != nil {
-					return
-				}
-				time.Sleep(2 * time.Millisecond)
-			}
-		})
+		serveDrip(t, p, s.OutboundPort)
 	}
 	s.Splice = true
 	enroll(t, d, a, s)
@@ -465,19 +456,10 @@ func TestSpliceStopsWhenThePodStopsAsking(t *testing.T) {
 	a, b := newPodPair(t)
 	s := testSettings()
 	const n = 100
-	// The outbound proxy sends a byte every 2 ms, as long as the
-	// application reads.
-	fixtures.Serve(t, a.listen(t, fmt.Sprintf("[::]:%d", s.OutboundPort)), func(conn net.Conn) {
-		for {
-			if _, err := conn.Write([]byte{1}); err != nil {
-				return
-			}
-			time.Sleep(2 * time.Millisecond)
-		}
-	})
+	serveDrip(t, a, s.OutboundPort)
 	s.Splice = true
 	enroll(t, d, a, s)
-	applications := func() int { return splicedApplications(d, a.cookie) }
+	applications := func() int { return countSplicedApplications(t, d, a.cookie) }
 	dial := func() net.Conn {
 		conn, err := a.dial(hostPort(b.addr4, appPort), dialOpts{})
 		if err != nil {
@@ -495,6 +477,9 @@ func TestSpliceStopsWhenThePodStopsAsking(t *testing.T) {
 	enroll(t, d, a, s)
 	if got := applications(); got != 0 {
 		t.Errorf("%d of the pod's application sockets still in the sockhash after it was enrolled without the splice", got)
+	}
+	if st, err := d.Splice(); err != nil || st.Spliced != 0 || st.TCP != 1 {
+		t.Errorf("splice status %+v (%v) after the pod stopped asking, want its open connection on TCP", st, err)
 	}
 	if read, eagain, err := blockingReadUnderSignals(conn, n); err != nil || eagain > 0 {
 		t.Errorf("after the pod stopped asking, its open connection's blocking reads: %d bytes, %d ended with EAGAIN, %v; want none", read, eagain, err)
@@ -529,20 +514,15 @@ func TestSpliceStopsWhenThePodStopsAsking(t *testing.T) {
 	}
 }
 
-// splicedApplications counts the applications' sockets of netns cookie in
+// countSplicedApplications counts the applications' sockets of netns cookie in
 // splice_socks.
-func splicedApplications(d *Datapath, cookie uint64) int {
-	var (
-		k     redirectTupleKey
-		v     uint64
-		count int
-	)
-	for it := d.objs.SpliceSocks.Iterate(); it.Next(&k, &v); {
-		if k.Netns == cookie {
-			count++
-		}
+func countSplicedApplications(t *testing.T, d *Datapath, cookie uint64) int {
+	t.Helper()
+	socks, err := d.splicedApplications(cookie)
+	if err != nil {
+		t.Fatal(err)
 	}
-	return count
+	return len(socks)
 }
 
 // Inbound, a connection the proxy opened to the application while the pod
@@ -591,7 +571,7 @@ func TestSpliceAcceptedAfterThePodStoppedAsking(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the application did not accept")
 	}
-	if got := splicedApplications(d, a.cookie); got != 0 {
+	if got := countSplicedApplications(t, d, a.cookie); got != 0 {
 		t.Errorf("%d application sockets accepted after the pod stopped asking joined the sockhash", got)
 	}
 }
@@ -670,6 +650,20 @@ func TestSpliceWriteBeforeTheSocketJoined(t *testing.T) {
 			t.Errorf("%s: %d of %d connections reached the proxy out of order", name, bad, conns)
 		}
 	}
+}
+
+// serveDrip is an outbound proxy in p that sends each connection a byte
+// every 2 ms through TCP, the direction never spliced, until it is closed:
+// an application reading it waits for each byte.
+func serveDrip(t *testing.T, p *pod, port uint16) {
+	fixtures.Serve(t, p.listen(t, fmt.Sprintf("[::]:%d", port)), func(conn net.Conn) {
+		for {
+			if _, err := conn.Write([]byte{1}); err != nil {
+				return
+			}
+			time.Sleep(2 * time.Millisecond)
+		}
+	})
 }
 
 // blockingReadUnderSignals reads n bytes from conn's socket in blocking mode,
