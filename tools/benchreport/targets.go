@@ -707,7 +707,7 @@ func spliceTargets(d data) []target {
 		hops                 = "The splice takes two directions of the pod-local hops out of TCP: the client's writes into its proxy and the server's answers into its proxy. " +
 			"The proxies' writes to their applications and the proxy-to-proxy hop stay TCP. " +
 			"Where a hop is spliced, the kernel's sockmap path (a copy into a scatterlist, the verdict program, the proxy's socket locked, queued and woken) replaces loopback TCP's, and every hop still wakes its reader, often on the other CPU: " +
-			"one hop timed alone costs the same either way on this project's test machine (`BenchmarkSpliceHop`, [design.md](design.md#the-splice))."
+			"one hop timed alone costs about the same either way on this project's test machine (`BenchmarkSpliceHop`, [design.md](design.md#the-splice))."
 	)
 	gain := func(metric string) string {
 		if r, cfg := captureRatio(d, metric, splice, plain); ok(r) {
