@@ -6,7 +6,7 @@ TOOLS := $(BIN)/tools
 # Tests and the demo take prebuilt binaries from here instead of building their own.
 export MESH_CNI_BIN_DIR := $(BIN)
 
-.PHONY: all build image test test-unit e2e-node demo generate check-generated lint bench fuzz fuzz-short clean
+.PHONY: all build image deps peers test test-unit e2e-node demo generate check-generated lint bench fuzz fuzz-short clean
 
 all: build
 
@@ -49,16 +49,31 @@ image:
 # in CI, they run. .ci/run runs it first.
 UNIT_PKGS := ./internal/agent/... ./internal/agentcli/... ./internal/cniplugin/... \
 	./internal/cniinstall/... ./internal/enroll/... ./internal/podstore/... ./internal/runtimecni/... \
-	./internal/hostproc/... ./internal/keylock/... ./internal/netns/... ./internal/atomicfile/... ./internal/gaterpc/... ./pkg/... ./install/kubernetes/...
+	./internal/hostproc/... ./internal/keylock/... ./internal/netns/... ./internal/atomicfile/... ./internal/gaterpc/... ./pkg/... ./install/kubernetes/... ./hack/
 test-unit:
 	MESH_CNI_BIN_DIR= $(GO) test -short -count=1 $(UNIT_PKGS)
 
-# The whole suite, as root, on the real kernel.
+# The Debian packages of hack/packages.txt (the README's list) that are not
+# installed yet; nothing when all are.
+deps:
+	@bash hack/deps.sh hack/packages.txt
+
+# The real peers the suite runs, built from Go modules into /var/cache/mesh-cni
+# before any test's clock starts (about half an hour cold, then cached); the
+# test targets take their directories from hack/peers.sh's exports.
+PEERS := eval "$$(bash hack/peers.sh)"
+peers:
+	@$(PEERS) && env | grep '^MESH_CNI_.*_BIN_DIR=' | grep -v '^MESH_CNI_BIN_DIR='
+
+# The whole suite, as root, on the real kernel: first the packages and the
+# peers it needs (a first run on a fresh machine installs and builds them).
 # ip netns makes /run/netns a shared mount point on its first use, before any
 # test mounts a namespace there (test/k8s's istio-cni needs it shared).
-test: build
+test: deps build
+	@echo "== the tests' peers (hack/peers.sh: built once into /var/cache/mesh-cni)"
+	@$(PEERS) >/dev/null
 	ip netns add mesh-cni-make-test && ip netns delete mesh-cni-make-test
-	$(GO) test -count=1 -timeout 40m ./...
+	$(PEERS) && $(GO) test -count=1 -timeout 40m ./...
 
 # The kernel matrix (tools/kernels/matrix.txt): each kernel booted in a QEMU VM,
 # internal/redirect and a subset of test/e2e run inside it, one summary line per
@@ -68,7 +83,8 @@ test: build
 KERNELS_CACHE ?= /var/cache/mesh-cni/kernels
 KERNELS ?=
 .PHONY: test-kernels
-test-kernels: build
+test-kernels: deps build
+	@bash hack/deps.sh hack/packages-kernels.txt
 	$(GO) run ./tools/cmd/kernels -cache $(KERNELS_CACHE) -out $(BIN)/kernels -bin $(BIN) -kernels '$(KERNELS)'
 
 # The node test alone (test/node; make test runs it too): a real node on this
@@ -76,25 +92,25 @@ test-kernels: build
 # built from modules and cached), the install and uninstall commands of docs/install.md
 # run as written, then its measured times into docs/benchmarks.md's node
 # section, leaving the rest of the report as it is.
-e2e-node: build
+e2e-node: deps build
 	@rm -rf $(BIN)/bench-node && mkdir -p $(BIN)/bench-node
-	MESH_BENCH_OUT=$(BIN)/bench-node $(GO) test -count=1 -v -run '^Test(Node|ReleaseImageReproducible|ReadmeInstall)$$' -timeout 40m ./test/node/
+	$(PEERS) && MESH_BENCH_OUT=$(BIN)/bench-node $(GO) test -count=1 -v -run '^Test(Node|ReleaseImageReproducible|ReadmeInstall)$$' -timeout 40m ./test/node/
 	$(GO) run ./tools/cmd/benchreport -in $(BIN)/bench-node -only node -out docs/benchmarks.md -figs docs/bench
 
 # A simulated node: real namespaces, the real chain and agent, narrated.
-demo: build
+demo: deps build
 	@MESH_DEMO=1 $(GO) test -count=1 -v -run '^TestDemo$$' ./test/demo/ | grep -v -e '^=== RUN' -e '^--- PASS' -e '^PASS$$' -e '^ok '
 
 # The same node in ambient mode: no proxy in any pod, one node proxy (in
 # ztunnel's role) takes every pod from the agent over ZDS.
 .PHONY: demo-ambient
-demo-ambient: build
+demo-ambient: deps build
 	@MESH_DEMO=1 $(GO) test -count=1 -v -run '^TestDemoAmbient$$' ./test/demo/ | grep -v -e '^=== RUN' -e '^--- PASS' -e '^PASS$$' -e '^ok '
 
 # Generated code is committed; CI runs check-generated to prove it is current.
 # Tool versions are pinned: protoc-gen-go, protoc-gen-go-grpc and bpf2go by
 # go.mod's tool directives, protoc (3.21.12) and clang (14) by Debian 12.
-generate:
+generate: deps
 	@mkdir -p $(TOOLS)
 	GOBIN=$(TOOLS) $(GO) install google.golang.org/protobuf/cmd/protoc-gen-go google.golang.org/grpc/cmd/protoc-gen-go-grpc
 	protoc --plugin=protoc-gen-go=$(TOOLS)/protoc-gen-go --plugin=protoc-gen-go-grpc=$(TOOLS)/protoc-gen-go-grpc \
@@ -128,9 +144,9 @@ lint: $(TOOLS)/golangci-lint
 # for a quick check that it all runs), raw samples into bin/bench, then
 # docs/benchmarks.md and its figures in docs/bench from those samples; the
 # report gives how long each benchmark took and the machine's load meanwhile.
-bench: build
+bench: deps build
 	@rm -rf $(BIN)/bench && mkdir -p $(BIN)/bench
-	set -o pipefail; MESH_BENCH_OUT=$(BIN)/bench $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 60m ./test/bench/ 2>&1 | tee $(BIN)/bench/bench.txt
+	set -o pipefail; $(PEERS) && MESH_BENCH_OUT=$(BIN)/bench $(GO) test -run '^$$' -bench . -benchtime 1x -timeout 60m ./test/bench/ 2>&1 | tee $(BIN)/bench/bench.txt
 	$(GO) run ./tools/cmd/benchreport -in $(BIN)/bench -out docs/benchmarks.md -figs docs/bench
 
 # Every fuzz target for FUZZTIME each (11 targets: 5m each is about an hour);

@@ -489,7 +489,6 @@ func (s *Server) handle(id uint64, uc *net.UnixConn) {
 		log.Warn("snapshot to proxy failed, closing its connection", zap.Error(err))
 		return
 	}
-	s.markReady(c)
 	c.watch(s.ctx, s.cfg.LivenessInterval)
 	log.Info("proxy disconnected")
 }
@@ -544,7 +543,8 @@ func (s *Server) markReady(c *conn) {
 	s.notifyLocked()
 }
 
-// sendSnapshot sends every enrolled pod, then SnapshotSent. A pod whose netns
+// sendSnapshot sends every enrolled pod, then SnapshotSent, and marks c ready
+// when the proxy acked that. A pod whose netns
 // cannot be opened is sent as KeepWorkload (the proxy keeps what it has for it);
 // a pod the proxy refuses is logged and the snapshot goes on, as a broken pod must
 // not keep the proxy from the others.
@@ -588,6 +588,9 @@ func (s *Server) sendSnapshot(c *conn) error {
 		return fmt.Errorf("proxy refused SnapshotSent: %s", ackErr)
 	}
 	c.log.Info("snapshot sent", zap.Int("added", added), zap.Int("kept", kept), zap.Int("refused", refused))
+	// Ready before the connection is released: once an AddPod can use it, it
+	// counts as connected, however late this goroutine runs again.
+	s.markReady(c)
 	return nil
 }
 

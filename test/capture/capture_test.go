@@ -3,6 +3,7 @@ package capture_test
 import (
 	"context"
 	"crypto/rand"
+	"flag"
 	"fmt"
 	"net/netip"
 	"os"
@@ -32,6 +33,16 @@ func testMain(m *testing.M) int {
 	}
 	defer os.RemoveAll(dir)
 	binDir = dir
+	// istio-cni's in-pod rules come from hack/build-istio.sh's cache: found
+	// there, or built here (minutes, cold) before any test's deadline starts.
+	// Only root runs the tests that use them.
+	flag.Parse()
+	if os.Geteuid() == 0 && !testing.Short() {
+		if _, err := istioBuild(); err != nil {
+			fmt.Fprintf(os.Stderr, "capture: %v\n", err)
+			return 1
+		}
+	}
 	return m.Run()
 }
 

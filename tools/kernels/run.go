@@ -120,7 +120,7 @@ func checkTools(binDir string) error {
 		}
 	}
 	if len(missing) > 0 {
-		return fmt.Errorf("not installed: %s (.ci/run installs them: qemu-system-x86, busybox-static)", strings.Join(missing, ", "))
+		return fmt.Errorf("not installed: %s (make test-kernels installs them from hack/packages-kernels.txt)", strings.Join(missing, ", "))
 	}
 	for _, b := range []string{"mesh-agent", "mesh-cni", "refproxy", "bridge", "host-local"} {
 		if _, err := os.Stat(filepath.Join(binDir, b)); err != nil {
