@@ -104,12 +104,8 @@ func (p Plugin) logger(conf *NetConf, args *skel.CmdArgs, cmd string) (*logger, 
 // a process per pod and call, and grpc-go's start-up and teardown were most
 // of its cost beyond a no-op plugin's (see pkg/gate/gateclient).
 func (p Plugin) connect(conf *NetConf, timeout time.Duration) (*gateclient.Client, context.Context, func(), error) {
-	// A socket that exists but that this process may not open would otherwise
-	// look like an agent that never answers; say what it is at once.
-	if err := unix.Access(conf.SocketPath, unix.W_OK); errors.Is(err, unix.EACCES) {
-		return nil, nil, nil, types.NewError(ErrGateRefused,
-			fmt.Sprintf("mesh-cni: no permission to use gate socket %s (the plugin runs as uid %d; the socket is for root)", conf.SocketPath, os.Getuid()),
-			err.Error())
+	if err := socketRefused(conf, ErrGateRefused); err != nil {
+		return nil, nil, nil, err
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	return gateclient.New(conf.SocketPath), ctx, cancel, nil
@@ -340,7 +336,12 @@ func (p Plugin) GC(args *skel.CmdArgs) error {
 	return nil
 }
 
-// Status implements CNI STATUS: available only when the agent reports ready.
+// Status implements CNI STATUS. It fails only for what no restart of the agent
+// can fix: a conflist entry the plugin cannot use, or a gate socket this
+// process may not open. An agent that is down, slow or not ready is no reason:
+// the kubelet turns a failed STATUS into NetworkReady=false and the node into
+// NotReady, which takes every pod on it out of its Services and evicts it. New
+// pods wait at the gate either way, so STATUS does not ask the agent at all.
 func (p Plugin) Status(args *skel.CmdArgs) error {
 	conf, err := parseConfigOnly(args.StdinData)
 	if err != nil {
@@ -348,19 +349,17 @@ func (p Plugin) Status(args *skel.CmdArgs) error {
 	}
 	_, logDone := p.logger(conf, args, "STATUS")
 	defer logDone()
-	client, ctx, done, err := p.connect(conf, time.Duration(conf.DelTimeout))
-	if err != nil {
-		return err
-	}
-	defer done()
-	st, err := client.Health(ctx)
-	if err != nil {
-		return types.NewError(ErrPluginNotAvailable,
-			fmt.Sprintf("mesh-cni: mesh-agent is not reachable on gate socket %s; new pods will wait for it", conf.SocketPath), err.Error())
-	}
-	if st != gateclient.HealthServing {
-		return types.NewError(ErrPluginNotAvailable,
-			fmt.Sprintf("mesh-cni: mesh-agent on %s is not ready (%s); new pods will wait for it", conf.SocketPath, st), "")
+	return socketRefused(conf, ErrPluginNotAvailable)
+}
+
+// socketRefused returns a CNI error with code when the gate socket exists but
+// this process may not open it: that would otherwise look like an agent that
+// never answers, and no restart of the agent fixes it.
+func socketRefused(conf *NetConf, code uint) error {
+	if err := unix.Access(conf.SocketPath, unix.W_OK); errors.Is(err, unix.EACCES) {
+		return types.NewError(code,
+			fmt.Sprintf("mesh-cni: no permission to use gate socket %s (the plugin runs as uid %d; the socket is for root)", conf.SocketPath, os.Getuid()),
+			err.Error())
 	}
 	return nil
 }

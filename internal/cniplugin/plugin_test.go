@@ -338,13 +338,16 @@ func TestCheckGCStatus(t *testing.T) {
 		t.Errorf("GC request %v", g.last(t))
 	}
 
+	// STATUS holds the node's network readiness: an agent that is not ready
+	// (or gone) must not make the kubelet mark the node NotReady.
 	statusArgs := cmdArgs(netconf(t, g, "1.1.0", nil), "")
-	g.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
-	if err := testutils.CmdStatus(func() error { return p.Status(statusArgs) }); err != nil {
-		t.Errorf("STATUS with the agent serving: %v", err)
+	for _, st := range []healthpb.HealthCheckResponse_ServingStatus{healthpb.HealthCheckResponse_SERVING, healthpb.HealthCheckResponse_NOT_SERVING} {
+		g.health.SetServingStatus("", st)
+		if err := testutils.CmdStatus(func() error { return p.Status(statusArgs) }); err != nil {
+			t.Errorf("STATUS with the agent %s: %v", st, err)
+		}
 	}
-	g.health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
-	if got := cniCode(t, testutils.CmdStatus(func() error { return p.Status(statusArgs) })); got != ErrPluginNotAvailable {
-		t.Errorf("STATUS with the agent not ready: code %d, want %d", got, ErrPluginNotAvailable)
+	if got := cniCode(t, testutils.CmdStatus(func() error { return p.Status(cmdArgs([]byte(`{"cniVersion":"1.1.0","name":"x","type":"mesh-cni","gateTimeout":"forever"}`), "")) })); got != types.ErrDecodingFailure && got != types.ErrInvalidNetworkConfig {
+		t.Errorf("STATUS with an unusable entry: code %d, want the config's error", got)
 	}
 }

@@ -255,13 +255,10 @@ func TestDelCheckGCStatus(t *testing.T) {
 	node := meshNode(t)
 	list := chain(t, node, a, "30s")
 
-	// Agent down: STATUS says "not available" (50); DEL still succeeds.
-	err := node.Status(ctx, list)
-	if err == nil {
-		t.Fatal("STATUS succeeded with no agent")
-	}
-	if c := cniCode(t, err); c.Code != 50 || !strings.Contains(c.Msg, a.Socket) {
-		t.Fatalf("STATUS without agent: code %d %q, want 50 naming the socket", c.Code, c.Msg)
+	// Agent down: STATUS still succeeds, so the node's network stays ready
+	// (pods wait at the gate instead); DEL succeeds too.
+	if err := node.Status(ctx, list); err != nil {
+		t.Fatalf("STATUS with no agent: %v; an absent agent must not make the node NotReady", err)
 	}
 	ghost := node.NewPod(t, "shop", "ghost")
 	for i := 0; i < 2; i++ {
@@ -309,7 +306,7 @@ func TestDelCheckGCStatus(t *testing.T) {
 		t.Fatalf("GC with an empty cni.dev/attachments list left %d enrollments", n)
 	}
 	// CHECK of a pod the agent no longer holds fails and says so.
-	err = node.Check(ctx, pods["keep"], list)
+	err := node.Check(ctx, pods["keep"], list)
 	if err == nil {
 		t.Fatal("CHECK passed for a pod the agent released")
 	}

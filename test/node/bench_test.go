@@ -72,7 +72,6 @@ func metrics() []results.Metric {
 	return []results.Metric{
 		{Name: "gate-release", Title: "Agent ready → a waiting pod Running", Unit: "ms"},
 		{Name: "pod-start", Title: "Pod created → Running, in an enrolled namespace and in one that is not", Unit: "ms", Baseline: "unmeshed"},
-		{Name: "status-gate", Title: "The node's Ready condition while the chain entry has no agent (primary of spec 1.1.0)", Unit: "ms"},
 	}
 }
 
@@ -99,9 +98,7 @@ func (b *nodeBench) write(t *testing.T) {
 			"after `gateTimeout` and its back-off; the test applies the manifests again while both are held); from the first " +
 			"200 of the agent's `/readyz` (polled every 20 ms) to each pod's phase Running as a watch sees it. " +
 			"**Pod created → Running**: the same one-container pod (the echo server, no proxy) in a namespace that is enrolled " +
-			"and in one that is not, taking turns, from the create call to phase Running seen by a watch. **Ready condition**: " +
-			"over a primary of CNI spec 1.1.0, from `helm uninstall` returning (DaemonSet and agent gone) to the node reported " +
-			"NotReady by mesh-cni's CNI STATUS, and from the uninstall Job's completion to Ready again.",
+			"and in one that is not, taking turns, from the create call to phase Running seen by a watch.",
 		Command:  "make e2e-node",
 		Started:  b.start,
 		Finished: time.Now(),

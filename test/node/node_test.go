@@ -55,9 +55,9 @@ type connection struct {
 // pinned release, meshed pods talking through their proxies, pods created
 // while the agent is away, containerd restarted, the agent pod replaced, the
 // DaemonSet rolled to this tree's build, uninstall. With Helm: the same build
-// over a primary CNI of spec 1.1.0, the CNI verbs containerd sends, STATUS
-// taking the node's network readiness away while the chain entry has no
-// agent, uninstall. Each uninstall leaves the node's CNI config as it was
+// over a primary CNI of spec 1.1.0, the CNI verbs containerd sends, the agent
+// in a crash loop for longer than the node-monitor grace period with the
+// node staying Ready, uninstall. Each uninstall leaves the node's CNI config as it was
 // and no pins.
 func TestNode(t *testing.T) {
 	if testing.Short() {
