@@ -39,8 +39,15 @@ type SpliceReader interface {
 
 // NewMetrics registers every metric. enrolled and ready are read at scrape time.
 func NewMetrics(enrolled func() int, ready func() bool, counters func() CounterReader) *Metrics {
+	reg := prometheus.NewRegistry()
+	m := newMetrics(reg, enrolled, ready, counters)
+	m.Registry = reg
+	return m
+}
+
+// newMetrics registers every metric with reg.
+func newMetrics(reg prometheus.Registerer, enrolled func() int, ready func() bool, counters func() CounterReader) *Metrics {
 	m := &Metrics{
-		Registry: prometheus.NewRegistry(),
 		gateRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "meshcni_gate_requests_total", Help: "Gate calls by verb and gRPC result code.",
 		}, []string{"verb", "code"}),
@@ -69,7 +76,7 @@ func NewMetrics(enrolled func() int, ready func() bool, counters func() CounterR
 			Name: "meshcni_zds_acks_total", Help: "ZDS messages acknowledged by node proxies, by result.",
 		}, []string{"result"}),
 	}
-	m.Registry.MustRegister(m.gateRequests, m.gateWait, m.gateWaiting, m.enrollFailures, m.reconcileActions, m.chainRepairs,
+	reg.MustRegister(m.gateRequests, m.gateWait, m.gateWaiting, m.enrollFailures, m.reconcileActions, m.chainRepairs,
 		m.ZDSConnections, m.ZDSAcks,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "meshcni_enrolled_pods", Help: "Pod attachments with redirection in place."},
 			func() float64 { return float64(enrolled()) }),
