@@ -73,6 +73,7 @@ type options struct {
 	excludedCIDRs         prefixList
 	probeSources          probeSourceList
 	probeCgroups          probeCgroupList
+	kubeletExes           stringList
 	dnsCapture            bool
 	dnsPort               uint
 	dnsFailClosed         bool
@@ -162,6 +163,7 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.Var(&opts.probeSources, "probe-sources", "opt-in: inbound sources never captured, comma-separated CIDRs (anything able to send from them passes too: a masquerading node, a spoofing pod), or \"none\"; the kubelet's probes pass by --probe-cgroups")
 	opts.probeCgroups = probeCgroupList{kubelet: true}
 	fs.Var(&opts.probeCgroups, "probe-cgroups", "cgroups whose connects from the node's network namespace reach pods past their inbound capture, so kubelet probes pass a proxy that enforces mTLS or policy: \"kubelet\" (the kubelet's cgroup and namespace, found by its process and kept current), comma-separated cgroup v2 paths (connects from the agent's network namespace), or \"none\"")
+	fs.Var(&opts.kubeletExes, "kubelet-exe", "with --probe-cgroups=kubelet, the kubelet's executables as comma-separated absolute paths on the host (e.g. /usr/bin/kubelet): a process is taken for the kubelet only when it runs one of these files (default: any executable named kubelet, k3s, k3s-server, k3s-agent or kubelite); its root directory, network namespace and a cgroup outside the pods' are checked either way")
 	fs.BoolVar(&opts.dnsCapture, "dns-capture", false, "send enrolled pods' DNS (UDP and TCP to port 53) to the proxy's DNS listener on loopback (--dns-port); while nothing listens there, queries go to the resolver as sent (default true with --selector-profile=istio)")
 	fs.UintVar(&opts.dnsPort, "dns-port", uint(defaults.DNSPort), "the proxy's DNS listener port inside each pod (127.0.0.1 and ::1, UDP and TCP)")
 	fs.BoolVar(&opts.dnsFailClosed, "dns-fail-closed", false, "with --dns-capture, send DNS to the proxy's listener even when nothing listens there (queries then fail)")
@@ -427,6 +429,14 @@ func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {
 		if err != nil {
 			return cfg, err
 		}
+		for _, p := range opts.kubeletExes {
+			if !filepath.IsAbs(p) {
+				return cfg, fmt.Errorf("--kubelet-exe %q: want an absolute path on the host", p)
+			}
+		}
+		if len(opts.kubeletExes) > 0 && !opts.probeCgroups.kubelet {
+			return cfg, errors.New("--kubelet-exe needs --probe-cgroups=kubelet: it names the executable the kubelet is found by")
+		}
 		cg, err := cgroupRoot(opts.cgroupRoot)
 		if err != nil {
 			return cfg, err
@@ -457,10 +467,12 @@ func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {
 				return rd, dp.Close, nil
 			}
 			// The kubelet's probes: its cgroup, kept current (a kubelet
-			// restarted into another cgroup is followed).
+			// restarted into another cgroup, or into its own made again, is
+			// followed).
 			stopWatch := agent.ProbeWatch{
 				Log: log.Named("probes"), Datapath: dp, ProcRoot: "/proc",
-				Names: agent.KubeletProcessNames(), Interval: opts.reconcileInterval,
+				Names: agent.KubeletProcessNames(), Exes: opts.kubeletExes, ExeNames: agent.KubeletExeNames(),
+				Interval: opts.reconcileInterval,
 			}.Start(ctx)
 			return rd, func() error {
 				stopWatch()

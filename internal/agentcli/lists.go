@@ -127,7 +127,7 @@ func (l *probeSourceList) Set(s string) error {
 }
 
 // probeCgroupList is --probe-cgroups: "kubelet" (the kubelet's process, found by
-// name), cgroup paths, or "none".
+// what a pod cannot fake: hostproc.KubeletFinder), cgroup paths, or "none".
 type probeCgroupList struct {
 	kubelet bool
 	paths   []string

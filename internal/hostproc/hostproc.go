@@ -3,11 +3,13 @@
 // inbound capture by their socket) and the network namespaces of pods that were
 // already running when it was installed.
 //
-// Everything here reads files a process cannot forge about itself from inside
-// a pod: its cgroup (set by the runtime, read-only to a pod), its network
-// namespace's inode and its parent. Names and command lines are read only to
-// find the runtime's own processes (the kubelet, the containerd shim), which a
-// pod cannot start on the host.
+// Everything here decides by what a process cannot forge about itself from
+// inside a pod: its cgroup (set by the runtime, read-only to a pod), its
+// network namespace's inode, its root directory, its executable file and its
+// parent. Names and command lines only pick candidates (a pod can rename its
+// processes): the kubelet is the process so named that also passes
+// KubeletFinder's checks, and the containerd shim only names a sandbox of a
+// pod already found by its cgroup.
 package hostproc
 
 import (
@@ -16,7 +18,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -53,27 +54,6 @@ func (p Procfs) Comm(pid int) (string, error) {
 		return "", err
 	}
 	return strings.TrimSuffix(string(b), "\n"), nil
-}
-
-// FindByName returns the lowest pid whose name is one of names.
-func (p Procfs) FindByName(names []string) (int, error) {
-	pids, err := p.PIDs()
-	if err != nil {
-		return 0, err
-	}
-	found := 0
-	for _, pid := range pids {
-		if found != 0 && pid > found {
-			continue
-		}
-		if comm, err := p.Comm(pid); err == nil && slices.Contains(names, comm) {
-			found = pid
-		}
-	}
-	if found == 0 {
-		return 0, fmt.Errorf("no process named %s in %s", strings.Join(names, " or "), p.Root)
-	}
-	return found, nil
 }
 
 // Stat is what the process's stat file says about its place in the tree.
@@ -147,10 +127,13 @@ type NamespaceID struct {
 // NetNS is the network namespace the process is in. Reading it takes ptrace
 // access to the process (CAP_SYS_PTRACE for another user's).
 func (p Procfs) NetNS(pid int) (NamespaceID, error) {
-	return namespaceID(p.path(pid, "ns", "net"))
+	return statID(p.path(pid, "ns", "net"))
 }
 
-func namespaceID(path string) (NamespaceID, error) {
+// statID is the device and inode of the file at path, following links (the
+// /proc links lead to a namespace's nsfs file, a root directory, an
+// executable).
+func statID(path string) (NamespaceID, error) {
 	fi, err := os.Stat(path)
 	if err != nil {
 		return NamespaceID{}, err

@@ -30,11 +30,36 @@ type Sandbox struct {
 // namespace of the runtime's netns directory.
 var ErrNoSandbox = errors.New("no network namespace of the pod's runtime found")
 
+// podLevel is the pod's level of a kubelet cgroup path: "pod<uid>" (cgroupfs
+// driver) or "kubepods-<class>-pod<uid>.slice" (systemd driver, with the uid's
+// dashes written as underscores).
+const podLevel = `(?:kubepods-(?:[a-z]+-)?)?pod([0-9a-fA-F_-]+)(?:\.slice)?`
+
 // podCgroup matches the pod's level of a kubelet cgroup path and the container
 // level below it: ".../pod<uid>/<container>" (cgroupfs driver) or
 // ".../kubepods-<class>-pod<uid>.slice/<runtime>-<container>.scope" (systemd
-// driver, with the uid's dashes written as underscores).
-var podCgroup = regexp.MustCompile(`(?:^|/)(?:kubepods-(?:[a-z]+-)?)?pod([0-9a-fA-F_-]+)(?:\.slice)?/([^/]+)$`)
+// driver).
+var podCgroup = regexp.MustCompile(`(?:^|/)` + podLevel + `/([^/]+)$`)
+
+// podLevelName matches one path element that is a pod's level.
+var podLevelName = regexp.MustCompile(`^` + podLevel + `$`)
+
+// InPodCgroup tells whether a cgroup path is in the kubelet's pods' part of the
+// hierarchy: below its pod cgroup roots ("kubepods" with the cgroupfs driver,
+// "kubepods.slice" and its "kubepods-*.slice" with the systemd driver, under
+// whatever cgroupRoot the kubelet was given) or below a pod's own level, as
+// podOf reads it. A path seen from a cgroup namespace of the reader's own
+// ("/../../...") still names every level below the namespace's root, which is
+// where a pod's levels are. A process in a pod cannot leave that part: the
+// runtime puts it there and gives it a read-only cgroupfs of its own level.
+func InPodCgroup(path string) bool {
+	for _, elem := range strings.Split(path, "/") {
+		if elem == "kubepods" || strings.HasPrefix(elem, "kubepods.") || strings.HasPrefix(elem, "kubepods-") || podLevelName.MatchString(elem) {
+			return true
+		}
+	}
+	return false
+}
 
 // containerPrefixes are how runtimes name a container's systemd scope.
 var containerPrefixes = []string{"cri-containerd-", "crio-conmon-", "crio-", "docker-", "containerd-"}
@@ -199,7 +224,7 @@ func runtimeNamespaces(dir string) (map[NamespaceID]string, error) {
 	out := map[NamespaceID]string{}
 	for _, e := range entries {
 		path := filepath.Join(dir, e.Name())
-		id, err := namespaceID(path)
+		id, err := statID(path)
 		if err != nil {
 			continue
 		}

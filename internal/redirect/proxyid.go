@@ -145,6 +145,14 @@ func cgroupIDLevel(root, dir string) (id uint64, level uint32, _ error) {
 	return s.Ino, level, nil
 }
 
+// CgroupID returns the id this data path holds for a cgroup path, taken as
+// SetProbeCgroups and SetProxyCgroups take it: the directory's inode, which a
+// cgroup removed and made again at the same path does not keep.
+func (d *Datapath) CgroupID(path string) (uint64, error) {
+	id, _, err := cgroupIDLevel(d.cgroup, d.cgroupPath(path))
+	return id, err
+}
+
 // ProcessCgroup returns the cgroup v2 directory of process pid, below the cgroup2
 // mount this data path attaches to.
 func (d *Datapath) ProcessCgroup(pid int) (string, error) {

@@ -205,3 +205,32 @@ func TestKubeletProbes(t *testing.T) {
 		t.Errorf("kubelet cgroup cleared: %q, want captured", got)
 	}
 }
+
+// A cgroup's id is its directory's inode, taken as SetProbeCgroups takes the
+// path (absolute or below the data path's root): a cgroup removed and made
+// again at the same path has a new one, so whoever follows a process by its
+// cgroup path must compare ids.
+func TestCgroupIDMadeAgain(t *testing.T) {
+	t.Parallel()
+	requireRoot(t)
+	d, _ := testDatapath(t)
+	name := fmt.Sprintf("mesh-test-cgroupid-%d", os.Getpid())
+	dir := newCgroup(t, d.cgroup, name)
+	first, err := d.CgroupID(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rel, err := d.CgroupID("/" + name); err != nil || rel != first {
+		t.Errorf("by the path below the root: %d, %v; want %d", rel, err, first)
+	}
+	if err := os.Remove(dir); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	again, err := d.CgroupID(dir)
+	if err != nil || again == first {
+		t.Errorf("made again: id %d, %v; want a new id (was %d)", again, err, first)
+	}
+}

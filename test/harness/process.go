@@ -366,3 +366,23 @@ func (l *outputLog) String() string {
 	defer l.mu.Unlock()
 	return string(l.data)
 }
+
+// ProcView makes a procfs of only the given processes, each entry a link to
+// the kernel's /proc entry, with the process host standing in as PID 1 (the
+// host's init, which a finder of host processes compares with). What reads it
+// gets the kernel's truth about these processes, and nothing else on the
+// machine takes part. It is removed in tb's cleanup.
+func ProcView(tb testing.TB, host int, pids ...int) string {
+	tb.Helper()
+	dir := tb.TempDir()
+	link := func(pid int, name string) {
+		if err := os.Symlink(filepath.Join("/proc", fmt.Sprint(pid)), filepath.Join(dir, name)); err != nil {
+			tb.Fatal(err)
+		}
+	}
+	link(host, "1")
+	for _, pid := range pids {
+		link(pid, fmt.Sprint(pid))
+	}
+	return dir
+}
