@@ -22,9 +22,9 @@ import (
 	"github.com/containernetworking/cni/pkg/version"
 	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/vishvananda/netlink"
-	"golang.org/x/sys/unix"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // CNIVersion is the spec version of every config the harness writes.
@@ -442,13 +442,8 @@ func (n *Node) WaitAddressesUsable(ctx context.Context, tb testing.TB) {
 	tb.Helper()
 	for {
 		var tentative bool
-		if err := n.Do(func() error {
-			addrs, err := netlinksafe.AddrList(nil, netlink.FAMILY_V6)
-			for _, a := range addrs {
-				if a.Flags&unix.IFA_F_TENTATIVE != 0 {
-					tentative = true
-				}
-			}
+		if err := n.Do(func() (err error) {
+			tentative, err = fixtures.HasTentative(nil)
 			return err
 		}); err != nil {
 			tb.Fatal(err)
