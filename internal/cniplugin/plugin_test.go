@@ -347,7 +347,9 @@ func TestCheckGCStatus(t *testing.T) {
 			t.Errorf("STATUS with the agent %s: %v", st, err)
 		}
 	}
-	if got := cniCode(t, testutils.CmdStatus(func() error { return p.Status(cmdArgs([]byte(`{"cniVersion":"1.1.0","name":"x","type":"mesh-cni","gateTimeout":"forever"}`), "")) })); got != types.ErrDecodingFailure && got != types.ErrInvalidNetworkConfig {
+	if got := cniCode(t, testutils.CmdStatus(func() error {
+		return p.Status(cmdArgs([]byte(`{"cniVersion":"1.1.0","name":"x","type":"mesh-cni","gateTimeout":"forever"}`), ""))
+	})); got != types.ErrDecodingFailure && got != types.ErrInvalidNetworkConfig {
 		t.Errorf("STATUS with an unusable entry: code %d, want the config's error", got)
 	}
 }
