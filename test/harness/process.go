@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -52,19 +53,25 @@ type ProcessOptions struct {
 	// that MkCgroup made, say), as the runtime starts a pod's container in
 	// the cgroup the kubelet named.
 	Cgroup string
+	// Launcher says Path forks the real program and waits for it without
+	// passing signals on, as nsenter does when it enters a PID namespace:
+	// Signal, Stop and Kill then reach the launcher's children, and the
+	// launcher itself only while it has none.
+	Launcher bool
 }
 
 // Process is a running child process whose stdout and stderr go to a log file (and
 // memory, for WaitForLine). It is killed in the test's cleanup if still running,
 // and its output is logged if the test failed.
 type Process struct {
-	name    string
-	logPath string
-	cmd     *exec.Cmd
-	out     *outputLog
-	done    chan struct{}
-	waitErr error  // set before done is closed
-	cgroup  string // OwnCgroup's directory
+	name     string
+	logPath  string
+	cmd      *exec.Cmd
+	out      *outputLog
+	done     chan struct{}
+	waitErr  error  // set before done is closed
+	cgroup   string // OwnCgroup's directory
+	launcher bool
 }
 
 // Cgroup is the cgroup v2 directory the process was started in with OwnCgroup.
@@ -190,7 +197,7 @@ func StartProcess(tb testing.TB, opts ProcessOptions) *Process {
 		file.Close()
 		tb.Fatalf("start %s: %v", name, err)
 	}
-	p := &Process{name: name, logPath: logPath, cmd: cmd, out: out, done: make(chan struct{}), cgroup: cgroup}
+	p := &Process{name: name, logPath: logPath, cmd: cmd, out: out, done: make(chan struct{}), cgroup: cgroup, launcher: opts.Launcher}
 	go func() {
 		p.waitErr = cmd.Wait()
 		close(p.done)
@@ -231,12 +238,38 @@ func (p *Process) Wait(ctx context.Context) error {
 	}
 }
 
-// Signal sends sig to the process (a no-op once it has exited).
+// Signal sends sig to the process (a no-op once it has exited); to a
+// Launcher's children while it has any.
 func (p *Process) Signal(sig os.Signal) error {
+	if p.launcher {
+		if kids := p.children(); len(kids) > 0 {
+			for _, pid := range kids {
+				if err := syscall.Kill(pid, sig.(syscall.Signal)); err != nil && !errors.Is(err, syscall.ESRCH) {
+					return fmt.Errorf("signal %s's child %d: %w", p.name, pid, err)
+				}
+			}
+			return nil
+		}
+	}
 	if err := p.cmd.Process.Signal(sig); err != nil && !errors.Is(err, os.ErrProcessDone) {
 		return fmt.Errorf("signal %s (pid %d): %w", p.name, p.Pid(), err)
 	}
 	return nil
+}
+
+// children are the pids of the process's children.
+func (p *Process) children() []int {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", p.Pid(), p.Pid()))
+	if err != nil {
+		return nil
+	}
+	var pids []int
+	for _, f := range strings.Fields(string(b)) {
+		if pid, err := strconv.Atoi(f); err == nil {
+			pids = append(pids, pid)
+		}
+	}
+	return pids
 }
 
 // Stop asks the process to exit with SIGTERM and waits until it does or ctx ends,

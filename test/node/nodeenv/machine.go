@@ -48,6 +48,7 @@ type Machine struct {
 
 	holder *harness.Process
 	mntNS  string // the holder's /proc/PID/ns/mnt, what "the node" means for a process
+	pidNS  string // the holder's /proc/PID/ns/pid_for_children: the node's PID namespace
 }
 
 // overlays are the host directories the node sees with a writable layer of
@@ -295,11 +296,15 @@ func (m *Machine) mountScript() string {
 
 func (m *Machine) mounts(tb testing.TB) {
 	tb.Helper()
+	// A PID namespace of the node's own, with its /proc, as a machine has:
+	// its PID 1 (the holder's shell, then sleep) is the node's init, whose
+	// root and network namespace the agent compares the kubelet's with.
 	m.holder = harness.StartProcess(tb, harness.ProcessOptions{
 		Path:      "unshare",
-		Args:      []string{"--mount", "--propagation", "private", "--", "sh", "-ec", m.mountScript()},
+		Args:      []string{"--mount", "--propagation", "private", "--pid", "--fork", "--mount-proc", "--", "sh", "-ec", m.mountScript()},
 		NetNSPath: m.NetNS,
 		Name:      m.Name + "-mounts",
+		Launcher:  true,
 	})
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -307,6 +312,7 @@ func (m *Machine) mounts(tb testing.TB) {
 		tb.Fatalf("node mount namespace: %v", err)
 	}
 	m.mntNS = fmt.Sprintf("/proc/%d/ns/mnt", m.holder.Pid())
+	m.pidNS = fmt.Sprintf("/proc/%d/ns/pid_for_children", m.holder.Pid())
 	// Registered after the holder's own cleanup, so this runs first: nothing
 	// may outlive the node, whoever started it (shims are reparented away
 	// from containerd, containers are the shims' children).
@@ -319,23 +325,29 @@ func (m *Machine) Path(p string) string {
 	return filepath.Join(fmt.Sprintf("/proc/%d/root", m.holder.Pid()), p)
 }
 
-// onNode is argv that runs path with args on the node: in its network and
-// mount namespaces.
+// onNode is nsenter's argv that runs path with args on the node: in its
+// network, mount and PID namespaces (nsenter forks into the last).
 func (m *Machine) onNode(path string, args ...string) []string {
-	return append([]string{"--mount=" + m.mntNS, "--net=" + m.NetNS, "--", path}, args...)
+	return append([]string{"--mount=" + m.mntNS, "--net=" + m.NetNS, "--pid=" + m.pidNS, "--", path}, args...)
 }
 
 // Start runs a long-lived process on the node until the test ends.
 func (m *Machine) Start(tb testing.TB, name, path string, args ...string) *harness.Process {
 	tb.Helper()
-	return harness.StartProcess(tb, harness.ProcessOptions{Path: "nsenter", Args: m.onNode(path, args...), Dir: "/", Name: name})
+	return harness.StartProcess(tb, harness.ProcessOptions{Path: "nsenter", Args: m.onNode(path, args...), Dir: "/", Name: name, Launcher: true})
 }
 
 // StartInOwnCgroup is Start in a cgroup v2 of the process's own, as a node's
 // systemd runs kubelet in kubelet.service's.
 func (m *Machine) StartInOwnCgroup(tb testing.TB, name, path string, args ...string) *harness.Process {
 	tb.Helper()
-	return harness.StartProcess(tb, harness.ProcessOptions{Path: "nsenter", Args: m.onNode(path, args...), Dir: "/", Name: name, OwnCgroup: true})
+	return harness.StartProcess(tb, harness.ProcessOptions{Path: "nsenter", Args: m.onNode(path, args...), Dir: "/", Name: name, OwnCgroup: true, Launcher: true})
+}
+
+// StartInCgroup is Start in the existing cgroup v2 directory dir.
+func (m *Machine) StartInCgroup(tb testing.TB, name, dir, path string, args ...string) *harness.Process {
+	tb.Helper()
+	return harness.StartProcess(tb, harness.ProcessOptions{Path: "nsenter", Args: m.onNode(path, args...), Dir: "/", Name: name, Cgroup: dir, Launcher: true})
 }
 
 // Command is a command that runs on the node, with env added to the test's
