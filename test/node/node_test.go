@@ -584,6 +584,34 @@ func (s *scenario) nodePortAndProbes(t *testing.T, ctx context.Context) {
 		t.Errorf("no kubelet probe reached the application directly, though the pod is Ready")
 	}
 	t.Logf("node port %s: %d connections masqueraded to the node's address, all through the proxy; %d kubelet probes from the same address reached the application directly", nodePort, viaProxy, probes)
+
+	// The kubelet restarted in place (its cgroup made again at the same
+	// path, with another id): once the agent's watch finds it, within its
+	// reconcile interval, its probes reach the application directly again.
+	restarted := time.Now()
+	s.n.RestartKubeletInPlace()
+	if err := s.n.WaitReady(ctx, true); err != nil {
+		t.Fatal(err)
+	}
+	var direct time.Time
+	for direct.IsZero() {
+		for _, r := range readLines[accepted](t, filepath.Join(s.records(), "probed.jsonl")) {
+			if r.Time.After(restarted) && slices.Contains(nodeAddrs, netip.MustParseAddrPort(r.Client).Addr()) {
+				direct = r.Time
+				break
+			}
+		}
+		if direct.IsZero() && time.Since(restarted) > 2*time.Minute {
+			t.Fatalf("%v after the kubelet restarted in place, none of its probes reached the application directly", time.Since(restarted).Round(time.Second))
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+	s.until(ctx, "shop", "probed", "ready after the kubelet restarted", func(p *corev1.Pod) bool {
+		return slices.ContainsFunc(p.Status.Conditions, func(c corev1.PodCondition) bool {
+			return c.Type == corev1.PodReady && c.Status == corev1.ConditionTrue
+		})
+	})
+	t.Logf("kubelet restarted in place: its probes reach the application directly again %v later", direct.Sub(restarted).Round(time.Millisecond))
 }
 
 // echoFromHost has a line echoed by the server at target, from the test's own

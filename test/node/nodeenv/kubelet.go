@@ -1,10 +1,12 @@
 package nodeenv
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
@@ -76,14 +78,41 @@ func startKubelet(tb testing.TB, m *Machine, bins Binaries, cp *ControlPlane) *h
 	cp.API.WriteKubeconfig(tb, nodeUser(m.Name), m.Path(kubeletKubeconfig))
 	// In a cgroup of its own, as systemd runs it: the agent lets the kubelet's
 	// probes into pods by its cgroup.
-	p := m.StartInOwnCgroup(tb, "kubelet", bins.kube("kubelet"),
+	return m.StartInOwnCgroup(tb, "kubelet", bins.kube("kubelet"), kubeletArgs(m)...)
+}
+
+func kubeletArgs(m *Machine) []string {
+	return []string{
 		"--config", kubeletConfig,
 		"--kubeconfig", kubeletKubeconfig,
 		"--hostname-override", m.Name,
 		"--node-ip", m.NodeIP.String(),
 		"--v=1",
-	)
-	return p
+	}
+}
+
+// RestartKubeletInPlace stops the kubelet and starts it again in its cgroup
+// made anew at the same path, as `systemctl restart kubelet` does: the same
+// cgroup path, a new cgroup (another id). Pods keep running.
+func (n *Node) RestartKubeletInPlace() {
+	n.tb.Helper()
+	dir := n.Kubelet.Cgroup()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := n.Kubelet.Stop(ctx); err != nil {
+		n.tb.Logf("kubelet stopped: %v", err)
+	}
+	var err error
+	if !harness.Eventually(ctx, 10*time.Second, harness.WaitInterval, func() bool {
+		err = os.Remove(dir)
+		return err == nil
+	}) {
+		n.tb.Fatalf("remove the kubelet's cgroup %s: %v", dir, err)
+	}
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		n.tb.Fatal(err)
+	}
+	n.Kubelet = n.Machine.StartInCgroup(n.tb, "kubelet", dir, n.Bins.kube("kubelet"), kubeletArgs(n.Machine)...)
 }
 
 // startKubeProxy runs kube-proxy (iptables mode) on the node: the agent
