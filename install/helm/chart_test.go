@@ -259,6 +259,29 @@ func TestValues(t *testing.T) {
 				t.Errorf("no ClusterRole rendered: %v", keys(objs))
 			}
 		}},
+		{"startup taint", "{startupTaint: {enabled: true, key: example.com/not-ready}, runtimeHook: {enabled: true}}", func(t *testing.T, objs map[string]object, c map[string]any) {
+			wantArg(t, c, "--startup-taint=example.com/not-ready")
+			// Both DaemonSets land on a node that carries it.
+			for _, ds := range []string{"mesh-agent", "mesh-cni-hook"} {
+				if tol := podSpec(t, objs, ds)["tolerations"].([]any); !slices.ContainsFunc(tol, func(t any) bool {
+					return reflect.DeepEqual(t, map[string]any{"key": "example.com/not-ready", "operator": "Exists"})
+				}) {
+					t.Errorf("%s tolerations %v: want the startup taint's key", ds, tol)
+				}
+			}
+			rules := objs["ClusterRole/<nil>/mesh-agent"]["rules"].([]any)
+			if last := rules[len(rules)-1]; !reflect.DeepEqual(last, map[string]any{"apiGroups": []any{""}, "resources": []any{"nodes"}, "verbs": []any{"get", "patch"}}) {
+				t.Errorf("the ClusterRole's last rule %v: want get and patch on nodes", last)
+			}
+			if got := policyVariable(t, objs, "startupTaint"); got != "'example.com/not-ready'" {
+				t.Errorf("the admission policy's startupTaint is %s, want the key", got)
+			}
+		}},
+		{"startup taint with tolerations of its own", "{startupTaint: {enabled: true}, tolerations: []}", func(t *testing.T, objs map[string]object, _ map[string]any) {
+			if tol := podSpec(t, objs, "mesh-agent")["tolerations"]; !reflect.DeepEqual(tol, []any{map[string]any{"key": "mesh-cni.io/agent-not-ready", "operator": "Exists"}}) {
+				t.Errorf("tolerations %v: want the startup taint's alone", tol)
+			}
+		}},
 		{"kni", "kni: {enabled: true, upstream: /run/kni/kni.sock}", func(t *testing.T, objs map[string]object, c map[string]any) {
 			// The interposer is the gate, the chain entry off: the runtime
 			// runs the node's CNI chain itself.
@@ -442,6 +465,22 @@ func TestValues(t *testing.T) {
 	}
 }
 
+// policyVariable is the expression of the admission policy's variable name.
+func policyVariable(t *testing.T, objs map[string]object, name string) string {
+	t.Helper()
+	p, ok := objs["ValidatingAdmissionPolicy/<nil>/mesh-agent"]
+	if !ok {
+		t.Fatalf("no admission policy rendered: %v", keys(objs))
+	}
+	for _, v := range p["spec"].(map[string]any)["variables"].([]any) {
+		if v := v.(map[string]any); v["name"] == name {
+			return v["expression"].(string)
+		}
+	}
+	t.Fatalf("the admission policy has no variable %s", name)
+	return ""
+}
+
 // podTemplateMeta is a field of the agent's pod template's metadata.
 func podTemplateMeta(t *testing.T, objs map[string]object, field string) map[string]any {
 	t.Helper()
@@ -512,6 +551,10 @@ func TestRejects(t *testing.T) {
 		{"updateStrategy: {type: Recreate}", "updateStrategy"},
 		{"tolerations: {operator: Exists}", "tolerations"},
 		{"imagePullSecrets: [regcred]", "imagePullSecrets"},
+		{"startupTaint: {enabled: 'yes'}", "startupTaint"},
+		{"startupTaint: {enabled: true, key: \"x' || true || '\"}", "/startupTaint/key"},
+		{"startupTaint: {key: a/b/c}", "/startupTaint/key"},
+		{"startupTaint: {enabeld: true}", "enabeld"},
 	} {
 		var values map[string]any
 		if err := yaml.Unmarshal([]byte(tc.values), &values); err != nil {

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"reflect"
 	"testing"
 
 	"helm.sh/helm/v3/pkg/chartutil"
@@ -121,5 +122,23 @@ func TestPlatformAuto(t *testing.T) {
 				t.Errorf("SCC rendered: %v, want %v", ok, tc.scc)
 			}
 		})
+	}
+}
+
+// The chart's startupTaint renders what install/kubernetes builds with its
+// startup-taint component: the flag, the toleration, the node rule of the
+// ClusterRole, and the admission policy with the default key.
+func TestStartupTaintRendersTheComponent(t *testing.T) {
+	kust := overlay(t, kustomize, filepath.Join(kustomize, "components", "startup-taint"))
+	delete(kust, "Namespace/<nil>/"+namespace)
+	chart := mustRender(t, map[string]any{"startupTaint": map[string]any{"enabled": true}})
+	if len(keys(chart)) != len(keys(kust)) {
+		t.Fatalf("the chart renders %v, kustomize builds %v", keys(chart), keys(kust))
+	}
+	for k, want := range kust {
+		diff(t, k, chart[k], want)
+	}
+	if reflect.DeepEqual(chart["ClusterRole/<nil>/mesh-agent"], mustRender(t, nil)["ClusterRole/<nil>/mesh-agent"]) {
+		t.Error("the ClusterRole is the same with and without the startup taint")
 	}
 }

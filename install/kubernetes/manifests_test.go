@@ -14,6 +14,7 @@ import (
 	"os/exec"
 	"path"
 	"path/filepath"
+	"reflect"
 	"regexp"
 	"slices"
 	"strconv"
@@ -718,9 +719,87 @@ func TestAdmissionPolicy(t *testing.T) {
 			t.Errorf("the policy's expressions do not mention %s", want)
 		}
 	}
+	// Nodes: writes to them are matched, and the key the agent may remove
+	// is the one the install registers nodes with.
+	if rules := policy.Spec.MatchConstraints.ResourceRules; len(rules) != 1 || !slices.Contains(rules[0].Resources, "nodes") || !slices.Contains(rules[0].Resources, "nodes/*") {
+		t.Errorf("matchConstraints %+v: want the writes to nodes and their subresources matched", rules)
+	}
+	if got := policyVariable(t, policy, "startupTaint"); got != "'"+agentcli.DefaultStartupTaint+"'" {
+		t.Errorf("the startupTaint variable is %s, want '%s'", got, agentcli.DefaultStartupTaint)
+	}
 	if binding.Spec.PolicyName != policy.Name || !slices.Equal(binding.Spec.ValidationActions, []admissionregistrationv1.ValidationAction{admissionregistrationv1.Deny}) ||
 		binding.Spec.ParamRef != nil || binding.Spec.MatchResources != nil {
 		t.Errorf("binding %+v: want policy %s, Deny, for every namespace", binding.Spec, policy.Name)
+	}
+}
+
+// policyVariable is the expression of the policy's variable name.
+func policyVariable(t *testing.T, policy *admissionregistrationv1.ValidatingAdmissionPolicy, name string) string {
+	t.Helper()
+	for _, v := range policy.Spec.Variables {
+		if v.Name == name {
+			return v.Expression
+		}
+	}
+	t.Fatalf("the admission policy has no variable %s", name)
+	return ""
+}
+
+// The startup-taint component passes the flag with the key the admission
+// policy names, tolerates that key, and grants get and patch on nodes: only
+// with it does the agent get any node write.
+func TestStartupTaintComponent(t *testing.T) {
+	patches, err := ReadComponent(StartupTaintComponent)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type op struct {
+		Op    string          `json:"op"`
+		Path  string          `json:"path"`
+		Value json.RawMessage `json:"value"`
+	}
+	got := map[string][]op{}
+	for _, p := range patches {
+		var ops []op
+		if err := yaml.UnmarshalStrict([]byte(p.Patch), &ops); err != nil {
+			t.Fatalf("%s patch: %v", p.Target.Kind, err)
+		}
+		got[p.Target.Kind+"/"+p.Target.Name] = ops
+	}
+	declared := declaredAgentFlags(t)
+	ds := got["DaemonSet/"+DaemonSet]
+	var arg string
+	var tol corev1.Toleration
+	for _, o := range ds {
+		switch o.Path {
+		case "/spec/template/spec/containers/0/args/-":
+			if err := json.Unmarshal(o.Value, &arg); err != nil {
+				t.Fatal(err)
+			}
+		case "/spec/template/spec/tolerations/-":
+			if err := json.Unmarshal(o.Value, &tol); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if arg != "--startup-taint="+agentcli.DefaultStartupTaint || !declared["startup-taint"] {
+		t.Errorf("the component passes %q, want --startup-taint=%s (a flag of mesh-agent run)", arg, agentcli.DefaultStartupTaint)
+	}
+	if tol != (corev1.Toleration{Key: agentcli.DefaultStartupTaint, Operator: corev1.TolerationOpExists}) {
+		t.Errorf("the component adds toleration %+v, want the key with operator Exists", tol)
+	}
+	var rule rbacv1.PolicyRule
+	if cr := got["ClusterRole/mesh-agent"]; len(cr) != 1 || cr[0].Op != "add" || cr[0].Path != "/rules/-" {
+		t.Fatalf("ClusterRole patch %+v: want one rule added", cr)
+	} else if err := json.Unmarshal(cr[0].Value, &rule); err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(rule, rbacv1.PolicyRule{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: []string{"get", "patch"}}) {
+		t.Errorf("the component grants %+v, want get and patch on nodes", rule)
+	}
+	policy := only[*admissionregistrationv1.ValidatingAdmissionPolicy](t, loadObjects(t))
+	if v := policyVariable(t, policy, "startupTaint"); v != "'"+agentcli.DefaultStartupTaint+"'" {
+		t.Errorf("the admission policy lets the agent remove %s, the component sets %s", v, agentcli.DefaultStartupTaint)
 	}
 }
 

@@ -9,11 +9,12 @@ import (
 	"io/fs"
 )
 
-//go:embed *.yaml uninstall/*.yaml
+//go:embed *.yaml uninstall/*.yaml components/*/kustomization.yaml
 var manifests embed.FS
 
 // Manifests returns the manifest files: kustomization.yaml and the files it
-// lists, and uninstall/ (the uninstall Job's kustomization and Job).
+// lists, uninstall/ (the uninstall Job's kustomization and Job) and the
+// components/ an overlay may add.
 func Manifests() fs.FS { return manifests }
 
 // Fixed names and values of the DaemonSet that other parts of the manifests (and

@@ -25,6 +25,8 @@
 //     path behind the seam; nodeaddrs.go: keeping the node's addresses (the
 //     probe sources) current.
 //   - zdshandoff.go: handing enrolled pods to a node proxy over ZDS.
+//   - startuptaint.go: removing the node's startup taint once ready
+//     (internal/nodetaint writes it).
 //   - metrics.go: the Prometheus metrics; http.go: /metrics, /healthz and
 //     /readyz.
 package agent

@@ -22,6 +22,8 @@ type Metrics struct {
 	enrollFailures   *prometheus.CounterVec
 	reconcileActions *prometheus.CounterVec
 	chainRepairs     prometheus.Counter
+	// startupTaint is registered only with --startup-taint.
+	startupTaint prometheus.Gauge
 	// ZDSConnections and ZDSAcks are fed by the proxy handoff server.
 	ZDSConnections prometheus.Gauge
 	ZDSAcks        *prometheus.CounterVec
@@ -110,6 +112,31 @@ func (m *Metrics) reconciled(res ReconcileResult) {
 	m.reconcileActions.WithLabelValues("released").Add(float64(res.Released))
 	m.reconcileActions.WithLabelValues("repaired").Add(float64(res.Repaired))
 	m.reconcileActions.WithLabelValues("orphan").Add(float64(res.Orphans))
+}
+
+// trackStartupTaint registers meshcni_startup_taint, at 1 until the agent
+// has seen its node without the taint.
+func (m *Metrics) trackStartupTaint() {
+	if m == nil || m.startupTaint != nil {
+		return
+	}
+	m.startupTaint = prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: "meshcni_startup_taint",
+		Help: "1 while the node carries the startup taint (--startup-taint) as the agent last saw it, or it has not yet seen the node without it; 0 once removed or absent.",
+	})
+	m.startupTaint.Set(1)
+	m.Registry.MustRegister(m.startupTaint)
+}
+
+func (m *Metrics) setStartupTaint(present bool) {
+	if m == nil || m.startupTaint == nil {
+		return
+	}
+	v := 0.0
+	if present {
+		v = 1
+	}
+	m.startupTaint.Set(v)
 }
 
 func (m *Metrics) chainRepaired(n uint64) {

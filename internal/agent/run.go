@@ -50,6 +50,9 @@ type Config struct {
 	// (Service.Adopt): once the agent is ready, then on every reconcile
 	// interval.
 	Adopt *AdoptConfig
+	// StartupTaint, when set, is removed from the node once the agent is
+	// ready, and again whenever a check finds it while ready.
+	StartupTaint *StartupTaintConfig
 }
 
 // AdoptConfig configures adopting running pods.
@@ -230,6 +233,15 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 			log.Info("agent ready", zap.Int("enrolledPods", len(svc.enrolled())))
 		}
 	}()
+	if cfg.StartupTaint != nil {
+		metrics.trackStartupTaint()
+		remover := newStartupTaintRemover(log.Named("startup-taint"), *cfg.StartupTaint, readiness, metrics, interval)
+		background.Add(1)
+		go func() {
+			defer background.Done()
+			remover.run(bgCtx)
+		}()
+	}
 	if cfg.Adopt != nil {
 		if lister, ok := policy.(RunningPodLister); ok {
 			background.Add(1)

@@ -361,6 +361,10 @@ func runCommand(ctx context.Context, args []string, stderr io.Writer) int {
 		log.Error("invalid configuration", zap.Error(err))
 		return 2
 	}
+	if cfg.StartupTaint, err = opts.enroll.startupTaintConfig(log); err != nil {
+		log.Error("invalid configuration", zap.Error(err))
+		return 2
+	}
 	if cfg.Policy, err = opts.enroll.policy(ctx, log); err != nil {
 		log.Error("invalid configuration", zap.Error(err))
 		return 2

@@ -35,14 +35,18 @@ type enrollOptions struct {
 	kubeconfig string
 	nodeName   string
 	apiTimeout time.Duration
+	// startupTaint is the taint key removed from the node once the agent
+	// is ready (startuptaint.go); it shares the credential and the node.
+	startupTaint string
 }
 
 func (e *enrollOptions) register(fs *flag.FlagSet) {
 	fs.StringVar(&e.mode, "enrollment", EnrollmentAll, "which pods join the mesh: file (the --policy-file), kubernetes (namespace and pod labels, read with the agent's own credentials) or all (every pod that reaches the agent: for tests and demos; production should choose file or kubernetes)")
 	fs.StringVar(&e.policyFile, "policy-file", DefaultPolicyFile, "enrollment policy file of --enrollment=file; watched, reloaded on change, an invalid edit is logged and the last good policy kept")
 	fs.StringVar(&e.profile, "selector-profile", enroll.ProfileMeshCNI, "which labels enroll and opt out pods: mesh-cni (mesh-cni.io/dataplane-mode=enabled|disabled) or istio (istio.io/dataplane-mode=ambient|none)")
-	fs.StringVar(&e.kubeconfig, "kubeconfig", "", "kubeconfig of --enrollment=kubernetes (empty: the in-cluster service account); only the agent reads it, keep it mode 0600")
-	fs.StringVar(&e.nodeName, "node-name", "", "this node's name, scoping --enrollment=kubernetes to its pods (default: $NODE_NAME)")
+	fs.StringVar(&e.kubeconfig, "kubeconfig", "", "kubeconfig of --enrollment=kubernetes and --startup-taint (empty: the in-cluster service account); only the agent reads it, keep it mode 0600")
+	fs.StringVar(&e.nodeName, "node-name", "", "this node's name, scoping --enrollment=kubernetes to its pods and naming the node --startup-taint is removed from (default: $NODE_NAME)")
+	fs.StringVar(&e.startupTaint, "startup-taint", "", "remove every taint with this key (e.g. mesh-cni.io/agent-not-ready), any value and effect, from this node once the agent is ready, so that pods scheduled there start meshed; empty: off")
 	fs.DurationVar(&e.apiTimeout, "api-timeout", enroll.DefaultAPITimeout, "how long an ADD waits for the API server when its pod is not cached yet before failing with the reason (keep it below --gate-timeout)")
 }
 
@@ -69,13 +73,38 @@ func (e enrollOptions) policy(ctx context.Context, log *zap.Logger) (agent.Polic
 	}
 }
 
-func (e enrollOptions) kubeSource(ctx context.Context, log *zap.Logger) (agent.Policy, error) {
+// node is this node's name: --node-name, else $NODE_NAME; what names the
+// flag that needs it.
+func (e enrollOptions) node(what string) (string, error) {
 	node := e.nodeName
 	if node == "" {
 		node = os.Getenv("NODE_NAME")
 	}
 	if node == "" {
-		return nil, fmt.Errorf("--enrollment=kubernetes needs --node-name or $NODE_NAME (the downward API's spec.nodeName)")
+		return "", fmt.Errorf("%s needs --node-name or $NODE_NAME (the downward API's spec.nodeName)", what)
+	}
+	return node, nil
+}
+
+// client is the agent's Kubernetes client, as the agent of node; what names
+// the flag that needs it.
+func (e enrollOptions) client(log *zap.Logger, node, what string) (kubernetes.Interface, *rest.Config, error) {
+	cfg, err := e.restConfig(log, what)
+	if err != nil {
+		return nil, nil, err
+	}
+	cfg.UserAgent = "mesh-agent/" + node
+	client, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return nil, nil, fmt.Errorf("kubernetes client: %w", err)
+	}
+	return client, cfg, nil
+}
+
+func (e enrollOptions) kubeSource(ctx context.Context, log *zap.Logger) (agent.Policy, error) {
+	node, err := e.node("--enrollment=kubernetes")
+	if err != nil {
+		return nil, err
 	}
 	if e.apiTimeout <= 0 {
 		return nil, fmt.Errorf("--api-timeout must be positive")
@@ -84,14 +113,9 @@ func (e enrollOptions) kubeSource(ctx context.Context, log *zap.Logger) (agent.P
 	if err != nil {
 		return nil, err
 	}
-	cfg, err := e.restConfig(log)
+	client, cfg, err := e.client(log, node, "--enrollment=kubernetes")
 	if err != nil {
 		return nil, err
-	}
-	cfg.UserAgent = "mesh-agent/" + node
-	client, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
-		return nil, fmt.Errorf("kubernetes client: %w", err)
 	}
 	src, err := enroll.StartKubeSource(ctx, enroll.KubeConfig{
 		Client: client, NodeName: node, Selectors: sel, APITimeout: e.apiTimeout, Logger: log,
@@ -103,11 +127,11 @@ func (e enrollOptions) kubeSource(ctx context.Context, log *zap.Logger) (agent.P
 	return src, nil
 }
 
-func (e enrollOptions) restConfig(log *zap.Logger) (*rest.Config, error) {
+func (e enrollOptions) restConfig(log *zap.Logger, what string) (*rest.Config, error) {
 	if e.kubeconfig == "" {
 		cfg, err := rest.InClusterConfig()
 		if err != nil {
-			return nil, fmt.Errorf("--enrollment=kubernetes without --kubeconfig needs the in-cluster service account: %w", err)
+			return nil, fmt.Errorf("%s without --kubeconfig needs the in-cluster service account: %w", what, err)
 		}
 		return cfg, nil
 	}

@@ -112,6 +112,7 @@ func TestAgentAdmissionPolicy(t *testing.T) {
 		{"OthersNotLimited", testPolicyOthersNotLimited},
 		{"EnrollmentEvents", testPolicyEnrollmentEvents},
 		{"RealAgent", testPolicyRealAgent},
+		{"StartupTaint", testPolicyStartupTaint},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()

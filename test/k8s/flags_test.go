@@ -27,6 +27,9 @@ func TestAgentEnrollmentFlags(t *testing.T) {
 		{"policy file in a missing directory", []string{"--enrollment", "file", "--policy-file", "/nonexistent/mesh/enrollment.yaml"}, "--policy-file"},
 		{"kubernetes without a node name", []string{"--enrollment", "kubernetes", "--kubeconfig", "/nonexistent/kubeconfig"}, "--node-name"},
 		{"kubernetes with a missing kubeconfig", []string{"--enrollment", "kubernetes", "--node-name", "n1", "--kubeconfig", "/nonexistent/kubeconfig"}, "--kubeconfig"},
+		{"startup taint that is no taint key", []string{"--startup-taint", "not a key", "--node-name", "n1"}, "--startup-taint"},
+		{"startup taint without a node name", []string{"--startup-taint", "mesh-cni.io/agent-not-ready", "--kubeconfig", "/nonexistent/kubeconfig"}, "--startup-taint needs --node-name"},
+		{"startup taint with a missing kubeconfig", []string{"--startup-taint", "mesh-cni.io/agent-not-ready", "--node-name", "n1", "--kubeconfig", "/nonexistent/kubeconfig"}, "--kubeconfig"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)

@@ -101,7 +101,11 @@ nodeSelector:
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .Values.tolerations }}
+{{- $tolerations := .Values.tolerations }}
+{{- if .Values.startupTaint.enabled }}
+{{- $tolerations = append $tolerations (dict "key" .Values.startupTaint.key "operator" "Exists") }}
+{{- end }}
+{{- with $tolerations }}
 tolerations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
