@@ -282,6 +282,20 @@ func TestValues(t *testing.T) {
 				t.Errorf("tolerations %v: want the startup taint's alone", tol)
 			}
 		}},
+		{"redirection writers", "admissionPolicy: {redirectionWriters: [system:serviceaccount:istio-system:istio-cni]}", func(t *testing.T, objs map[string]object, _ map[string]any) {
+			p, ok := objs["ValidatingAdmissionPolicy/<nil>/mesh-redirection-annotations"]
+			if !ok {
+				t.Fatalf("no mesh-redirection-annotations policy: %v", keys(objs))
+			}
+			want := "!(request.userInfo.username in ['system:serviceaccount:" + namespace + ":mesh-agent', 'system:serviceaccount:istio-system:istio-cni'])"
+			var got []any
+			for _, mc := range p["spec"].(map[string]any)["matchConditions"].([]any) {
+				got = append(got, mc.(map[string]any)["expression"])
+			}
+			if !slices.Contains(got, any(want)) {
+				t.Errorf("match conditions %q, want one %q", got, want)
+			}
+		}},
 		{"kni", "kni: {enabled: true, upstream: /run/kni/kni.sock}", func(t *testing.T, objs map[string]object, c map[string]any) {
 			// The interposer is the gate, the chain entry off: the runtime
 			// runs the node's CNI chain itself.
@@ -536,6 +550,7 @@ func TestRejects(t *testing.T) {
 		{"denyRawSockets: 'yes'", "denyRawSockets"},
 		{"imagee: {tag: x}", "imagee"},
 		{"admissionPolicy: {enabled: 'yes'}", "admissionPolicy"},
+		{`admissionPolicy: {redirectionWriters: ["x', 'y"]}`, "redirectionWriters"},
 		{"kni: {enabled: true, upstream: kni.sock}", "upstream"},
 		{"kni: {enrollTimeout: 30}", "enrollTimeout"},
 		{"runtimeHook: {enabled: true, priority: 0}", "priority"},

@@ -27,8 +27,10 @@ import (
 	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/serializer"
+	"k8s.io/apimachinery/pkg/selection"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"sigs.k8s.io/yaml"
 
@@ -194,6 +196,10 @@ func TestManifestKinds(t *testing.T) {
 		{"DaemonSet", Namespace, DaemonSet},
 		{"ValidatingAdmissionPolicy", "", "mesh-agent"},
 		{"ValidatingAdmissionPolicyBinding", "", "mesh-agent"},
+		{"ValidatingAdmissionPolicy", "", "mesh-redirection-annotations"},
+		{"ValidatingAdmissionPolicyBinding", "", "mesh-redirection-annotations"},
+		{"ValidatingAdmissionPolicy", "", "mesh-enforced-namespaces"},
+		{"ValidatingAdmissionPolicyBinding", "", "mesh-enforced-namespaces"},
 	}
 	var got []key
 	for _, o := range objs {
@@ -686,8 +692,7 @@ func TestRBACLeastPrivilege(t *testing.T) {
 // refuses is shown against a real API server in test/k8s.
 func TestAdmissionPolicy(t *testing.T) {
 	objs := loadObjects(t)
-	policy := only[*admissionregistrationv1.ValidatingAdmissionPolicy](t, objs)
-	binding := only[*admissionregistrationv1.ValidatingAdmissionPolicyBinding](t, objs)
+	policy, binding := policyNamed(t, objs, "mesh-agent")
 	sa := only[*corev1.ServiceAccount](t, objs)
 
 	if fp := policy.Spec.FailurePolicy; fp == nil || *fp != admissionregistrationv1.Fail {
@@ -697,25 +702,13 @@ func TestAdmissionPolicy(t *testing.T) {
 	if mc := policy.Spec.MatchConditions; len(mc) != 1 || !strings.Contains(mc[0].Expression, "request.userInfo.username == "+user) {
 		t.Errorf("matchConditions %+v: want one matching the username %s", mc, user)
 	}
-	var exprs strings.Builder
-	for _, v := range policy.Spec.Variables {
-		exprs.WriteString(v.Expression + "\n")
-	}
-	for _, v := range policy.Spec.Validations {
-		exprs.WriteString(v.Expression + "\n")
-		if v.Reason == nil || *v.Reason != "Forbidden" {
-			t.Errorf("validation %q: reason %v, want Forbidden", v.Expression, v.Reason)
-		}
-		if v.Message == "" && v.MessageExpression == "" {
-			t.Errorf("validation %q has no message", v.Expression)
-		}
-	}
+	exprs := expressions(t, policy)
 	for _, want := range []string{
 		"'" + enroll.AnnotationRedirection + "'",
 		"['" + enroll.OutcomeEnabled + "', '" + enroll.OutcomeDisabled + "', '" + enroll.OutcomeFailed + "']",
 		"'authentication.kubernetes.io/node-name'",
 	} {
-		if !strings.Contains(exprs.String(), want) {
+		if !strings.Contains(exprs, want) {
 			t.Errorf("the policy's expressions do not mention %s", want)
 		}
 	}
@@ -797,9 +790,135 @@ func TestStartupTaintComponent(t *testing.T) {
 	if !reflect.DeepEqual(rule, rbacv1.PolicyRule{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: []string{"get", "patch"}}) {
 		t.Errorf("the component grants %+v, want get and patch on nodes", rule)
 	}
-	policy := only[*admissionregistrationv1.ValidatingAdmissionPolicy](t, loadObjects(t))
+	policy, _ := policyNamed(t, loadObjects(t), "mesh-agent")
 	if v := policyVariable(t, policy, "startupTaint"); v != "'"+agentcli.DefaultStartupTaint+"'" {
 		t.Errorf("the admission policy lets the agent remove %s, the component sets %s", v, agentcli.DefaultStartupTaint)
+	}
+}
+
+// policyNamed returns the ValidatingAdmissionPolicy of that name and its
+// binding (of the same name, binding it), failing unless both exist once.
+func policyNamed(t *testing.T, objs []object, name string) (*admissionregistrationv1.ValidatingAdmissionPolicy, *admissionregistrationv1.ValidatingAdmissionPolicyBinding) {
+	t.Helper()
+	var policies []*admissionregistrationv1.ValidatingAdmissionPolicy
+	var bindings []*admissionregistrationv1.ValidatingAdmissionPolicyBinding
+	for _, o := range objs {
+		switch v := o.obj.(type) {
+		case *admissionregistrationv1.ValidatingAdmissionPolicy:
+			if v.Name == name {
+				policies = append(policies, v)
+			}
+		case *admissionregistrationv1.ValidatingAdmissionPolicyBinding:
+			if v.Name == name {
+				bindings = append(bindings, v)
+			}
+		}
+	}
+	if len(policies) != 1 || len(bindings) != 1 {
+		t.Fatalf("want one ValidatingAdmissionPolicy and one binding named %s, found %d and %d", name, len(policies), len(bindings))
+	}
+	if bindings[0].Spec.PolicyName != name {
+		t.Errorf("binding %s binds policy %q", name, bindings[0].Spec.PolicyName)
+	}
+	return policies[0], bindings[0]
+}
+
+// expressions is every variable, match condition and validation expression
+// of a policy, one a line, and fails on a validation that is not Forbidden
+// or has no message.
+func expressions(t *testing.T, policy *admissionregistrationv1.ValidatingAdmissionPolicy) string {
+	t.Helper()
+	var exprs strings.Builder
+	for _, m := range policy.Spec.MatchConditions {
+		exprs.WriteString(m.Expression + "\n")
+	}
+	for _, v := range policy.Spec.Variables {
+		exprs.WriteString(v.Expression + "\n")
+	}
+	for _, v := range policy.Spec.Validations {
+		exprs.WriteString(v.Expression + "\n" + v.MessageExpression + "\n")
+		if v.Reason == nil || *v.Reason != "Forbidden" {
+			t.Errorf("%s: validation %q: reason %v, want Forbidden", policy.Name, v.Expression, v.Reason)
+		}
+		if v.Message == "" && v.MessageExpression == "" {
+			t.Errorf("%s: validation %q has no message", policy.Name, v.Expression)
+		}
+	}
+	return exprs.String()
+}
+
+// The mesh's annotations are refused to everyone but the agent's own service
+// account on pod create and update (not delete), and a pod in a namespace
+// labelled enforcing may not gain any pod-level opt-out of either selector
+// profile. What they allow and refuse is shown against a real API server in
+// test/k8s (TestAgentAdmissionPolicy).
+func TestPodPolicies(t *testing.T) {
+	objs := loadObjects(t)
+	sa := only[*corev1.ServiceAccount](t, objs)
+	pods := []admissionregistrationv1.NamedRuleWithOperations{{RuleWithOperations: admissionregistrationv1.RuleWithOperations{
+		Operations: []admissionregistrationv1.OperationType{admissionregistrationv1.Create, admissionregistrationv1.Update},
+		Rule:       admissionregistrationv1.Rule{APIGroups: []string{""}, APIVersions: []string{"*"}, Resources: []string{"pods", "pods/*"}},
+	}}}
+
+	annotations, binding := policyNamed(t, objs, "mesh-redirection-annotations")
+	writers := fmt.Sprintf("!(request.userInfo.username in ['system:serviceaccount:%s:%s'])", sa.Namespace, sa.Name)
+	exprs := expressions(t, annotations)
+	if !strings.Contains(exprs, writers+"\n") {
+		t.Errorf("%s: no match condition %s (the agent alone writes the annotations by default)", annotations.Name, writers)
+	}
+	for _, key := range []string{enroll.AnnotationRedirection, enroll.IstioAnnotationRedirection} {
+		if !strings.Contains(exprs, "'"+key+"'") {
+			t.Errorf("%s: the expressions do not mention %s", annotations.Name, key)
+		}
+	}
+	if binding.Spec.MatchResources != nil {
+		t.Errorf("%s: binding limited to %+v, want every namespace", binding.Name, binding.Spec.MatchResources)
+	}
+
+	enforce, enforceBinding := policyNamed(t, objs, "mesh-enforced-namespaces")
+	exprs = expressions(t, enforce)
+	for _, profile := range enroll.Profiles() {
+		sel, err := enroll.ProfileSelectors(profile)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for where, list := range map[string][]labels.Selector{"labels": sel.PodOptOut, "annotations": sel.PodOptOutAnnotation} {
+			for _, s := range list {
+				reqs, _ := s.Requirements()
+				for _, r := range reqs {
+					value := ""
+					if r.Operator() != selection.Exists {
+						value = r.Values().List()[0]
+					}
+					want := fmt.Sprintf("['%s', '%s', '%s']", where, r.Key(), value)
+					if !strings.Contains(exprs, want) {
+						t.Errorf("%s: profile %s opts pods out by %s %s, which the policy does not list as %s", enforce.Name, profile, where, s, want)
+					}
+				}
+			}
+		}
+	}
+	if !strings.Contains(exprs, "['annotations', '"+enroll.IstioAnnotationBypassInbound+"', '']") {
+		t.Errorf("%s: the policy does not list %s", enforce.Name, enroll.IstioAnnotationBypassInbound)
+	}
+	ns := enforceBinding.Spec.MatchResources
+	if ns == nil || ns.NamespaceSelector == nil || len(ns.NamespaceSelector.MatchExpressions) != 0 ||
+		len(ns.NamespaceSelector.MatchLabels) != 1 || ns.NamespaceSelector.MatchLabels[enroll.LabelEnforce] != enroll.ValueEnforce {
+		t.Errorf("%s: binding matches %+v, want namespaces labelled %s=%s only", enforceBinding.Name, ns, enroll.LabelEnforce, enroll.ValueEnforce)
+	}
+
+	for _, p := range []*admissionregistrationv1.ValidatingAdmissionPolicy{annotations, enforce} {
+		if fp := p.Spec.FailurePolicy; fp == nil || *fp != admissionregistrationv1.Fail {
+			t.Errorf("%s: failurePolicy %v, want Fail", p.Name, fp)
+		}
+		if p.Spec.MatchConstraints == nil || !reflect.DeepEqual(p.Spec.MatchConstraints.ResourceRules, pods) {
+			t.Errorf("%s: matches %+v, want pod create and update, every subresource", p.Name, p.Spec.MatchConstraints)
+		}
+	}
+	for _, b := range []*admissionregistrationv1.ValidatingAdmissionPolicyBinding{binding, enforceBinding} {
+		if !slices.Equal(b.Spec.ValidationActions, []admissionregistrationv1.ValidationAction{admissionregistrationv1.Deny}) || b.Spec.ParamRef != nil {
+			t.Errorf("binding %s: %+v, want Deny without parameters", b.Name, b.Spec)
+		}
 	}
 }
 
@@ -820,25 +939,33 @@ func kubectlForKustomize(t *testing.T) string {
 	return kubectl
 }
 
-// withoutPolicyOverlay is the README's kustomization for clusters older than
-// 1.30, on base.
+// admissionPolicies names the ValidatingAdmissionPolicies (and their
+// bindings, named alike) that clusters older than 1.30 leave out.
+var admissionPolicies = []string{"mesh-agent", "mesh-redirection-annotations", "mesh-enforced-namespaces"}
+
+// withoutPolicyOverlay is docs/install.md's kustomization for clusters older
+// than 1.30, on base.
 func withoutPolicyOverlay(base string) string {
-	return `resources:
-  - ` + base + `
-patches:
-  - patch: |-
-      $patch: delete
-      apiVersion: admissionregistration.k8s.io/v1
-      kind: ValidatingAdmissionPolicy
-      metadata:
-        name: mesh-agent
-  - patch: |-
-      $patch: delete
-      apiVersion: admissionregistration.k8s.io/v1
-      kind: ValidatingAdmissionPolicyBinding
-      metadata:
-        name: mesh-agent
-`
+	var b strings.Builder
+	b.WriteString("resources:\n  - " + base + "\npatches:\n")
+	for _, name := range admissionPolicies {
+		for _, kind := range []string{"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"} {
+			fmt.Fprintf(&b, "  - patch: |-\n      $patch: delete\n      apiVersion: admissionregistration.k8s.io/v1\n      kind: %s\n      metadata:\n        name: %s\n", kind, name)
+		}
+	}
+	return b.String()
+}
+
+// TestInstallDocOverlay: docs/install.md shows the overlay the tests build.
+func TestInstallDocOverlay(t *testing.T) {
+	doc, err := os.ReadFile("../../docs/install.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := "```yaml\n" + withoutPolicyOverlay("../install/kubernetes") + "```\n"
+	if !strings.Contains(string(doc), want) {
+		t.Errorf("docs/install.md does not show the overlay for clusters older than 1.30:\n%s", want)
+	}
 }
 
 // TestKustomizeBuild builds the kustomizations with kubectl's kustomize, as
@@ -931,7 +1058,7 @@ func TestKustomizeBuild(t *testing.T) {
 			t.Errorf("the overlay without the policy still builds a %T", o)
 		}
 	}
-	if got, want := len(built), len(objs)-2; got != want {
+	if got, want := len(built), len(objs)-2*len(admissionPolicies); got != want {
 		t.Errorf("the overlay without the policy builds %d objects, want %d", got, want)
 	}
 }

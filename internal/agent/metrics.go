@@ -15,6 +15,8 @@ import (
 // Metrics are the agent's Prometheus metrics, on a registry of its own.
 type Metrics struct {
 	Registry *prometheus.Registry
+	// reg is where metrics registered later (trackStartupTaint) go: Registry.
+	reg prometheus.Registerer
 
 	gateRequests     *prometheus.CounterVec
 	gateWait         prometheus.Histogram
@@ -50,6 +52,7 @@ func NewMetrics(enrolled func() int, ready func() bool, counters func() CounterR
 // newMetrics registers every metric with reg.
 func newMetrics(reg prometheus.Registerer, enrolled func() int, ready func() bool, counters func() CounterReader) *Metrics {
 	m := &Metrics{
+		reg: reg,
 		gateRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "meshcni_gate_requests_total", Help: "Gate calls by verb and gRPC result code.",
 		}, []string{"verb", "code"}),
@@ -125,7 +128,7 @@ func (m *Metrics) trackStartupTaint() {
 		Help: "1 while the node carries the startup taint (--startup-taint) as the agent last saw it, or it has not yet seen the node without it; 0 once removed or absent.",
 	})
 	m.startupTaint.Set(1)
-	m.Registry.MustRegister(m.startupTaint)
+	m.reg.MustRegister(m.startupTaint)
 }
 
 func (m *Metrics) setStartupTaint(present bool) {

@@ -74,6 +74,15 @@ type OutcomeReporter interface {
 	Report(ctx context.Context, pod *gatepb.PodIdentity, outcome string, err error)
 }
 
+// OutcomeAuditor is an OutcomeReporter whose reports others can overwrite
+// (pod annotations): on every reconcile pass it is handed captured, which
+// says whether the agent has the pod of a uid redirected, and rewrites what
+// disagrees. captured waits for an Add or DEL of the pod in progress, so it
+// never answers from a state whose outcome is still being reported.
+type OutcomeAuditor interface {
+	AuditOutcomes(ctx context.Context, captured func(uid string) bool)
+}
+
 // Outcomes passed to OutcomeReporter: what became of a pod's enrollment. The
 // Kubernetes source writes them as they are into the pod's
 // mesh-cni.io/redirection annotation, so they are part of the interface

@@ -70,6 +70,9 @@ func (s *Service) Reconcile(ctx context.Context) (ReconcileResult, error) {
 		}
 	}
 	s.reportRefusals(ctx)
+	if a, ok := s.policy.(OutcomeAuditor); ok {
+		a.AuditOutcomes(ctx, s.captured)
+	}
 	s.metrics.reconciled(res)
 	return res, errors.Join(errs...)
 }
@@ -142,6 +145,28 @@ func (s *Service) reportRefusals(ctx context.Context) {
 		}
 		s.log.Warn("proxy listener not captured: the pod's inbound connections fail closed (an MPTCP listener? the proxy must listen with plain TCP)", fields...)
 	}
+}
+
+// captured reports whether a record of the pod with this uid has its traffic
+// redirected. Each record is read under its key's lock: an Add holds it until
+// it has reported its outcome, so a record is never taken for the truth before
+// its outcome was reported (the node proxy's ack comes first).
+func (s *Service) captured(uid string) bool {
+	if uid == "" {
+		return false
+	}
+	for _, r := range s.store.List() {
+		if r.UID != uid {
+			continue
+		}
+		unlock := s.locks.Lock(r.Key.String())
+		cur, ok := s.store.Get(r.Key)
+		unlock()
+		if ok && cur.UID == uid && !cur.Skipped {
+			return true
+		}
+	}
+	return false
 }
 
 // releaseOrphan releases cookie's redirection unless a record claims it. An Add

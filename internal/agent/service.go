@@ -150,6 +150,7 @@ func (s *Service) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddR
 			zap.Duration("enroll", s.now().Sub(decided)))...)
 	}
 	s.log.Info("pod enrolled", append(fields,
+		zap.String("reason", decision.Reason),
 		zap.Uint64("netnsCookie", rec.NetnsCookie),
 		zap.Strings("interfaces", recordIfnames(rec)),
 		zap.Duration("waited", waited),

@@ -147,7 +147,7 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.Var(&opts.zdsAllowedUIDs, "zds-allowed-uids", "comma-separated user ids a node proxy may connect to the ZDS socket as (checked with SO_PEERCRED)")
 	fs.BoolVar(&opts.zdsNoServiceAcct, "zds-without-service-accounts", false, "serve ZDS although --enrollment cannot know pods' service accounts (file, all): every pod is handed over with an empty service_account, which ztunnel cannot serve (it finds the workload and its SPIFFE identity by it); only for a node proxy that does not use it")
 	fs.StringVar(&opts.zdsWait, "zds-wait", string(agent.WaitAuto), "when a pod's ADD waits for the node proxy's ack: auto (once a proxy has ever connected), always or never (default always with --selector-profile=istio)")
-	fs.DurationVar(&opts.reconcileInterval, "reconcile-interval", 30*time.Second, "period of the reconcile pass that releases pods whose namespace is gone and repairs broken redirection")
+	fs.DurationVar(&opts.reconcileInterval, "reconcile-interval", 30*time.Second, "period of the reconcile pass that releases pods whose namespace is gone, repairs broken redirection and rewrites redirection annotations that disagree with it")
 	fs.BoolVar(&opts.adoptRunning, "adopt-running", true, "with --enrollment=kubernetes, enroll in place the running pods the agent has no record of (pods started before it was installed), once ready and every --reconcile-interval; their namespaces are found from the host's processes (the agent needs the host's PID namespace) in --netns-dir")
 	fs.StringVar(&opts.netnsDir, "netns-dir", DefaultNetnsDir, "where the container runtime bind mounts pods' network namespaces: the only namespaces --adopt-running takes for a pod's")
 

@@ -14,7 +14,10 @@
 //	                                             (the pod runs an Istio sidecar)
 //
 // When labels disagree: a pod opt-out wins over everything, then the pod's own
-// enable label, then its namespace. A pod labelled disabled in an enabled
+// enable label, then its namespace. A namespace labelled mesh-cni.io/enforce=true
+// overrules its pods' opt-outs (and the istio profile's
+// ambient.istio.io/bypass-inbound-capture): they are ignored, the reason says so,
+// and the Kubernetes source puts a Warning Event MeshOptOutIgnored on the pod. A pod labelled disabled in an enabled
 // namespace stays out; a pod labelled enabled is in whatever its namespace
 // says. Only the chosen profile's labels count: an Istio label means nothing
 // under the mesh-cni profile, and the reverse.
@@ -39,7 +42,10 @@
 // agent then re-decides every pod it knows. Each outcome is written to the pod
 // as the annotation mesh-cni.io/redirection=enabled|disabled|failed (a merge
 // patch carrying the pod's uid), and a failure also becomes a Warning Event
-// (reason MeshEnrollmentFailed), both in the background with retries.
+// (reason MeshEnrollmentFailed), both in the background with retries. Others
+// can write the annotations too (where no admission policy stops them): on each
+// reconcile pass the agent hands the source its records (AuditOutcomes), and a
+// pod of the node whose annotations disagree is rewritten.
 // The agent's identity needs: pods get/list/watch/patch, namespaces
 // get/list/watch, events create.
 //

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -81,6 +82,7 @@ var (
 	_ agent.PolicyWatcher   = (*KubeSource)(nil)
 	_ agent.PolicySyncer    = (*KubeSource)(nil)
 	_ agent.OutcomeReporter = (*KubeSource)(nil)
+	_ agent.OutcomeAuditor  = (*KubeSource)(nil)
 
 	_ agent.ServiceAccountSource = (*KubeSource)(nil)
 	_ agent.RunningPodLister     = (*KubeSource)(nil)
@@ -282,7 +284,7 @@ func (k *KubeSource) namespaceUpdated(oldObj, newObj any) {
 	}
 	_, before := k.cfg.Selectors.NamespaceEnabled(o.Name, o.Labels)
 	_, after := k.cfg.Selectors.NamespaceEnabled(n.Name, n.Labels)
-	if before != after {
+	if before != after || Enforced(o.Labels) != Enforced(n.Labels) {
 		k.changed.notify()
 	}
 }
@@ -305,14 +307,80 @@ func (k *KubeSource) Decide(ctx context.Context, pod *gatepb.PodIdentity) (agent
 	if err != nil {
 		return agent.Decision{}, err
 	}
-	d := k.cfg.Selectors.Decide(ns, nsObj.Labels, p.Labels, p.Annotations)
+	d, ignored := k.cfg.Selectors.decide(ns, nsObj.Labels, p.Labels, p.Annotations)
 	d.ServiceAccount = serviceAccountOf(p)
 	if k.cfg.Selectors.Profile == ProfileIstio {
 		d.Capture = IstioCapture(p.Annotations)
+		if d.Enroll && d.Capture.BypassInbound && Enforced(nsObj.Labels) {
+			// Leaving inbound uncaptured is an opt-out of half the mesh.
+			d.Capture.BypassInbound = false
+			bypass := fmt.Sprintf("annotation %s=%s, ignored: namespace %s enforces the mesh (%s=%s)",
+				IstioAnnotationBypassInbound, p.Annotations[IstioAnnotationBypassInbound], ns, LabelEnforce, ValueEnforce)
+			d.Reason += "; " + bypass
+			ignored = strings.TrimPrefix(ignored+"; "+bypass, "; ")
+		}
+	}
+	if ignored != "" {
+		k.reporter.optOutIgnored(ns, name, string(p.UID), ignored)
 	}
 	// The API server's copy, not the request's: a CNI request carries none.
 	d.Capture.Splice = agent.SpliceChoice(p.Annotations)
 	return d, nil
+}
+
+// AuditOutcomes implements agent.OutcomeAuditor: each pod of this node whose
+// redirection annotations say other than captured(uid) has them rewritten,
+// and the disagreement is logged. mesh-cni.io/redirection=enabled on a pod
+// not captured becomes disabled (failed and disabled both say "not
+// captured", and stay); on a captured pod it must be enabled. Under the
+// istio profile ambient.istio.io/redirection must be enabled on a captured
+// pod and absent on any other: istiod sends HBONE to a pod that has it.
+// Pods being deleted are left alone: their records go with their DEL.
+func (k *KubeSource) AuditOutcomes(_ context.Context, captured func(uid string) bool) {
+	if ok, _ := k.Synced(); !ok {
+		return
+	}
+	pods, err := k.pods.List(labels.Everything())
+	if err != nil {
+		k.log.Warn("audit redirection annotations: list this node's pods", zap.Error(err))
+		return
+	}
+	for _, p := range pods {
+		if p.Spec.NodeName != k.cfg.NodeName || p.DeletionTimestamp != nil {
+			continue
+		}
+		outcome := p.Annotations[AnnotationRedirection]
+		istioValue, istio := p.Annotations[IstioAnnotationRedirection]
+		istio = istio && k.reporter.istio // the istio profile's only
+		in := captured(string(p.UID))
+		if hash := p.Annotations[corev1.MirrorPodAnnotationKey]; hash != "" {
+			// A static pod reaches the gate under its manifest's uid.
+			in = in || captured(hash)
+		}
+		var want string
+		disagree := false
+		switch {
+		case in:
+			want = OutcomeEnabled
+			disagree = outcome != OutcomeEnabled || (k.reporter.istio && istioValue != OutcomeEnabled)
+		case outcome == OutcomeDisabled || outcome == OutcomeFailed:
+			want = outcome
+			disagree = istio
+		default:
+			want = OutcomeDisabled
+			disagree = outcome == OutcomeEnabled || istio
+		}
+		if !disagree {
+			continue
+		}
+		fields := []zap.Field{zap.String("namespace", p.Namespace), zap.String("pod", p.Name), zap.String("podUID", string(p.UID)),
+			zap.Bool("captured", in), zap.String(AnnotationRedirection, outcome), zap.String("rewrittenTo", want)}
+		if k.reporter.istio {
+			fields = append(fields, zap.String(IstioAnnotationRedirection, istioValue))
+		}
+		k.log.Warn("pod's redirection annotations disagree with its data path; rewriting them", fields...)
+		k.reporter.correct(p.Namespace, p.Name, string(p.UID), want)
+	}
 }
 
 // RunningPods implements agent.RunningPodLister: the pods of this node that

@@ -41,8 +41,11 @@ type podKey struct{ namespace, name string }
 // pendingReport is what is still to be written for one pod.
 type pendingReport struct {
 	uid     string
-	outcome string         // wanted value of the annotation
-	events  []pendingEvent // failures not yet sent as Events
+	outcome string         // wanted value of the annotation; "" for none
+	events  []pendingEvent // Events not yet sent
+	// force writes the annotation even when this process wrote that value
+	// last: someone else has changed it since (audit).
+	force bool
 }
 
 // writtenOutcome is the annotation value this reporter last wrote for a pod.
@@ -50,10 +53,10 @@ type writtenOutcome struct {
 	uid, outcome string
 }
 
-// pendingEvent is one failure, with the uid of the pod it happened to: a later
-// report for a re-created pod of the same name must not lose it.
+// pendingEvent is one Warning Event, with the uid of the pod it is about: a
+// later report for a re-created pod of the same name must not lose it.
 type pendingEvent struct {
-	uid, message string
+	uid, reason, message string
 }
 
 // reporter writes enrollment outcomes back to the API server in the background:
@@ -76,6 +79,9 @@ type reporter struct {
 	// own record, not the cache's: the cache can lag behind a write made a
 	// moment ago, and a quick enabled→disabled→enabled must end as enabled.
 	written map[podKey]writtenOutcome
+	// ignored is the opt-out last reported ignored for each pod (uid and
+	// reason), so each is reported once, not on every re-decision.
+	ignored map[podKey]string
 }
 
 func startReporter(ctx context.Context, log *zap.Logger, client kubernetes.Interface, node string, istio bool, cached func(string, string) *corev1.Pod) *reporter {
@@ -91,6 +97,7 @@ func startReporter(ctx context.Context, log *zap.Logger, client kubernetes.Inter
 		done:    make(chan struct{}),
 		pending: map[podKey]*pendingReport{},
 		written: map[podKey]writtenOutcome{},
+		ignored: map[podKey]string{},
 	}
 	go func() {
 		<-ctx.Done()
@@ -103,28 +110,73 @@ func startReporter(ctx context.Context, log *zap.Logger, client kubernetes.Inter
 func (r *reporter) wait() { <-r.done }
 
 func (r *reporter) report(namespace, name, uid, outcome string, err error) {
+	r.queueReport(namespace, name, uid, outcome, err, false)
+}
+
+// correct queues outcome to be written even if this process wrote it last:
+// the pod's annotations were changed by someone else since.
+func (r *reporter) correct(namespace, name, uid, outcome string) {
+	r.queueReport(namespace, name, uid, outcome, nil, true)
+}
+
+func (r *reporter) queueReport(namespace, name, uid, outcome string, err error, force bool) {
 	if namespace == "" || name == "" {
 		return
 	}
 	key := podKey{namespace, name}
 	r.mu.Lock()
-	p := r.pending[key]
-	if p == nil {
-		p = &pendingReport{}
-		r.pending[key] = p
+	p := r.pendingFor(key)
+	if p.uid != uid {
+		// A report for another pod of that name: what was forced is not.
+		p.force = false
 	}
-	p.uid, p.outcome = uid, outcome
+	p.uid, p.outcome, p.force = uid, outcome, p.force || force
 	if outcome == OutcomeFailed {
 		msg := "mesh enrollment failed"
 		if err != nil {
 			msg = "mesh enrollment failed: " + err.Error()
 		}
-		p.events = append(p.events, pendingEvent{uid: uid, message: msg})
-		if len(p.events) > maxQueuedEvents {
-			p.events = p.events[len(p.events)-maxQueuedEvents:]
-		}
+		p.addEvent(pendingEvent{uid: uid, reason: EventReasonEnrollFailed, message: msg})
 	}
 	r.mu.Unlock()
+	r.queue.Add(key)
+}
+
+// pendingFor returns key's pending record, made if there is none; r.mu is held.
+func (r *reporter) pendingFor(key podKey) *pendingReport {
+	p := r.pending[key]
+	if p == nil {
+		p = &pendingReport{}
+		r.pending[key] = p
+	}
+	return p
+}
+
+func (p *pendingReport) addEvent(ev pendingEvent) {
+	p.events = append(p.events, ev)
+	if len(p.events) > maxQueuedEvents {
+		p.events = p.events[len(p.events)-maxQueuedEvents:]
+	}
+}
+
+// optOutIgnored reports, once per pod and reason, that the pod's opt-out was
+// ignored: a Warning Event on the pod (which whoever set the opt-out can
+// see) and a log line.
+func (r *reporter) optOutIgnored(namespace, name, uid, why string) {
+	key := podKey{namespace, name}
+	r.mu.Lock()
+	if r.ignored[key] == uid+"\x00"+why {
+		r.mu.Unlock()
+		return
+	}
+	r.ignored[key] = uid + "\x00" + why
+	p := r.pendingFor(key)
+	if p.outcome == "" {
+		p.uid = uid
+	}
+	p.addEvent(pendingEvent{uid: uid, reason: EventReasonOptOutIgnored, message: "pod " + why})
+	r.mu.Unlock()
+	r.log.Info("pod opt-out ignored", zap.String("namespace", namespace), zap.String("pod", name), zap.String("podUID", uid), zap.String("reason", why))
 	r.queue.Add(key)
 }
 
@@ -183,6 +235,7 @@ func (r *reporter) drop(key podKey) {
 	r.mu.Lock()
 	delete(r.pending, key)
 	delete(r.written, key)
+	delete(r.ignored, key)
 	r.mu.Unlock()
 }
 
@@ -195,13 +248,13 @@ func (r *reporter) write(ctx context.Context, key podKey) error {
 		r.mu.Unlock()
 		return nil
 	}
-	uid, outcome := p.uid, p.outcome
+	uid, outcome, force := p.uid, p.outcome, p.force
 	last, known := r.written[key]
 	events := append([]pendingEvent(nil), p.events...)
 	r.mu.Unlock()
 
 	for _, ev := range events {
-		if err := r.event(ctx, key, ev.uid, ev.message); err != nil {
+		if err := r.event(ctx, key, ev); err != nil {
 			return fmt.Errorf("event for pod %s/%s: %w", key.namespace, key.name, err)
 		}
 		r.mu.Lock()
@@ -211,10 +264,11 @@ func (r *reporter) write(ctx context.Context, key podKey) error {
 		r.mu.Unlock()
 	}
 	want := writtenOutcome{uid: uid, outcome: outcome}
-	skip := last == want
-	if !known {
-		// Nothing written by this process yet (e.g. after a restart): the
-		// cache showing the value is good enough.
+	skip := outcome == "" || (last == want && !force)
+	if !skip && (!known || force) {
+		// Nothing written by this process yet (e.g. after a restart), or a
+		// correction of a value someone else wrote: the cache showing the
+		// wanted value is good enough (it was put back meanwhile).
 		c := r.cached(key.namespace, key.name)
 		skip = c != nil && (uid == "" || string(c.UID) == uid) && c.Annotations[AnnotationRedirection] == outcome
 		if r.istio && c != nil {
@@ -229,7 +283,12 @@ func (r *reporter) write(ctx context.Context, key podKey) error {
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.written[key] = want
+	if outcome != "" {
+		r.written[key] = want
+	}
+	if cur := r.pending[key]; cur == p && p.outcome == outcome && p.uid == uid {
+		p.force = false
+	}
 	// Done unless a newer report came in meanwhile (it queued the key again).
 	if cur := r.pending[key]; cur == p && p.outcome == outcome && p.uid == uid && len(p.events) == 0 {
 		delete(r.pending, key)
@@ -242,6 +301,7 @@ func (r *reporter) forget(namespace, name string) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	delete(r.written, podKey{namespace, name})
+	delete(r.ignored, podKey{namespace, name})
 }
 
 func (r *reporter) annotate(ctx context.Context, key podKey, uid, outcome string) error {
@@ -269,7 +329,8 @@ func (r *reporter) annotate(ctx context.Context, key podKey, uid, outcome string
 	return err
 }
 
-func (r *reporter) event(ctx context.Context, key podKey, uid, msg string) error {
+func (r *reporter) event(ctx context.Context, key podKey, pe pendingEvent) error {
+	uid, msg := pe.uid, pe.message
 	if len(msg) > maxEventMessage {
 		msg = msg[:maxEventMessage-3] + "..."
 	}
@@ -283,7 +344,7 @@ func (r *reporter) event(ctx context.Context, key podKey, uid, msg string) error
 		InvolvedObject: corev1.ObjectReference{
 			Kind: "Pod", APIVersion: "v1", Namespace: key.namespace, Name: key.name, UID: types.UID(uid),
 		},
-		Reason:              EventReasonEnrollFailed,
+		Reason:              pe.reason,
 		Message:             msg,
 		Type:                corev1.EventTypeWarning,
 		Source:              corev1.EventSource{Component: eventSourceComponent, Host: r.node},
@@ -301,7 +362,7 @@ func (r *reporter) event(ctx context.Context, key podKey, uid, msg string) error
 		return nil
 	case apierrors.IsInvalid(err):
 		// Retrying cannot help, and the annotation must still be written.
-		r.log.Error("enrollment failure Event refused by the API server", zap.String("namespace", key.namespace), zap.String("pod", key.name), zap.Error(err))
+		r.log.Error("enrollment Event refused by the API server", zap.String("namespace", key.namespace), zap.String("pod", key.name), zap.Error(err))
 		return nil
 	}
 	return err

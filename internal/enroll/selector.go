@@ -30,6 +30,13 @@ const (
 	ValueEnabled       = "enabled"
 	ValueDisabled      = "disabled"
 
+	// LabelEnforce on a namespace, with ValueEnforce, overrules its pods'
+	// opt-outs, under every profile: a pod-level opt-out there is ignored
+	// (and reported), and the admission policy mesh-enforced-namespaces
+	// refuses pods that gain one.
+	LabelEnforce = "mesh-cni.io/enforce"
+	ValueEnforce = "true"
+
 	IstioLabelDataplaneMode = "istio.io/dataplane-mode"
 	IstioValueAmbient       = "ambient"
 	IstioValueNone          = "none"
@@ -56,7 +63,10 @@ const (
 	// EventReasonEnrollFailed is the reason of the Warning Event on a pod whose
 	// enrollment failed.
 	EventReasonEnrollFailed = "MeshEnrollmentFailed"
-	eventSourceComponent    = "mesh-agent"
+	// EventReasonOptOutIgnored is the reason of the Warning Event on a pod
+	// whose opt-out was ignored because its namespace enforces the mesh.
+	EventReasonOptOutIgnored = "MeshOptOutIgnored"
+	eventSourceComponent     = "mesh-agent"
 )
 
 // Selectors decide enrollment from labels. Each list is "any of": a label set
@@ -64,9 +74,11 @@ const (
 // matches nothing.
 //
 // Precedence, for labels that disagree: a pod opt-out (label or annotation)
-// wins over everything; then a pod's own enable label; then its namespace's
-// labels. So a pod labelled disabled in an enabled namespace stays out, and a
-// pod labelled enabled in a namespace labelled disabled (or not labelled) is in.
+// wins over everything, unless the pod's namespace enforces the mesh
+// (LabelEnforce); then a pod's own enable label; then its namespace's labels.
+// So a pod labelled disabled in an enabled namespace stays out, unless that
+// namespace enforces, and a pod labelled enabled in a namespace labelled
+// disabled (or not labelled) is in.
 type Selectors struct {
 	// Profile names where the selectors came from, for reasons and logs.
 	Profile string
@@ -181,16 +193,38 @@ func (s Selectors) NamespaceEnabled(namespace string, nsLabels map[string]string
 	return "", false
 }
 
+// Enforced reports whether a namespace's labels overrule its pods' opt-outs.
+func Enforced(nsLabels map[string]string) bool {
+	return nsLabels[LabelEnforce] == ValueEnforce
+}
+
 // Decide applies the precedence: pod opt-out, then pod enable, then namespace.
 func (s Selectors) Decide(namespace string, nsLabels, podLabels, podAnnotations map[string]string) agent.Decision {
+	d, _ := s.decide(namespace, nsLabels, podLabels, podAnnotations)
+	return d
+}
+
+// decide is Decide, also saying which pod opt-out it ignored because the
+// namespace enforces the mesh ("" when none).
+func (s Selectors) decide(namespace string, nsLabels, podLabels, podAnnotations map[string]string) (agent.Decision, string) {
+	ignored := ""
 	if why, out := s.OptOut(podLabels, podAnnotations); out {
-		return agent.Decision{Enroll: false, Reason: why}
+		if !Enforced(nsLabels) {
+			return agent.Decision{Enroll: false, Reason: why}, ""
+		}
+		ignored = why
 	}
+	d := agent.Decision{Enroll: false, Reason: fmt.Sprintf("neither the pod nor namespace %s carries an enrollment label (profile %s)", namespace, s.Profile)}
 	if why, in := s.PodEnabled(podLabels); in {
-		return agent.Decision{Enroll: true, Reason: why}
+		d = agent.Decision{Enroll: true, Reason: why}
+	} else if why, in := s.NamespaceEnabled(namespace, nsLabels); in {
+		d = agent.Decision{Enroll: true, Reason: why}
 	}
-	if why, in := s.NamespaceEnabled(namespace, nsLabels); in {
-		return agent.Decision{Enroll: true, Reason: why}
+	if ignored == "" || !d.Enroll {
+		// An opt-out where nothing enrolls the pod changes nothing.
+		return d, ""
 	}
-	return agent.Decision{Enroll: false, Reason: fmt.Sprintf("neither the pod nor namespace %s carries an enrollment label (profile %s)", namespace, s.Profile)}
+	ignored = fmt.Sprintf("%s, ignored: namespace %s enforces the mesh (%s=%s)", ignored, namespace, LabelEnforce, ValueEnforce)
+	d.Reason += "; " + ignored
+	return d, ignored
 }

@@ -49,6 +49,17 @@ func TestSelectorsDecide(t *testing.T) {
 		{name: "istio pod ambient in none namespace", profile: ProfileIstio, nsLabels: none, podLabels: ambient, enroll: true},
 		{name: "mesh-cni labels mean nothing to istio", profile: ProfileIstio, nsLabels: on, podLabels: on, enroll: false},
 		{name: "istio pod none beats pod ambient annotation", profile: ProfileIstio, podLabels: ambient, podAnnotations: none, enroll: false},
+
+		// A namespace that enforces the mesh overrules every pod opt-out, and says so.
+		{name: "enforced: opt-out label ignored", nsLabels: withEnforce(on), podLabels: off, enroll: true,
+			reason: `pod labels match opt-out "mesh-cni.io/dataplane-mode=disabled" (profile mesh-cni), ignored: namespace shop enforces the mesh (mesh-cni.io/enforce=true)`},
+		{name: "enforced: opt-out annotation ignored", nsLabels: withEnforce(on), podAnnotations: off, enroll: true, reason: "pod annotations match opt-out"},
+		{name: "enforced: pod enable label still enrolls", nsLabels: withEnforce(nil), podLabels: on, podAnnotations: off, enroll: true, reason: "ignored"},
+		{name: "enforced without enrollment enrolls nothing", nsLabels: withEnforce(nil), podLabels: off, enroll: false, reason: "neither the pod nor namespace"},
+		{name: "enforce is true or nothing", nsLabels: map[string]string{mode: ValueEnabled, LabelEnforce: "yes"}, podLabels: off, enroll: false, reason: "opt-out"},
+		{name: "enforced istio: none ignored", profile: ProfileIstio, nsLabels: withEnforce(ambient), podLabels: none, enroll: true, reason: "ignored"},
+		{name: "enforced istio: sidecar ignored", profile: ProfileIstio, nsLabels: withEnforce(ambient),
+			podAnnotations: map[string]string{IstioAnnotationSidecar: "{}"}, enroll: true, reason: IstioAnnotationSidecar + "\" (profile istio), ignored"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -65,6 +76,15 @@ func TestSelectorsDecide(t *testing.T) {
 			}
 		})
 	}
+}
+
+// withEnforce is labels plus the namespace label that enforces the mesh.
+func withEnforce(labels map[string]string) map[string]string {
+	out := map[string]string{LabelEnforce: ValueEnforce}
+	for k, v := range labels {
+		out[k] = v
+	}
+	return out
 }
 
 func TestProfileSelectorsUnknown(t *testing.T) {

@@ -55,8 +55,14 @@ type policyCluster struct {
 	// token is the agent pod's service-account token, from node A's kubelet.
 	token string
 	agent kubernetes.Interface
-	apps  string // a namespace for workload pods
+	// editor is a user allowed every write to pods by RBAC, and nothing
+	// else: a workload's owner.
+	editor kubernetes.Interface
+	apps   string // a namespace for workload pods
 }
+
+// podEditor is the user of policyCluster.editor.
+const podEditor = "pod-editor"
 
 // TestAgentAdmissionPolicy applies install/kubernetes (every file its
 // kustomization lists, as shipped) to a real API server with ServiceAccount
@@ -75,7 +81,7 @@ func TestAgentAdmissionPolicy(t *testing.T) {
 	etcd := kubeenv.StartEtcd(t, bins)
 	api := kubeenv.StartAPIServerWith(t, bins, etcd, "policy-"+suffix, kubeenv.APIServerOptions{
 		Cluster: true,
-		Users:   map[string][]string{kubeletA: {"system:nodes"}},
+		Users:   map[string][]string{kubeletA: {"system:nodes"}, podEditor: {"pod-editors"}},
 	})
 	admin := api.Client(t, kubeenv.AdminUser)
 	c := &cluster{bins: bins, etcd: etcd, api: api, admin: admin}
@@ -95,8 +101,10 @@ func TestAgentAdmissionPolicy(t *testing.T) {
 		extra.Username != "system:serviceaccount:"+meshinstall.Namespace+":"+meshinstall.ServiceAccount {
 		t.Fatalf("the kubelet-minted token authenticates as %+v, want the agent's service account with %s=[%s]", extra, nodeNameExtra, nodeA)
 	}
+	pc.editor = pc.grantPodEditor(ctx, t)
 	pc.apps = pc.namespaceWithServiceAccount(t, "apps", nil)
 	pc.waitForPolicy(ctx, t)
+	pc.waitForPodPolicies(ctx, t)
 
 	for _, tc := range []struct {
 		name string
@@ -113,6 +121,8 @@ func TestAgentAdmissionPolicy(t *testing.T) {
 		{"EnrollmentEvents", testPolicyEnrollmentEvents},
 		{"RealAgent", testPolicyRealAgent},
 		{"StartupTaint", testPolicyStartupTaint},
+		{"RedirectionAnnotations", testPolicyRedirectionAnnotations},
+		{"EnforcedNamespace", testPolicyEnforcedNamespace},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -335,21 +345,33 @@ func redirection(value any) map[string]any {
 
 // isPolicyRefusal reports a 403 from the mesh-agent policy (not from RBAC,
 // and not an evaluation error of the policy).
-func isPolicyRefusal(err error) bool {
+func isPolicyRefusal(err error) bool { return isRefusalBy(err, "mesh-agent") }
+
+// isRefusalBy reports a 403 from the named policy, through its binding of
+// the same name.
+func isRefusalBy(err error, policy string) bool {
 	return apierrors.IsForbidden(err) &&
-		strings.Contains(err.Error(), "ValidatingAdmissionPolicy 'mesh-agent' with binding 'mesh-agent' denied request: ") &&
+		strings.Contains(err.Error(), "ValidatingAdmissionPolicy '"+policy+"' with binding '"+policy+"' denied request: ") &&
 		!strings.Contains(err.Error(), "resulted in error")
 }
 
-// expectRefused fails unless err is the policy's refusal saying each of says.
+// expectRefused fails unless err is the mesh-agent policy's refusal saying
+// each of says.
 func expectRefused(t *testing.T, what string, err error, says ...string) {
+	t.Helper()
+	expectRefusedBy(t, "mesh-agent", what, err, says...)
+}
+
+// expectRefusedBy fails unless err is the named policy's refusal saying each
+// of says.
+func expectRefusedBy(t *testing.T, policy, what string, err error, says ...string) {
 	t.Helper()
 	if err == nil {
 		t.Errorf("%s: allowed", what)
 		return
 	}
-	if !isPolicyRefusal(err) {
-		t.Errorf("%s: %v; want the mesh-agent policy's refusal", what, err)
+	if !isRefusalBy(err, policy) {
+		t.Errorf("%s: %v; want the %s policy's refusal", what, err, policy)
 		return
 	}
 	for _, s := range says {
@@ -548,13 +570,14 @@ func testPolicyTokenWithoutNode(t *testing.T, pc *policyCluster) {
 }
 
 // testPolicyOthersNotLimited: the policy binds only the agent: the admin
-// labels and annotates the same pods.
+// labels and annotates the same pods (all but the mesh's own annotations:
+// testPolicyRedirectionAnnotations).
 func testPolicyOthersNotLimited(t *testing.T, pc *policyCluster) {
 	ctx := apiContext(t)
 	b := pc.workload(t, "admin", pc.nodeB)
 	got, err := patchMeta(ctx, pc.admin, b, map[string]any{
 		"labels":      map[string]any{"mesh-cni.io/dataplane-mode": "enabled"},
-		"annotations": map[string]any{"team": "billing", enroll.AnnotationRedirection: "anything"},
+		"annotations": map[string]any{"team": "billing"},
 	})
 	if err != nil {
 		t.Fatalf("the admin's patch: %v", err)

@@ -54,6 +54,8 @@ func TestKubernetes(t *testing.T) {
 		{"AgentZDSEntryPoints", testAgentZDSEntryPoints},
 		{"AgentAdoptsRunningPods", testAgentAdoptsRunningPods},
 		{"AgentSpliceAnnotated", testAgentSpliceAnnotated},
+		{"AgentCorrectsForgedAnnotations", testAgentCorrectsForgedAnnotations},
+		{"AgentEnforcedNamespace", testAgentEnforcedNamespace},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -101,7 +103,16 @@ func (c *cluster) namespace(t *testing.T, prefix string, labels map[string]strin
 // kubelet (which never comes: the test drives CNI itself).
 func (c *cluster) pod(t *testing.T, namespace, name, node string, labels, annotations map[string]string) *corev1.Pod {
 	t.Helper()
-	p, err := c.admin.CoreV1().Pods(namespace).Create(apiContext(t), &corev1.Pod{
+	p, err := createPod(apiContext(t), c.admin, namespace, name, node, labels, annotations)
+	if err != nil {
+		t.Fatalf("create pod %s/%s: %v", namespace, name, err)
+	}
+	return p
+}
+
+// createPod creates, as client, the pod c.pod makes.
+func createPod(ctx context.Context, client kubernetes.Interface, namespace, name, node string, labels, annotations map[string]string) (*corev1.Pod, error) {
+	return client.CoreV1().Pods(namespace).Create(ctx, &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: namespace, Labels: labels, Annotations: annotations},
 		Spec: corev1.PodSpec{
 			NodeName:                      node,
@@ -109,10 +120,6 @@ func (c *cluster) pod(t *testing.T, namespace, name, node string, labels, annota
 			TerminationGracePeriodSeconds: new(int64),
 		},
 	}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatalf("create pod %s/%s: %v", namespace, name, err)
-	}
-	return p
 }
 
 // setLabel sets (value != "") or removes (value == "") one label with a merge

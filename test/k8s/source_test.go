@@ -150,11 +150,25 @@ func testSourceIstioProfile(t *testing.T, c *cluster) {
 		{c.pod(t, ours, "ours", node, nil, nil), false},
 		{c.pod(t, ours, "pod-ambient", node, ambient, nil), true},
 	}
+	// In a namespace that enforces the mesh, neither opting out nor leaving
+	// inbound uncaptured holds; elsewhere the bypass does.
+	bypass := map[string]string{enroll.IstioAnnotationBypassInbound: "true"}
+	enforced := c.namespace(t, "ambient-enforced", map[string]string{enroll.IstioLabelDataplaneMode: enroll.IstioValueAmbient, enroll.LabelEnforce: enroll.ValueEnforce})
+	enforcedBypass := c.pod(t, enforced, "bypass", node, none, bypass)
+	openBypass := c.pod(t, amb, "bypass", node, nil, bypass)
 	src := startSource(t, c.api, node, enroll.ProfileIstio, 5*time.Second)
 	for _, tc := range cases {
 		if d := decide(t, src, tc.pod); d.Enroll != tc.enroll {
 			t.Errorf("%s/%s: %+v, want enroll=%v", tc.pod.Namespace, tc.pod.Name, d, tc.enroll)
 		}
+	}
+	d := decide(t, src, enforcedBypass)
+	if !d.Enroll || d.Capture.BypassInbound || !strings.Contains(d.Reason, `"istio.io/dataplane-mode=none" (profile istio), ignored`) ||
+		!strings.Contains(d.Reason, enroll.IstioAnnotationBypassInbound+"=true, ignored: namespace "+enforced+" enforces the mesh") {
+		t.Errorf("opted out, inbound bypassed, in an enforcing namespace: %+v; want enrolled with inbound captured, saying both were ignored", d)
+	}
+	if d := decide(t, src, openBypass); !d.Enroll || !d.Capture.BypassInbound {
+		t.Errorf("inbound bypassed in a namespace that does not enforce: %+v; want enrolled with inbound bypassed", d)
 	}
 }
 

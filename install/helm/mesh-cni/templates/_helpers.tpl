@@ -114,3 +114,18 @@ imagePullSecrets:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end -}}
+
+{{/*
+The users that may write a pod's redirection annotations, as a CEL list's
+items: the agent's service account, then admissionPolicy.redirectionWriters.
+*/}}
+{{- define "mesh-cni.redirectionWriters" -}}
+{{- $writers := list (printf "system:serviceaccount:%s:mesh-agent" .Release.Namespace) -}}
+{{- range .Values.admissionPolicy.redirectionWriters -}}
+{{- $writers = append $writers . -}}
+{{- end -}}
+{{- range $i, $w := $writers -}}
+{{- if $i }}, {{ end -}}
+'{{ $w }}'
+{{- end -}}
+{{- end -}}
