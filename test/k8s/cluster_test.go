@@ -54,6 +54,9 @@ func TestKubernetes(t *testing.T) {
 		{"AgentZDSEntryPoints", testAgentZDSEntryPoints},
 		{"AgentAdoptsRunningPods", testAgentAdoptsRunningPods},
 		{"AgentSpliceAnnotated", testAgentSpliceAnnotated},
+		{"RemovalDecision", testRemovalDecision},
+		{"RemovalDecisionAPIServerDown", testRemovalDecisionAPIServerDown},
+		{"AgentStopOnRemoval", testAgentStopOnRemoval},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
