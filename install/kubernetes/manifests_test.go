@@ -697,7 +697,7 @@ func TestRBACLeastPrivilege(t *testing.T) {
 	ds, _ := agentContainer(t, objs)
 	nsRole := only[*rbacv1.Role](t, objs)
 	nsBinding := only[*rbacv1.RoleBinding](t, objs)
-	wantRules := []rbacv1.PolicyRule{{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{ds.Name}, Verbs: []string{"get"}}}
+	wantRules := []rbacv1.PolicyRule{{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{ds.Name}, Verbs: []string{"get", "list", "watch"}}}
 	if nsRole.Namespace != ds.Namespace || !reflect.DeepEqual(nsRole.Rules, wantRules) {
 		t.Errorf("Role %s/%s rules %+v, want in %s exactly %+v", nsRole.Namespace, nsRole.Name, nsRole.Rules, ds.Namespace, wantRules)
 	}

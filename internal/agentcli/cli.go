@@ -366,11 +366,14 @@ func runCommand(ctx context.Context, args []string, stderr io.Writer) int {
 		log.Error("invalid configuration", zap.Error(err))
 		return 2
 	}
-	check := opts.removalCheck(log)
 	stopped := make(chan struct{})
 	var verdict <-chan removal.Verdict
-	if check != nil {
-		verdict = checkOnStop(ctx, check, stopped)
+	if w := opts.removalWatcher(log); w != nil {
+		// The watch outlives the signal: the check it serves runs after it.
+		wctx, stopWatch := context.WithCancel(context.WithoutCancel(ctx))
+		defer stopWatch()
+		go w.Run(wctx)
+		verdict = checkOnStop(ctx, w.Check, stopped)
 	}
 	err = agent.Run(ctx, log, cfg)
 	close(stopped)

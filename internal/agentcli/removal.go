@@ -28,11 +28,12 @@ const (
 	removalUninstallTimeout = 5 * time.Second
 )
 
-// removalCheck returns the check run on SIGTERM, or nil when the agent keeps
-// everything on every stop: --uninstall-on-delete=false, or no pod of its own
-// to ask about (not run by Kubernetes, or the downward API's variables
-// missing), or no client to ask with.
-func (o options) removalCheck(log *zap.Logger) func(context.Context) removal.Verdict {
+// removalWatcher returns the watcher of the agent's DaemonSet whose Check runs
+// on SIGTERM, or nil when the agent keeps everything on every stop:
+// --uninstall-on-delete=false, or no pod of its own to ask about (not run by
+// Kubernetes, or the downward API's variables missing), or no client to ask
+// with.
+func (o options) removalWatcher(log *zap.Logger) *removal.Watcher {
 	if !o.uninstallOnDelete {
 		return nil
 	}
@@ -46,14 +47,15 @@ func (o options) removalCheck(log *zap.Logger) func(context.Context) removal.Ver
 		log.Warn("the node keeps the chain entry whenever the agent stops: --uninstall-on-delete has no API server to ask", zap.Error(err))
 		return nil
 	}
+	// No client timeout: it would end the watch too. The check's reads are
+	// bounded by their context.
 	cfg.UserAgent = "mesh-agent/" + pod.Name
-	cfg.Timeout = removalCheckTimeout
 	client, err := kubernetes.NewForConfig(cfg)
 	if err != nil {
 		log.Warn("the node keeps the chain entry whenever the agent stops: --uninstall-on-delete has no API client", zap.Error(err))
 		return nil
 	}
-	return func(ctx context.Context) removal.Verdict { return removal.Check(ctx, client, pod) }
+	return removal.NewWatcher(client, pod)
 }
 
 // removeIfDaemonSetGone runs once the agent has stopped on a signal: when the

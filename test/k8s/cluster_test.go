@@ -55,6 +55,7 @@ func TestKubernetes(t *testing.T) {
 		{"AgentAdoptsRunningPods", testAgentAdoptsRunningPods},
 		{"AgentSpliceAnnotated", testAgentSpliceAnnotated},
 		{"RemovalDecision", testRemovalDecision},
+		{"RemovalWatch", testRemovalWatch},
 		{"RemovalDecisionAPIServerDown", testRemovalDecisionAPIServerDown},
 		{"AgentStopOnRemoval", testAgentStopOnRemoval},
 	} {

@@ -96,7 +96,7 @@ func (c *cluster) grantDaemonSetGet(t *testing.T, namespace string) {
 	ctx := apiContext(t)
 	_, err := c.admin.RbacV1().Roles(namespace).Create(ctx, &rbacv1.Role{
 		ObjectMeta: metav1.ObjectMeta{Name: "mesh-agent", Namespace: namespace},
-		Rules:      []rbacv1.PolicyRule{{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{agentDaemonSet}, Verbs: []string{"get"}}},
+		Rules:      []rbacv1.PolicyRule{{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{agentDaemonSet}, Verbs: []string{"get", "list", "watch"}}},
 	}, metav1.CreateOptions{})
 	if err != nil {
 		t.Fatalf("create Role: %v", err)
@@ -223,6 +223,46 @@ func testRemovalDecision(t *testing.T, c *cluster) {
 		})
 		wantVerdict(t, "API server silent", checkWithin(t, client, d.ref()), false, "deadline")
 	})
+}
+
+// testRemovalWatch: helm uninstall deletes the agent's Role and RoleBinding
+// right after its DaemonSet, before the agent's pod is told to stop, so a
+// read at the stop is refused. The watch the agent opened at its start still
+// sees the deletion, and the stop uninstalls; without it, the read alone keeps.
+func testRemovalWatch(t *testing.T, c *cluster) {
+	agent := c.api.Client(t, kubeenv.AgentUser)
+	ns := c.namespace(t, "rm-watch", nil)
+	d := c.deployAgent(t, ns, "node-"+randomHex(t, 4), true)
+	w := removal.NewWatcher(agent, d.ref())
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go w.Run(ctx)
+	select {
+	case <-w.Watching():
+	case <-time.After(30 * time.Second):
+		t.Fatal("the watcher never opened a watch of its DaemonSet")
+	}
+	if r := w.Removed(); r != "" {
+		t.Fatalf("the DaemonSet in place counts as removed: %s", r)
+	}
+	// As helm uninstall orders it: the DaemonSet, then the RBAC.
+	c.deleteDaemonSet(t, d.ds, metav1.DeletePropagationBackground)
+	for _, del := range []func() error{
+		func() error {
+			return c.admin.RbacV1().RoleBindings(ns).Delete(apiContext(t), "mesh-agent", metav1.DeleteOptions{})
+		},
+		func() error {
+			return c.admin.RbacV1().Roles(ns).Delete(apiContext(t), "mesh-agent", metav1.DeleteOptions{})
+		},
+	} {
+		if err := del(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	wantVerdict(t, "the read alone, RBAC gone", checkWithin(t, agent, d.ref()), false, "forbidden")
+	cctx, ccancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer ccancel()
+	wantVerdict(t, "with the watch", w.Check(cctx), true, "DaemonSet")
 }
 
 // testRemovalDecisionAPIServerDown: an API server that cannot be reached is
