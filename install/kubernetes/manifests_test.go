@@ -192,6 +192,8 @@ func TestManifestKinds(t *testing.T) {
 		{"ServiceAccount", Namespace, ServiceAccount},
 		{"ClusterRole", "", "mesh-agent"},
 		{"ClusterRoleBinding", "", "mesh-agent"},
+		{"Role", Namespace, "mesh-agent"},
+		{"RoleBinding", Namespace, "mesh-agent"},
 		{"ResourceQuota", Namespace, "mesh-agent-node-critical"},
 		{"DaemonSet", Namespace, DaemonSet},
 		{"ValidatingAdmissionPolicy", "", "mesh-agent"},
@@ -215,6 +217,10 @@ func TestManifestKinds(t *testing.T) {
 			k = key{"ClusterRole", v.Namespace, v.Name}
 		case *rbacv1.ClusterRoleBinding:
 			k = key{"ClusterRoleBinding", v.Namespace, v.Name}
+		case *rbacv1.Role:
+			k = key{"Role", v.Namespace, v.Name}
+		case *rbacv1.RoleBinding:
+			k = key{"RoleBinding", v.Namespace, v.Name}
 		case *appsv1.DaemonSet:
 			k = key{"DaemonSet", v.Namespace, v.Name}
 		case *admissionregistrationv1.ValidatingAdmissionPolicy:
@@ -605,8 +611,15 @@ func TestDaemonSetSpec(t *testing.T) {
 	for _, e := range c.Env {
 		env[e.Name] = e
 	}
-	if e := env["NODE_NAME"]; e.ValueFrom == nil || e.ValueFrom.FieldRef == nil || e.ValueFrom.FieldRef.FieldPath != "spec.nodeName" {
-		t.Errorf("env NODE_NAME %+v: want fieldRef spec.nodeName", e)
+	for name, path := range map[string]string{
+		"NODE_NAME": "spec.nodeName",
+		// --uninstall-on-delete finds its DaemonSet from its own pod.
+		agentcli.EnvPodName:      "metadata.name",
+		agentcli.EnvPodNamespace: "metadata.namespace",
+	} {
+		if e := env[name]; e.ValueFrom == nil || e.ValueFrom.FieldRef == nil || e.ValueFrom.FieldRef.FieldPath != path {
+			t.Errorf("env %s %+v: want fieldRef %s", name, e, path)
+		}
 	}
 	if e, ok := env["GOMEMLIMIT"]; ok {
 		// GOMEMLIMIT is read as bytes: a divisor would make it tiny.
@@ -683,6 +696,20 @@ func TestRBACLeastPrivilege(t *testing.T) {
 	wantSubj := []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Name: sa.Name, Namespace: sa.Namespace}}
 	if !slices.Equal(binding.Subjects, wantSubj) {
 		t.Errorf("ClusterRoleBinding subjects %+v, want %+v", binding.Subjects, wantSubj)
+	}
+
+	// --uninstall-on-delete reads the agent's own DaemonSet: get, in its
+	// namespace, by its name, and nothing else.
+	ds, _ := agentContainer(t, objs)
+	nsRole := only[*rbacv1.Role](t, objs)
+	nsBinding := only[*rbacv1.RoleBinding](t, objs)
+	wantRules := []rbacv1.PolicyRule{{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{ds.Name}, Verbs: []string{"get", "list", "watch"}}}
+	if nsRole.Namespace != ds.Namespace || !reflect.DeepEqual(nsRole.Rules, wantRules) {
+		t.Errorf("Role %s/%s rules %+v, want in %s exactly %+v", nsRole.Namespace, nsRole.Name, nsRole.Rules, ds.Namespace, wantRules)
+	}
+	if nsBinding.Namespace != ds.Namespace || nsBinding.RoleRef != (rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: nsRole.Name}) ||
+		!slices.Equal(nsBinding.Subjects, wantSubj) {
+		t.Errorf("RoleBinding %s/%s %+v %+v, want the Role %q for %+v", nsBinding.Namespace, nsBinding.Name, nsBinding.RoleRef, nsBinding.Subjects, nsRole.Name, wantSubj)
 	}
 }
 

@@ -255,7 +255,7 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 	}
 	select {
 	case <-ctx.Done():
-		log.Info("agent stopping; data path, chain entry and pod records stay in place")
+		log.Info("agent stopping")
 		return nil
 	case e := <-installErr:
 		if ctx.Err() != nil {

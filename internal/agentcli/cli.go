@@ -22,6 +22,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
 	"github.com/mesh-cni/mesh-cni/internal/hostproc"
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
+	"github.com/mesh-cni/mesh-cni/internal/removal"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gateclient"
 	"github.com/mesh-cni/mesh-cni/pkg/zds"
 )
@@ -95,6 +96,7 @@ type options struct {
 	excludeNamespaces stringList
 	pluginLogLevel    string
 	pluginLogFile     string
+	uninstallOnDelete bool
 
 	entry  entryOptions
 	enroll enrollOptions
@@ -188,6 +190,7 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.Var(&opts.excludeNamespaces, "exclude-namespaces", "the chain entry's excludeNamespaces: pods there never wait for the agent")
 	fs.StringVar(&opts.pluginLogLevel, "plugin-log-level", "info", "the chain entry's logLevel")
 	fs.StringVar(&opts.pluginLogFile, "plugin-log-file", "", "the chain entry's logFile (default: the plugin logs to the runtime's stderr)")
+	fs.BoolVar(&opts.uninstallOnDelete, "uninstall-on-delete", true, "on SIGTERM, ask the API server about the DaemonSet that runs the agent's pod ($POD_NAME, $POD_NAMESPACE) and, only when it answers that the DaemonSet is gone, replaced or being deleted, uninstall from the node as `mesh-agent uninstall` does (chain entry, plugin binary, data path: running pods are released); any other answer or none (a rolling update, a drain, an unreachable API server) keeps everything")
 	opts.entry.register(fs)
 	opts.enroll.register(fs)
 	return fs
@@ -369,9 +372,26 @@ func runCommand(ctx context.Context, args []string, stderr io.Writer) int {
 		log.Error("invalid configuration", zap.Error(err))
 		return 2
 	}
-	if err := agent.Run(ctx, log, cfg); err != nil {
+	stopped := make(chan struct{})
+	var verdict <-chan removal.Verdict
+	if w := opts.removalWatcher(log); w != nil {
+		// The watch outlives the signal: the check it serves runs after it.
+		wctx, stopWatch := context.WithCancel(context.WithoutCancel(ctx))
+		defer stopWatch()
+		go w.Run(wctx)
+		verdict = checkOnStop(ctx, w.Check, stopped)
+	}
+	err = agent.Run(ctx, log, cfg)
+	close(stopped)
+	if err != nil {
 		log.Error("agent failed", zap.Error(err))
 		return 1
+	}
+	if verdict != nil && ctx.Err() != nil {
+		if err := removeIfDaemonSetGone(ctx, opts, log, verdict); err != nil {
+			log.Error("the DaemonSet is being removed but this node was not uninstalled: run the uninstall Job here", zap.Error(err))
+			return 1
+		}
 	}
 	return 0
 }

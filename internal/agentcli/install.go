@@ -2,6 +2,7 @@ package agentcli
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"time"
@@ -89,29 +90,38 @@ func uninstallCommand(ctx context.Context, args []string, stderr io.Writer) int 
 	if exit >= 0 {
 		return exit
 	}
+	if err := uninstallNode(ctx, opts, log); err != nil {
+		log.Error("uninstall failed", zap.Error(err))
+		return 1
+	}
+	log.Info("mesh-cni uninstalled from this node")
+	return 0
+}
+
+// uninstallNode is the uninstall of `mesh-agent uninstall` and of an agent
+// whose DaemonSet is being removed: the chain entry first, so no new pod
+// waits for an agent that is going, then the plugin binary, then the data
+// path, which releases the running pods (their traffic flows directly again).
+// It refuses while an agent serves the gate socket.
+func uninstallNode(ctx context.Context, opts options, log *zap.Logger) error {
 	// A running agent keeps its chain entry in place and would write it back
 	// at once, leaving new pods waiting for an agent that is about to go.
 	if running, err := agentListening(opts.socketPath); err != nil {
-		log.Error("cannot tell whether mesh-agent still runs on this node", zap.Error(err))
-		return 1
+		return fmt.Errorf("cannot tell whether mesh-agent still runs on this node: %w", err)
 	} else if running {
-		log.Error("mesh-agent is still running on this node and would put the chain entry back: stop it first (delete its DaemonSet), then uninstall",
-			zap.String("socket", opts.socketPath))
-		return 1
+		return fmt.Errorf("mesh-agent is still running on this node (it listens on %s) and would put the chain entry back: stop it first (delete its DaemonSet), then uninstall", opts.socketPath)
 	}
-	failed := false
+	var errs []error
 	if opts.cniInstall {
 		in, err := cniinstall.New(opts.installerConfig(log.Named("cni-install"), nil))
 		if err == nil {
 			err = in.Remove(ctx)
 		}
 		if err != nil {
-			log.Error("removing the chain entry failed", zap.Error(err))
-			failed = true
+			errs = append(errs, fmt.Errorf("removing the chain entry: %w", err))
 		}
 		if err := cniinstall.RemoveBinary(opts.cniBinDirs, "mesh-cni"); err != nil {
-			log.Error("removing the plugin binary failed", zap.Error(err))
-			failed = true
+			errs = append(errs, fmt.Errorf("removing the plugin binary: %w", err))
 		}
 	}
 	if opts.datapath == "ebpf" {
@@ -120,15 +130,10 @@ func uninstallCommand(ctx context.Context, args []string, stderr io.Writer) int 
 			err = redirect.Uninstall(ctx, redirect.Config{PinRoot: opts.bpffsRoot, CgroupRoot: cg, Logger: log.Named("datapath")})
 		}
 		if err != nil {
-			log.Error("removing the data path failed", zap.Error(err))
-			failed = true
+			errs = append(errs, fmt.Errorf("removing the data path: %w", err))
 		}
 	}
-	if failed {
-		return 1
-	}
-	log.Info("mesh-cni uninstalled from this node")
-	return 0
+	return errors.Join(errs...)
 }
 
 // waitRuntimeServes holds the installation (and so the agent's readiness)

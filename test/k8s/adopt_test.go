@@ -133,12 +133,7 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 		t.Fatalf("client -> server before the install: %v", err)
 	}
 
-	a := newAgent(t, c.api, kubeNode,
-		"--cni-install=true", "--owned-config=false",
-		"--cni-conf-dir", node.ConfDir, "--cni-bin-dir", node.BinDir,
-		"--install-state-dir", filepath.Join(t.TempDir(), "install"),
-		"--plugin-binary", harness.Bins(t).Path("mesh-cni"), "--gate-timeout", "30s",
-		"--netns-dir", harness.NetnsDir)
+	a := newAgent(t, c.api, kubeNode, append(installArgs(t, node), "--owned-config=false", "--netns-dir", harness.NetnsDir)...)
 	a.start(ctx)
 
 	harness.WaitFor(t, 30*time.Second, "the running pods of the labelled namespace adopted", func() bool {
@@ -178,15 +173,7 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 	// The runtime's DEL, through the chain the agent installed, releases
 	// adopted pods: the one whose attachment the agent read as the runtime
 	// names it, and the one whose sandbox id it could not read.
-	var meshed *libcni.NetworkConfigList
-	harness.WaitFor(t, 30*time.Second, "the agent's chain entry", func() bool {
-		l, _, err := node.LoadConflist()
-		if err != nil || len(l.Plugins) < 2 || l.Plugins[len(l.Plugins)-1].Network.Type != "mesh-cni" {
-			return false
-		}
-		meshed = l
-		return true
-	})
+	meshed := waitChainEntry(t, node, true)
 	for _, p := range []*harness.Pod{client, worker} {
 		if err := node.Del(ctx, p, meshed); err != nil {
 			t.Fatalf("DEL %s: %v", p.Name, err)

@@ -41,7 +41,9 @@ type agent struct {
 	BPFFS      string
 	Kubeconfig string
 	Args       []string
-	Proc       *harness.Process
+	// Env is added to the agent's environment.
+	Env  []string
+	Proc *harness.Process
 }
 
 // prepareAgent prepares (but does not start) a mesh-agent with its own socket,
@@ -89,7 +91,7 @@ func newAgent(t testing.TB, api *kubeenv.APIServer, node string, extraArgs ...st
 // start runs the agent and waits until it is ready: its informers have synced.
 func (a *agent) start(ctx context.Context) {
 	a.t.Helper()
-	a.Proc = harness.StartProcess(a.t, harness.ProcessOptions{Path: harness.Bins(a.t).Path("mesh-agent"), Args: a.Args, Name: "mesh-agent"})
+	a.Proc = harness.StartProcess(a.t, harness.ProcessOptions{Path: harness.Bins(a.t).Path("mesh-agent"), Args: a.Args, Env: a.Env, Name: "mesh-agent"})
 	ctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
 	if err := harness.WaitForHealthy(ctx, a.Socket); err != nil {
@@ -117,6 +119,48 @@ func (a *agent) enrolled(p *harness.Pod) bool {
 		}
 	}
 	return false
+}
+
+// primaryNode is a node whose CNI configuration is the primary's alone
+// (bridge), as before mesh-cni is installed.
+func primaryNode(t *testing.T) *harness.Node {
+	t.Helper()
+	node := harness.NewNode(t, harness.NodeOptions{Plugins: harness.ReferencePluginNames()})
+	primary, err := node.ConflistJSON("meshnet")
+	if err != nil {
+		t.Fatal(err)
+	}
+	node.WriteConf(t, "10-meshnet.conflist", primary)
+	return node
+}
+
+// installArgs make the agent install the plugin and its chain entry on node,
+// as the DaemonSet does.
+func installArgs(t *testing.T, node *harness.Node) []string {
+	return []string{"--cni-install=true",
+		"--cni-conf-dir", node.ConfDir, "--cni-bin-dir", node.BinDir,
+		"--install-state-dir", filepath.Join(t.TempDir(), "install"),
+		"--plugin-binary", harness.Bins(t).Path("mesh-cni"), "--gate-timeout", "30s"}
+}
+
+// waitChainEntry waits until the node's CNI config (what the runtime loads)
+// ends (present) or no longer ends (absent) with the mesh-cni entry, and
+// returns it.
+func waitChainEntry(t *testing.T, node *harness.Node, present bool) *libcni.NetworkConfigList {
+	t.Helper()
+	var list *libcni.NetworkConfigList
+	harness.WaitFor(t, 30*time.Second, fmt.Sprintf("the chain entry present=%v", present), func() bool {
+		l, _, err := node.LoadConflist()
+		if err != nil || len(l.Plugins) == 0 {
+			return false
+		}
+		if (l.Plugins[len(l.Plugins)-1].Network.Type == "mesh-cni") != present {
+			return false
+		}
+		list = l
+		return true
+	})
+	return list
 }
 
 func (a *agent) meshEntry() map[string]any {
@@ -255,28 +299,10 @@ func testAgentPluginGetsNoCredential(t *testing.T, c *cluster) {
 	kubeNode := "node-" + randomHex(t, 4)
 	ns := c.namespace(t, "cred", enabled)
 	apiPod := c.pod(t, ns, "web", kubeNode, nil, nil)
-	node := harness.NewNode(t, harness.NodeOptions{Plugins: harness.ReferencePluginNames()})
-	primary, err := node.ConflistJSON("meshnet")
-	if err != nil {
-		t.Fatal(err)
-	}
-	node.WriteConf(t, "10-meshnet.conflist", primary)
-
-	a := newAgent(t, c.api, kubeNode,
-		"--cni-install=true", "--owned-config=false",
-		"--cni-conf-dir", node.ConfDir, "--cni-bin-dir", node.BinDir,
-		"--install-state-dir", filepath.Join(t.TempDir(), "install"),
-		"--plugin-binary", harness.Bins(t).Path("mesh-cni"), "--gate-timeout", "30s")
+	node := primaryNode(t)
+	a := newAgent(t, c.api, kubeNode, append(installArgs(t, node), "--owned-config=false")...)
 	a.start(ctx)
-	var list *libcni.NetworkConfigList
-	harness.WaitFor(t, 30*time.Second, "the agent to install its chain entry", func() bool {
-		l, _, err := node.LoadConflist()
-		if err != nil || len(l.Plugins) < 2 || l.Plugins[len(l.Plugins)-1].Network.Type != "mesh-cni" {
-			return false
-		}
-		list = l
-		return true
-	})
+	list := waitChainEntry(t, node, true)
 
 	// The entry: only the plugin's own settings, nothing that is or points at
 	// a credential.

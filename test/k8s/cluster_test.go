@@ -56,6 +56,10 @@ func TestKubernetes(t *testing.T) {
 		{"AgentSpliceAnnotated", testAgentSpliceAnnotated},
 		{"AgentCorrectsForgedAnnotations", testAgentCorrectsForgedAnnotations},
 		{"AgentEnforcedNamespace", testAgentEnforcedNamespace},
+		{"RemovalDecision", testRemovalDecision},
+		{"RemovalWatch", testRemovalWatch},
+		{"RemovalDecisionAPIServerDown", testRemovalDecisionAPIServerDown},
+		{"AgentStopOnRemoval", testAgentStopOnRemoval},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
