@@ -296,6 +296,11 @@ func TestValues(t *testing.T) {
 				t.Errorf("match conditions %q, want one %q", got, want)
 			}
 		}},
+		{"uninstall on delete off", "uninstall: {onDelete: false}", func(t *testing.T, _ map[string]object, c map[string]any) {
+			// On by default in the agent, so passed only to turn it off: the
+			// pinned release, which does not know the flag, runs the default.
+			wantArg(t, c, "--uninstall-on-delete=false")
+		}},
 		{"kni", "kni: {enabled: true, upstream: /run/kni/kni.sock}", func(t *testing.T, objs map[string]object, c map[string]any) {
 			// The interposer is the gate, the chain entry off: the runtime
 			// runs the node's CNI chain itself.

@@ -72,6 +72,7 @@ func metrics() []results.Metric {
 	return []results.Metric{
 		{Name: "gate-release", Title: "Agent ready → a waiting pod Running", Unit: "ms"},
 		{Name: "pod-start", Title: "Pod created → Running, in an enrolled namespace and in one that is not", Unit: "ms", Baseline: "unmeshed"},
+		{Name: "uninstall", Title: "helm uninstall returned → a new pod of a meshed namespace Running", Unit: "ms"},
 	}
 }
 
@@ -93,12 +94,14 @@ func (b *nodeBench) write(t *testing.T) {
 		Title: "A real node: kubelet, containerd, the DaemonSet",
 		Description: "TestNode (test/node) on one node of a real cluster on this machine: kubelet and containerd " +
 			"(CRI, runc) with the bridge primary, the agent installed with the commands of docs/install.md. " +
-			"**Agent ready → waiting pod Running**: two pods of an enrolled namespace created while the DaemonSet was deleted, " +
+			"**Agent ready → waiting pod Running**: two pods of an enrolled namespace created while the agent was away (its " +
+			"DaemonSet's node selector matched no node), " +
 			"one with the reference proxy as a sidecar and one without, their ADDs held at the gate (kubelet retries each " +
 			"after `gateTimeout` and its back-off; the test applies the manifests again while both are held); from the first " +
 			"200 of the agent's `/readyz` (polled every 20 ms) to each pod's phase Running as a watch sees it. " +
 			"**Pod created → Running**: the same one-container pod (the echo server, no proxy) in a namespace that is enrolled " +
-			"and in one that is not, taking turns, from the create call to phase Running seen by a watch.",
+			"and in one that is not, taking turns, from the create call to phase Running seen by a watch. **helm uninstall → new pod Running**: from `helm uninstall " +
+			"--wait` returning (the agent, stopped, uninstalled its node) to a new pod of the meshed namespace Running, no Job run.",
 		Command:  "make e2e-node",
 		Started:  b.start,
 		Finished: time.Now(),

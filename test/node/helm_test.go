@@ -11,7 +11,9 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/mesh-cni/mesh-cni/install/kubernetes"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
@@ -20,9 +22,11 @@ import (
 const pluginLog = "/run/mesh-cni/plugin.log"
 
 // helm installs the chart with its defaults (the pinned release) over a
-// primary of CNI spec 1.1.0, so that the runtime also calls STATUS; records which CNI verbs
-// containerd sends; shows STATUS taking the node's network readiness while
-// the chain entry has no agent; and uninstalls as docs/install.md says.
+// primary of CNI spec 1.1.0, so that the runtime also calls STATUS; rolls it
+// to this tree's build, back to the release and forward again with pods
+// talking; records which CNI verbs containerd sends; runs the agent in a
+// crash loop with the node staying Ready; and uninstalls as docs/install.md
+// says, the node clean once helm uninstall returns.
 func (s *scenario) helm(t *testing.T, ctx context.Context) {
 	// The primary CNI upgraded to a config of spec 1.1.0, as its installer
 	// would: containerd reloads it.
@@ -45,13 +49,35 @@ func (s *scenario) helm(t *testing.T, ctx context.Context) {
 		t.Error("installed with Helm, the meshed client's traffic does not go through both proxies")
 	}
 	checkOnlyProxy(t, s.cluster, "server2", ip, time.Time{}, time.Time{})
-	s.agentCrashLoop(t, ctx, target)
-	for _, ns := range []string{"shop2", "plain2"} {
-		if err := s.deleteNamespace(ctx, ns); err != nil {
-			t.Fatal(err)
+
+	// Upgrade, rollback and forward again, each a rolling update: the chain
+	// entry stays, and the meshed pair keeps talking through its proxies.
+	for _, roll := range []struct {
+		what, block, dir, image string
+	}{
+		{"helm upgrade to this tree's build", "helm-upgrade", s.currentDir, s.im["mesh-agent"].Ref()},
+		{"helm rollback to the release", "helm-rollback", s.releaseDir, kubernetes.Image + "@" + kubernetes.ReleaseDigest},
+		{"helm upgrade to this tree's build again", "helm-upgrade", s.currentDir, s.im["mesh-agent"].Ref()},
+	} {
+		s.keepsTalking(t, ctx, roll.what, "client2", "server2", ip, func() { s.op.run(ctx, roll.dir, roll.block) })
+		if img := s.agentPod(t, ctx).Spec.Containers[0].Image; img != roll.image {
+			t.Errorf("after %s the agent runs %s, want %s", roll.what, img, roll.image)
 		}
 	}
+	s.bench.note("Upgrading the Helm release from the pinned release to this tree's build, rolling it back and forward again, with a meshed client talking every 100 ms: no round trip failed, none reached the meshed server but through its proxy, and the chain entry stayed.")
 
+	s.agentCrashLoop(t, ctx, target)
+
+	// Pods deleted while the agent runs: containerd's DEL reaches mesh-cni.
+	if err := s.deleteNamespace(ctx, "plain2"); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"steady", "held"} {
+		if err := s.n.Admin.CoreV1().Pods("shop2").Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		s.untilGone(ctx, "shop2", name)
+	}
 	verbs := pluginVerbs(t, s.n.Path(pluginLog))
 	t.Logf("CNI calls containerd made to mesh-cni: %v", verbs)
 	for _, v := range []string{"ADD", "DEL", "STATUS"} {
@@ -60,28 +86,69 @@ func (s *scenario) helm(t *testing.T, ctx context.Context) {
 		}
 	}
 	if verbs["ADD"] < 3 || verbs["DEL"] < 3 {
-		t.Errorf("3 pods created and deleted, but %d ADD and %d DEL", verbs["ADD"], verbs["DEL"])
+		t.Errorf("at least 3 pods created and deleted, but %d ADD and %d DEL", verbs["ADD"], verbs["DEL"])
 	}
-	s.bench.note("CNI calls containerd 2.4.2 made to mesh-cni while the Helm install ran three pods (the plugin's log at debug): " +
+	s.bench.note("CNI calls containerd 2.4.2 made to mesh-cni while the Helm install ran its pods (the plugin's log at debug): " +
 		formatVerbs(verbs) + ".")
 
-	// The DaemonSet gone, the chain entry stays and names an agent that is
-	// not there: new pods would wait, and the node stays Ready (STATUS does not
-	// turn an absent agent into an unready node) until the Job removes it.
+	// helm uninstall alone cleans the node: its agent, told to stop, sees its
+	// DaemonSet deleted and uninstalls, before the Job runs. The meshed pair,
+	// released, keeps talking, directly now; a new pod of the meshed
+	// namespace starts at once, without the gate.
 	links := pinnedLinkIDs(t, s.n)
+	okBefore, failedBefore := s.connections(t, "client2")
 	s.op.run(ctx, s.releaseDir, "helm-uninstall", 0)
+	uninstalled := time.Now()
+	snapshotNode(t, s.n).mustEqual(t, before)
+	checkLinksGone(t, links)
 	if c, err := s.n.ReadyCondition(ctx); err != nil || c.Status != corev1.ConditionTrue {
-		t.Errorf("with the DaemonSet gone the node is not Ready: %v %s", err, c.Message)
+		t.Errorf("after helm uninstall the node is not Ready: %v %s", err, c.Message)
 	}
+	s.create(ctx, s.client("shop2", "after", target, false))
+	_, runningAt := s.until(ctx, "shop2", "after", "running", running)
+	s.waitConnections(t, ctx, "after", 5)
+	s.waitConnections(t, ctx, "client2", 10)
+	if ok, failed := s.connections(t, "client2"); failed != failedBefore {
+		t.Errorf("across helm uninstall %d of the released client's round trips failed (%d succeeded)", failed-failedBefore, ok-okBefore)
+	}
+	t.Logf("helm uninstall: node clean when it returned; a new pod of the meshed namespace Running %v later", runningAt.Sub(uninstalled).Round(time.Millisecond))
+	s.bench.sample("uninstall", "helm uninstall returned → new pod Running", runningAt.Sub(uninstalled))
+
+	// The Job, for nodes whose agent was away, finds nothing to do here.
 	s.op.run(ctx, s.releaseDir, "helm-uninstall", 1, 2)
-	var cond corev1.NodeCondition
-	if err := waitNode(ctx, s, true, &cond); err != nil {
+	snapshotNode(t, s.n).mustEqual(t, before)
+	if err := s.deleteNamespace(ctx, "shop2"); err != nil {
 		t.Fatal(err)
 	}
 	s.op.run(ctx, s.releaseDir, "helm-uninstall", 3)
-
 	snapshotNode(t, s.n).mustEqual(t, before)
-	checkLinksGone(t, links)
+}
+
+// keepsTalking checks that client kept going through disrupt: more round
+// trips through its proxy, none failed, the chain entry in place after it,
+// and server (at ip) reached only through its proxy meanwhile.
+func (s *scenario) keepsTalking(t *testing.T, ctx context.Context, what, client, server, ip string, disrupt func()) {
+	t.Helper()
+	okBefore, failedBefore := s.connections(t, client)
+	proxiedBefore := len(s.proxied(t, client, proxy.Outbound))
+	from := time.Now()
+	disrupt()
+	to := time.Now()
+	if file, meshed := s.chainEntry(t); !meshed {
+		t.Errorf("%s: the runtime loads %s, without mesh-cni", what, file)
+	}
+	s.waitConnections(t, ctx, client, 10)
+	ok, failed := s.connections(t, client)
+	if failed != failedBefore {
+		t.Errorf("%s: %d of %s's round trips failed", what, failed-failedBefore, client)
+	}
+	if proxied := len(s.proxied(t, client, proxy.Outbound)); proxied <= proxiedBefore {
+		t.Errorf("%s: %s's round trips no longer go through its proxy", what, client)
+	}
+	if _, gap := checkOnlyProxy(t, s.cluster, server, ip, from, to); len(gap) > 0 {
+		t.Errorf("%s: %d connections reached %s directly: %q", what, len(gap), server, gap)
+	}
+	t.Logf("%s (%v): %s made %d more round trips, all through its proxy", what, to.Sub(from).Round(time.Millisecond), client, ok-okBefore)
 }
 
 // waitNode waits for the node's Ready condition to be (not) True and stores it.

@@ -116,7 +116,7 @@ func TestNode(t *testing.T) {
 	if ran < len(steps) {
 		return
 	}
-	if left := op.unused("release", "own-build", "uninstall", "helm", "helm-uninstall"); len(left) > 0 {
+	if left := op.unused("release", "own-build", "uninstall", "helm", "helm-upgrade", "helm-rollback", "helm-uninstall"); len(left) > 0 {
 		t.Errorf("docs/install.md commands the test never ran: %q", left)
 	}
 	bench.write(t)
@@ -366,11 +366,16 @@ func checkOnlyProxy(t *testing.T, c *cluster, server, ip string, from, to time.T
 }
 
 func (s *scenario) podWaitsForAgent(t *testing.T, ctx context.Context) {
-	// Deleting the DaemonSet alone leaves the chain entry: by design, new
-	// pods then wait for an agent instead of starting unmeshed.
-	s.op.run(ctx, s.currentDir, "uninstall", 0)
+	// The agent away while its DaemonSet stays (an eviction, a node
+	// selector that no longer matches, an image that cannot be pulled): the
+	// chain entry stays, so new pods wait for an agent instead of starting
+	// unmeshed.
+	s.kubectl(t, ctx, "-n", kubernetes.Namespace, "patch", "ds/mesh-agent", "--type=merge",
+		"-p", `{"spec":{"template":{"spec":{"nodeSelector":{"mesh-cni.test/away":"true"}}}}}`)
+	gone := s.agentPod(t, ctx)
+	s.untilGone(ctx, kubernetes.Namespace, gone.Name)
 	if file, meshed := s.chainEntry(t); !meshed {
-		t.Fatalf("with the DaemonSet gone the runtime loads %s, without mesh-cni", file)
+		t.Fatalf("with the agent away the runtime loads %s, without mesh-cni", file)
 	}
 	// Two pods of the enrolled namespace: a client with its proxy (to show
 	// its traffic redirected once it runs) and a one-container pod (whose
@@ -426,7 +431,9 @@ func (s *scenario) podWaitsForAgent(t *testing.T, ctx context.Context) {
 		errCh <- err
 		readyCh <- at
 	}()
-	s.op.run(ctx, s.currentDir, "own-build", 2, 3)
+	s.kubectl(t, ctx, "-n", kubernetes.Namespace, "patch", "ds/mesh-agent", "--type=json",
+		"-p", `[{"op":"remove","path":"/spec/template/spec/nodeSelector/mesh-cni.test~1away"}]`)
+	s.kubectl(t, ctx, "-n", kubernetes.Namespace, "rollout", "status", "ds/mesh-agent", "--timeout=3m")
 	if err := <-errCh; err != nil {
 		t.Fatal(err)
 	}
@@ -729,9 +736,15 @@ func (s *scenario) delOnPodDelete(t *testing.T, ctx context.Context) {
 	}
 }
 
+// uninstall runs docs/install.md's uninstall: deleting the DaemonSet alone
+// leaves the node as it was (its agent, told to stop, sees the DaemonSet
+// being deleted and uninstalls); the Job after it, for nodes whose agent was
+// away, changes nothing here.
 func (s *scenario) uninstall(t *testing.T, ctx context.Context, before nodeSnapshot) {
 	links := pinnedLinkIDs(t, s.n)
-	s.op.run(ctx, s.currentDir, "uninstall")
+	s.op.run(ctx, s.currentDir, "uninstall", 0)
 	snapshotNode(t, s.n).mustEqual(t, before)
 	checkLinksGone(t, links)
+	s.op.run(ctx, s.currentDir, "uninstall", 1, 2, 3)
+	snapshotNode(t, s.n).mustEqual(t, before)
 }

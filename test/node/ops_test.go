@@ -96,6 +96,16 @@ EOF`},
   --set plugin.logLevel=debug --set plugin.logFile=/var/run/mesh-cni/plugin.log`},
 			{Run: rollout},
 		}},
+		{Name: "helm-upgrade", Cmds: []opCommand{
+			importAgent(),
+			{Run: `helm upgrade mesh-cni install/helm/mesh-cni -n mesh-system --reuse-values \
+  --set image.digest=$(cat bin/image/mesh-agent.tar.digest)`},
+			{Run: rollout},
+		}},
+		{Name: "helm-rollback", Cmds: []opCommand{
+			{Run: "helm rollback mesh-cni -n mesh-system"},
+			{Run: rollout},
+		}},
 		{Name: "platform", Cmds: []opCommand{
 			importAgent(),
 			{Run: "kubectl apply -f install/kubernetes/namespace.yaml"},

@@ -78,6 +78,22 @@ func (c *cluster) namespace(ctx context.Context, name string, meshed bool) {
 
 // deleteNamespace deletes a namespace and waits until it is gone: its pods'
 // sandboxes are then removed, their CNI DEL done.
+// untilGone waits until pod ns/name no longer exists.
+func (c *cluster) untilGone(ctx context.Context, ns, name string) {
+	c.t.Helper()
+	for {
+		_, err := c.n.Admin.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			c.t.Fatalf("pod %s/%s not gone: %v (last: %v)", ns, name, ctx.Err(), err)
+		case <-time.After(250 * time.Millisecond):
+		}
+	}
+}
+
 func (c *cluster) deleteNamespace(ctx context.Context, name string) error {
 	err := c.n.Admin.CoreV1().Namespaces().Delete(ctx, name, metav1.DeleteOptions{})
 	if apierrors.IsNotFound(err) {
