@@ -116,7 +116,7 @@ func TestNode(t *testing.T) {
 	if ran < len(steps) {
 		return
 	}
-	if left := op.unused("release", "own-build", "uninstall", "helm", "helm-upgrade", "helm-rollback", "helm-uninstall"); len(left) > 0 {
+	if left := op.unused("release", "own-build", "uninstall", "helm", "helm-upgrade", "helm-uninstall"); len(left) > 0 {
 		t.Errorf("docs/install.md commands the test never ran: %q", left)
 	}
 	bench.write(t)
