@@ -35,9 +35,9 @@ type RunningPodLister interface {
 }
 
 // SandboxFinder finds running pods' network namespaces on the host, by the uids
-// their cgroups are named after (hostproc.Procfs.Sandboxes with the runtime's
-// netns directory).
-type SandboxFinder func(uids []string) (map[string]hostproc.Sandbox, map[string]error, error)
+// their cgroups are named after (hostproc.Procfs.Sandboxes with the node's pod
+// cgroup layout and the runtime's netns directory).
+type SandboxFinder func(uids []string) (hostproc.SandboxScan, error)
 
 // AdoptNetwork is the network name of adopted records on a node whose agent
 // installs no chain entry (KNI, hook): there is no CNI network to name.
@@ -70,10 +70,12 @@ func (s *Service) Adopt(ctx context.Context, pods []RunningPod, find SandboxFind
 	if len(todo) == 0 {
 		return res, nil
 	}
-	found, problems, err := find(uids)
+	scan, err := find(uids)
 	if err != nil {
 		return res, fmt.Errorf("find running pods' network namespaces: %w", err)
 	}
+	s.logRefused(scan.Refused)
+	found, problems := scan.Found, scan.Problems
 	var errs []error
 	for _, p := range todo {
 		sb, ok := found[p.CgroupUID]
@@ -120,6 +122,22 @@ func (s *Service) adoptFailed(ctx context.Context, pod *gatepb.PodIdentity, step
 	s.metrics.enrollFailed(step)
 	s.report(ctx, pod, OutcomeFailed, err)
 	s.log.Warn("running pod not adopted", fields...)
+}
+
+// logRefused warns of each process refused for its cgroup once, while it runs
+// (pid and start time: pids are reused).
+func (s *Service) logRefused(refused []hostproc.CgroupRefusal) {
+	s.adoptMu.Lock()
+	defer s.adoptMu.Unlock()
+	seen := map[string]bool{}
+	for _, r := range refused {
+		k := fmt.Sprintf("%d %d %s", r.PID, r.StartTime, r.Cgroup)
+		seen[k] = true
+		if !s.adoptRefused[k] {
+			s.log.Warn("a process whose cgroup looks like a pod's is not where the node's layout puts a pod's container: taken for no pod", zap.Int("pid", r.PID), zap.String("cgroup", r.Cgroup), zap.Error(r.Err))
+		}
+	}
+	s.adoptRefused = seen
 }
 
 // adopted forgets a pod's earlier failure.

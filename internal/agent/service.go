@@ -48,6 +48,7 @@ type Service struct {
 
 	adoptMu       sync.Mutex
 	adoptFailures map[string]string // by pod uid: the last reported adoption failure
+	adoptRefused  map[string]bool   // processes refused for their cgroup, logged once
 }
 
 // NewService wires the gate to its collaborators.

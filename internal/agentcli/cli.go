@@ -20,7 +20,6 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/agent"
 	"github.com/mesh-cni/mesh-cni/internal/cniplugin"
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
-	"github.com/mesh-cni/mesh-cni/internal/hostproc"
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
 	"github.com/mesh-cni/mesh-cni/internal/removal"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gateclient"
@@ -57,6 +56,8 @@ type options struct {
 	adoptRunning      bool
 	runtimeCNICheck   bool
 	netnsDir          string
+	podCgroupDriver   string
+	podCgroupRoot     string
 	metricsAddr       string
 	zdsSocket         string
 	zdsWait           string
@@ -152,6 +153,8 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.DurationVar(&opts.reconcileInterval, "reconcile-interval", 30*time.Second, "period of the reconcile pass that releases pods whose namespace is gone, repairs broken redirection and rewrites redirection annotations that disagree with it")
 	fs.BoolVar(&opts.adoptRunning, "adopt-running", true, "with --enrollment=kubernetes, enroll in place the running pods the agent has no record of (pods started before it was installed), once ready and every --reconcile-interval; their namespaces are found from the host's processes (the agent needs the host's PID namespace) in --netns-dir")
 	fs.StringVar(&opts.netnsDir, "netns-dir", DefaultNetnsDir, "where the container runtime bind mounts pods' network namespaces: the only namespaces --adopt-running takes for a pod's")
+	fs.StringVar(&opts.podCgroupDriver, "pod-cgroup-driver", podCgroupsFromKubelet, "where --adopt-running expects pods' container cgroups: kubelet (the kubelet's cgroupDriver and cgroupRoot, read from its command line and config files), or the kubelet's driver, systemd or cgroupfs, with --pod-cgroup-root, for a kubelet whose settings are not on its command line (k3s, MicroK8s)")
+	fs.StringVar(&opts.podCgroupRoot, "pod-cgroup-root", "/", "with --pod-cgroup-driver=systemd or cgroupfs, the kubelet's cgroupRoot (its --cgroup-root)")
 
 	fs.UintVar(&opts.outboundPort, "outbound-port", uint(defaults.OutboundPort), "proxy's outbound listener port inside each pod (127.0.0.1 and ::1)")
 	fs.UintVar(&opts.inboundPort, "inbound-port", uint(defaults.InboundPort), "proxy's inbound listener port inside each pod")
@@ -512,13 +515,11 @@ func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {
 	}
 	cfg.EntryPoints = eps
 	if opts.adoptRunning {
-		procfs, netnsDir := hostproc.Procfs{Root: "/proc"}, opts.netnsDir
-		cfg.Adopt = &agent.AdoptConfig{
-			Find: func(uids []string) (map[string]hostproc.Sandbox, map[string]error, error) {
-				return procfs.Sandboxes(netnsDir, uids)
-			},
-			ExcludeNamespaces: opts.excludeNamespaces,
+		find, err := opts.sandboxFinder(log.Named("adopt"))
+		if err != nil {
+			return cfg, err
 		}
+		cfg.Adopt = &agent.AdoptConfig{Find: find, ExcludeNamespaces: opts.excludeNamespaces}
 	}
 	if opts.cniInstall {
 		inst, err := newCNIInstaller(opts, log)

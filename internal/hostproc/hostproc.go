@@ -21,6 +21,8 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+
+	"github.com/mesh-cni/mesh-cni/internal/netns"
 )
 
 // Procfs is a procfs mount: /proc, as the agent sees the host's.
@@ -108,6 +110,34 @@ func (p Procfs) Cgroups(pid int) ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
+	return parseCgroups(b), nil
+}
+
+// HostCgroups reads the processes' cgroup paths as the host's cgroup
+// namespace (PID 1's) shows them: whole paths from the hierarchy's root,
+// where Cgroups, in an agent container with a cgroup namespace of its own,
+// reads "/../../..." relative to the agent's. All on one thread that joins
+// that namespace for the reads. A process gone meanwhile is left out.
+func (p Procfs) HostCgroups(pids []int) (map[int][]string, error) {
+	out := make(map[int][]string, len(pids))
+	err := netns.InCgroupNamespace(p.path(1, "ns", "cgroup"), func() error {
+		for _, pid := range pids {
+			b, err := os.ReadFile(p.path(pid, "cgroup"))
+			if err != nil {
+				continue
+			}
+			out[pid] = parseCgroups(b)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("read processes' cgroups in the host's cgroup namespace: %w", err)
+	}
+	return out, nil
+}
+
+// parseCgroups reads a /proc/PID/cgroup file.
+func parseCgroups(b []byte) []string {
 	var paths []string
 	for _, line := range strings.Split(string(b), "\n") {
 		// hierarchy-ID:controllers:path
@@ -116,7 +146,7 @@ func (p Procfs) Cgroups(pid int) ([]string, error) {
 			paths = append(paths, parts[2])
 		}
 	}
-	return paths, nil
+	return paths
 }
 
 // NamespaceID tells namespaces apart: the device and inode of their nsfs file.

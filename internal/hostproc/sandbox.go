@@ -35,23 +35,19 @@ var ErrNoSandbox = errors.New("no network namespace of the pod's runtime found")
 // dashes written as underscores).
 const podLevel = `(?:kubepods-(?:[a-z]+-)?)?pod([0-9a-fA-F_-]+)(?:\.slice)?`
 
-// podCgroup matches the pod's level of a kubelet cgroup path and the container
-// level below it: ".../pod<uid>/<container>" (cgroupfs driver) or
-// ".../kubepods-<class>-pod<uid>.slice/<runtime>-<container>.scope" (systemd
-// driver).
-var podCgroup = regexp.MustCompile(`(?:^|/)` + podLevel + `/([^/]+)$`)
-
 // podLevelName matches one path element that is a pod's level.
 var podLevelName = regexp.MustCompile(`^` + podLevel + `$`)
 
 // InPodCgroup tells whether a cgroup path is in the kubelet's pods' part of the
 // hierarchy: below its pod cgroup roots ("kubepods" with the cgroupfs driver,
 // "kubepods.slice" and its "kubepods-*.slice" with the systemd driver, under
-// whatever cgroupRoot the kubelet was given) or below a pod's own level, as
-// podOf reads it. A path seen from a cgroup namespace of the reader's own
+// whatever cgroupRoot the kubelet was given) or below a level named like a
+// pod's. A path seen from a cgroup namespace of the reader's own
 // ("/../../...") still names every level below the namespace's root, which is
 // where a pod's levels are. A process in a pod cannot leave that part: the
-// runtime puts it there and gives it a read-only cgroupfs of its own level.
+// runtime puts it there, and a cgroupfs it may write is its own level's.
+// Loose on purpose, unlike PodCgroupLayout.Pod: it refuses the kubelet's
+// probe exemption to anything that merely looks like a pod's.
 func InPodCgroup(path string) bool {
 	for _, elem := range strings.Split(path, "/") {
 		if elem == "kubepods" || strings.HasPrefix(elem, "kubepods.") || strings.HasPrefix(elem, "kubepods-") || podLevelName.MatchString(elem) {
@@ -61,37 +57,46 @@ func InPodCgroup(path string) bool {
 	return false
 }
 
-// containerPrefixes are how runtimes name a container's systemd scope.
-var containerPrefixes = []string{"cri-containerd-", "crio-conmon-", "crio-", "docker-", "containerd-"}
+// CgroupRefusal is a process whose cgroup looks like a pod's but is not at a
+// pod container's place of the layout: a cgroup made below a container's,
+// or a pod's name under another prefix. It is taken for no pod.
+type CgroupRefusal struct {
+	PID       int
+	StartTime uint64
+	Cgroup    string
+	Err       error
+}
 
-// podOf reads a cgroup path: the pod uid (dashed) and the container id, or
-// ok false for a cgroup that is not a pod container's.
-func podOf(path string) (uid, container string, ok bool) {
-	m := podCgroup.FindStringSubmatch(path)
-	if m == nil {
-		return "", "", false
-	}
-	container = strings.TrimSuffix(m[2], ".scope")
-	for _, p := range containerPrefixes {
-		if c, ok := strings.CutPrefix(container, p); ok {
-			container = c
-			break
-		}
-	}
-	return strings.ReplaceAll(m[1], "_", "-"), container, container != ""
+func (r CgroupRefusal) Error() string {
+	return fmt.Sprintf("process %d is taken for no pod: %v", r.PID, r.Err)
+}
+
+// SandboxScan is what Sandboxes found: the pods placed, the pods not placed
+// and why, and the processes refused.
+type SandboxScan struct {
+	Found    map[string]Sandbox
+	Problems map[string]error
+	Refused  []CgroupRefusal
 }
 
 // Sandboxes finds the network namespaces of the pods whose uids are given,
-// from their processes: a process belongs to the pod whose cgroup it is in,
-// and the pod's namespace is the one of its processes that the runtime bind
-// mounted under netnsDir. Namespaces anywhere else are not the runtime's (a
-// process in a pod can make its own with an unprivileged user namespace) and
-// are passed over. A pod with processes in more than one of the runtime's
-// namespaces, or in none, gets an error instead of a sandbox.
-func (p Procfs) Sandboxes(netnsDir string, uids []string) (map[string]Sandbox, map[string]error, error) {
+// from their processes: a process belongs to the pod whose container cgroup
+// it is in, at exactly the place the layout gives a pod's container (read in
+// the host's cgroup namespace), and the pod's namespace is the one of its
+// processes that the runtime bind mounted under netnsDir. A process whose
+// cgroup looks like a pod's anywhere else (a cgroup it made below its
+// container's, named after another pod) is refused, not taken for a pod.
+// Namespaces anywhere but netnsDir are not the runtime's (a process in a pod
+// can make its own with an unprivileged user namespace) and are passed over.
+// A pod with processes in more than one of the runtime's namespaces, or in
+// none, gets a problem instead of a sandbox.
+func (p Procfs) Sandboxes(layout PodCgroupLayout, netnsDir string, uids []string) (SandboxScan, error) {
+	if err := layout.Validate(); err != nil {
+		return SandboxScan{}, fmt.Errorf("%w: %w", ErrNoPodCgroupLayout, err)
+	}
 	runtimeNS, err := runtimeNamespaces(netnsDir)
 	if err != nil {
-		return nil, nil, err
+		return SandboxScan{}, err
 	}
 	wanted := map[string]bool{}
 	for _, u := range uids {
@@ -99,28 +104,40 @@ func (p Procfs) Sandboxes(netnsDir string, uids []string) (map[string]Sandbox, m
 	}
 	pids, err := p.PIDs()
 	if err != nil {
-		return nil, nil, err
+		return SandboxScan{}, err
 	}
+	slices.Sort(pids)
+	cgroups, err := p.HostCgroups(pids)
+	if err != nil {
+		return SandboxScan{}, err
+	}
+	var scan SandboxScan
 	members := map[string][]podProcess{}
 	for _, pid := range pids {
-		cgs, err := p.Cgroups(pid)
-		if err != nil {
+		cgs, ok := cgroups[pid]
+		if !ok {
 			continue // gone meanwhile
 		}
-		for _, cg := range cgs {
-			uid, container, ok := podOf(cg)
-			if !ok || !wanted[strings.ToLower(uid)] {
-				continue
+		uid, container, err := processPod(layout, cgs)
+		if err != nil {
+			var start uint64
+			if st, err := p.Stat(pid); err == nil {
+				start = st.StartTime
 			}
-			ns, err := p.NetNS(pid)
-			if err != nil {
-				break
-			}
-			members[strings.ToLower(uid)] = append(members[strings.ToLower(uid)], podProcess{pid, container, ns})
-			break
+			scan.Refused = append(scan.Refused, CgroupRefusal{PID: pid, StartTime: start, Cgroup: strings.Join(cgs, ", "), Err: err})
+			continue
 		}
+		if uid == "" || !wanted[strings.ToLower(uid)] {
+			continue
+		}
+		ns, err := p.NetNS(pid)
+		if err != nil {
+			continue
+		}
+		members[strings.ToLower(uid)] = append(members[strings.ToLower(uid)], podProcess{pid, container, ns})
 	}
-	found, problems := map[string]Sandbox{}, map[string]error{}
+	scan.Found, scan.Problems = map[string]Sandbox{}, map[string]error{}
+	found, problems := scan.Found, scan.Problems
 	for _, u := range uids {
 		uid := strings.ToLower(u)
 		var paths []string
@@ -159,7 +176,29 @@ func (p Procfs) Sandboxes(netnsDir string, uids []string) (map[string]Sandbox, m
 		}
 		found[u] = sb
 	}
-	return found, problems, nil
+	return scan, nil
+}
+
+// processPod reads a process's cgroups, one per hierarchy: the pod and
+// container they put it in ("" for none), or an error when one of them looks
+// like a pod's but is not at a container's place of the layout, or they
+// disagree. Paths outside the pods' part that look like no pod's (a v1
+// controller the runtime left at the root) say nothing.
+func processPod(layout PodCgroupLayout, cgs []string) (uid, container string, _ error) {
+	for _, cg := range cgs {
+		u, c, err := layout.Pod(cg)
+		if errors.Is(err, ErrNotPodCgroup) && !InPodCgroup(cg) && !layout.namesPod(cg) {
+			continue
+		}
+		if err != nil {
+			return "", "", err
+		}
+		if uid != "" && (u != uid || c != container) {
+			return "", "", fmt.Errorf("its cgroups name two containers: %s/%s and %s/%s", uid, container, u, c)
+		}
+		uid, container = u, c
+	}
+	return uid, container, nil
 }
 
 // podProcess is a process in a pod's cgroup.

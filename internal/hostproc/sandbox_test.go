@@ -6,72 +6,90 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/internal/redirect"
 	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
-func TestPodOf(t *testing.T) {
-	const uid = "0f1e2d3c-aaaa-bbbb-cccc-123456789abc"
-	const id = "4f2a0c6e9d1b3a5c7e9f0a2b4c6d8e0f1a3b5c7d9e1f2a4b6c8d0e2f4a6b8c0d"
-	for _, c := range []struct {
-		path, uid, container string
-	}{
-		{"/kubepods/besteffort/pod" + uid + "/" + id, uid, id},
-		{"/kubepods/pod" + uid + "/" + id, uid, id},
-		{"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod" + strings.ReplaceAll(uid, "-", "_") + ".slice/cri-containerd-" + id + ".scope", uid, id},
-		{"/kubepods.slice/kubepods-pod" + strings.ReplaceAll(uid, "-", "_") + ".slice/crio-" + id + ".scope", uid, id},
-		// Seen from a cgroup namespace of the agent's own.
-		{"/../../kubepods/besteffort/pod" + uid + "/" + id, uid, id},
-		// A static pod: its uid is the config hash.
-		{"/kubepods/burstable/pod5b1c7d0e2f3a4b5c6d7e8f9a0b1c2d3e/" + id, "5b1c7d0e2f3a4b5c6d7e8f9a0b1c2d3e", id},
-		// The pod's own level (no container) and cgroups of no pod.
-		{"/kubepods/besteffort/pod" + uid, "", ""},
-		{"/system.slice/containerd.service", "", ""},
-		{"/", "", ""},
-		{"/user.slice/user-0.slice/session-1.scope", "", ""},
-	} {
-		gotUID, gotContainer, ok := podOf(c.path)
-		if ok != (c.uid != "") || gotUID != c.uid || gotContainer != c.container {
-			t.Errorf("podOf(%q) = %q, %q, %v; want %q, %q", c.path, gotUID, gotContainer, ok, c.uid, c.container)
+// fakeNode is the kubelet's cgroup layout on the cgroup v2 hierarchy mounted
+// at mount, under a cgroupRoot of the test's, and the runtime's netns
+// directory.
+type fakeNode struct {
+	t        *testing.T
+	mount    string
+	layout   PodCgroupLayout
+	netnsDir string
+}
+
+// newFakeNode makes the layout's cgroupRoot: a test cgroup (cgroupfs), or the
+// slices the systemd driver makes of its name.
+func newFakeNode(t *testing.T, driver string) *fakeNode {
+	t.Helper()
+	mount, err := redirect.FindCgroup2()
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := harness.NewCgroup(t, "hostproc")
+	n := &fakeNode{t: t, mount: mount, layout: PodCgroupLayout{Driver: driver, Root: strings.TrimPrefix(base, mount)}, netnsDir: t.TempDir()}
+	n.cgroup()
+	return n
+}
+
+// cgroup makes the layout's cgroup for the kubelet's names (below the root),
+// and every missing one above it.
+func (n *fakeNode) cgroup(names ...string) string {
+	n.t.Helper()
+	var dir string
+	for i := range len(names) + 1 {
+		dir = filepath.Join(n.mount, n.layout.path(names[:i]...))
+		if _, err := os.Stat(dir); err != nil {
+			harness.MkCgroup(n.t, dir)
 		}
 	}
+	return dir
 }
 
-// fakePod is a pod's cgroup (the kubelet's layout under a test cgroup) and the
-// network namespaces its runtime made, in the test's netns directory.
+// fakePod is a pod's cgroup at the node's layout and the network namespaces
+// its runtime made, in the node's netns directory.
 type fakePod struct {
 	t         *testing.T
+	node      *fakeNode
 	podCgroup string
-	netnsDir  string
 }
 
-func newFakePod(t *testing.T, base, netnsDir, uid string, systemd bool) *fakePod {
-	t.Helper()
-	dir := filepath.Join(base, "pod"+uid)
-	if systemd {
-		dir = filepath.Join(base, "kubepods-besteffort-pod"+strings.ReplaceAll(uid, "-", "_")+".slice")
+// newFakePod makes the pod's cgroup in QoS class qos ("" for guaranteed).
+func newFakePod(n *fakeNode, uid, qos string) *fakePod {
+	n.t.Helper()
+	names := []string{kubepodsName}
+	if qos != "" {
+		names = append(names, qos)
 	}
-	return &fakePod{t: t, podCgroup: harness.MkCgroup(t, dir), netnsDir: netnsDir}
+	return &fakePod{t: n.t, node: n, podCgroup: n.cgroup(append(names, podPrefix+uid)...)}
 }
 
-// container is the cgroup of one container of the pod, named as the runtime
-// names it.
-func (p *fakePod) container(id string, systemd bool) string {
-	if systemd {
-		id = "cri-containerd-" + id + ".scope"
+// containerName is the cgroup name the runtime gives a container.
+func (p *fakePod) containerName(id string) string {
+	if p.node.layout.Driver == DriverSystemd {
+		return "cri-containerd-" + id + ".scope"
 	}
-	return harness.MkCgroup(p.t, filepath.Join(p.podCgroup, id))
+	return id
+}
+
+// container is the cgroup of one container of the pod.
+func (p *fakePod) container(id string) string {
+	return harness.MkCgroup(p.t, filepath.Join(p.podCgroup, p.containerName(id)))
 }
 
 // runtimeNetns makes a network namespace in the runtime's directory.
 func (p *fakePod) runtimeNetns(name string) string {
 	p.t.Helper()
-	path := filepath.Join(p.netnsDir, name)
+	path := filepath.Join(p.node.netnsDir, name)
 	if err := netns.Create(path); err != nil {
 		p.t.Fatal(err)
 	}
@@ -117,21 +135,29 @@ func waitProcesses(t *testing.T, cgroup string, count int) {
 }
 
 // Pods' network namespaces are found from their processes: by the cgroup the
-// runtime put them in and the namespace the runtime bind mounted, whatever
-// other namespace a process of the pod makes for itself; the sandbox's id from
-// containerd's shim, else from the container that started first.
+// runtime put them in, at the kubelet's layout (either driver, under a
+// cgroupRoot), and the namespace the runtime bind mounted, whatever other
+// namespace a process of the pod makes for itself; the sandbox's id from
+// containerd's shim, else from the container that started first. A process
+// of another pod in a cgroup it made inside its container's, named after a
+// pod's, is taken for no pod: the pod it names is found by its own processes,
+// or not at all.
 func TestSandboxes(t *testing.T) {
 	fixtures.RequireRoot(t, "makes cgroups and network namespaces")
-	base := harness.NewCgroup(t, "hostproc")
-	netnsDir := t.TempDir()
+	for _, driver := range []string{DriverCgroupfs, DriverSystemd} {
+		t.Run(driver, func(t *testing.T) { testSandboxes(t, newFakeNode(t, driver)) })
+	}
+}
+
+func testSandboxes(t *testing.T, n *fakeNode) {
 	proc := Procfs{Root: "/proc"}
 
-	// Pod A, cgroupfs layout, run by a stand-in for containerd's shim (its
-	// name and arguments as containerd starts it); one of its processes made a
-	// network namespace of its own, as any pod can with a user namespace.
-	a := newFakePod(t, base, netnsDir, uid(1), false)
+	// Pod A, run by a stand-in for containerd's shim (its name and arguments
+	// as containerd starts it); one of its processes made a network
+	// namespace of its own, as any pod can with a user namespace.
+	a := newFakePod(n, uid(1), "besteffort")
 	aNetns := a.runtimeNetns("cni-a")
-	aSandbox, aApp := a.container(hexID(1), false), a.container(hexID(2), false)
+	aSandbox, aApp := a.container(hexID(1)), a.container(hexID(2))
 	shimDir := t.TempDir()
 	shim := filepath.Join(shimDir, "containerd-shim-runc-v2")
 	script := "#!/bin/sh\n" +
@@ -146,39 +172,57 @@ func TestSandboxes(t *testing.T) {
 	waitProcesses(t, aSandbox, 1)
 	waitProcesses(t, aApp, 2)
 
-	// Pod B, systemd layout, no shim: the container that started first is the
-	// sandbox's.
-	b := newFakePod(t, base, netnsDir, uid(2), true)
+	// Pod B, no shim: the container that started first is the sandbox's.
+	b := newFakePod(n, uid(2), "burstable")
 	bNetns := b.runtimeNetns("cni-b")
-	bFirst := b.container(hexID(3), true)
+	bFirst := b.container(hexID(3))
 	sleepIn(t, bFirst, bNetns)
 	waitProcesses(t, bFirst, 1)
 	time.Sleep(50 * time.Millisecond) // start times count in clock ticks
-	bLater := b.container(hexID(4), true)
+	bLater := b.container(hexID(4))
 	sleepIn(t, bLater, bNetns)
 	waitProcesses(t, bLater, 1)
 
 	// Pod C: processes in two of the runtime's namespaces.
-	c := newFakePod(t, base, netnsDir, uid(3), false)
+	c := newFakePod(n, uid(3), "")
 	cOne, cTwo := c.runtimeNetns("cni-c1"), c.runtimeNetns("cni-c2")
-	cCont := c.container(hexID(5), false)
+	cCont := c.container(hexID(5))
 	sleepIn(t, cCont, cOne)
 	sleepIn(t, cCont, cTwo)
 	waitProcesses(t, cCont, 2)
 
 	// Pod D: no process. Pod E: a process only in a namespace of its own.
-	newFakePod(t, base, netnsDir, uid(4), false)
-	e := newFakePod(t, base, netnsDir, uid(5), false)
-	eCont := e.container(hexID(6), false)
+	newFakePod(n, uid(4), "")
+	e := newFakePod(n, uid(5), "besteffort")
+	eCont := e.container(hexID(6))
 	sleepIn(t, eCont, "", "unshare", "--net", "sleep", "1000")
 	waitProcesses(t, eCont, 1)
 
-	found, problems, err := proc.Sandboxes(netnsDir, []string{uid(1), uid(2), uid(3), uid(4), uid(5)})
+	// Pod F, whose container can write its own cgroup (delegation): below
+	// it, cgroups named exactly like A's and E's containers', each with a
+	// process in a runtime namespace of F's. Taken for A's, A would be in
+	// two namespaces and refused; taken for E's, E would get F's namespace.
+	f := newFakePod(n, uid(6), "besteffort")
+	fNetns, fEvil := f.runtimeNetns("cni-f"), f.runtimeNetns("cni-f-evil")
+	fCont := f.container(hexID(7))
+	sleepIn(t, fCont, fNetns)
+	waitProcesses(t, fCont, 1)
+	var nested []string
+	for _, victim := range []*fakePod{a, e} {
+		dir := harness.MkCgroup(t, filepath.Join(fCont, filepath.Base(victim.podCgroup)))
+		dir = harness.MkCgroup(t, filepath.Join(dir, victim.containerName(hexID(8))))
+		sleepIn(t, dir, fEvil)
+		waitProcesses(t, dir, 1)
+		nested = append(nested, strings.TrimPrefix(dir, n.mount))
+	}
+
+	scan, err := proc.Sandboxes(n.layout, n.netnsDir, []string{uid(1), uid(2), uid(3), uid(4), uid(5), uid(6)})
 	if err != nil {
 		t.Fatal(err)
 	}
+	found, problems := scan.Found, scan.Problems
 	if sb := found[uid(1)]; sb.NetnsPath != aNetns || sb.ContainerID != hexID(1) || len(sb.PIDs) != 2 {
-		t.Errorf("pod A: %+v; want %s, sandbox %s (from the shim), 2 processes (the one in a namespace of its own passed over)", sb, aNetns, hexID(1))
+		t.Errorf("pod A: %+v (%v); want %s, sandbox %s (from the shim), 2 processes (the one in a namespace of its own and the one in F's cgroup passed over)", sb, problems[uid(1)], aNetns, hexID(1))
 	}
 	if sb := found[uid(2)]; sb.NetnsPath != bNetns || sb.ContainerID != hexID(3) || len(sb.PIDs) != 2 {
 		t.Errorf("pod B: %+v; want %s, sandbox %s (started first), 2 processes", sb, bNetns, hexID(3))
@@ -191,7 +235,15 @@ func TestSandboxes(t *testing.T) {
 			t.Errorf("pod %s: %v, want ErrNoSandbox (found %+v)", u, err, found[u])
 		}
 	}
-	if len(found) != 2 || len(problems) != 3 {
-		t.Errorf("found %d, problems %d; want 2 and 3", len(found), len(problems))
+	if sb := found[uid(6)]; sb.NetnsPath != fNetns || len(sb.PIDs) != 1 {
+		t.Errorf("pod F: %+v; want %s, its one process in its container's cgroup", sb, fNetns)
+	}
+	if len(found) != 3 || len(problems) != 3 {
+		t.Errorf("found %d, problems %d; want 3 and 3", len(found), len(problems))
+	}
+	for _, cg := range nested {
+		if !slices.ContainsFunc(scan.Refused, func(r CgroupRefusal) bool { return strings.Contains(r.Cgroup, cg) }) {
+			t.Errorf("the process in %s is not reported refused: %v", cg, scan.Refused)
+		}
 	}
 }

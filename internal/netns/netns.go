@@ -309,35 +309,41 @@ func CurrentCookie() (uint64, error) { return currentCookie() }
 
 // ReadInCgroupNamespace reads file as a process in the cgroup namespace at
 // nsPath sees it (cgroup paths in /proc/<pid>/cgroup are written relative to
-// the reader's cgroup namespace). The read is done on a thread that joins that
-// namespace and is thrown away after, so no other goroutine ever runs there.
-// Without cgroup namespaces to cross (nsPath unreadable, or the caller's own),
-// it reads the file where the caller is.
+// the reader's cgroup namespace); see InCgroupNamespace.
 func ReadInCgroupNamespace(nsPath, file string) ([]byte, error) {
+	var b []byte
+	err := InCgroupNamespace(nsPath, func() error {
+		var err error
+		b, err = os.ReadFile(file)
+		return err
+	})
+	return b, err
+}
+
+// InCgroupNamespace runs fn on a thread that joins the cgroup namespace at
+// nsPath and is thrown away after, so no other goroutine ever runs there; fn
+// must not start goroutines of its own to do its reads. Without cgroup
+// namespaces to cross (nsPath unreadable, or the caller's own), it runs fn
+// where the caller is.
+func InCgroupNamespace(nsPath string, fn func() error) error {
 	target, err := os.Open(nsPath)
 	if err != nil {
-		return os.ReadFile(file)
+		return fn()
 	}
 	defer target.Close()
 	var targetSt, ownSt unix.Stat_t
 	if unix.Fstat(int(target.Fd()), &targetSt) != nil || unix.Stat("/proc/thread-self/ns/cgroup", &ownSt) != nil || targetSt.Ino == ownSt.Ino {
-		return os.ReadFile(file)
+		return fn()
 	}
-	type result struct {
-		b   []byte
-		err error
-	}
-	ch := make(chan result, 1)
+	ch := make(chan error, 1)
 	go func() {
 		// Never unlocked: the thread ends with the goroutine.
 		runtime.LockOSThread()
 		if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWCGROUP); err != nil {
-			ch <- result{err: fmt.Errorf("join the cgroup namespace %s: %w", nsPath, err)}
+			ch <- fmt.Errorf("join the cgroup namespace %s: %w", nsPath, err)
 			return
 		}
-		b, err := os.ReadFile(file)
-		ch <- result{b, err}
+		ch <- fn()
 	}()
-	r := <-ch
-	return r.b, r.err
+	return <-ch
 }

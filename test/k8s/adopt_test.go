@@ -1,21 +1,21 @@
 package k8s
 
 import (
-	"context"
 	"net/netip"
 	"os/exec"
 	"path/filepath"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
-	"google.golang.org/grpc"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/util/retry"
 
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
-	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
+	"github.com/mesh-cni/mesh-cni/internal/redirect"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
@@ -23,8 +23,9 @@ import (
 // runningPod is a pod that started before the agent was installed: set up by
 // the primary alone, marked Running in the API server as the kubelet would,
 // with a container process in the cgroup the kubelet names after the pod
-// (pod<uid>/<container>) and in the pod's network namespace.
-func (c *cluster) runningPod(t *testing.T, node *harness.Node, primary *libcni.NetworkConfigList, cgroups, namespace, name, kubeNode string, labels map[string]string, container func(*harness.Pod) string) *harness.Pod {
+// (pods/pod<uid>/<container>, pods being a QoS class's cgroup) and in the pod's
+// network namespace. It returns the pod and its container's cgroup.
+func (c *cluster) runningPod(t *testing.T, node *harness.Node, primary *libcni.NetworkConfigList, pods, namespace, name, kubeNode string, labels map[string]string, container func(*harness.Pod) string) (*harness.Pod, string) {
 	t.Helper()
 	ctx := apiContext(t)
 	hp := cniPod(t, node, c.pod(t, namespace, name, kubeNode, labels, nil))
@@ -43,37 +44,33 @@ func (c *cluster) runningPod(t *testing.T, node *harness.Node, primary *libcni.N
 	if err != nil {
 		t.Fatal(err)
 	}
-	dir := harness.MkCgroup(t, filepath.Join(cgroups, "pod"+hp.UID))
+	dir := harness.MkCgroup(t, filepath.Join(pods, "pod"+hp.UID))
 	dir = harness.MkCgroup(t, filepath.Join(dir, container(hp)))
 	sleep, err := exec.LookPath("sleep")
 	if err != nil {
 		t.Fatal(err)
 	}
 	harness.StartProcess(t, harness.ProcessOptions{Path: sleep, Args: []string{"1000"}, Cgroup: dir, NetNSPath: hp.NetNSPath, Name: "container-" + name})
-	return hp
+	return hp, dir
+}
+
+// enrolledNetns is the network namespace the agent enrolled the pod in, or ""
+// when it did not.
+func (a *agent) enrolledNetns(uid string) string {
+	a.t.Helper()
+	for _, e := range a.enrollments() {
+		if e.GetPod().GetUid() == uid {
+			return e.GetNetnsPath()
+		}
+	}
+	return ""
 }
 
 // enrolledUID reports whether the agent lists an enrollment of the pod by uid
 // (an adopted pod's attachment is the agent's reading of the host).
 func (a *agent) enrolledUID(uid string) bool {
 	a.t.Helper()
-	conn, err := gaterpc.Dial(a.Socket)
-	if err != nil {
-		a.t.Fatal(err)
-	}
-	defer conn.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	resp, err := gatepb.NewGateClient(conn).List(ctx, &gatepb.ListRequest{}, grpc.WaitForReady(true))
-	if err != nil {
-		a.t.Fatalf("list enrollments: %v", err)
-	}
-	for _, e := range resp.GetEnrollments() {
-		if e.GetPod().GetUid() == uid {
-			return true
-		}
-	}
-	return false
+	return slices.ContainsFunc(a.enrollments(), func(e *gatepb.Enrollment) bool { return e.GetPod().GetUid() == uid })
 }
 
 // testAgentAdoptsRunningPods: installed on a node whose pods already run, the
@@ -82,7 +79,13 @@ func (a *agent) enrolledUID(uid string) bool {
 // its namespace is labelled; a pod whose only process sits in a namespace of
 // its own is reported failed, not guessed; pods of excluded namespaces are left
 // alone; the runtime's DEL releases an adopted pod whether or not the agent
-// read its attachment as the runtime names it.
+// read its attachment as the runtime names it. Pods' cgroups are at the
+// kubelet's cgroupfs layout under a cgroupRoot of the test's, which the agent
+// is given (there is no kubelet to read it from). An unlabelled pod that made
+// cgroups inside its container's named after two others', with a process in
+// its own network namespace in each, has neither refused nor given its
+// namespace: the one with processes of its own is adopted in its own
+// namespace, the one without is still reported failed.
 func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 	ctx := apiContext(t)
 	kubeNode := "node-" + randomHex(t, 4)
@@ -95,15 +98,21 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 	}
 	node.WriteConf(t, "10-meshnet.conflist", primaryJSON)
 	primary := node.Conflist(t, "meshnet")
-	cgroups := harness.NewCgroup(t, "adopt")
+	mount, err := redirect.FindCgroup2()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cgroupRoot := harness.NewCgroup(t, "adopt")
+	cgroups := harness.MkCgroup(t, filepath.Join(harness.MkCgroup(t, filepath.Join(cgroupRoot, "kubepods")), "besteffort"))
 	asRuntime := func(p *harness.Pod) string { return p.ContainerID }
 	misread := func(*harness.Pod) string { return randomHex(t, 32) }
 
-	client := c.runningPod(t, node, primary, cgroups, lab, "client", kubeNode, nil, asRuntime)
-	worker := c.runningPod(t, node, primary, cgroups, lab, "worker", kubeNode, nil, misread)
-	late := c.runningPod(t, node, primary, cgroups, plain, "late", kubeNode, nil, asRuntime)
-	server := c.runningPod(t, node, primary, cgroups, plain, "server", kubeNode, disabled, asRuntime)
-	system := c.runningPod(t, node, primary, cgroups, "kube-system", "system-"+randomHex(t, 3), kubeNode, enabled, asRuntime)
+	client, _ := c.runningPod(t, node, primary, cgroups, lab, "client", kubeNode, nil, asRuntime)
+	worker, _ := c.runningPod(t, node, primary, cgroups, lab, "worker", kubeNode, nil, misread)
+	late, _ := c.runningPod(t, node, primary, cgroups, plain, "late", kubeNode, nil, asRuntime)
+	server, _ := c.runningPod(t, node, primary, cgroups, plain, "server", kubeNode, disabled, asRuntime)
+	system, _ := c.runningPod(t, node, primary, cgroups, "kube-system", "system-"+randomHex(t, 3), kubeNode, enabled, asRuntime)
+	attacker, attackerCg := c.runningPod(t, node, primary, cgroups, plain, "attacker", kubeNode, disabled, asRuntime)
 	// Its one process runs in a network namespace it made itself.
 	lost := cniPod(t, node, c.pod(t, lab, "lost", kubeNode, nil, nil))
 	add(ctx, t, node, primary, lost)
@@ -113,6 +122,17 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 		t.Fatal(err)
 	}
 	harness.StartProcess(t, harness.ProcessOptions{Path: unshare, Args: []string{"--net", "sleep", "1000"}, Cgroup: lostCg, NetNSPath: lost.NetNSPath, Name: "container-lost"})
+	// The attacker's cgroups named after the client's and lost's containers,
+	// inside its own container's, as a pod with a writable cgroupfs makes
+	// them; their processes in the attacker's network namespace.
+	sleep, err := exec.LookPath("sleep")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, victim := range []*harness.Pod{client, lost} {
+		dir := harness.MkCgroup(t, filepath.Join(harness.MkCgroup(t, filepath.Join(attackerCg, "pod"+victim.UID)), victim.ContainerID))
+		harness.StartProcess(t, harness.ProcessOptions{Path: sleep, Args: []string{"1000"}, Cgroup: dir, NetNSPath: attacker.NetNSPath, Name: "attacker-as-" + victim.Name})
+	}
 	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
 		cur, err := c.admin.CoreV1().Pods(lab).Get(ctx, "lost", metav1.GetOptions{})
 		if err != nil {
@@ -133,7 +153,8 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 		t.Fatalf("client -> server before the install: %v", err)
 	}
 
-	a := newAgent(t, c.api, kubeNode, append(installArgs(t, node), "--owned-config=false", "--netns-dir", harness.NetnsDir)...)
+	a := newAgent(t, c.api, kubeNode, append(installArgs(t, node), "--owned-config=false", "--netns-dir", harness.NetnsDir,
+		"--pod-cgroup-driver=cgroupfs", "--pod-cgroup-root", strings.TrimPrefix(cgroupRoot, mount))...)
 	a.start(ctx)
 
 	harness.WaitFor(t, 30*time.Second, "the running pods of the labelled namespace adopted", func() bool {
@@ -143,7 +164,11 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 	c.waitAnnotation(t, lab, "worker", enroll.OutcomeEnabled)
 	c.waitAnnotation(t, plain, "late", enroll.OutcomeDisabled)
 	c.waitAnnotation(t, lab, "lost", enroll.OutcomeFailed)
-	if a.enrolledUID(late.UID) || a.enrolledUID(server.UID) || a.enrolledUID(lost.UID) {
+	c.waitAnnotation(t, plain, "attacker", enroll.OutcomeDisabled)
+	if got := a.enrolledNetns(client.UID); got != client.NetNSPath {
+		t.Errorf("the client is enrolled in %q; want its own namespace %s, never the attacker's %s", got, client.NetNSPath, attacker.NetNSPath)
+	}
+	if a.enrolledUID(late.UID) || a.enrolledUID(server.UID) || a.enrolledUID(lost.UID) || a.enrolledUID(attacker.UID) {
 		t.Error("a running pod the policy does not select, or that could not be placed, is enrolled")
 	}
 	if a.enrolledUID(system.UID) {

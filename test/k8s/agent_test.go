@@ -99,8 +99,8 @@ func (a *agent) start(ctx context.Context) {
 	}
 }
 
-// enrolled reports whether the agent lists the pod's attachment as enrolled.
-func (a *agent) enrolled(p *harness.Pod) bool {
+// enrollments lists the agent's enrollments.
+func (a *agent) enrollments() []*gatepb.Enrollment {
 	a.t.Helper()
 	conn, err := gaterpc.Dial(a.Socket)
 	if err != nil {
@@ -113,7 +113,13 @@ func (a *agent) enrolled(p *harness.Pod) bool {
 	if err != nil {
 		a.t.Fatalf("list enrollments: %v", err)
 	}
-	for _, e := range resp.GetEnrollments() {
+	return resp.GetEnrollments()
+}
+
+// enrolled reports whether the agent lists the pod's attachment as enrolled.
+func (a *agent) enrolled(p *harness.Pod) bool {
+	a.t.Helper()
+	for _, e := range a.enrollments() {
 		if e.GetAttachment().GetContainerId() == p.ContainerID {
 			return true
 		}
