@@ -466,6 +466,32 @@ func TestValues(t *testing.T) {
 				t.Errorf("securityContext %v", sc)
 			}
 		}},
+		{"gate timeout and log format", "{gateTimeout: 2m, logFormat: console, runtimeHook: {enabled: true}}", func(t *testing.T, objs map[string]object, c map[string]any) {
+			wantArg(t, c, "--gate-timeout=2m")
+			wantArg(t, c, "--log-format=console")
+			wantArg(t, podSpec(t, objs, "mesh-cni-hook")["containers"].([]any)[0].(map[string]any), "--log-format=console")
+		}},
+		{"probes and termination grace", "{probes: {liveness: {periodSeconds: 20}, readiness: {failureThreshold: 5, successThreshold: 2}}, terminationGracePeriodSeconds: 40}", func(t *testing.T, objs map[string]object, c map[string]any) {
+			// Maps merge into the defaults: what is not set keeps its value.
+			for probe, want := range map[string]map[string]any{
+				"startupProbe":   {"periodSeconds": float64(2), "failureThreshold": float64(30)},
+				"livenessProbe":  {"periodSeconds": float64(20), "timeoutSeconds": float64(3), "failureThreshold": float64(3)},
+				"readinessProbe": {"periodSeconds": float64(5), "timeoutSeconds": float64(3), "failureThreshold": float64(5), "successThreshold": float64(2)},
+			} {
+				got := map[string]any{}
+				for k, v := range c[probe].(map[string]any) {
+					if k != "httpGet" {
+						got[k] = v
+					}
+				}
+				if !reflect.DeepEqual(got, want) {
+					t.Errorf("%s timings %v, want %v", probe, got, want)
+				}
+			}
+			if g := podSpec(t, objs, "mesh-agent")["terminationGracePeriodSeconds"]; g != float64(40) {
+				t.Errorf("terminationGracePeriodSeconds %v", g)
+			}
+		}},
 		{"resources", "resources: {requests: {cpu: 100m, memory: 128Mi}, limits: {memory: 1Gi}}", func(t *testing.T, _ map[string]object, c map[string]any) {
 			want := map[string]any{"requests": map[string]any{"cpu": "100m", "memory": "128Mi"}, "limits": map[string]any{"memory": "1Gi"}}
 			if !reflect.DeepEqual(c["resources"], want) {
@@ -575,6 +601,13 @@ func TestRejects(t *testing.T) {
 		{"startupTaint: {enabled: true, key: \"x' || true || '\"}", "/startupTaint/key"},
 		{"startupTaint: {key: a/b/c}", "/startupTaint/key"},
 		{"startupTaint: {enabeld: true}", "enabeld"},
+		{"logFormat: text", "logFormat"},
+		{"gateTimeout: 30", "gateTimeout"},
+		{"probes: {liveness: {periodSeconds: 0}}", "periodSeconds"},
+		{"probes: {liveness: {successThreshold: 2}}", "successThreshold"},
+		{"probes: {readiness: {httpGet: {path: /}}}", "httpGet"},
+		{"terminationGracePeriodSeconds: 5", "terminationGracePeriodSeconds"},
+		{"metrics: {dashboard: {enabeld: true}}", "enabeld"},
 	} {
 		var values map[string]any
 		if err := yaml.Unmarshal([]byte(tc.values), &values); err != nil {

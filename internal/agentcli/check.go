@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/mesh-cni/mesh-cni/internal/cniplugin"
 	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
 )
@@ -146,9 +147,30 @@ func errOr(err error, fallback string) string {
 // checkChainEntry loads the conf dir as kubelet does (the first valid file in
 // lexical order, or the configured one) and checks mesh-cni is its last plugin.
 func checkChainEntry(dir, explicit string) string {
+	return readChainEntry(dir, explicit).Problem
+}
+
+// ChainEntry is the mesh-cni entry of the CNI config the runtime uses, as the
+// config directory holds it: what status shows when the agent cannot say.
+type ChainEntry struct {
+	// File is the config the runtime uses (the first valid one, or
+	// --cni-conf-file).
+	File    string `json:"file,omitempty"`
+	InPlace bool   `json:"inPlace"`
+	// Problem says why the entry is not in place.
+	Problem string `json:"problem,omitempty"`
+	// GateTimeout and ExcludeNamespaces are the entry's, as the plugin reads
+	// them (its defaults applied).
+	GateTimeout       string   `json:"gateTimeout,omitempty"`
+	ExcludeNamespaces []string `json:"excludeNamespaces,omitempty"`
+}
+
+// readChainEntry finds the config the runtime uses in dir and whether it ends
+// with the mesh-cni entry.
+func readChainEntry(dir, explicit string) ChainEntry {
 	files, err := libcni.ConfFiles(dir, []string{".conf", ".conflist", ".json"})
 	if err != nil {
-		return fmt.Sprintf("read %s: %v", dir, err)
+		return ChainEntry{Problem: fmt.Sprintf("read %s: %v", dir, err)}
 	}
 	slices.Sort(files)
 	if explicit != "" {
@@ -160,18 +182,30 @@ func checkChainEntry(dir, explicit string) string {
 		if err != nil || list == nil || len(list.Plugins) == 0 {
 			continue // kubelet skips invalid files too
 		}
-		last := list.Plugins[len(list.Plugins)-1].Network.Type
-		if last != "mesh-cni" {
-			return fmt.Sprintf("%s (the file the runtime uses) ends with %q, not mesh-cni: new pods start without the mesh", filepath.Base(f), last)
+		ce := ChainEntry{File: filepath.Base(f)}
+		last := list.Plugins[len(list.Plugins)-1]
+		if last.Network.Type != "mesh-cni" {
+			ce.Problem = fmt.Sprintf("%s (the file the runtime uses) ends with %q, not mesh-cni: new pods start without the mesh", ce.File, last.Network.Type)
+			return ce
 		}
 		for _, p := range list.Plugins[:len(list.Plugins)-1] {
 			if p.Network.Type == "mesh-cni" {
-				return fmt.Sprintf("%s has mesh-cni more than once", filepath.Base(f))
+				ce.Problem = fmt.Sprintf("%s has mesh-cni more than once", ce.File)
+				return ce
 			}
 		}
-		return ""
+		conf, err := cniplugin.ParseEntry(last.Bytes)
+		if err != nil {
+			// The plugin fails every ADD with this entry.
+			ce.Problem = fmt.Sprintf("%s: the mesh-cni entry is invalid: %v", ce.File, err)
+			return ce
+		}
+		ce.InPlace = true
+		ce.GateTimeout = time.Duration(conf.GateTimeout).String()
+		ce.ExcludeNamespaces = *conf.ExcludeNamespaces
+		return ce
 	}
-	return fmt.Sprintf("no valid CNI config in %s", dir)
+	return ChainEntry{Problem: fmt.Sprintf("no valid CNI config in %s", dir)}
 }
 
 func checkSocketModes(socket string) string {

@@ -51,6 +51,7 @@ type options struct {
 	bpffsRoot         string
 	cgroupRoot        string
 	logLevel          string
+	logFormat         string
 	shutdownGrace     time.Duration
 	reconcileInterval time.Duration
 	adoptRunning      bool
@@ -143,6 +144,7 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.StringVar(&opts.bpffsRoot, "bpffs-root", DefaultBPFFSRoot, "bpffs directory where maps and links are pinned (a bpffs is mounted there if needed)")
 	fs.StringVar(&opts.cgroupRoot, "cgroup-root", "", "cgroup v2 directory where the socket programs attach, or a hybrid-cgroup node's /sys/fs/cgroup (its unified/ is used) (default: the cgroup2 mount found in /proc/self/mountinfo)")
 	fs.StringVar(&opts.logLevel, "log-level", "info", "log level: debug, info, warn or error")
+	fs.StringVar(&opts.logFormat, "log-format", LogFormatJSON, "log format: json (one object a line, for log collectors) or console (text, for reading kubectl logs)")
 	fs.DurationVar(&opts.shutdownGrace, "shutdown-grace", 5*time.Second, "how long in-flight gate calls may run after SIGTERM")
 	fs.StringVar(&opts.metricsAddr, "metrics-addr", DefaultMetricsAddr, "address for /metrics, /healthz and /readyz (empty: off); loopback unless you need scraping from off the node")
 	fs.StringVar(&opts.zdsSocket, "zds-socket", zds.DefaultSocketPath, "serve the ZDS proxy handoff (what ztunnel connects to) on this SOCK_SEQPACKET socket; empty: off")
@@ -308,7 +310,7 @@ func parseWithLogger(command string, args []string, stderr io.Writer) (opts opti
 	}
 	opts.explicit = map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { opts.explicit[f.Name] = true })
-	log, err := newLogger(opts.logLevel, stderr)
+	log, err := newLogger(opts.logLevel, opts.logFormat, stderr)
 	if err != nil {
 		fmt.Fprintf(stderr, "mesh-agent: %v\n", err)
 		return opts, nil, 2
@@ -543,15 +545,32 @@ func (o options) pluginBinaryPath() (string, error) {
 	return filepath.Join(filepath.Dir(self), "mesh-cni"), nil
 }
 
-func newLogger(level string, w io.Writer) (*zap.Logger, error) {
+// Log formats of --log-format.
+const (
+	LogFormatJSON    = "json"
+	LogFormatConsole = "console"
+)
+
+// newLogger builds the agent's logger: level and format as --log-level and
+// --log-format name them.
+func newLogger(level, format string, w io.Writer) (*zap.Logger, error) {
 	lvl, err := zapcore.ParseLevel(level)
 	if err != nil {
 		return nil, fmt.Errorf("--log-level: %w", err)
 	}
 	enc := zap.NewProductionEncoderConfig()
 	enc.EncodeTime = zapcore.ISO8601TimeEncoder
-	core := zapcore.NewCore(zapcore.NewJSONEncoder(enc), zapcore.AddSync(w), lvl)
-	return zap.New(core), nil
+	var encoder zapcore.Encoder
+	switch format {
+	case LogFormatJSON:
+		encoder = zapcore.NewJSONEncoder(enc)
+	case LogFormatConsole:
+		enc.EncodeLevel = zapcore.CapitalLevelEncoder
+		encoder = zapcore.NewConsoleEncoder(enc)
+	default:
+		return nil, fmt.Errorf("--log-format %q: want %s or %s", format, LogFormatJSON, LogFormatConsole)
+	}
+	return zap.New(zapcore.NewCore(encoder, zapcore.AddSync(w), lvl)), nil
 }
 
 // mountBPFFSCommand is `mesh-agent mount-bpffs`: the one step that needs a
@@ -561,7 +580,7 @@ func mountBPFFSCommand(args []string, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "mesh-agent mount-bpffs: unexpected arguments %q\n", args)
 		return 2
 	}
-	log, err := newLogger("info", stderr)
+	log, err := newLogger("info", LogFormatJSON, stderr)
 	if err != nil {
 		fmt.Fprintf(stderr, "mesh-agent: %v\n", err)
 		return 1

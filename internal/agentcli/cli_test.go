@@ -3,9 +3,12 @@ package agentcli
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"io"
 	"strings"
 	"testing"
+
+	"go.uber.org/zap"
 
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
 )
@@ -130,5 +133,38 @@ func TestSpliceFlag(t *testing.T) {
 	err := parseFlags(flagSet("mesh-agent run", &opts, io.Discard), []string{"--splice=true"}, none)
 	if err == nil || !strings.Contains(err.Error(), "annotated") {
 		t.Errorf("--splice=true: %v, want an error listing the values", err)
+	}
+}
+
+// --log-format console writes text lines a person reads in kubectl logs,
+// json one object a line; another format is refused at start, by both the
+// agent and the hook, before anything runs.
+func TestLogFormat(t *testing.T) {
+	var js, text bytes.Buffer
+	for _, tc := range []struct {
+		format string
+		out    *bytes.Buffer
+	}{{LogFormatJSON, &js}, {LogFormatConsole, &text}} {
+		log, err := newLogger("info", tc.format, tc.out)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.format, err)
+		}
+		log.Info("chain entry in place", zap.String("file", "05-mesh.conflist"))
+		log.Debug("below the level")
+	}
+	var obj map[string]any
+	if err := json.Unmarshal(js.Bytes(), &obj); err != nil || obj["msg"] != "chain entry in place" || obj["file"] != "05-mesh.conflist" || obj["level"] != "info" {
+		t.Errorf("json: %q (%v)", js.String(), err)
+	}
+	line := text.String()
+	if strings.Count(line, "\n") != 1 || strings.HasPrefix(line, "{") ||
+		!strings.Contains(line, "\tINFO\tchain entry in place\t") || !strings.Contains(line, `"file": "05-mesh.conflist"`) {
+		t.Errorf("console: %q, want one text line with the level, the message and the fields", line)
+	}
+	for _, args := range [][]string{{"run", "--log-format=xml"}, {"hook", "--log-format=xml"}} {
+		var errOut bytes.Buffer
+		if code := Main(t.Context(), args, io.Discard, &errOut); code != 2 || !strings.Contains(errOut.String(), `--log-format "xml"`) {
+			t.Errorf("mesh-agent %v: exit %d, %q: want 2 naming the flag", args, code, errOut.String())
+		}
 	}
 }

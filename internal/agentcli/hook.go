@@ -38,6 +38,7 @@ type hookOptions struct {
 	allowedUIDs       intList
 	shutdownGrace     time.Duration
 	logLevel          string
+	logFormat         string
 	unregister        bool
 	probe             bool
 }
@@ -59,6 +60,7 @@ func hookFlagSet(o *hookOptions, stderr io.Writer) *flag.FlagSet {
 	fs.Var(&o.allowedUIDs, "allowed-uids", "comma-separated user ids allowed to call the hook socket (checked with SO_PEERCRED)")
 	fs.DurationVar(&o.shutdownGrace, "shutdown-grace", 5*time.Second, "how long in-flight setups may run after SIGTERM")
 	fs.StringVar(&o.logLevel, "log-level", "info", "log level: debug, info, warn or error")
+	fs.StringVar(&o.logFormat, "log-format", LogFormatJSON, "log format: json or console (text)")
 	fs.BoolVar(&o.unregister, "unregister", false, "remove the registration left by a hook that crashed, if nothing serves its socket, and exit")
 	fs.BoolVar(&o.probe, "probe", false, "readiness probe: exit 0 once the socket is served by a hook in this PID namespace (this pod's, not the one it replaces), 1 otherwise")
 	return fs
@@ -76,7 +78,7 @@ func hookCommand(ctx context.Context, args []string, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "mesh-agent hook: %v\n", err)
 		return 2
 	}
-	log, err := newLogger(o.logLevel, stderr)
+	log, err := newLogger(o.logLevel, o.logFormat, stderr)
 	if err != nil {
 		fmt.Fprintf(stderr, "mesh-agent hook: %v\n", err)
 		return 2

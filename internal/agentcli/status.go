@@ -3,10 +3,13 @@ package agentcli
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
+	"net"
 	"slices"
 	"strings"
+	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -27,13 +30,19 @@ type NodeStatus struct {
 	Source   string              `json:"source"` // "agent" or "pinned state" (agent down)
 	CNI      *gatepb.CNIConfig   `json:"cniConfig,omitempty"`
 	Conds    []*gatepb.Condition `json:"conditions,omitempty"`
+	// ChainOnDisk is the chain entry read from the config directory when the
+	// agent cannot report it (with --cni-install only).
+	ChainOnDisk *ChainEntry `json:"chainOnDisk,omitempty"`
 }
 
 // AgentStatus says whether the agent answered and is ready.
 type AgentStatus struct {
-	Reachable bool   `json:"reachable"`
-	Ready     bool   `json:"ready"`
-	Error     string `json:"error,omitempty"`
+	Reachable bool `json:"reachable"`
+	Ready     bool `json:"ready"`
+	// NotRunning: nothing serves the gate socket (it is missing, or left by
+	// an agent that is gone), as opposed to an agent that does not answer.
+	NotRunning bool   `json:"notRunning,omitempty"`
+	Error      string `json:"error,omitempty"`
 }
 
 // PodStatus is one enrolled pod attachment.
@@ -111,8 +120,14 @@ func collectStatus(ctx context.Context, opts options) NodeStatus {
 		st.CNI, st.Conds, records = s.GetCniConfig(), s.GetConditions(), l.GetEnrollments()
 		return nil
 	}(); err != nil {
-		st.Agent = AgentStatus{Error: err.Error()}
+		st.Agent = AgentStatus{Error: err.Error(), NotRunning: nothingServes(opts.socketPath)}
 		st.Source = "pinned state"
+		if opts.cniInstall {
+			// The entry outlives the agent: while it is in place, the plugin
+			// holds every new pod's ADD at the gate.
+			ce := readChainEntry(opts.cniConfDir, opts.cniConfFile)
+			st.ChainOnDisk = &ce
+		}
 		recs, rerr := podstore.Read(opts.stateDir)
 		if rerr != nil {
 			st.Problems = append(st.Problems, "read pod records: "+rerr.Error())
@@ -152,6 +167,17 @@ func collectStatus(ctx context.Context, opts options) NodeStatus {
 	return st
 }
 
+// nothingServes reports whether connecting to the gate socket finds no
+// listener: the socket file missing, or left behind by an agent that is gone.
+func nothingServes(socket string) bool {
+	c, err := net.DialTimeout("unix", socket, time.Second)
+	if err == nil {
+		c.Close()
+		return false
+	}
+	return errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED)
+}
+
 func podState(datapath string, pinned map[uint64]redirect.PodState, cookie uint64) string {
 	if datapath != "ebpf" {
 		return StateRecorded
@@ -187,8 +213,10 @@ func enrollmentsFromRecords(recs []podstore.Record) []*gatepb.Enrollment {
 
 func printStatus(w io.Writer, st NodeStatus) {
 	switch {
+	case st.Agent.NotRunning:
+		fmt.Fprintf(w, "agent:      NOT RUNNING (%s); showing pinned state\n", st.Agent.Error)
 	case !st.Agent.Reachable:
-		fmt.Fprintf(w, "agent:      NOT REACHABLE (%s); showing pinned state\n", st.Agent.Error)
+		fmt.Fprintf(w, "agent:      NOT ANSWERING (%s); showing pinned state\n", st.Agent.Error)
 	case st.Agent.Ready:
 		fmt.Fprintln(w, "agent:      ready")
 	default:
@@ -207,6 +235,9 @@ func printStatus(w io.Writer, st NodeStatus) {
 			place = "MISSING (" + c.GetReason() + ")"
 		}
 		fmt.Fprintf(w, "chain:      %s in %s (mode %s, primary %s, %d repairs)\n", place, c.GetFile(), c.GetMode(), c.GetPrimaryFile(), c.GetRepairs())
+	}
+	if c := st.ChainOnDisk; c != nil {
+		fmt.Fprintf(w, "chain:      %s\n", chainWithoutAgent(*c, st.Agent.NotRunning))
 	}
 	if d := st.Datapath; d != nil {
 		attached := 0
@@ -241,4 +272,22 @@ func printStatus(w io.Writer, st NodeStatus) {
 		fmt.Fprintf(tw, "%s/%s\t%d\t%s\t%s\t%s\n", p.Namespace, p.Name, p.NetnsCookie, strings.Join(p.Interfaces, ","), p.State, p.Since.Format(time.RFC3339))
 	}
 	tw.Flush()
+}
+
+// chainWithoutAgent says what the chain entry on disk does to new pods while
+// the agent is away: in place, the plugin holds their ADD at the gate.
+func chainWithoutAgent(c ChainEntry, notRunning bool) string {
+	if !c.InPlace {
+		return "NOT IN PLACE: " + c.Problem
+	}
+	away := "not answering"
+	if notRunning {
+		away = "not running"
+	}
+	which := "new pods"
+	if len(c.ExcludeNamespaces) > 0 {
+		which = "new pods outside " + strings.Join(c.ExcludeNamespaces, ", ")
+	}
+	return fmt.Sprintf("in place in %s while the agent is %s: %s WAIT AT THE GATE; each sandbox setup fails after %s (gateTimeout) and the kubelet retries it until the agent is back. Running pods keep their redirection.",
+		c.File, away, which, c.GateTimeout)
 }

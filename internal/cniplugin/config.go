@@ -113,6 +113,11 @@ func parseConfig(stdin []byte) (*NetConf, error) {
 	return conf, nil
 }
 
+// ParseEntry reads the plugin's entry of a conflist as the plugin does
+// (defaults applied, validated), without prevResult: for the agent's status,
+// which says what the entry on disk makes the plugin do.
+func ParseEntry(entry []byte) (*NetConf, error) { return parseConfigOnly(entry) }
+
 // parseConfigOnly is parseConfig without prevResult, for the commands that do
 // not read it (DEL, GC, STATUS): a prevResult they cannot parse must not fail
 // them.
