@@ -97,7 +97,7 @@ func (b *nodeBench) write(t *testing.T) {
 			"**Agent ready → waiting pod Running**: two pods of an enrolled namespace created while the agent was away (its " +
 			"DaemonSet's node selector matched no node), " +
 			"one with the reference proxy as a sidecar and one without, their ADDs held at the gate (kubelet retries each " +
-			"after `gateTimeout` and its back-off; the test applies the manifests again while both are held); from the first " +
+			"after `gateTimeout` and its back-off; the test removes that node selector again while both are held); from the first " +
 			"200 of the agent's `/readyz` (polled every 20 ms) to each pod's phase Running as a watch sees it. " +
 			"**Pod created → Running**: the same one-container pod (the echo server, no proxy) in a namespace that is enrolled " +
 			"and in one that is not, taking turns, from the create call to phase Running seen by a watch. **helm uninstall → new pod Running**: from `helm uninstall " +
