@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -259,13 +260,63 @@ scrape_configs:
 			} `json:"groups"`
 		} `json:"data"`
 	}
-	if err := json.NewDecoder(resp.Body).Decode(&rr); err != nil || len(rr.Data.Groups) != 1 || len(rr.Data.Groups[0].Rules) < 5 {
+	if err := json.NewDecoder(resp.Body).Decode(&rr); err != nil || len(rr.Data.Groups) == 0 || rr.Data.Groups[0].Name != "mesh-agent" || len(rr.Data.Groups[0].Rules) < 5 {
 		t.Fatalf("Prometheus loaded rule groups %+v (%v), want the chart's", rr.Data.Groups, err)
 	}
-	for _, r := range rr.Data.Groups[0].Rules {
-		if r.Health != "ok" {
-			t.Errorf("rule %s evaluates with health %q", r.Name, r.Health)
+	for _, g := range rr.Data.Groups {
+		for _, r := range g.Rules {
+			if r.Health != "ok" {
+				t.Errorf("rule %s of %s evaluates with health %q", r.Name, g.Name, r.Health)
+			}
 		}
 	}
-	t.Logf("Prometheus on the host scraped the agent at %s: %v", want, last)
+	// Every query of the chart's Grafana dashboard returns data from the
+	// agent's scrape (rates once two scrapes are in).
+	root, err := harness.ModuleRoot(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data, err := os.ReadFile(filepath.Join(root, "install/helm/testdata/dashboard-queries.promql"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var queries []string
+	for _, line := range strings.Split(string(data), "\n") {
+		if line = strings.TrimSpace(line); line != "" && !strings.HasPrefix(line, "#") {
+			queries = append(queries, line)
+		}
+	}
+	if len(queries) == 0 {
+		t.Fatal("the dashboard has no queries")
+	}
+	for _, q := range queries {
+		var n int
+		if !harness.Eventually(ctx, time.Minute, time.Second, func() bool {
+			n = seriesCount(addr, q)
+			return n > 0
+		}) {
+			t.Errorf("the dashboard's query %s returns no data from the agent's scrape", q)
+		}
+	}
+	t.Logf("Prometheus on the host scraped the agent at %s: %v; the dashboard's %d queries return data", want, last, len(queries))
+}
+
+// seriesCount is how many series Prometheus at addr answers query with (-1 on an
+// error).
+func seriesCount(addr, query string) int {
+	resp, err := http.Get("http://" + addr + "/api/v1/query?query=" + url.QueryEscape(query))
+	if err != nil {
+		return -1
+	}
+	defer resp.Body.Close()
+	var r struct {
+		Status string `json:"status"`
+		Data   struct {
+			Result []json.RawMessage `json:"result"`
+		} `json:"data"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&r); err != nil || r.Status != "success" {
+		return -1
+	}
+	return len(r.Data.Result)
 }

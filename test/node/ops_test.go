@@ -102,6 +102,13 @@ EOF`},
   --set image.digest=$(cat bin/image/mesh-agent.tar.digest)`},
 			{Run: rollout},
 		}},
+		{Name: "startup-taint", Cmds: []opCommand{
+			importAgent(),
+			{Run: "kubectl apply -f install/kubernetes/namespace.yaml"},
+			{Run: `helm install mesh-cni install/helm/mesh-cni -n mesh-system --set startupTaint.enabled=true \
+  --set image.digest=$(cat bin/image/mesh-agent.tar.digest) --set proxyMark=0x539`},
+			{Run: rollout},
+		}},
 		{Name: "platform", Cmds: []opCommand{
 			importAgent(),
 			{Run: "kubectl apply -f install/kubernetes/namespace.yaml"},

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -22,7 +23,17 @@ const (
 
 // kubeletConfigYAML is the node's KubeletConfiguration. Every setting that
 // differs from kubelet's defaults says why.
-func kubeletConfigYAML(m *Machine) string {
+func kubeletConfigYAML(m *Machine, taints []string) string {
+	var register string
+	if len(taints) > 0 {
+		// Taints the node carries from its registration (--register-with-taints).
+		register = "registerWithTaints:\n"
+		for _, tt := range taints {
+			key, rest, _ := strings.Cut(tt, "=")
+			value, effect, _ := strings.Cut(rest, ":")
+			register += fmt.Sprintf("  - {key: %q, value: %q, effect: %s}\n", key, value, effect)
+		}
+	}
 	return fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
 # This machine has hybrid cgroups (v1 controllers, cgroup2 at
@@ -56,15 +67,15 @@ imageGCLowThresholdPercent: 99
 serializeImagePulls: false
 # Pods need no DNS here; an empty file keeps the host's resolver out of them.
 resolvConf: %s
-`, m.CgroupParent, ContainerdSocket, m.NodeIP, kubeletCA, resolvConf)
+%s`, m.CgroupParent, ContainerdSocket, m.NodeIP, kubeletCA, resolvConf, register)
 }
 
 // startKubelet writes kubelet's files on the node and starts it; the node
 // registers itself with the API server.
-func startKubelet(tb testing.TB, m *Machine, bins Binaries, cp *ControlPlane) *harness.Process {
+func startKubelet(tb testing.TB, m *Machine, bins Binaries, cp *ControlPlane, taints []string) *harness.Process {
 	tb.Helper()
 	files := map[string][]byte{
-		kubeletConfig: []byte(kubeletConfigYAML(m)),
+		kubeletConfig: []byte(kubeletConfigYAML(m, taints)),
 		resolvConf:    nil,
 	}
 	ca, err := os.ReadFile(cp.API.CAFile())

@@ -71,6 +71,9 @@ type Options struct {
 	// /opt/cni/bin and /etc/cni/net.d. Only /etc, /home, /opt and /var/lib
 	// are the node's own.
 	CNIBinDir, CNIConfDir string
+	// RegisterWithTaints are taints (key=value:Effect) the kubelet registers
+	// the node with, as a node pool's or --register-with-taints.
+	RegisterWithTaints []string
 }
 
 // Start runs the control plane and the node, writes the primary CNI config
@@ -103,7 +106,7 @@ func Start(tb testing.TB, opts Options) *Node {
 	n.WritePrimary(tb, version)
 
 	n.Containerd = startContainerd(tb, m, bins, n.CNIBinDir, n.CNIConfDir)
-	n.Kubelet = startKubelet(tb, m, bins, n.Control)
+	n.Kubelet = startKubelet(tb, m, bins, n.Control, opts.RegisterWithTaints)
 	n.KubeProxy = startKubeProxy(tb, m, bins, n.Control, PodCIDR)
 	// Runs before the processes' own cleanups (registered earlier): kubelet
 	// first, so it recreates nothing, then every pod through the runtime,
