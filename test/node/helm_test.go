@@ -141,18 +141,6 @@ func (s *scenario) keepsTalking(t *testing.T, ctx context.Context, what, client,
 	t.Logf("%s (%v): %s made %d more round trips, all through its proxy", what, to.Sub(from).Round(time.Millisecond), client, ok-okBefore)
 }
 
-// waitNode waits for the node's Ready condition to be (not) True and stores it.
-func waitNode(ctx context.Context, s *scenario, ready bool, cond *corev1.NodeCondition) error {
-	ctx, cancel := context.WithTimeout(ctx, 3*time.Minute)
-	defer cancel()
-	if err := s.n.WaitReady(ctx, ready); err != nil {
-		return err
-	}
-	c, err := s.n.ReadyCondition(ctx)
-	*cond = c
-	return err
-}
-
 // pluginVerbs counts the plugin's calls by CNI command from its log.
 func pluginVerbs(t *testing.T, path string) map[string]int {
 	t.Helper()
