@@ -8,8 +8,8 @@
 //   - run.go: Config and Run, which wires everything below together in the
 //     order the agent becomes ready.
 //   - service.go: the gate service (Add, Del, Check, GC, List): enrollment
-//     decisions, records, data path calls; keylock.go serialises them per pod
-//     attachment.
+//     decisions, records, data path calls, serialised per pod attachment by
+//     internal/keylock.
 //   - status.go: the Status call and the chain entry's state it reports
 //     (CNIStatus, from the CNI config installer).
 //   - gateserver.go: the gate's gRPC server and health service on the gate
@@ -22,8 +22,10 @@
 //     live namespaces) and the proxy listeners the data path refused.
 //   - datapath.go: the Datapath seam and RecordOnly; lazy.go: the data path
 //     handed out before it has loaded; redirect.go: internal/redirect's eBPF data
-//     path behind the seam; nodeaddrs.go: keeping the node's addresses (the
-//     probe sources) current.
+//     path behind the seam.
+//   - adopt.go: enrolling pods that ran before the agent, found through the
+//     host's procfs; probers.go: following the kubelet, whose probes pass
+//     inbound capture.
 //   - zdshandoff.go: handing enrolled pods to a node proxy over ZDS.
 //   - startuptaint.go: removing the node's startup taint once ready
 //     (internal/nodetaint writes it).
