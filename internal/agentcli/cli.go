@@ -195,7 +195,7 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.Var(&opts.excludeNamespaces, "exclude-namespaces", "the chain entry's excludeNamespaces: pods there never wait for the agent")
 	fs.StringVar(&opts.pluginLogLevel, "plugin-log-level", "info", "the chain entry's logLevel")
 	fs.StringVar(&opts.pluginLogFile, "plugin-log-file", "", "the chain entry's logFile (default: the plugin logs to the runtime's stderr)")
-	fs.BoolVar(&opts.uninstallOnDelete, "uninstall-on-delete", true, "on SIGTERM, ask the API server about the DaemonSet that runs the agent's pod ($POD_NAME, $POD_NAMESPACE) and, only when it answers that the DaemonSet is gone, replaced or being deleted, uninstall from the node as `mesh-agent uninstall` does (chain entry, plugin binary, data path: running pods are released); any other answer or none (a rolling update, a drain, an unreachable API server) keeps everything")
+	fs.BoolVar(&opts.uninstallOnDelete, "uninstall-on-delete", true, "on SIGTERM, ask the API server about the DaemonSet that runs the agent's pod ($POD_NAME, $POD_NAMESPACE) and, only when it answers that the DaemonSet is gone or being deleted (or, with no answer, its watch saw that), uninstall from the node as `mesh-agent uninstall` does (chain entry, plugin binary, data path: running pods are released); any other answer or none (a rolling update, a drain, an unreachable API server) keeps everything")
 	opts.entry.register(fs)
 	opts.enroll.register(fs)
 	return fs

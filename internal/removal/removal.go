@@ -70,10 +70,12 @@ func Check(ctx context.Context, client kubernetes.Interface, pod Pod) Verdict {
 		return Verdict{Uninstall: true, Reason: fmt.Sprintf("DaemonSet %s/%s is gone (the API server answers not found)", pod.Namespace, ref.Name)}
 	case err != nil:
 		return keep(fmt.Sprintf("DaemonSet %s/%s could not be read: %v", pod.Namespace, ref.Name, err))
-	case ds.UID != ref.UID:
-		return Verdict{Uninstall: true, Reason: fmt.Sprintf("DaemonSet %s/%s was deleted: uid %s is now %s", pod.Namespace, ref.Name, ref.UID, ds.UID)}
 	case ds.DeletionTimestamp != nil:
 		return Verdict{Uninstall: true, Reason: fmt.Sprintf("DaemonSet %s/%s is being deleted (since %s)", pod.Namespace, ref.Name, ds.DeletionTimestamp.UTC())}
+	case ds.UID != ref.UID:
+		// Deleted and made again under its name (kubectl replace --force,
+		// an orphaning delete and a new apply): the next agent takes over.
+		return Verdict{inPlace: true, Reason: fmt.Sprintf("DaemonSet %s/%s was replaced (uid %s is now %s): its agent takes over", pod.Namespace, ref.Name, ref.UID, ds.UID)}
 	default:
 		return Verdict{inPlace: true, Reason: fmt.Sprintf("DaemonSet %s/%s is in place (a rolling update, a drain or an eviction)", pod.Namespace, ref.Name)}
 	}
@@ -113,8 +115,8 @@ type Watcher struct {
 	pod    Pod
 
 	mu       sync.Mutex
-	removed  string // why the DaemonSet counts as removed; "" while it does not
-	changed  chan struct{}
+	removed  string        // why the DaemonSet counts as removed, as last seen; "" while it does not
+	changed  chan struct{} // closed and replaced whenever removed changes
 	watching chan struct{} // closed once a watch of the DaemonSet first opened
 }
 
@@ -127,13 +129,15 @@ func NewWatcher(client kubernetes.Interface, pod Pod) *Watcher {
 func (w *Watcher) Watching() <-chan struct{} { return w.watching }
 
 // Run finds the pod's DaemonSet and follows it until ctx ends, with jittered
-// retries: a list that does not find it (the API server's own answer), a
-// deletion, a deletionTimestamp or another uid mark it removed, for good.
+// retries: a list that does not find it (the API server's own answer), its
+// deletion or a deletionTimestamp mark it removed; a DaemonSet of its name
+// seen again, not being deleted (one made again in its place), marks it
+// present.
 func (w *Watcher) Run(ctx context.Context) {
 	var ref *metav1.OwnerReference
 	fresh := wait.Backoff{Duration: 500 * time.Millisecond, Factor: 2, Jitter: 0.5, Steps: math.MaxInt32, Cap: 30 * time.Second}
 	backoff := fresh
-	for ctx.Err() == nil && w.Removed() == "" {
+	for ctx.Err() == nil {
 		if ref == nil {
 			p, err := w.client.CoreV1().Pods(w.pod.Namespace).Get(ctx, w.pod.Name, metav1.GetOptions{})
 			if err == nil {
@@ -161,13 +165,10 @@ func (w *Watcher) follow(ctx context.Context, ref metav1.OwnerReference) bool {
 		return false
 	}
 	if len(list.Items) == 0 {
-		w.markRemoved(fmt.Sprintf("DaemonSet %s/%s is gone (the API server lists none of that name)", w.pod.Namespace, ref.Name))
-		return false
+		w.set(fmt.Sprintf("DaemonSet %s/%s is gone (the API server lists none of that name)", w.pod.Namespace, ref.Name))
 	}
 	for i := range list.Items {
-		if w.judge(&list.Items[i], ref) {
-			return false
-		}
+		w.judge(&list.Items[i], ref)
 	}
 	byName.ResourceVersion = list.ResourceVersion
 	byName.AllowWatchBookmarks = true
@@ -190,40 +191,36 @@ func (w *Watcher) follow(ctx context.Context, ref metav1.OwnerReference) bool {
 		}
 		switch ev.Type {
 		case watch.Deleted:
-			if ds.UID == ref.UID {
-				w.markRemoved(fmt.Sprintf("DaemonSet %s/%s was deleted (seen on its watch)", w.pod.Namespace, ref.Name))
-				return true
-			}
+			w.set(fmt.Sprintf("DaemonSet %s/%s was deleted (seen on its watch)", w.pod.Namespace, ref.Name))
 		case watch.Added, watch.Modified:
-			if w.judge(ds, ref) {
-				return true
-			}
+			w.judge(ds, ref)
 		}
 	}
 	return true
 }
 
-// judge marks the DaemonSet removed when it is another one of the same name or
-// is being deleted, and says whether it did.
-func (w *Watcher) judge(ds *appsv1.DaemonSet, ref metav1.OwnerReference) bool {
-	switch {
-	case ds.UID != ref.UID:
-		w.markRemoved(fmt.Sprintf("DaemonSet %s/%s was deleted: uid %s is now %s", w.pod.Namespace, ref.Name, ref.UID, ds.UID))
-	case ds.DeletionTimestamp != nil:
-		w.markRemoved(fmt.Sprintf("DaemonSet %s/%s is being deleted (since %s)", w.pod.Namespace, ref.Name, ds.DeletionTimestamp.UTC()))
-	default:
-		return false
+// judge records what a DaemonSet of the watched name says: removed while it
+// is being deleted, present otherwise (whatever its uid: one made again in
+// its place runs the next agent).
+func (w *Watcher) judge(ds *appsv1.DaemonSet, ref metav1.OwnerReference) {
+	if ds.DeletionTimestamp != nil {
+		w.set(fmt.Sprintf("DaemonSet %s/%s is being deleted (since %s)", w.pod.Namespace, ref.Name, ds.DeletionTimestamp.UTC()))
+		return
 	}
-	return true
+	w.set("")
 }
 
-func (w *Watcher) markRemoved(reason string) {
+// set records why the DaemonSet counts as removed ("" for present) and wakes
+// the waiters when that changed.
+func (w *Watcher) set(reason string) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if w.removed == "" {
-		w.removed = reason
-		close(w.changed)
+	if (reason == "") == (w.removed == "") {
+		return
 	}
+	w.removed = reason
+	close(w.changed)
+	w.changed = make(chan struct{})
 }
 
 // Removed says why the DaemonSet counts as removed, or "" while it does not.
@@ -233,25 +230,27 @@ func (w *Watcher) Removed() string {
 	return w.removed
 }
 
-// Check decides at the agent's stop: uninstall when the watch saw the
-// DaemonSet removed, or when a read now says so (Check); when that read is
-// refused or fails, the watch may still deliver the deletion until ctx ends.
-// Anything else keeps.
+// Check decides at the agent's stop. A read now decides when the API server
+// answers it (Check). Only when it does not (helm uninstall removed the
+// agent's Role in the same pass, the API server is unreachable) does what the
+// watch last saw decide: removed uninstalls, at once or when the watch sees it
+// before ctx ends. Anything else keeps.
 func (w *Watcher) Check(ctx context.Context) Verdict {
-	if r := w.Removed(); r != "" {
-		return Verdict{Uninstall: true, Reason: r}
-	}
 	v := Check(ctx, w.client, w.pod)
 	if v.Uninstall || v.inPlace {
 		return v
 	}
-	w.mu.Lock()
-	changed := w.changed
-	w.mu.Unlock()
-	select {
-	case <-changed:
-		return Verdict{Uninstall: true, Reason: w.Removed()}
-	case <-ctx.Done():
-		return v
+	for {
+		w.mu.Lock()
+		removed, changed := w.removed, w.changed
+		w.mu.Unlock()
+		if removed != "" {
+			return Verdict{Uninstall: true, Reason: removed + "; a read now got no answer: " + v.Reason}
+		}
+		select {
+		case <-changed:
+		case <-ctx.Done():
+			return v
+		}
 	}
 }

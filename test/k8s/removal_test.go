@@ -159,8 +159,8 @@ func checkWithin(t *testing.T, client kubernetes.Interface, pod removal.Pod) rem
 
 // testRemovalDecision: what the API server answers about the agent's
 // DaemonSet decides, and only a positive answer uninstalls: present keeps;
-// deleted, deleted and created again, or being deleted in the foreground
-// uninstalls; a get RBAC refuses keeps.
+// deleted, or being deleted in the foreground uninstalls; deleted and made
+// again under its name keeps (its agent takes over); a get RBAC refuses keeps.
 func testRemovalDecision(t *testing.T, c *cluster) {
 	agent := c.api.Client(t, kubeenv.AgentUser)
 	node := "node-" + randomHex(t, 4)
@@ -182,7 +182,9 @@ func testRemovalDecision(t *testing.T, c *cluster) {
 		if _, err := c.admin.AppsV1().DaemonSets(again.Namespace).Create(apiContext(t), again, metav1.CreateOptions{}); err != nil {
 			t.Fatalf("create the DaemonSet again: %v", err)
 		}
-		wantVerdict(t, "DaemonSet replaced", checkWithin(t, agent, d.ref()), true, "uid")
+		// kubectl replace --force, or an orphaning delete and a new apply:
+		// the DaemonSet of that name runs the next agent, which takes over.
+		wantVerdict(t, "DaemonSet replaced", checkWithin(t, agent, d.ref()), false, "replaced")
 	})
 	t.Run("deleting", func(t *testing.T) {
 		d := c.deployAgent(t, c.namespace(t, "rm-deleting", nil), node, true)
@@ -262,7 +264,36 @@ func testRemovalWatch(t *testing.T, c *cluster) {
 	wantVerdict(t, "the read alone, RBAC gone", checkWithin(t, agent, d.ref()), false, "forbidden")
 	cctx, ccancel := context.WithTimeout(context.Background(), 3*time.Second)
 	defer ccancel()
-	wantVerdict(t, "with the watch", w.Check(cctx), true, "DaemonSet")
+	wantVerdict(t, "with the watch", w.Check(cctx), true, "seen on its watch")
+
+	// The DaemonSet deleted and made again under its name (kubectl replace
+	// --force; an orphaning delete and a new apply once the collector has
+	// let it go): the watch sees it gone, then back; the read at the stop
+	// answers that it is in place, and the node keeps everything.
+	ns2 := c.namespace(t, "rm-watch-again", nil)
+	d2 := c.deployAgent(t, ns2, "node-"+randomHex(t, 4), true)
+	w2 := removal.NewWatcher(agent, d2.ref())
+	go w2.Run(ctx)
+	select {
+	case <-w2.Watching():
+	case <-time.After(30 * time.Second):
+		t.Fatal("the watcher never opened a watch of its DaemonSet")
+	}
+	c.deleteDaemonSet(t, d2.ds, metav1.DeletePropagationBackground)
+	if !harness.Eventually(ctx, 10*time.Second, harness.WaitInterval, func() bool { return w2.Removed() != "" }) {
+		t.Fatal("the watch never saw the DaemonSet deleted")
+	}
+	again := d2.ds.DeepCopy()
+	again.ObjectMeta = metav1.ObjectMeta{Name: d2.ds.Name, Namespace: ns2}
+	if _, err := c.admin.AppsV1().DaemonSets(ns2).Create(apiContext(t), again, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if !harness.Eventually(ctx, 10*time.Second, harness.WaitInterval, func() bool { return w2.Removed() == "" }) {
+		t.Errorf("the watch still counts the DaemonSet removed after it was made again: %s", w2.Removed())
+	}
+	cctx2, ccancel2 := context.WithTimeout(context.Background(), 3*time.Second)
+	defer ccancel2()
+	wantVerdict(t, "deleted and applied again", w2.Check(cctx2), false, "replaced")
 }
 
 // testRemovalDecisionAPIServerDown: an API server that cannot be reached is
