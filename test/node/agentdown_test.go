@@ -5,7 +5,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -21,6 +20,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/mesh-cni/mesh-cni/install/kubernetes"
+	"github.com/mesh-cni/mesh-cni/test/node/nodeenv"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
@@ -174,21 +174,8 @@ func (s *scenario) agentCrashLoop(t *testing.T, ctx context.Context, target stri
 // the same host are left alone.
 func podProcesses(uid types.UID, comm string) []int {
 	forms := []string{"pod" + string(uid), "pod" + strings.ReplaceAll(string(uid), "-", "_")}
-	entries, _ := os.ReadDir("/proc")
-	var out []int
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		c, err := os.ReadFile(filepath.Join("/proc", e.Name(), "comm"))
-		if err != nil || strings.TrimSpace(string(c)) != comm {
-			continue
-		}
-		cg, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cgroup"))
-		if err == nil && slices.ContainsFunc(forms, func(f string) bool { return strings.Contains(string(cg), f) }) {
-			out = append(out, pid)
-		}
-	}
-	return out
+	return nodeenv.HostProcesses(comm, func(dir string) bool {
+		cg, err := os.ReadFile(filepath.Join(dir, "cgroup"))
+		return err == nil && slices.ContainsFunc(forms, func(f string) bool { return strings.Contains(string(cg), f) })
+	})
 }

@@ -395,6 +395,15 @@ func (m *Machine) Processes(comm string) []int {
 	if err != nil {
 		return nil
 	}
+	return HostProcesses(comm, func(dir string) bool {
+		ns, err := os.Readlink(filepath.Join(dir, "ns/mnt"))
+		return err == nil && ns == want
+	})
+}
+
+// HostProcesses lists the pids of the host's processes whose command is comm
+// and for whose /proc directory keep holds.
+func HostProcesses(comm string, keep func(procDir string) bool) []int {
 	var out []int
 	entries, _ := os.ReadDir("/proc")
 	for _, e := range entries {
@@ -402,11 +411,12 @@ func (m *Machine) Processes(comm string) []int {
 		if err != nil {
 			continue
 		}
-		c, err := os.ReadFile(filepath.Join("/proc", e.Name(), "comm"))
+		dir := filepath.Join("/proc", e.Name())
+		c, err := os.ReadFile(filepath.Join(dir, "comm"))
 		if err != nil || strings.TrimSpace(string(c)) != comm {
 			continue
 		}
-		if ns, err := os.Readlink(filepath.Join("/proc", e.Name(), "ns/mnt")); err == nil && ns == want {
+		if keep(dir) {
 			out = append(out, pid)
 		}
 	}
