@@ -61,7 +61,7 @@ deps:
 # The real peers the suite runs, built from Go modules into /var/cache/mesh-cni
 # before any test's clock starts (about half an hour cold, then cached); the
 # test targets take their directories from hack/peers.sh's exports.
-PEERS := eval "$$(bash hack/peers.sh)"
+PEERS := peers="$$(bash hack/peers.sh)" && eval "$$peers"
 peers:
 	@$(PEERS) && env | grep '^MESH_CNI_.*_BIN_DIR=' | grep -v '^MESH_CNI_BIN_DIR='
 
@@ -70,8 +70,7 @@ peers:
 # ip netns makes /run/netns a shared mount point on its first use, before any
 # test mounts a namespace there (test/k8s's istio-cni needs it shared).
 test: deps build
-	@echo "== the tests' peers (hack/peers.sh: built once into /var/cache/mesh-cni)"
-	@$(PEERS) >/dev/null
+	@echo "== the tests' peers (hack/peers.sh: built once into /var/cache/mesh-cni), then go test"
 	ip netns add mesh-cni-make-test && ip netns delete mesh-cni-make-test
 	$(PEERS) && $(GO) test -count=1 -timeout 40m ./...
 
