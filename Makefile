@@ -1,5 +1,7 @@
 # mesh-cni. Most targets need root (network namespaces, BPF, cgroups).
 SHELL := /bin/bash
+empty :=
+space := $(empty) $(empty)
 GO ?= go
 BIN := $(CURDIR)/bin
 TOOLS := $(BIN)/tools
@@ -46,12 +48,19 @@ image:
 # The fast suite: packages whose tests need neither root nor a peer built from
 # modules, in-process against real sockets; about a minute. As a user, the few
 # tests that need root skip (MESH_CNI_BIN_DIR is unset for that); as root, as
-# in CI, they run. .ci/run runs it first.
+# in CI, they run. .ci/run runs it first. Of the data path (internal/redirect,
+# whose other tests send traffic through pods and run in make test), the tests
+# that run its programs' decisions without traffic (BPF_PROG_TEST_RUN) and its
+# pure ones; TestUnitRedirectTestsExist (hack/) holds UNIT_REDIRECT to
+# tests that exist.
 UNIT_PKGS := ./internal/agent/... ./internal/agentcli/... ./internal/cniplugin/... \
 	./internal/cniinstall/... ./internal/enroll/... ./internal/podstore/... ./internal/runtimecni/... \
-	./internal/hostproc/... ./internal/keylock/... ./internal/netns/... ./internal/atomicfile/... ./internal/gaterpc/... ./pkg/... ./install/kubernetes/... ./hack/
+	./internal/hostproc/... ./internal/keylock/... ./internal/netns/... ./internal/atomicfile/... ./internal/gaterpc/... ./pkg/... ./install/kubernetes/... ./hack/ \
+	./tools/... ./test/fixtures/
+UNIT_REDIRECT := TestLookupDecisions TestSecurityFigures TestSettingsValidate TestSettingsRoundTrip TestLPMKeyLayout TestParseCgroup2Mount
 test-unit:
 	MESH_CNI_BIN_DIR= $(GO) test -short -count=1 $(UNIT_PKGS)
+	MESH_CNI_BIN_DIR= $(GO) test -short -count=1 -run '^($(subst $(space),|,$(strip $(UNIT_REDIRECT))))$$' ./internal/redirect/
 
 # The Debian packages of hack/packages.txt (the README's list) that are not
 # installed yet; nothing when all are.

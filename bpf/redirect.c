@@ -25,15 +25,16 @@
 // on loopback. Kubelet probes are exempt by the socket that sends them: connects of
 // the kubelet's cgroup in the node's namespace are recorded before their SYN leaves.
 //
-// Enrollment is one entry in `pods`, keyed by the pod's netns cookie, plus the pod's
-// sk_lookup link. Every cgroup program looks that entry up first and does nothing for
-// namespaces it does not know, which is what lets several independent copies of this
-// data path share the cgroup root.
+// Enrollment is one entry in `pods`, keyed by the pod's netns cookie (and one in
+// `pod_net`, its addresses), plus the pod's sk_lookup link. Every cgroup program
+// looks the `pods` entry up first and does nothing for namespaces it does not
+// know, which is what lets several independent copies of this data path share the
+// cgroup root.
 //
 // Only UAPI context structures are read (their layout is stable), so the programs
 // carry no CO-RE relocations and a per-pod program loads with one short verifier
-// pass. The splice's programs, loaded apart and only with splicing on, are the
-// exception: they read two sequence numbers of struct tcp_sock.
+// pass. The BPF LSM programs are the exception: they read the calling task's
+// network namespace cookie (CO-RE, against the kernel's BTF).
 
 #define BPF_NO_PRESERVE_ACCESS_INDEX
 #include "vmlinux.h"
@@ -89,19 +90,21 @@ enum setting_flags {
 	SETTING_DENY_RAW = 1 << 10,       // the pod cannot create raw IP sockets
 	SETTING_REPLY_MARK = 1 << 11,     // the proxy's connects into the pod get reply_mark
 	SETTING_BYPASS_INBOUND = 1 << 12, // inbound connections are not captured
-	// Copied from an earlier layout, without the pod's addresses: the agent
-	// enrolls the pod again (no program reads it).
-	SETTING_EARLIER = 1 << 13,
+	// 1 << 13 marked settings copied from an earlier layout (a pod without
+	// its pod_net entry is that now); never set now.
 	SETTING_DENY_PACKET = 1 << 14, // the pod cannot create packet sockets (BPF LSM)
-	// The pod's applications' writes to its proxy may be spliced (when the
-	// node splices, splice_node): its applications read their sockets
-	// non-blocking, which a socket in a sockhash needs.
-	SETTING_SPLICE = 1 << 15,
+	// 1 << 15 asked an earlier build to splice the pod's writes to its
+	// proxy (docs/design.md); never set now, and not to be given another
+	// meaning while pins of those builds may exist.
 };
 
 #define DNS_PORT 53
 
-// Per-pod settings, keyed by netns cookie. Ports are in host byte order.
+// Per-pod settings, keyed by netns cookie. Ports are in host byte order. This is
+// the layout of the pinned release too (which ignores the flags it does not
+// know): a pinned map's layout never changes, so the agent can be rolled back
+// without a pod losing its entry. New per-pod fields go into a new map, as
+// pod_net did (docs/design.md, Upgrades).
 struct pod_settings {
 	__u16 outbound_port;
 	__u16 inbound_port;
@@ -118,6 +121,15 @@ struct pod_settings {
 	// The proxy's DNS listener (UDP and TCP) on loopback, for SETTING_DNS_CAPTURE.
 	__u16 dns_port;
 	__u16 pad;
+};
+
+// What Enroll read from the pod's namespace, keyed by netns cookie: its
+// addresses, and the reply mark of the reply route it put there. A pod with an
+// entry in pods and none here (enrolled by a build without this map, such as
+// the pinned release) is redirected without them: connects to its own
+// addresses go to the proxy too, redirected connects leave from loopback, the
+// proxy's connects into it get no mark. The agent enrolls such a pod again.
+struct pod_net_info {
 	// SETTING_REPLY_MARK: the mark (bits under reply_mark_mask) the proxy's
 	// sockets connecting to one of the pod's addresses get, and with them the
 	// application's side: its replies are routed back to the proxy.
@@ -223,9 +235,15 @@ enum counter {
 	COUNTER_DNS_REDIRECTED,
 	COUNTER_DNS_PASSED,
 	COUNTER_DNS_DROPPED,
-	COUNTER_RAW_REFUSED,
-	COUNTER_PACKET_REFUSED,
 	COUNTER_MAX,
+};
+
+// Index into `socket_refusals`: counters that came after the size of `counters`
+// was pinned (a pinned map's size never changes).
+enum socket_refusal {
+	REFUSED_RAW,
+	REFUSED_PACKET,
+	REFUSED_MAX,
 };
 
 struct {
@@ -234,6 +252,14 @@ struct {
 	__type(key, __u64);
 	__type(value, struct pod_settings);
 } pods SEC(".maps");
+
+// Each enrolled pod's pod_net_info, by netns cookie, next to its pods entry.
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u64);
+	__type(value, struct pod_net_info);
+} pod_net SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
@@ -374,106 +400,13 @@ struct {
 	__type(value, __u64);
 } counters SEC(".maps");
 
-// Splicing of the pod-local hop between an application and its proxy (off
-// unless splice_node.enabled): the bytes an application writes to its proxy
-// are moved by an sk_msg program straight into the proxy's socket's receive
-// queue instead of crossing loopback TCP. Only the direction into the proxy is
-// spliced: its readers are known (the proxy contract), an application's are
-// not. Only pods that ask for it are spliced (SETTING_SPLICE): an
-// application's socket in a sockhash is read by the kernel's sockmap reader,
-// which ends a blocking read that a signal interrupts with EAGAIN. Everything
-// that decides is per connection and fails towards plain TCP:
-//   - a connection is spliced only from its first byte; one whose first byte
-//     went through TCP stays on TCP (a spliced byte after a TCP one would be
-//     read first);
-//   - a byte is spliced only once the proxy has read every byte the
-//     application gave TCP, whichever way they got there: after the proxy
-//     left more than max_unread spliced bytes unread (the writes then go
-//     through TCP, whose buffers push back on the writer; the redirect itself
-//     is charged to no buffer limit), or after a write that reached TCP
-//     without this program;
-//   - a missing peer, a full map, a disabled splice, a pod that stopped
-//     asking: TCP for good.
-// Going from spliced to TCP keeps the order, since the kernel's reader takes
-// the redirected queue first. Going back is safe only once no TCP byte is
-// unread or in flight: when the application's socket's write_seq equals the
-// proxy's socket's copied_seq, both of one sequence space, which the read
-// accounting records after each read. These two fields of struct tcp_sock are
-// the only kernel-internal ones read (CO-RE, in the splice's programs alone).
-
-enum splice_state {
-	SPLICE_PENDING = 0, // the application's side is up, the proxy's not yet
-	SPLICE_READY = 1,   // both sides are in their sockhash
-	SPLICE_TCP = 2,     // plain TCP for the rest of the connection
-	SPLICE_BEHIND = 3,  // the proxy fell behind: TCP until it read everything
-};
-
-// One entry: the splice switch and its bound.
-struct splice_config {
-	__u32 enabled;
-	__u32 pad;
-	__s64 max_unread; // spliced bytes the proxy may leave unread
-};
-
-// A spliced direction, keyed by the proxy's socket as it sees its connection.
-struct splice_flow {
-	__s64 unread; // bytes spliced into the proxy's socket, not yet read
-	enum splice_state state;
-	__u32 proxy_copied; // the proxy's socket's copied_seq after its last read
-};
-
-// The fields of struct tcp_sock the splice reads, relocated against the
-// kernel's BTF at load.
-struct tcp_sock___splice {
-	__u32 copied_seq;
-	__u32 write_seq;
-} __attribute__((preserve_access_index));
-
+// Sockets refused to pods (sock_create, socket_create), by enum socket_refusal.
 struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, REFUSED_MAX);
 	__type(key, __u32);
-	__type(value, struct splice_config);
-} splice_node SEC(".maps");
-
-// The applications' sockets of spliced connections, each under its own tuple:
-// the sk_msg program is attached to this map, so it runs for their writes.
-struct {
-	__uint(type, BPF_MAP_TYPE_SOCKHASH);
-	__uint(max_entries, 131072);
-	__type(key, struct tuple_key);
 	__type(value, __u64);
-} splice_socks SEC(".maps");
-
-// The proxies' sockets of spliced connections, the redirects' targets. No
-// program is attached to this map: a socket in a sockhash without one keeps
-// the kernel's plain TCP send path, and only its reader changes (to the one
-// that takes the redirected bytes first), so the proxy's own writes cost
-// nothing more.
-struct {
-	__uint(type, BPF_MAP_TYPE_SOCKHASH);
-	__uint(max_entries, 65536);
-	__type(key, struct tuple_key);
-	__type(value, __u64);
-} splice_targets SEC(".maps");
-
-// The spliced directions. LRU: an entry lost under pressure sends its
-// connection to TCP, which is safe.
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 65536);
-	__type(key, struct tuple_key);
-	__type(value, struct splice_flow);
-} splice_flows SEC(".maps");
-
-// On the proxy's socket of a spliced connection: its splice_flows key, for the
-// read accounting and the clean-up at close.
-struct {
-	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, int);
-	__type(value, struct tuple_key);
-} splice_rx SEC(".maps");
+} socket_refusals SEC(".maps");
 
 // sockaddr layouts written into getsockopt's buffer: user ABI, not kernel types.
 struct mesh_sockaddr_in {
@@ -491,11 +424,16 @@ struct mesh_sockaddr_in6 {
 	__u32 scope_id;
 };
 
-static __always_inline void count(__u32 idx)
+static __always_inline void count_in(void *map, __u32 idx)
 {
-	__u64 *c = bpf_map_lookup_elem(&counters, &idx);
+	__u64 *c = bpf_map_lookup_elem(map, &idx);
 	if (c)
 		*c += 1;
+}
+
+static __always_inline void count(__u32 idx)
+{
+	count_in(&counters, idx);
 }
 
 static __always_inline void map_v4(__u32 *dst, __u32 ip4)
@@ -571,14 +509,16 @@ static __always_inline bool is_proxy_task(void)
 }
 
 // is_pod_addr reports whether a (IPv4-mapped for IPv4) is one of the pod's own
-// addresses.
-static __always_inline bool is_pod_addr(const struct pod_settings *s, const __u32 *a)
+// addresses (none known without its pod_net entry, n).
+static __always_inline bool is_pod_addr(const struct pod_net_info *n, const __u32 *a)
 {
-	__u32 nr = s->nr_addrs;
+	if (!n)
+		return false;
+	__u32 nr = n->nr_addrs;
 	for (__u32 i = 0; i < MAX_POD_ADDRS; i++) {
 		if (i >= nr)
 			break;
-		if (addr_eq(s->addrs[i], a))
+		if (addr_eq(n->addrs[i], a))
 			return true;
 	}
 	return false;
@@ -612,20 +552,20 @@ static __always_inline void mark_probe_socket(struct bpf_sock *sk, __u64 netns)
 // (SO_BINDTODEVICE), which reaches loopback through no device but lo, the pod's own
 // address of that family, a local destination the kernel delivers whatever the
 // bound device (the proxy must then listen on the wildcard, as ztunnel does).
-static __always_inline void proxy_addr(const struct bpf_sock *sk, const struct pod_settings *s, bool v4, __u32 *a)
+static __always_inline void proxy_addr(const struct bpf_sock *sk, const struct pod_net_info *n, bool v4, __u32 *a)
 {
 	a[0] = 0;
 	a[1] = 0;
 	if (v4) {
 		a[2] = bpf_htonl(0x0000ffff);
-		a[3] = sk->bound_dev_if && s->src4 ? s->src4 : bpf_htonl(0x7f000001);
+		a[3] = sk->bound_dev_if && n && n->src4 ? n->src4 : bpf_htonl(0x7f000001);
 		return;
 	}
-	if (sk->bound_dev_if && (s->src6[0] | s->src6[1] | s->src6[2] | s->src6[3])) {
-		a[0] = s->src6[0];
-		a[1] = s->src6[1];
-		a[2] = s->src6[2];
-		a[3] = s->src6[3];
+	if (sk->bound_dev_if && n && (n->src6[0] | n->src6[1] | n->src6[2] | n->src6[3])) {
+		a[0] = n->src6[0];
+		a[1] = n->src6[1];
+		a[2] = n->src6[2];
+		a[3] = n->src6[3];
 		return;
 	}
 	a[2] = 0;
@@ -690,14 +630,14 @@ static __always_inline void rewrite_dst(struct bpf_sock_addr *ctx, bool v6, cons
 // destination changes) instead of loopback. Only the address is bound; the port is
 // chosen at connect. A failure leaves the connect as it was.
 static __always_inline void bind_pod_source(struct bpf_sock_addr *ctx, const struct bpf_sock *sk,
-					    const struct pod_settings *s, bool v6, bool v4dst)
+					    const struct pod_net_info *n, bool v6, bool v4dst)
 {
-	if (sk->bound_dev_if || sk->src_port)
+	if (!n || sk->bound_dev_if || sk->src_port)
 		return;
 	if (!v6) {
-		if (sk->src_ip4 || !s->src4)
+		if (sk->src_ip4 || !n->src4)
 			return;
-		struct mesh_sockaddr_in sin = {.family = AF_INET, .addr = s->src4};
+		struct mesh_sockaddr_in sin = {.family = AF_INET, .addr = n->src4};
 		bpf_bind(ctx, (struct sockaddr *)&sin, sizeof(sin));
 		return;
 	}
@@ -705,16 +645,16 @@ static __always_inline void bind_pod_source(struct bpf_sock_addr *ctx, const str
 		return;
 	struct mesh_sockaddr_in6 sin6 = {.family = AF_INET6};
 	if (v4dst) {
-		if (!s->src4)
+		if (!n->src4)
 			return;
-		map_v4(sin6.addr, s->src4);
+		map_v4(sin6.addr, n->src4);
 	} else {
-		if (!(s->src6[0] | s->src6[1] | s->src6[2] | s->src6[3]))
+		if (!(n->src6[0] | n->src6[1] | n->src6[2] | n->src6[3]))
 			return;
-		sin6.addr[0] = s->src6[0];
-		sin6.addr[1] = s->src6[1];
-		sin6.addr[2] = s->src6[2];
-		sin6.addr[3] = s->src6[3];
+		sin6.addr[0] = n->src6[0];
+		sin6.addr[1] = n->src6[1];
+		sin6.addr[2] = n->src6[2];
+		sin6.addr[3] = n->src6[3];
 	}
 	bpf_bind(ctx, (struct sockaddr *)&sin6, sizeof(sin6));
 }
@@ -751,11 +691,12 @@ static __always_inline bool is_proxy_socket(struct bpf_sock *sk, const struct po
 // the pod is DNS fail-closed. The original destination is kept in the socket's
 // storage: recvmsg shows answers as coming from it, as resolver libraries require.
 static __always_inline int dns_redirect(struct bpf_sock_addr *ctx, const struct pod_settings *s,
-					struct bpf_sock *sk, struct orig_dst *d, bool v6, bool udp, bool connect)
+					const struct pod_net_info *n, struct bpf_sock *sk, struct orig_dst *d, bool v6,
+					bool udp, bool connect)
 {
 	bool v4 = d->family == AF_INET;
 	__u32 a[4];
-	proxy_addr(sk, s, v4, a);
+	proxy_addr(sk, n, v4, a);
 	if (!proxy_listening(ctx, a, v4, s->dns_port, udp)) {
 		if (!(s->flags & SETTING_DNS_FAIL_CLOSED)) {
 			bpf_sk_storage_delete(&sock_orig, sk);
@@ -771,7 +712,7 @@ static __always_inline int dns_redirect(struct bpf_sock_addr *ctx, const struct 
 		return 0;
 	*st = *d;
 	if (connect && !udp)
-		bind_pod_source(ctx, sk, s, v6, v4);
+		bind_pod_source(ctx, sk, n, v6, v4);
 	rewrite_dst(ctx, v6, a, s->dns_port);
 	return 1;
 }
@@ -822,11 +763,12 @@ static __always_inline int redirect_common(struct bpf_sock_addr *ctx, bool v6, b
 		}
 		return 1;
 	}
+	const struct pod_net_info *n = bpf_map_lookup_elem(&pod_net, &netns);
 	if (dns)
-		return dns_redirect(ctx, s, sk, &d, v6, udp, connect);
+		return dns_redirect(ctx, s, n, sk, &d, v6, udp, connect);
 	// Loopback, unspecified and the pod's own addresses stay inside the pod, like
 	// the `! -d 127.0.0.1/32` and `-o lo` exclusions of iptables-based meshes.
-	if (is_loopback_or_any(d.addr) || is_pod_addr(s, d.addr) ||
+	if (is_loopback_or_any(d.addr) || is_pod_addr(n, d.addr) ||
 	    ((s->flags & SETTING_OUTBOUND_PORTS) && port_in(s->outbound_port_set, bpf_ntohs(d.port))) ||
 	    ((s->flags & SETTING_EXCLUDED_CIDRS) && in_cidrs(&excluded_dsts, s->excluded_set, d.addr))) {
 		bpf_sk_storage_delete(&sock_orig, sk);
@@ -836,7 +778,7 @@ static __always_inline int redirect_common(struct bpf_sock_addr *ctx, bool v6, b
 
 	bool v4 = d.family == AF_INET;
 	__u32 a[4];
-	proxy_addr(sk, s, v4, a);
+	proxy_addr(sk, n, v4, a);
 	if (!proxy_listening(ctx, a, v4, s->outbound_port, false)) {
 		if (s->flags & SETTING_FAIL_OPEN) {
 			bpf_sk_storage_delete(&sock_orig, sk);
@@ -858,7 +800,7 @@ static __always_inline int redirect_common(struct bpf_sock_addr *ctx, bool v6, b
 	}
 	*st = d;
 	if (connect)
-		bind_pod_source(ctx, sk, s, v6, v4);
+		bind_pod_source(ctx, sk, n, v6, v4);
 	rewrite_dst(ctx, v6, a, s->outbound_port);
 	return 1;
 }
@@ -878,7 +820,7 @@ int mesh_sock_create(struct bpf_sock *ctx)
 	struct pod_settings *s = bpf_map_lookup_elem(&pods, &netns);
 	if (!s || !(s->flags & SETTING_DENY_RAW))
 		return 1;
-	count(COUNTER_RAW_REFUSED);
+	count_in(&socket_refusals, REFUSED_RAW);
 	return 0;
 }
 
@@ -899,7 +841,7 @@ int BPF_PROG(mesh_socket_create, int family, int type, int protocol, int kern, i
 	struct pod_settings *s = bpf_map_lookup_elem(&pods, &netns);
 	if (!s || !(s->flags & SETTING_DENY_PACKET))
 		return 0;
-	count(COUNTER_PACKET_REFUSED);
+	count_in(&socket_refusals, REFUSED_PACKET);
 	return -EPERM;
 }
 
@@ -1076,118 +1018,6 @@ static __always_inline void collect_listener(struct bpf_sock_ops *ctx)
 	}
 }
 
-// splice_enabled returns the splice settings when splicing is on.
-static __always_inline struct splice_config *splice_enabled(void)
-{
-	__u32 zero = 0;
-	struct splice_config *c = bpf_map_lookup_elem(&splice_node, &zero);
-	return c && c->enabled ? c : NULL;
-}
-
-// splices says whether the pod of this netns asked for the splice.
-static __always_inline bool splices(__u64 netns)
-{
-	struct pod_settings *s = bpf_map_lookup_elem(&pods, &netns);
-	return s && (s->flags & SETTING_SPLICE);
-}
-
-// splice_app_connected runs when an application's connect, redirected to its
-// proxy, is established: the connection's direction into the proxy is pending
-// until the proxy's side is established too (peer is that side's key). A
-// connection that already sent data (TCP Fast Open) is left on TCP.
-static __always_inline void splice_app_connected(struct bpf_sock_ops *ctx, struct tuple_key *peer)
-{
-	if (!splice_enabled() || ctx->data_segs_out)
-		return;
-	struct tuple_key own = {};
-	if (!own_key(ctx, &own) || !splices(own.netns))
-		return;
-	struct splice_flow f = {.state = SPLICE_PENDING};
-	if (bpf_map_update_elem(&splice_flows, peer, &f, BPF_NOEXIST))
-		return;
-	if (bpf_sock_hash_update(ctx, &splice_socks, &own, BPF_NOEXIST))
-		bpf_map_delete_elem(&splice_flows, peer);
-}
-
-// splice_proxy_side puts the proxy's socket (own is its key) of a pod-local
-// connection into splice_targets and makes its direction ready: the pending one
-// of an application that connected first, or a new one when the proxy
-// connected (the application's side then joins when it is established).
-static __always_inline void splice_proxy_side(struct bpf_sock_ops *ctx, struct bpf_sock *sk, struct tuple_key *own,
-					      bool app_first)
-{
-	if (!splice_enabled())
-		return;
-	struct splice_flow *pending = NULL;
-	if (app_first) {
-		pending = bpf_map_lookup_elem(&splice_flows, own);
-		if (!pending || pending->state != SPLICE_PENDING)
-			return;
-		// The pod may have stopped asking since its application's side
-		// was established: the connection stays on TCP.
-		if (!splices(own->netns)) {
-			pending->state = SPLICE_TCP;
-			return;
-		}
-	}
-	if (bpf_sock_hash_update(ctx, &splice_targets, own, BPF_NOEXIST))
-		return;
-	struct tuple_key *rx = bpf_sk_storage_get(&splice_rx, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
-	if (!rx)
-		return; // never ready: the application's bytes go through TCP
-	*rx = *own;
-	bpf_sock_ops_cb_flags_set(ctx, ctx->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
-	// Nothing was received yet: copied_seq is rcv_nxt.
-	if (pending) {
-		pending->proxy_copied = ctx->rcv_nxt;
-		// The application's first write may be deciding for TCP right now.
-		__sync_val_compare_and_swap(&pending->state, SPLICE_PENDING, SPLICE_READY);
-		return;
-	}
-	struct splice_flow f = {.state = SPLICE_READY, .proxy_copied = ctx->rcv_nxt};
-	bpf_map_update_elem(&splice_flows, own, &f, BPF_NOEXIST);
-}
-
-// splice_proxy_connected: the proxy's connect inside its pod is established.
-// When it went to the pod itself (the application's listener), its direction
-// from the application is spliced.
-static __always_inline void splice_proxy_connected(struct bpf_sock_ops *ctx, struct bpf_sock *sk)
-{
-	struct tuple_key own = {};
-	if (!own_key(ctx, &own))
-		return;
-	struct pod_settings *s = bpf_map_lookup_elem(&pods, &own.netns);
-	if (!s || !(s->flags & SETTING_SPLICE) || (!is_pod_addr(s, own.remote) && !is_loopback_or_any(own.remote)))
-		return;
-	splice_proxy_side(ctx, sk, &own, false);
-}
-
-// splice_app_accepted: an application's socket accepted a connection; when the
-// proxy's side of it is ready (the proxy connected to the application), the
-// application's socket joins splice_socks so its writes are spliced.
-static __always_inline void splice_app_accepted(struct bpf_sock_ops *ctx)
-{
-	if (!splice_enabled())
-		return;
-	struct tuple_key peer = {};
-	if (!peer_key(ctx, &peer))
-		return;
-	struct splice_flow *f = bpf_map_lookup_elem(&splice_flows, &peer);
-	if (!f || f->state != SPLICE_READY)
-		return;
-	struct tuple_key own = {};
-	if (!own_key(ctx, &own) || !splices(own.netns) || bpf_sock_hash_update(ctx, &splice_socks, &own, BPF_NOEXIST))
-		f->state = SPLICE_TCP;
-}
-
-// splice_forget drops the spliced direction of a closing proxy socket.
-static __always_inline void splice_forget(struct bpf_sock *sk)
-{
-	struct tuple_key *rx = bpf_sk_storage_get(&splice_rx, sk, 0, 0);
-	if (rx)
-		bpf_map_delete_elem(&splice_flows, rx);
-}
-
 // accepted records SO_ORIGINAL_DST for a socket accepted in an enrolled netns.
 static __always_inline void accepted(struct bpf_sock_ops *ctx)
 {
@@ -1203,9 +1033,7 @@ static __always_inline void accepted(struct bpf_sock_ops *ctx)
 	struct orig_dst *handed = bpf_map_lookup_elem(&orig_dsts, &k);
 	if (handed) {
 		d = *handed;
-		splice_proxy_side(ctx, sk, &k, true);
 	} else {
-		splice_app_accepted(ctx);
 		if (is_loopback_or_any(k.local))
 			return;
 		__builtin_memcpy(d.addr, k.local, sizeof(d.addr));
@@ -1237,9 +1065,12 @@ static __always_inline void proxy_connect(struct bpf_sock_ops *ctx, struct bpf_s
 	bpf_map_update_elem(&proxy_conns, &k, &one, BPF_ANY);
 	bpf_sock_ops_cb_flags_set(ctx, ctx->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
 	struct pod_settings *s = bpf_map_lookup_elem(&pods, &k.netns);
-	if (!s || !(s->flags & SETTING_REPLY_MARK) || !is_pod_addr(s, k.local))
+	if (!s || !(s->flags & SETTING_REPLY_MARK))
 		return;
-	int mark = (int)((sk->mark & ~s->reply_mark_mask) | (s->reply_mark & s->reply_mark_mask));
+	struct pod_net_info *n = bpf_map_lookup_elem(&pod_net, &k.netns);
+	if (!n || !is_pod_addr(n, k.local))
+		return;
+	int mark = (int)((sk->mark & ~n->reply_mark_mask) | (n->reply_mark & n->reply_mark_mask));
 	bpf_setsockopt(ctx, SOL_SOCKET, SO_MARK, &mark, sizeof(mark));
 }
 
@@ -1271,10 +1102,8 @@ static __always_inline void forget(struct bpf_sock_ops *ctx, struct bpf_sock *sk
 			bpf_map_delete_elem(&probe_conns, &k);
 		}
 	} else if (closing && bpf_sk_storage_get(&sock_orig, sk, 0, 0)) {
-		if (peer_key(ctx, &k)) {
+		if (peer_key(ctx, &k))
 			bpf_map_delete_elem(&orig_dsts, &k);
-			bpf_map_delete_elem(&splice_flows, &k);
-		}
 	}
 }
 
@@ -1303,11 +1132,8 @@ int mesh_sockops(struct bpf_sock_ops *ctx)
 			// changes at TCP_CONNECT; any other socket leaves here. The
 			// flag stays: another data path sharing the cgroup root may
 			// have asked for it too.
-			if (ctx->bpf_sock_ops_cb_flags & BPF_SOCK_OPS_STATE_CB_FLAG) {
+			if (ctx->bpf_sock_ops_cb_flags & BPF_SOCK_OPS_STATE_CB_FLAG)
 				forget(ctx, sk, false);
-				if (bpf_sk_storage_get(&proxy_socks, sk, 0, 0))
-					splice_proxy_connected(ctx, sk);
-			}
 			return 1;
 		}
 		struct tuple_key k = {};
@@ -1316,7 +1142,6 @@ int mesh_sockops(struct bpf_sock_ops *ctx)
 		struct orig_dst v = *o;
 		bpf_map_update_elem(&orig_dsts, &k, &v, BPF_ANY);
 		bpf_sock_ops_cb_flags_set(ctx, ctx->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
-		splice_app_connected(ctx, &k);
 		return 1;
 	}
 	case BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB:
@@ -1334,10 +1159,8 @@ int mesh_sockops(struct bpf_sock_ops *ctx)
 			probe_connect(ctx);
 		return 1;
 	case BPF_SOCK_OPS_STATE_CB:
-		if (sk && ctx->args[1] == BPF_TCP_CLOSE) {
+		if (sk && ctx->args[1] == BPF_TCP_CLOSE)
 			forget(ctx, sk, true);
-			splice_forget(sk);
-		}
 		return 1;
 	}
 	return 1;
@@ -1417,9 +1240,9 @@ int mesh_getsockopt(struct bpf_sockopt *ctx)
 		__u32 scope = 0;
 		if (o->family == AF_INET6 && is_link_local6(o->addr)) {
 			__u64 netns = bpf_get_netns_cookie(ctx);
-			struct pod_settings *s = bpf_map_lookup_elem(&pods, &netns);
-			if (s)
-				scope = s->scope_id;
+			struct pod_net_info *n = bpf_map_lookup_elem(&pod_net, &netns);
+			if (n)
+				scope = n->scope_id;
 		}
 		sin6->scope_id = scope;
 		ctx->optlen = sizeof(*sin6);
@@ -1647,161 +1470,4 @@ int mesh_lookup_main(struct bpf_sk_lookup *ctx)
 	// No proxy listening: the client gets a reset, as from a closed port.
 	count(COUNTER_IN_DROPPED);
 	return SK_DROP;
-}
-
-// msg_proxy_key is the key of the proxy's socket of the connection an sk_msg
-// program runs for, as that socket sees it (the writer's peer).
-static __always_inline bool msg_proxy_key(struct sk_msg_md *msg, struct tuple_key *k)
-{
-	k->netns = bpf_get_netns_cookie(msg);
-	if (msg->family == AF_INET) {
-		map_v4(k->local, msg->remote_ip4);
-		map_v4(k->remote, msg->local_ip4);
-	} else if (msg->family == AF_INET6) {
-		k->local[0] = msg->remote_ip6[0];
-		k->local[1] = msg->remote_ip6[1];
-		k->local[2] = msg->remote_ip6[2];
-		k->local[3] = msg->remote_ip6[3];
-		k->remote[0] = msg->local_ip6[0];
-		k->remote[1] = msg->local_ip6[1];
-		k->remote[2] = msg->local_ip6[2];
-		k->remote[3] = msg->local_ip6[3];
-	} else {
-		return false;
-	}
-	// remote_port is the network-order port, shifted into the upper half on
-	// little-endian as in sock_ops: take whichever half holds it.
-	__u32 rp = msg->remote_port;
-	k->local_port = (__u16)((rp & 0xffff) ? rp : rp >> 16);
-	k->remote_port = bpf_htons((__u16)msg->local_port);
-	return true;
-}
-
-// mesh_splice_msg runs for every write on a socket in splice_socks, the
-// application's side of a spliced connection: its writes go to the proxy's
-// socket in splice_targets. Returning SK_PASS without a redirect sends the
-// bytes through TCP.
-SEC("sk_msg")
-int mesh_splice_msg(struct sk_msg_md *msg)
-{
-	struct tuple_key k = {};
-	if (!msg_proxy_key(msg, &k))
-		return SK_PASS;
-	struct splice_flow *f = bpf_map_lookup_elem(&splice_flows, &k);
-	if (!f)
-		return SK_PASS;
-	enum splice_state state = f->state;
-	if (state == SPLICE_PENDING) {
-		// The first byte, and the proxy's side is not up: TCP from here on,
-		// unless it got ready in between.
-		state = __sync_val_compare_and_swap(&f->state, SPLICE_PENDING, SPLICE_TCP);
-		if (state == SPLICE_PENDING)
-			return SK_PASS;
-	}
-	if (state != SPLICE_READY && state != SPLICE_BEHIND)
-		return SK_PASS;
-	struct splice_config *c = splice_enabled();
-	if (!c) {
-		// Splicing stopped on the node: TCP from here on, after what was
-		// spliced, which the proxy reads first. (A pod that stops asking
-		// has its applications' sockets taken out of splice_socks by the
-		// agent: this program no longer runs for them.)
-		f->state = SPLICE_TCP;
-		return SK_PASS;
-	}
-	// A byte may be spliced only when every byte the application gave TCP
-	// has been read by the proxy, or it would be read before them. The
-	// writes of one socket are serialized, and its write_seq counts exactly
-	// what TCP took of them, the proxy's copied_seq what it read of them
-	// (proxy_copied, recorded after each read). They differ while bytes are
-	// behind in TCP: after a write that fell back at the bound, and after
-	// one that reached TCP without this program, such as a write that
-	// started before the socket joined the sockhash and waited for the
-	// handshake there.
-	struct tcp_sock___splice *tp = (void *)bpf_skc_to_tcp_sock(msg->sk);
-	if (!tp)
-		return SK_PASS;
-	if (tp->write_seq != f->proxy_copied) {
-		if (state == SPLICE_READY)
-			f->state = SPLICE_BEHIND;
-		return SK_PASS;
-	}
-	if (state == SPLICE_BEHIND)
-		f->state = SPLICE_READY;
-	if (f->unread + (__s64)msg->size > c->max_unread) {
-		f->state = SPLICE_BEHIND;
-		return SK_PASS;
-	}
-	if (bpf_msg_redirect_hash(msg, &splice_targets, &k, BPF_F_INGRESS) != SK_PASS) {
-		f->state = SPLICE_TCP;
-		return SK_PASS;
-	}
-	__sync_fetch_and_add(&f->unread, (__s64)msg->size);
-	return SK_PASS;
-}
-
-#define MSG_PEEK 2
-#define MSG_ERRQUEUE 0x2000
-
-// splice_read accounts for what the proxy read from a spliced socket. The
-// kernel's reader returns either redirected bytes or TCP ones, never both in
-// one call: a read that left copied_seq where it was took spliced bytes off
-// the unread count, one that moved it read TCP bytes up to the new value. A
-// peek reads nothing off, nor does a read of the error queue (timestamps),
-// which the reader answers before either queue. Concurrent reads of one
-// socket can be taken for the other kind, which only shifts the bound, never
-// the order.
-static __always_inline void splice_read(struct sock *sk, int flags, int ret)
-{
-	if (ret <= 0 || (flags & (MSG_PEEK | MSG_ERRQUEUE)))
-		return;
-	struct tuple_key *k = bpf_sk_storage_get(&splice_rx, sk, 0, 0);
-	if (!k)
-		return;
-	struct splice_flow *f = bpf_map_lookup_elem(&splice_flows, k);
-	struct tcp_sock___splice *tp = (void *)bpf_skc_to_tcp_sock(sk);
-	if (!f || !tp)
-		return;
-	__u32 copied = tp->copied_seq;
-	if (copied == f->proxy_copied)
-		__sync_fetch_and_add(&f->unread, -(__s64)ret);
-	else
-		f->proxy_copied = copied;
-}
-
-// Where the kernel has it (Linux 6.3 and later), the sock_recv_length
-// tracepoint, which every recvmsg of a socket passes (read, recv, readv,
-// recvmmsg, io_uring) with what it returned: a tracepoint attaches where
-// function tracing is refused. Most sockets leave at the storage lookup.
-SEC("tp_btf/sock_recv_length")
-int BPF_PROG(mesh_splice_read_tp, struct sock *sk, int ret, int flags)
-{
-	splice_read(sk, flags, ret);
-	return 0;
-}
-
-// Before it, the reader of a socket in a sockmap: tcp_bpf_recvmsg, which
-// takes the redirected bytes first, then the TCP queue. A variant for each of
-// its signatures (Linux 5.19 dropped the nonblock argument, 6.18 addr_len); the
-// loader attaches the one the kernel's BTF matches.
-SEC("fexit/tcp_bpf_recvmsg")
-int BPF_PROG(mesh_splice_read_noaddr, struct sock *sk, struct msghdr *msg, size_t len, int flags, int ret)
-{
-	splice_read(sk, flags, ret);
-	return 0;
-}
-
-SEC("fexit/tcp_bpf_recvmsg")
-int BPF_PROG(mesh_splice_read, struct sock *sk, struct msghdr *msg, size_t len, int flags, int *addr_len, int ret)
-{
-	splice_read(sk, flags, ret);
-	return 0;
-}
-
-SEC("fexit/tcp_bpf_recvmsg")
-int BPF_PROG(mesh_splice_read_nonblock, struct sock *sk, struct msghdr *msg, size_t len, int nonblock, int flags,
-	     int *addr_len, int ret)
-{
-	splice_read(sk, flags, ret);
-	return 0;
 }

@@ -1,5 +1,6 @@
 // Package hack holds the scripts that prepare a machine for the build and
-// the tests; its test keeps the README's package line equal to their list.
+// the tests; its tests keep the README's package line equal to their list
+// and the Makefile's names of tests to tests that exist.
 package hack
 
 import (

@@ -349,9 +349,26 @@ func TestValues(t *testing.T) {
 				t.Errorf("host paths %v", got)
 			}
 		}},
-		{"CNI directories", "{platform: gke, cni: {binDir: /srv/cni/bin, confDir: /srv/cni/conf}}", func(t *testing.T, objs map[string]object, _ map[string]any) {
+		{"CNI directories", "{platform: gke, cni: {binDir: /srv/cni/bin, confDir: /srv/cni/conf}}", func(t *testing.T, objs map[string]object, c map[string]any) {
 			if got := hostPaths(podSpec(t, objs, "mesh-agent")); got["cni-bin"] != "/srv/cni/bin" || got["cni-conf"] != "/srv/cni/conf" {
 				t.Errorf("host paths %v: want cni.binDir and cni.confDir over the platform's", got)
+			}
+			// Named, they are the operator's: the agent installs there
+			// whatever the runtime loads from, and so does the Job remove.
+			wantArg(t, c, "--cni-bin-dir=/opt/cni/bin")
+			wantArg(t, c, "--cni-conf-dir=/etc/cni/net.d")
+			job, ok := mustRender(t, map[string]any{"cni": map[string]any{"binDir": "/srv/cni/bin", "confDir": "/srv/cni/conf"}, "uninstall": map[string]any{"node": uninstallNode}})["Job/"+namespace+"/mesh-agent-uninstall-"+uninstallNode]
+			if !ok {
+				t.Fatal("no uninstall Job rendered")
+			}
+			uninstall := job["spec"].(map[string]any)["template"].(map[string]any)["spec"].(map[string]any)["containers"].([]any)[0].(map[string]any)
+			wantArg(t, uninstall, "--cni-bin-dir=/opt/cni/bin")
+			wantArg(t, uninstall, "--cni-conf-dir=/etc/cni/net.d")
+		}},
+		{"CNI bin directory alone", "cni: {binDir: /srv/cni/bin}", func(t *testing.T, _ map[string]object, c map[string]any) {
+			wantArg(t, c, "--cni-bin-dir=/opt/cni/bin")
+			if slices.ContainsFunc(argsOf(c), func(a string) bool { return strings.HasPrefix(a, "--cni-conf-dir") }) {
+				t.Errorf("args %q: the conf dir was not named, so it is the runtime's to decide", argsOf(c))
 			}
 		}},
 		{"runtime check", "cni: {runtimeCheck: true}", func(t *testing.T, _ map[string]object, c map[string]any) {

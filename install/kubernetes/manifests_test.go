@@ -465,6 +465,27 @@ func TestDaemonSetMountsMatchAgentPaths(t *testing.T) {
 	}
 }
 
+// The DaemonSet names no CNI directory: the agent installs where the node's
+// runtime loads CNI from, and reads its cni-bin and cni-conf mounts as its
+// defaults, the pinned release too, so that a platform's mounts are where it
+// installs when they are the runtime's or the runtime cannot be read.
+func TestCNIDirsAreTheRuntimes(t *testing.T) {
+	_, c := agentContainer(t, loadObjects(t))
+	flags := flagArgs(t, c)
+	for _, f := range []string{"cni-bin-dir", "cni-conf-dir", "runtime-cni-check"} {
+		if v, ok := flags[f]; ok {
+			t.Errorf("--%s=%s: the operator's choice (docs/install.md), not the manifests' default", f, v)
+		}
+	}
+	mounts := map[string]string{}
+	for _, m := range AgentMounts() {
+		mounts[m.Volume] = m.Path
+	}
+	if mounts["cni-bin"] != agentcli.DefaultCNIBinDir || mounts["cni-conf"] != agentcli.DefaultCNIConfDir {
+		t.Errorf("CNI mounts at %s and %s, the agent's defaults are %s and %s", mounts["cni-bin"], mounts["cni-conf"], agentcli.DefaultCNIBinDir, agentcli.DefaultCNIConfDir)
+	}
+}
+
 // declaredAgentFlags returns the flags `mesh-agent run` declares, read from its
 // own usage text.
 func declaredAgentFlags(t *testing.T) map[string]bool {
@@ -891,7 +912,7 @@ func TestPodPolicies(t *testing.T) {
 	sa := only[*corev1.ServiceAccount](t, objs)
 	pods := []admissionregistrationv1.NamedRuleWithOperations{{RuleWithOperations: admissionregistrationv1.RuleWithOperations{
 		Operations: []admissionregistrationv1.OperationType{admissionregistrationv1.Create, admissionregistrationv1.Update},
-		Rule:       admissionregistrationv1.Rule{APIGroups: []string{""}, APIVersions: []string{"*"}, Resources: []string{"pods", "pods/*"}},
+		Rule:       admissionregistrationv1.Rule{APIGroups: []string{""}, APIVersions: []string{"*"}, Resources: []string{"pods", "pods/*", "bindings"}},
 	}}}
 
 	annotations, binding := policyNamed(t, objs, "mesh-redirection-annotations")
@@ -946,7 +967,7 @@ func TestPodPolicies(t *testing.T) {
 			t.Errorf("%s: failurePolicy %v, want Fail", p.Name, fp)
 		}
 		if p.Spec.MatchConstraints == nil || !reflect.DeepEqual(p.Spec.MatchConstraints.ResourceRules, pods) {
-			t.Errorf("%s: matches %+v, want pod create and update, every subresource", p.Name, p.Spec.MatchConstraints)
+			t.Errorf("%s: matches %+v, want pod create and update, every subresource, and bindings", p.Name, p.Spec.MatchConstraints)
 		}
 	}
 	for _, b := range []*admissionregistrationv1.ValidatingAdmissionPolicyBinding{binding, enforceBinding} {

@@ -74,6 +74,11 @@ type PathFlag struct {
 // AgentMounts returns the host directories the agent container mounts.
 func AgentMounts() []Mount {
 	return []Mount{
+		// A platform's CNI directories (Platforms), at the agent's default
+		// --cni-bin-dir and --cni-conf-dir, which no flag names: the agent
+		// installs where the node's runtime loads CNI from, through these
+		// when they are those directories, through the host's root
+		// otherwise.
 		{Volume: "cni-bin", HostPath: "/opt/cni/bin", Path: "/opt/cni/bin"},
 		{Volume: "cni-conf", HostPath: "/etc/cni/net.d", Path: "/etc/cni/net.d"},
 		// Pins must outlive the pod: they live in the host's bpffs, which the
@@ -96,8 +101,6 @@ func AgentPathFlags() []PathFlag {
 		{Flag: "state-dir", Value: "/var/run/mesh-cni/pods"},
 		{Flag: "bpffs-root", Value: "/sys/fs/bpf/mesh-cni"},
 		{Flag: "cgroup-root", Value: "/host/sys/fs/cgroup"},
-		{Flag: "cni-bin-dir", Value: "/opt/cni/bin"},
-		{Flag: "cni-conf-dir", Value: "/etc/cni/net.d"},
 		{Flag: "plugin-binary", Value: "/usr/local/bin/mesh-cni", InImage: true},
 		{Flag: "zds-socket", Value: "/var/run/ztunnel/ztunnel.sock"},
 	}

@@ -3,7 +3,11 @@ package kubernetes
 // Platform is where a distribution's container runtime looks for CNI plugins
 // and configs on its nodes: the host directories behind the DaemonSet's
 // cni-bin and cni-conf volumes. Inside the container they stay /opt/cni/bin
-// and /etc/cni/net.d (AgentMounts), so only the host side changes.
+// and /etc/cni/net.d (AgentMounts), so only the host side changes. The agent
+// reads the runtime's directories from its process and installs there
+// whatever the platform, through these mounts when they are the runtime's:
+// a platform saves it going through the host's root, and is where it
+// installs when it cannot read the runtime.
 type Platform struct {
 	Name       string
 	CNIBinDir  string

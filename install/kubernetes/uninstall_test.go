@@ -67,10 +67,20 @@ func TestUninstallJobMatchesDaemonSet(t *testing.T) {
 			t.Errorf("--%s=%s, the DaemonSet passes %s", pf.Flag, v, agentFlags[pf.Flag])
 		}
 	}
-	for _, f := range []string{"socket", "bpffs-root", "cgroup-root", "cni-bin-dir", "cni-conf-dir"} {
+	for _, f := range []string{"socket", "bpffs-root", "cgroup-root"} {
 		if _, ok := flags[f]; !ok {
 			t.Errorf("args lack --%s: uninstall would look in the default place, not where the DaemonSet put things", f)
 		}
+	}
+	// The CNI directories are decided as the agent decides them: from the
+	// runtime's process, which needs the host's PID namespace.
+	for _, f := range []string{"cni-bin-dir", "cni-conf-dir"} {
+		if v, ok := flags[f]; ok != (agentFlags[f] != "") || v != agentFlags[f] {
+			t.Errorf("--%s=%q, the DaemonSet passes %q: uninstall would look elsewhere than the agent installed", f, v, agentFlags[f])
+		}
+	}
+	if !pod.HostPID {
+		t.Error("hostPID: want true, to find the container runtime's CNI directories as the agent does")
 	}
 	if sc := c.SecurityContext; sc == nil || sc.Privileged == nil || !*sc.Privileged {
 		t.Error("securityContext.privileged: want true, as the agent's")

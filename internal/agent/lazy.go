@@ -73,18 +73,6 @@ func (l *lazyDatapath) Refusals() ([]redirect.Refusal, error) {
 	return nil, nil
 }
 
-// SetSplice implements SpliceSetter when the loaded data path does.
-func (l *lazyDatapath) SetSplice(ctx context.Context, cookie uint64, capture podstore.Capture) (bool, error) {
-	dp, err := l.get()
-	if err != nil {
-		return false, err
-	}
-	if ss, ok := dp.(SpliceSetter); ok {
-		return ss.SetSplice(ctx, cookie, capture)
-	}
-	return false, nil
-}
-
 // Recollect implements ListenerRecollector when the loaded data path does.
 func (l *lazyDatapath) Recollect(ctx context.Context, netnsPath string) error {
 	dp, err := l.get()

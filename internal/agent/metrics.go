@@ -24,6 +24,7 @@ type Metrics struct {
 	enrollFailures   *prometheus.CounterVec
 	reconcileActions *prometheus.CounterVec
 	chainRepairs     prometheus.Counter
+	cacheMisses      *prometheus.CounterVec
 	// startupTaint is registered only with --startup-taint.
 	startupTaint prometheus.Gauge
 	// ZDSConnections and ZDSAcks are fed by the proxy handoff server.
@@ -34,11 +35,6 @@ type Metrics struct {
 // CounterReader is a data path that can report its per-CPU decision counters.
 type CounterReader interface {
 	Counters() (redirect.Counters, error)
-}
-
-// SpliceReader is a data path that can report its splice.
-type SpliceReader interface {
-	Splice() (redirect.SpliceStatus, error)
 }
 
 // NewMetrics registers every metric. enrolled and ready are read at scrape time.
@@ -74,6 +70,9 @@ func newMetrics(reg prometheus.Registerer, enrolled func() int, ready func() boo
 		chainRepairs: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "meshcni_chain_entry_repairs_total", Help: "Times the mesh-cni chain entry was put back after it went missing.",
 		}),
+		cacheMisses: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "meshcni_enrollment_cache_misses_total", Help: "Decisions that had to ask the API server for an object the enrollment source's cache lacked, by resource (pod, namespace).",
+		}, []string{"resource"}),
 		ZDSConnections: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "meshcni_zds_connections", Help: "Node proxies connected over ZDS.",
 		}),
@@ -81,7 +80,7 @@ func newMetrics(reg prometheus.Registerer, enrolled func() int, ready func() boo
 			Name: "meshcni_zds_acks_total", Help: "ZDS messages acknowledged by node proxies, by result.",
 		}, []string{"result"}),
 	}
-	reg.MustRegister(m.gateRequests, m.gateWait, m.gateWaiting, m.enrollFailures, m.reconcileActions, m.chainRepairs,
+	reg.MustRegister(m.gateRequests, m.gateWait, m.gateWaiting, m.enrollFailures, m.reconcileActions, m.chainRepairs, m.cacheMisses,
 		m.ZDSConnections, m.ZDSAcks,
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "meshcni_enrolled_pods", Help: "Pod attachments with redirection in place."},
 			func() float64 { return float64(enrolled()) }),
@@ -105,6 +104,13 @@ func newMetrics(reg prometheus.Registerer, enrolled func() int, ready func() boo
 func (m *Metrics) enrollFailed(reason string) {
 	if m != nil {
 		m.enrollFailures.WithLabelValues(reason).Inc()
+	}
+}
+
+// CacheMiss counts a decision that had to ask the API server.
+func (m *Metrics) CacheMiss(resource string) {
+	if m != nil {
+		m.cacheMisses.WithLabelValues(resource).Inc()
 	}
 }
 
@@ -200,17 +206,7 @@ var bpfPacketRefused = prometheus.NewDesc("meshcni_datapath_packet_sockets_refus
 	"Packet sockets refused to enrolled pods (--deny-packet-sockets).",
 	nil, nil)
 
-var bpfSpliceEnabled = prometheus.NewDesc("meshcni_datapath_splice_enabled",
-	"1 while the data path splices applications' writes into their proxy (--splice, on a kernel that can), else 0.",
-	nil, nil)
-
-var bpfSpliceConnections = prometheus.NewDesc("meshcni_datapath_splice_connections",
-	"Open application-to-proxy connections of the splice, by state: spliced, behind (on TCP until the proxy has read what went through TCP: after it left more than --splice-max-unread unread, or a write reached TCP before the splice), tcp (on TCP for good: a first byte before the proxy's side was up, or the pod stopped asking) or pending.",
-	[]string{"state"}, nil)
-
 func (c *datapathCollector) Describe(ch chan<- *prometheus.Desc) {
-	ch <- bpfSpliceEnabled
-	ch <- bpfSpliceConnections
 	ch <- bpfDecisions
 	ch <- bpfListenersRefused
 	ch <- bpfRawRefused
@@ -235,23 +231,4 @@ func (c *datapathCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(bpfListenersRefused, prometheus.CounterValue, float64(counts.ListenersRefused))
 	ch <- prometheus.MustNewConstMetric(bpfRawRefused, prometheus.CounterValue, float64(counts.RawSocketsRefused))
 	ch <- prometheus.MustNewConstMetric(bpfPacketRefused, prometheus.CounterValue, float64(counts.PacketSocketsRefused))
-	if sr, ok := r.(SpliceReader); ok {
-		collectSplice(ch, sr)
-	}
-}
-
-func collectSplice(ch chan<- prometheus.Metric, r SpliceReader) {
-	st, err := r.Splice()
-	if err != nil {
-		ch <- prometheus.NewInvalidMetric(bpfSpliceConnections, err)
-		return
-	}
-	on := 0.0
-	if st.Enabled {
-		on = 1
-	}
-	ch <- prometheus.MustNewConstMetric(bpfSpliceEnabled, prometheus.GaugeValue, on)
-	for state, n := range map[string]int{"spliced": st.Spliced, "behind": st.Behind, "tcp": st.TCP, "pending": st.Pending} {
-		ch <- prometheus.MustNewConstMetric(bpfSpliceConnections, prometheus.GaugeValue, float64(n), state)
-	}
 }

@@ -22,24 +22,6 @@ type Decision struct {
 	Capture podstore.Capture
 }
 
-// AnnotationSplice is the pod annotation that chooses the splice for a pod
-// (mesh-agent --splice): "enabled" opts the pod in, any other value out. It
-// is read when the pod is enrolled.
-const AnnotationSplice = "mesh-cni.io/splice"
-
-// SpliceChoice is the pod's choice by its AnnotationSplice annotation: nil
-// when it has none. Only "enabled" asks for the splice: a value mistyped,
-// such as "false" or "Disabled", opts out, the side that cannot break a
-// blocking application.
-func SpliceChoice(annotations map[string]string) *bool {
-	v, ok := annotations[AnnotationSplice]
-	if !ok {
-		return nil
-	}
-	on := v == "enabled"
-	return &on
-}
-
 // ServiceAccountSource is a policy that reads each pod's service account
 // (the Kubernetes source). A node proxy that derives identities from it
 // (ztunnel) can only be served when the policy is one.
@@ -60,6 +42,14 @@ type Policy interface {
 // knows.
 type PolicyWatcher interface {
 	Changed() <-chan struct{}
+}
+
+// CacheMissNotifier is an enrollment source that decides from a cache and
+// asks its API server when the cache lacks an object: the agent counts each
+// such ask (meshcni_enrollment_cache_misses_total), the cost a decision put on
+// the API server.
+type CacheMissNotifier interface {
+	OnCacheMiss(miss func(resource string))
 }
 
 // PolicySyncer is a policy that needs to catch up before it can answer (informer
@@ -104,13 +94,11 @@ func (s *Service) report(ctx context.Context, pod *gatepb.PodIdentity, outcome s
 // excludeNamespaces list is then the only scope.
 type EnrollAll struct{}
 
-// Decide implements Policy. The pod's splice choice is the request's: KNI
-// and hook requests carry its annotations, CNI requests none.
-func (EnrollAll) Decide(_ context.Context, pod *gatepb.PodIdentity) (Decision, error) {
+// Decide implements Policy.
+func (EnrollAll) Decide(context.Context, *gatepb.PodIdentity) (Decision, error) {
 	return Decision{
-		Enroll:  true,
-		Reason:  "every pod that reaches the agent is enrolled (no enrollment policy configured)",
-		Capture: podstore.Capture{Splice: SpliceChoice(pod.GetAnnotations())},
+		Enroll: true,
+		Reason: "every pod that reaches the agent is enrolled (no enrollment policy configured)",
 	}, nil
 }
 

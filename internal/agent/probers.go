@@ -118,6 +118,12 @@ func (w ProbeWatch) Start(ctx context.Context) (stop func()) {
 			w.Log.Warn("kubelet's network namespace", zap.Int("pid", pid), zap.Error(err))
 			return
 		}
+		// The kubelet may have exited since the finder checked it, and its
+		// pid gone to another process: what was read is the kubelet's only
+		// if the process still has the start time the finder saw.
+		if st, err := finder.Proc.Stat(pid); err != nil || st.StartTime != k.StartTime {
+			return
+		}
 		// By the cgroup's id too, as the data path holds it: a kubelet
 		// restarted into its cgroup made again at the same path needs the
 		// new id set.

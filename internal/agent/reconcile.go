@@ -88,14 +88,6 @@ type ListenerRecollector interface {
 	Recollect(ctx context.Context, netnsPath string) error
 }
 
-// SpliceSetter is a data path that can apply a pod's splice choice in place:
-// the agent applies it to every pod it keeps, so that a changed --splice
-// reaches running pods (their new connections; the open ones leave the
-// splice when it is turned off) without enrolling them again.
-type SpliceSetter interface {
-	SetSplice(ctx context.Context, cookie uint64, capture podstore.Capture) (changed bool, err error)
-}
-
 // reportRefusals logs each proxy listener the data path could not capture once,
 // and again when it is refused again, naming the pod: its inbound connections fail
 // closed until the proxy listens with plain TCP. Pods with a refusal have their
@@ -218,13 +210,6 @@ func (s *Service) reconcileOne(ctx context.Context, key podstore.Key) (reconcile
 		return outcomeKept, nil
 	}
 	if err := s.datapath.Check(ctx, rec.NetnsCookie); err == nil {
-		if ss, ok := s.datapath.(SpliceSetter); ok {
-			if changed, err := ss.SetSplice(ctx, rec.NetnsCookie, rec.Capture); err != nil {
-				s.log.Warn("apply the pod's splice choice", append(fields, zap.Error(err))...)
-			} else if changed {
-				s.log.Info("pod's splice changed with the agent's settings", fields...)
-			}
-		}
 		return outcomeKept, nil
 	} else {
 		s.log.Warn("pod redirection broken; repairing", append(fields, zap.Error(err))...)

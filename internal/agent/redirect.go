@@ -64,9 +64,6 @@ func (r RedirectDatapath) settingsFor(c podstore.Capture) redirect.Settings {
 		s.DNSFailClosed = s.DNSFailClosed && s.DNSCapture
 	}
 	s.BypassInbound = s.BypassInbound || c.BypassInbound
-	if c.Splice != nil {
-		s.Splice = *c.Splice
-	}
 	return s
 }
 
@@ -83,12 +80,6 @@ func (r RedirectDatapath) Release(ctx context.Context, cookie uint64, netnsPath 
 // Recollect implements ListenerRecollector.
 func (r RedirectDatapath) Recollect(ctx context.Context, netnsPath string) error {
 	return r.DP.Recollect(ctx, netnsPath)
-}
-
-// SetSplice implements SpliceSetter: the node's splice setting with the
-// pod's own choice.
-func (r RedirectDatapath) SetSplice(ctx context.Context, cookie uint64, capture podstore.Capture) (bool, error) {
-	return r.DP.SetSplice(ctx, cookie, r.settingsFor(capture).Splice)
 }
 
 // Check implements Datapath.
@@ -111,9 +102,6 @@ func (r RedirectDatapath) Enrolled(ctx context.Context) ([]uint64, error) {
 
 // Counters implements CounterReader.
 func (r RedirectDatapath) Counters() (redirect.Counters, error) { return r.DP.Counters() }
-
-// Splice implements SpliceReader.
-func (r RedirectDatapath) Splice() (redirect.SpliceStatus, error) { return r.DP.Splice() }
 
 // Refusals implements RefusalReader.
 func (r RedirectDatapath) Refusals() ([]redirect.Refusal, error) { return r.DP.Refusals() }

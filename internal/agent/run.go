@@ -105,6 +105,9 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 		return r
 	})
 	svc.metrics = metrics
+	if n, ok := policy.(CacheMissNotifier); ok {
+		n.OnCacheMiss(metrics.CacheMiss)
+	}
 	if cfg.MetricsAddr != "" {
 		stopHTTP, err := serveHTTP(ctx, log, cfg.MetricsAddr, metrics, readiness)
 		if err != nil {

@@ -69,7 +69,6 @@ type fakePolicy struct {
 	enrolled map[string]bool // by namespace
 	err      error
 	outcomes map[string]string // pod name -> last outcome
-	splice   *bool             // every pod's splice choice
 }
 
 func (p *fakePolicy) Decide(_ context.Context, pod *gatepb.PodIdentity) (Decision, error) {
@@ -78,8 +77,7 @@ func (p *fakePolicy) Decide(_ context.Context, pod *gatepb.PodIdentity) (Decisio
 	if p.err != nil {
 		return Decision{}, p.err
 	}
-	return Decision{Enroll: p.enrolled[pod.GetNamespace()], Reason: "test", ServiceAccount: "sa-" + pod.GetName(),
-		Capture: podstore.Capture{Splice: p.splice}}, nil
+	return Decision{Enroll: p.enrolled[pod.GetNamespace()], Reason: "test", ServiceAccount: "sa-" + pod.GetName()}, nil
 }
 
 func (p *fakePolicy) Report(_ context.Context, pod *gatepb.PodIdentity, outcome string, _ error) {

@@ -20,6 +20,8 @@ type CNIStatus struct {
 	// Network is the chain's CNI network name.
 	Network string
 	Repairs uint64
+	// Dirs says where the plugin and the entry go, and why there.
+	Dirs string
 }
 
 // setCNIStatus records the installer's latest report.
@@ -39,7 +41,7 @@ func (s *Service) Status(context.Context, *gatepb.StatusRequest) (*gatepb.Status
 	}
 	if st := s.cni.Load(); st != nil {
 		resp.CniConfig = &gatepb.CNIConfig{Managed: true, InPlace: st.InPlace, Mode: st.Mode, PrimaryFile: st.Primary,
-			File: st.File, Repairs: st.Repairs, Reason: st.Reason}
+			File: st.File, Repairs: st.Repairs, Reason: st.Reason, Dirs: st.Dirs}
 	}
 	return resp, nil
 }

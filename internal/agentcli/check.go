@@ -33,6 +33,7 @@ func checkCommand(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
+	opts.markExplicit(fs)
 	results := runChecks(ctx, opts)
 	failed := 0
 	for _, r := range results {
@@ -67,9 +68,6 @@ func runChecks(ctx context.Context, opts options) []checkResult {
 		}
 		add("cgroup v2 mounted"+suffix(cg), problem)
 		add("kernel features (Linux "+redirect.KernelFloor+" or newer)", kernelProblems())
-		if opts.splice != SpliceOff {
-			add("kernel can splice (--splice)", errOr(redirect.SpliceSupport(), ""))
-		}
 
 		if ok, err := redirect.IsBPFFS(opts.bpffsRoot); err != nil || !ok {
 			add("bpffs at "+opts.bpffsRoot, fmt.Sprintf("not a bpffs (%v)", errOr(err, "wrong filesystem type")))
@@ -102,32 +100,18 @@ func runChecks(ctx context.Context, opts options) []checkResult {
 			}
 			add("pod inbound capture attached", strings.Join(broken, ", "))
 			add("proxy listeners captured", strings.Join(uncaptured, ", "))
-			if opts.splice != SpliceOff {
-				add("splice on (--splice)", spliceProblem(snap.Splice))
-			}
 		}
 	}
 
 	if opts.cniInstall {
-		add("chain entry present and last", checkChainEntry(opts.cniConfDir, opts.cniConfFile))
+		dir, problem := opts.entryConfDir()
+		add("CNI directories the container runtime loads from", problem)
+		add("chain entry present and last", checkChainEntry(dir, opts.cniConfFile))
 	}
 
 	add("gate socket modes", checkSocketModes(opts.socketPath))
 	add("agent ready", checkAgentReady(ctx, opts.socketPath))
 	return out
-}
-
-// spliceProblem says why the pinned data path does not splice.
-func spliceProblem(st *redirect.SpliceStatus) string {
-	switch {
-	case st == nil:
-		return "the pinned data path has no splice (an agent build without it pinned it)"
-	case st.Error != "":
-		return st.Error
-	case !st.Enabled:
-		return "splicing is off (the agent runs with --splice=off, or could not start it: its log says why)"
-	}
-	return ""
 }
 
 func suffix(s string) string {

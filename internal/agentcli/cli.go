@@ -83,8 +83,6 @@ type options struct {
 	denyRawSockets        bool
 	denyPacketSockets     bool
 	failOpen              bool
-	splice                spliceMode
-	spliceMaxUnread       int64
 
 	// The CNI chain entry.
 	cniInstall        bool
@@ -104,8 +102,13 @@ type options struct {
 	enroll enrollOptions
 
 	// explicit are the flags the command line set: a profile's defaults
-	// apply only to the others.
+	// apply only to the others, and the CNI directories are the runtime's
+	// unless named.
 	explicit map[string]bool
+	// procRoot is the host's procfs ("": /proc); tests set another.
+	procRoot string
+	// placed is where the running agent installed (run only).
+	placed *cniPlaced
 }
 
 // applyProfileDefaults sets what the istio selector profile changes in the
@@ -176,16 +179,13 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.BoolVar(&opts.dnsFailClosed, "dns-fail-closed", false, "with --dns-capture, send DNS to the proxy's listener even when nothing listens there (queries then fail)")
 	fs.BoolVar(&opts.denyRawSockets, "deny-raw-sockets", false, "refuse enrolled pods raw IP sockets (socket() fails with EPERM): with CAP_NET_RAW, a default capability, a raw socket sends TCP past the outbound capture; packet sockets are not covered")
 	fs.BoolVar(&opts.denyPacketSockets, "deny-packet-sockets", false, "refuse enrolled pods packet (AF_PACKET) sockets, which send any frame (a TCP handshake as another address after answering ARP for it) with CAP_NET_RAW; needs the BPF LSM on the node (its lsm= list names bpf): the agent refuses to start without it")
-	opts.splice = SpliceOff
-	fs.Var(&opts.splice, "splice", "splice what applications write to their proxy straight into the proxy's socket (sk_msg) instead of through loopback TCP, for pods whose applications read their sockets non-blocking (docs/design.md, the splice): \"off\", \"annotated\" (pods annotated mesh-cni.io/splice=enabled) or \"all\" (every enrolled pod but those whose mesh-cni.io/splice annotation has another value, such as disabled); proxies must read their pod-side sockets with read or recv; where the kernel cannot (mesh-agent check says), connections stay on TCP")
-	fs.Int64Var(&opts.spliceMaxUnread, "splice-max-unread", redirect.DefaultSpliceMaxUnread, "with --splice, the spliced bytes a proxy may leave unread on one connection before its writes go through TCP, whose buffers push back on the writer, until the proxy has read everything")
 	fs.BoolVar(&opts.failOpen, "fail-open", false, "pass traffic through when no proxy listens (default: refuse outbound connects and drop inbound SYNs)")
 
 	fs.BoolVar(&opts.cniInstall, "cni-install", true, "install the plugin binary and the chain entry, and keep the entry in place")
-	fs.BoolVar(&opts.runtimeCNICheck, "runtime-cni-check", false, "before installing, find the container runtime (containerd, CRI-O) in the host's processes and stay not ready while it loads CNI from other directories than --cni-conf-dir and --cni-bin-dir (a wrong platform would leave every new pod unmeshed); the chart's cni.runtimeCheck turns it on")
+	fs.BoolVar(&opts.runtimeCNICheck, "runtime-cni-check", false, "install only into --cni-conf-dir and --cni-bin-dir, never where the container runtime loads CNI from through the host's root, and stay not ready while the runtime (containerd, CRI-O, found in the host's processes) loads CNI from other directories; the chart's cni.runtimeCheck turns it on")
 	opts.cniBinDirs = stringList{DefaultCNIBinDir}
-	fs.Var(&opts.cniBinDirs, "cni-bin-dir", "comma-separated CNI bin directories to install the mesh-cni binary into")
-	fs.StringVar(&opts.cniConfDir, "cni-conf-dir", DefaultCNIConfDir, "CNI configuration directory")
+	fs.Var(&opts.cniBinDirs, "cni-bin-dir", "comma-separated CNI bin directories to install the mesh-cni binary into (default: where the container runtime loads plugins from, found through its process; through this directory when it is that one, through the host's root otherwise; this directory when the runtime is not found); set, it is used as given")
+	fs.StringVar(&opts.cniConfDir, "cni-conf-dir", DefaultCNIConfDir, "CNI configuration directory to keep the chain entry in (default: where the container runtime loads configs from, as for --cni-bin-dir); set, it is used as given")
 	fs.StringVar(&opts.cniConfFile, "cni-conf-file", "", "the primary CNI config file name to chain onto (default: the first valid file, as kubelet picks)")
 	fs.BoolVar(&opts.ownedConfig, "owned-config", true, "write a merged conflist that sorts before the primary's (false: append the entry to the primary's own file, which leaves a short unmeshed window each time the primary rewrites it)")
 	fs.StringVar(&opts.pluginBinary, "plugin-binary", "", "the mesh-cni binary to install (default: mesh-cni next to the mesh-agent binary)")
@@ -237,8 +237,6 @@ func (o options) redirectSettings() (redirect.Settings, error) {
 	s.DenyRawSockets = o.denyRawSockets
 	s.DenyPacketSockets = o.denyPacketSockets
 	s.FailOpen = o.failOpen
-	// A pod without the annotation gets the node's choice.
-	s.Splice = o.splice == SpliceAll
 	if err := s.Validate(); err != nil {
 		return s, fmt.Errorf("redirection settings: %w", err)
 	}
@@ -308,14 +306,19 @@ func parseWithLogger(command string, args []string, stderr io.Writer) (opts opti
 		fmt.Fprintf(stderr, "mesh-agent: %v\n", err)
 		return opts, nil, 2
 	}
-	opts.explicit = map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { opts.explicit[f.Name] = true })
+	opts.markExplicit(fs)
 	log, err := newLogger(opts.logLevel, opts.logFormat, stderr)
 	if err != nil {
 		fmt.Fprintf(stderr, "mesh-agent: %v\n", err)
 		return opts, nil, 2
 	}
 	return opts, log, -1
+}
+
+// markExplicit records the flags the command line (or the environment) set.
+func (o *options) markExplicit(fs *flag.FlagSet) {
+	o.explicit = map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { o.explicit[f.Name] = true })
 }
 
 // EnvPrefix starts the environment variable of every flag of `mesh-agent run`
@@ -356,6 +359,7 @@ func runCommand(ctx context.Context, args []string, stderr io.Writer) int {
 		log.Error("invalid configuration", zap.Error(err))
 		return 2
 	}
+	opts.placed = &cniPlaced{}
 	cfg, err := agentConfig(opts, log)
 	if err != nil {
 		log.Error("invalid configuration", zap.Error(err))
@@ -473,11 +477,8 @@ func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {
 		if cg != opts.cgroupRoot {
 			log.Info("hybrid cgroups: attaching to the cgroup v2 hierarchy inside --cgroup-root", zap.String("cgroupRoot", cg))
 		}
-		if opts.spliceMaxUnread <= 0 {
-			return cfg, fmt.Errorf("--splice-max-unread %d: want a positive number of bytes", opts.spliceMaxUnread)
-		}
 		rcfg := redirect.Config{PinRoot: opts.bpffsRoot, CgroupRoot: cg, PacketSockets: opts.denyPacketSockets,
-			Splice: opts.splice != SpliceOff, SpliceMaxUnread: opts.spliceMaxUnread, Logger: log.Named("datapath")}
+			Logger: log.Named("datapath")}
 		cfg.OpenDatapath = func(ctx context.Context) (agent.Datapath, func() error, error) {
 			dp, err := redirect.Open(ctx, rcfg)
 			if err != nil {

@@ -9,8 +9,6 @@ import (
 	"testing"
 
 	"go.uber.org/zap"
-
-	"github.com/mesh-cni/mesh-cni/internal/redirect"
 )
 
 // Every flag of `mesh-agent run` is also read from its environment variable, the
@@ -82,57 +80,6 @@ func TestKNIRefusesChainEntry(t *testing.T) {
 	}
 	if err := checkKNIChain(opts); err != nil {
 		t.Errorf("KNI without the chain entry: %v", err)
-	}
-}
-
-// mesh-agent check --splice fails, saying why, unless the pinned data path
-// splices.
-func TestSpliceCheck(t *testing.T) {
-	for _, tc := range []struct {
-		st   *redirect.SpliceStatus
-		want string
-	}{
-		{nil, "has no splice"},
-		{&redirect.SpliceStatus{}, "splicing is off"},
-		{&redirect.SpliceStatus{Error: "tracing refused"}, "tracing refused"},
-		{&redirect.SpliceStatus{Enabled: true, Spliced: 3}, ""},
-	} {
-		got := spliceProblem(tc.st)
-		if (tc.want == "") != (got == "") || !strings.Contains(got, tc.want) {
-			t.Errorf("%+v: %q, want %q", tc.st, got, tc.want)
-		}
-	}
-}
-
-// --splice chooses which pods are spliced: off loads nothing, annotated
-// splices only pods that ask for it, all every pod but those that opt out
-// (the default a pod without the annotation gets); any other value is refused
-// when the flags are parsed.
-func TestSpliceFlag(t *testing.T) {
-	none := func(string) (string, bool) { return "", false }
-	for _, tc := range []struct {
-		value                string
-		loads, podsByDefault bool
-	}{{"off", false, false}, {"annotated", true, false}, {"all", true, true}} {
-		var opts options
-		if err := parseFlags(flagSet("mesh-agent run", &opts, io.Discard), []string{"--splice", tc.value}, none); err != nil {
-			t.Fatalf("--splice %s: %v", tc.value, err)
-		}
-		s, err := opts.redirectSettings()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if loads := opts.splice != SpliceOff; loads != tc.loads || s.Splice != tc.podsByDefault {
-			t.Errorf("--splice %s: splicing loaded %v, pods spliced by default %v; want %v, %v", tc.value, loads, s.Splice, tc.loads, tc.podsByDefault)
-		}
-	}
-	var opts options
-	if err := parseFlags(flagSet("mesh-agent run", &opts, io.Discard), nil, none); err != nil || opts.splice != SpliceOff {
-		t.Errorf("default --splice %q (%v), want off", opts.splice, err)
-	}
-	err := parseFlags(flagSet("mesh-agent run", &opts, io.Discard), []string{"--splice=true"}, none)
-	if err == nil || !strings.Contains(err.Error(), "annotated") {
-		t.Errorf("--splice=true: %v, want an error listing the values", err)
 	}
 }
 

@@ -27,6 +27,16 @@ const (
 // mounted as a directory in the DaemonSet).
 const DefaultPolicyFile = "/etc/mesh-cni/enrollment.yaml"
 
+// The agent's client limits: client-go's defaults (5 per second, 10 at once)
+// would queue the writes of a node's burst of pod starts for tens of seconds.
+// A pod start outside the mesh makes no request, a meshed one one write (and a
+// read when the agent's watch has not delivered the pod yet); API Priority and
+// Fairness on the server, not this limit, is what protects it from a fleet.
+const (
+	DefaultAPIQPS   = 20
+	DefaultAPIBurst = 110
+)
+
 // enrollOptions are the flags choosing which pods join the mesh.
 type enrollOptions struct {
 	mode       string
@@ -35,6 +45,10 @@ type enrollOptions struct {
 	kubeconfig string
 	nodeName   string
 	apiTimeout time.Duration
+	apiQPS     float64
+	apiBurst   int
+	// apiStartJitter bounds the random delay before the first list and watch.
+	apiStartJitter time.Duration
 	// startupTaint is the taint key removed from the node once the agent
 	// is ready (startuptaint.go); it shares the credential and the node.
 	startupTaint string
@@ -47,6 +61,9 @@ func (e *enrollOptions) register(fs *flag.FlagSet) {
 	fs.StringVar(&e.kubeconfig, "kubeconfig", "", "kubeconfig of --enrollment=kubernetes and --startup-taint (empty: the in-cluster service account); only the agent reads it, keep it mode 0600")
 	fs.StringVar(&e.nodeName, "node-name", "", "this node's name, scoping --enrollment=kubernetes to its pods and naming the node --startup-taint is removed from (default: $NODE_NAME)")
 	fs.StringVar(&e.startupTaint, "startup-taint", "", "remove every taint with this key (e.g. mesh-cni.io/agent-not-ready), any value and effect, from this node once the agent is ready, so that pods scheduled there start meshed; empty: off")
+	fs.Float64Var(&e.apiQPS, "api-qps", DefaultAPIQPS, "the agent's sustained rate of API requests per second (client-go's default is 5)")
+	fs.IntVar(&e.apiBurst, "api-burst", DefaultAPIBurst, "how many API requests the agent may make at once above --api-qps: sized so that a node's burst of pod starts (the kubelet's default max-pods is 110) is not queued behind the rate limit")
+	fs.DurationVar(&e.apiStartJitter, "api-start-jitter", enroll.DefaultStartJitter, "a random delay of up to this long before the agent's first list and watch, so that agents restarted together do not reach the API server in the same instant (0: none)")
 	fs.DurationVar(&e.apiTimeout, "api-timeout", enroll.DefaultAPITimeout, "how long an ADD waits for the API server when its pod is not cached yet before failing with the reason (keep it below --gate-timeout)")
 }
 
@@ -94,6 +111,7 @@ func (e enrollOptions) client(log *zap.Logger, node, what string) (kubernetes.In
 		return nil, nil, err
 	}
 	cfg.UserAgent = "mesh-agent/" + node
+	cfg.QPS, cfg.Burst = float32(e.apiQPS), e.apiBurst
 	client, err := kubernetes.NewForConfig(cfg)
 	if err != nil {
 		return nil, nil, fmt.Errorf("kubernetes client: %w", err)
@@ -109,6 +127,9 @@ func (e enrollOptions) kubeSource(ctx context.Context, log *zap.Logger) (agent.P
 	if e.apiTimeout <= 0 {
 		return nil, fmt.Errorf("--api-timeout must be positive")
 	}
+	if e.apiQPS <= 0 || e.apiBurst <= 0 || e.apiStartJitter < 0 {
+		return nil, fmt.Errorf("--api-qps and --api-burst must be positive, --api-start-jitter not negative")
+	}
 	sel, err := enroll.ProfileSelectors(e.profile)
 	if err != nil {
 		return nil, err
@@ -118,7 +139,7 @@ func (e enrollOptions) kubeSource(ctx context.Context, log *zap.Logger) (agent.P
 		return nil, err
 	}
 	src, err := enroll.StartKubeSource(ctx, enroll.KubeConfig{
-		Client: client, NodeName: node, Selectors: sel, APITimeout: e.apiTimeout, Logger: log,
+		Client: client, NodeName: node, Selectors: sel, APITimeout: e.apiTimeout, StartJitter: e.apiStartJitter, Logger: log,
 	})
 	if err != nil {
 		return nil, err

@@ -5,6 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
+	"os"
+	"slices"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -47,8 +51,9 @@ func (o options) installerConfig(log *zap.Logger, onChange func(cniinstall.Statu
 	}
 }
 
-// newCNIInstaller installs the plugin binary and returns the function that keeps
-// the chain entry in place for the agent's life.
+// newCNIInstaller returns the function that decides the CNI directories
+// (waiting while they are out of reach), installs the plugin binary there and
+// keeps the chain entry in place for the agent's life.
 func newCNIInstaller(opts options, log *zap.Logger) (agent.CNIConfigInstaller, error) {
 	bin, err := opts.pluginBinaryPath()
 	if err != nil {
@@ -56,24 +61,26 @@ func newCNIInstaller(opts options, log *zap.Logger) (agent.CNIConfigInstaller, e
 	}
 	log = log.Named("cni-install")
 	return func(ctx context.Context, report func(agent.CNIStatus)) error {
-		if opts.runtimeCNICheck {
-			if err := waitRuntimeServes(ctx, log, opts, report); err != nil {
-				return nil // stopping
-			}
+		place, err := waitCNIPlace(ctx, log, opts, report)
+		if err != nil {
+			return nil // stopping
 		}
+		opts.placed.set(place)
+		opts.cniBinDirs, opts.cniConfDir = place.BinDirs, place.ConfDir
+		dirs := place.String()
 		changed, err := cniinstall.InstallBinary(ctx, bin, opts.cniBinDirs)
 		if err != nil {
-			report(agent.CNIStatus{Reason: "plugin binary not installed: " + err.Error()})
+			report(agent.CNIStatus{Reason: "plugin binary not installed: " + err.Error(), Dirs: dirs})
 			return fmt.Errorf("install plugin binary %s: %w", bin, err)
 		}
 		log.Info("plugin binary in place", zap.Strings("dirs", opts.cniBinDirs), zap.Bool("replaced", changed))
-		report(agent.CNIStatus{Reason: "chain entry not installed yet"})
+		report(agent.CNIStatus{Reason: "chain entry not installed yet", Dirs: dirs})
 		in, err := cniinstall.New(opts.installerConfig(log, func(st cniinstall.Status) {
 			reason := st.Reason
 			if reason == "" && !st.Ready {
 				reason = "chain entry missing"
 			}
-			report(agent.CNIStatus{InPlace: st.Ready, Reason: reason, Mode: st.Mode.String(), Primary: st.Primary, File: st.File, Network: st.Network, Repairs: st.Repairs})
+			report(agent.CNIStatus{InPlace: st.Ready, Reason: reason, Mode: st.Mode.String(), Primary: st.Primary, File: st.File, Network: st.Network, Repairs: st.Repairs, Dirs: dirs})
 		}))
 		if err != nil {
 			return err
@@ -113,14 +120,20 @@ func uninstallNode(ctx context.Context, opts options, log *zap.Logger) error {
 	}
 	var errs []error
 	if opts.cniInstall {
-		in, err := cniinstall.New(opts.installerConfig(log.Named("cni-install"), nil))
-		if err == nil {
-			err = in.Remove(ctx)
+		binDirs, confDirs := opts.uninstallDirs(log.Named("cni-install"))
+		log.Info("removing the chain entry and the plugin", zap.Strings("confDirs", confDirs), zap.Strings("binDirs", binDirs))
+		for _, dir := range confDirs {
+			o := opts
+			o.cniConfDir = dir
+			in, err := cniinstall.New(o.installerConfig(log.Named("cni-install"), nil))
+			if err == nil {
+				err = in.Remove(ctx)
+			}
+			if err != nil {
+				errs = append(errs, fmt.Errorf("removing the chain entry from %s: %w", dir, err))
+			}
 		}
-		if err != nil {
-			errs = append(errs, fmt.Errorf("removing the chain entry: %w", err))
-		}
-		if err := cniinstall.RemoveBinary(opts.cniBinDirs, "mesh-cni"); err != nil {
+		if err := cniinstall.RemoveBinary(binDirs, "mesh-cni"); err != nil {
 			errs = append(errs, fmt.Errorf("removing the plugin binary: %w", err))
 		}
 	}
@@ -136,37 +149,138 @@ func uninstallNode(ctx context.Context, opts options, log *zap.Logger) error {
 	return errors.Join(errs...)
 }
 
-// waitRuntimeServes holds the installation (and so the agent's readiness)
-// until the node's container runtime loads CNI from the agent's directories,
-// checking again every reconcile interval: installed where the runtime never
-// looks, the chain entry would leave every new pod unmeshed while the agent
-// reported ready. A runtime it cannot find or read is logged and not waited
-// for. It returns ctx's error when stopped while waiting.
-func waitRuntimeServes(ctx context.Context, log *zap.Logger, opts options, report func(agent.CNIStatus)) error {
+// cniWant is what the flags say about the CNI directories.
+func (o options) cniWant() runtimecni.Want {
+	return runtimecni.Want{BinDirs: o.cniBinDirs, ConfDir: o.cniConfDir,
+		ExplicitBin: o.explicit["cni-bin-dir"], ExplicitConf: o.explicit["cni-conf-dir"], Check: o.runtimeCNICheck}
+}
+
+// procfs is the host's procfs: the agent runs in the host's PID namespace.
+func (o options) procfs() hostproc.Procfs {
+	if o.procRoot != "" {
+		return hostproc.Procfs{Root: o.procRoot}
+	}
+	return hostproc.Procfs{Root: "/proc"}
+}
+
+// cniPlaced holds where the running agent installed, for the uninstall when
+// its DaemonSet is removed: the same directories, whatever the node's
+// runtime says by then.
+type cniPlaced struct {
+	mu    sync.Mutex
+	place *runtimecni.Place
+}
+
+func (c *cniPlaced) set(p runtimecni.Place) {
+	if c == nil {
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.place = &p
+}
+
+func (c *cniPlaced) get() *runtimecni.Place {
+	if c == nil {
+		return nil
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.place
+}
+
+// waitCNIPlace decides where the agent installs (runtimecni.Decide), and
+// holds the installation, so the agent's readiness, while that is out of its
+// reach, deciding again every reconcile interval: installed where the runtime
+// never looks, the chain entry would leave every new pod unmeshed while the
+// agent reported ready. It returns ctx's error when stopped while waiting.
+func waitCNIPlace(ctx context.Context, log *zap.Logger, opts options, report func(agent.CNIStatus)) (runtimecni.Place, error) {
 	last := ""
+	refusals := refusalLog{}
 	for {
-		runtimes, err := runtimecni.FindAll(hostproc.Procfs{Root: "/proc"})
-		if len(runtimes) == 0 {
-			log.Warn("the container runtime's CNI directories are unknown; installing where told", zap.Error(err))
-			return nil
+		p, err := runtimecni.Decide(opts.procfs(), opts.cniWant())
+		refusals.log(log, p.Refused)
+		if err == nil {
+			for _, n := range p.Notes {
+				log.Warn(n)
+			}
+			log.Info("CNI directories decided", zap.Stringer("dirs", p))
+			return p, nil
 		}
-		if err != nil {
-			log.Warn("a container runtime's CNI directories could not be read", zap.Error(err))
-		}
-		why := runtimecni.Serves(runtimes, opts.cniBinDirs, opts.cniConfDir)
-		if why == "" {
-			log.Info("the container runtime loads CNI from the agent's directories", zap.String("runtime", runtimes[0].String()))
-			return nil
-		}
-		if why != last {
-			log.Error("chain entry not installed: the container runtime loads CNI elsewhere", zap.String("reason", why))
+		if why := err.Error(); why != last {
+			log.Error("chain entry not installed: the container runtime loads CNI from directories out of the agent's reach", zap.String("reason", why))
 			last = why
 		}
-		report(agent.CNIStatus{Reason: why})
+		report(agent.CNIStatus{Reason: err.Error()})
 		select {
 		case <-ctx.Done():
-			return ctx.Err()
+			return p, ctx.Err()
 		case <-time.After(opts.reconcileInterval):
 		}
 	}
+}
+
+// refusalLog logs each process refused as the container runtime once while
+// it runs (by pid and start time: pids are reused).
+type refusalLog map[[2]uint64]bool
+
+func (l refusalLog) log(log *zap.Logger, refused []hostproc.Refusal) {
+	seen := map[[2]uint64]bool{}
+	for _, r := range refused {
+		k := [2]uint64{uint64(r.PID), r.StartTime}
+		seen[k] = true
+		if !l[k] {
+			log.Info("a process named like the container runtime is not taken for it: where it loads CNI from is not read", zap.Int("pid", r.PID), zap.String("name", r.Comm), zap.String("check", string(r.Check)), zap.Error(r.Err))
+		}
+	}
+	clear(l)
+	maps.Copy(l, seen)
+}
+
+// uninstallDirs are the CNI directories an uninstall removes the plugin and
+// the entry from: where this agent installed, or where an agent with these
+// flags would (Decide), and the flags' own directories too, where an earlier
+// agent that did not look for the runtime may have installed.
+func (o options) uninstallDirs(log *zap.Logger) (binDirs, confDirs []string) {
+	binDirs, confDirs = slices.Clone(o.cniBinDirs), []string{o.cniConfDir}
+	p := o.placed.get()
+	if p == nil {
+		d, err := runtimecni.Decide(o.procfs(), o.cniWant())
+		if err != nil {
+			log.Warn("removing from the flags' CNI directories only: the runtime's are out of reach", zap.Error(err))
+			return binDirs, confDirs
+		}
+		p = &d
+	}
+	// The decided directories first: the install record is theirs.
+	binDirs = append(slices.Clone(p.BinDirs), binDirs...)
+	confDirs = append([]string{p.ConfDir}, confDirs...)
+	return uniqueDirs(binDirs), uniqueDirs(confDirs)
+}
+
+// entryConfDir is where the agent keeps its chain entry, as an agent with
+// these flags decides it (a command beside the agent reads it there), and,
+// when that is out of reach, the flag's directory and why.
+func (o options) entryConfDir() (dir, problem string) {
+	p, err := runtimecni.Decide(o.procfs(), o.cniWant())
+	if err != nil {
+		return o.cniConfDir, err.Error()
+	}
+	return p.ConfDir, ""
+}
+
+// uniqueDirs drops the directories that are an earlier one (the same
+// directory, whatever the path) and those that do not exist.
+func uniqueDirs(dirs []string) []string {
+	var out []string
+	var seen []os.FileInfo
+	for _, d := range dirs {
+		fi, err := os.Stat(d)
+		if err != nil || slices.ContainsFunc(seen, func(s os.FileInfo) bool { return os.SameFile(s, fi) }) {
+			continue
+		}
+		seen = append(seen, fi)
+		out = append(out, d)
+	}
+	return out
 }

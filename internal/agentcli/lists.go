@@ -169,26 +169,3 @@ func (l *probeCgroupList) Set(s string) error {
 	*l = out
 	return nil
 }
-
-// spliceMode is --splice: which enrolled pods have what their applications
-// write to the proxy spliced. A pod's mesh-cni.io/splice annotation
-// (agent.AnnotationSplice) opts it in under SpliceAnnotated, out under
-// SpliceAll.
-type spliceMode string
-
-const (
-	SpliceOff       spliceMode = "off"
-	SpliceAnnotated spliceMode = "annotated"
-	SpliceAll       spliceMode = "all"
-)
-
-func (m *spliceMode) String() string { return string(*m) }
-
-func (m *spliceMode) Set(s string) error {
-	switch v := spliceMode(s); v {
-	case SpliceOff, SpliceAnnotated, SpliceAll:
-		*m = v
-		return nil
-	}
-	return fmt.Errorf("%q: want %s, %s or %s", s, SpliceOff, SpliceAnnotated, SpliceAll)
-}

@@ -55,7 +55,7 @@ func (o options) removalWatcher(log *zap.Logger) *removal.Watcher {
 		log.Warn("the node keeps the chain entry whenever the agent stops: --uninstall-on-delete has no API client", zap.Error(err))
 		return nil
 	}
-	return removal.NewWatcher(client, pod)
+	return removal.NewWatcher(client, pod, log.Named("removal"))
 }
 
 // removeIfDaemonSetGone runs once the agent has stopped on a signal: when the

@@ -76,6 +76,7 @@ func statusCommand(ctx context.Context, args []string, stdout, stderr io.Writer)
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
+	opts.markExplicit(fs)
 	if *output != "table" && *output != "json" {
 		fmt.Fprintf(stderr, "mesh-agent status: -o %q: want table or json\n", *output)
 		return 2
@@ -125,7 +126,11 @@ func collectStatus(ctx context.Context, opts options) NodeStatus {
 		if opts.cniInstall {
 			// The entry outlives the agent: while it is in place, the plugin
 			// holds every new pod's ADD at the gate.
-			ce := readChainEntry(opts.cniConfDir, opts.cniConfFile)
+			dir, problem := opts.entryConfDir()
+			if problem != "" {
+				st.Problems = append(st.Problems, "CNI directories: "+problem)
+			}
+			ce := readChainEntry(dir, opts.cniConfFile)
 			st.ChainOnDisk = &ce
 		}
 		recs, rerr := podstore.Read(opts.stateDir)
@@ -235,6 +240,9 @@ func printStatus(w io.Writer, st NodeStatus) {
 			place = "MISSING (" + c.GetReason() + ")"
 		}
 		fmt.Fprintf(w, "chain:      %s in %s (mode %s, primary %s, %d repairs)\n", place, c.GetFile(), c.GetMode(), c.GetPrimaryFile(), c.GetRepairs())
+		if d := c.GetDirs(); d != "" {
+			fmt.Fprintf(w, "cni dirs:   %s\n", d)
+		}
 	}
 	if c := st.ChainOnDisk; c != nil {
 		fmt.Fprintf(w, "chain:      %s\n", chainWithoutAgent(*c, st.Agent.NotRunning))
@@ -250,17 +258,6 @@ func printStatus(w io.Writer, st NodeStatus) {
 		fmt.Fprintf(w, "counters:   outbound redirected %d passed %d dropped %d; inbound redirected %d passed %d dropped %d\n",
 			d.Counters.Outbound.Redirected, d.Counters.Outbound.Passed, d.Counters.Outbound.Dropped,
 			d.Counters.Inbound.Redirected, d.Counters.Inbound.Passed, d.Counters.Inbound.Dropped)
-		if sp := d.Splice; sp != nil && (sp.Enabled || sp.Error != "" || sp.Spliced+sp.Behind+sp.TCP+sp.Pending > 0) {
-			state := "on"
-			if !sp.Enabled {
-				state = "off"
-			}
-			if sp.Error != "" {
-				state += " (" + sp.Error + ")"
-			}
-			fmt.Fprintf(w, "splice:     %s; connections spliced %d, behind %d, on TCP %d, pending %d\n",
-				state, sp.Spliced, sp.Behind, sp.TCP, sp.Pending)
-		}
 	}
 	for _, p := range st.Problems {
 		fmt.Fprintf(w, "problem:    %s\n", p)

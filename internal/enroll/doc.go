@@ -35,13 +35,17 @@
 //
 // KubeSource reads labels from client-go shared informers: pods on this node
 // (field selector spec.nodeName) and namespaces. A pod not yet in the cache is
-// fetched with a direct GET, retried with back-off up to the API timeout; when
+// awaited from the watch for a moment (watchGrace), then fetched with a direct GET, from the API server's watch cache first
+// (resourceVersion=0) and from etcd only when that lacks it, retried with
+// jittered back-off up to the API timeout; when
 // the answer cannot be had, Decide returns an error and the ADD fails with it,
 // never a guess that would start the pod unmeshed. It is synced once both caches
 // have their first list. Labelling a namespace or pod later fires Changed; the
 // agent then re-decides every pod it knows. Each outcome is written to the pod
 // as the annotation mesh-cni.io/redirection=enabled|disabled|failed (a merge
-// patch carrying the pod's uid), and a failure also becomes a Warning Event
+// patch carrying the pod's uid), except "disabled" for a pod that carries no
+// redirection annotation (nothing reads it there: one write and one watch
+// event per pod start outside the mesh saved), and a failure also becomes a Warning Event
 // (reason MeshEnrollmentFailed), both in the background with retries. Others
 // can write the annotations too (where no admission policy stops them): on each
 // reconcile pass the agent hands the source its records (AuditOutcomes), and a

@@ -213,11 +213,7 @@ func (f *FileSource) Decide(_ context.Context, pod *gatepb.PodIdentity) (agent.D
 		}
 		return agent.Decision{}, fmt.Errorf("no enrollment policy in force yet: %w", readErr)
 	}
-	d := p.decide(pod)
-	// The only copy of the pod's annotations the file source has is the
-	// request's (KNI and hook requests carry them).
-	d.Capture.Splice = agent.SpliceChoice(pod.GetAnnotations())
-	return d, nil
+	return p.decide(pod), nil
 }
 
 // Changed implements agent.PolicyWatcher: the channel is closed whenever a new

@@ -2,7 +2,6 @@ package enroll
 
 import (
 	"context"
-	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -13,7 +12,6 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
-	"github.com/mesh-cni/mesh-cni/internal/agent"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -198,32 +196,5 @@ func TestStartFileSourceErrors(t *testing.T) {
 	}
 	if _, err := StartFileSource(ctx, FileConfig{Path: filepath.Join(t.TempDir(), "p.yaml"), Profile: "nope"}); err == nil {
 		t.Fatal("an unknown profile accepted")
-	}
-}
-
-// The file source has no copy of a pod's annotations but the request's: the
-// pod's splice choice is read from there (KNI and hook requests carry it).
-func TestFileSourceSpliceChoice(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "enrollment.yaml")
-	f, _ := startFile(t, path)
-	ch := f.Changed()
-	writeFile(t, path, "namespaces: [shop]\n")
-	waitChanged(t, ch, "the file appeared")
-	for value, want := range map[string]string{"enabled": "true", "disabled": "false", "": "none"} {
-		p := pod("shop", "web")
-		if value != "" {
-			p.Annotations = map[string]string{agent.AnnotationSplice: value}
-		}
-		d, err := f.Decide(context.Background(), p)
-		if err != nil {
-			t.Fatal(err)
-		}
-		got := "none"
-		if d.Capture.Splice != nil {
-			got = fmt.Sprint(*d.Capture.Splice)
-		}
-		if !d.Enroll || got != want {
-			t.Errorf("annotation %q: enroll %v, splice %s; want enrolled, splice %s", value, d.Enroll, got, want)
-		}
 	}
 }

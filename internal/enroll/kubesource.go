@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"strconv"
 	"strings"
 	"sync"
@@ -36,6 +37,27 @@ const (
 	perAttemptTimeout = 3 * time.Second
 	firstRetryDelay   = 100 * time.Millisecond
 	maxRetryDelay     = time.Second
+	// watchGrace is how long a decision whose pod the cache lacks waits for
+	// the agent's own watch to deliver it before asking the API server. The
+	// kubelet calls CNI after its own watch delivered the pod, so the agent's
+	// usually has it too or gets it within milliseconds; a read now would be
+	// a request per pod start, and in a burst of pod starts (when the watch
+	// lags because the API server is busy) it would add to what keeps the
+	// server busy.
+	watchGrace = 500 * time.Millisecond
+	// retryJitter spreads retries by up to this fraction of their delay, so
+	// that agents who missed the same object do not ask again in step.
+	retryJitter = 0.5
+	// DefaultStartJitter bounds the random delay before the first list and
+	// watch: agents restarted together (a DaemonSet rollout, a node pool
+	// coming back) do not all open their watches in the same instant.
+	DefaultStartJitter = time.Second
+)
+
+// Resources a cache miss is counted by (KubeConfig.CacheMiss).
+const (
+	ResourcePod       = "pod"
+	ResourceNamespace = "namespace"
 )
 
 // KubeConfig configures a KubeSource.
@@ -51,7 +73,10 @@ type KubeConfig struct {
 	// Keep it below the plugin's gateTimeout so the pod's ADD gets this clear
 	// error rather than a bare timeout. Default DefaultAPITimeout.
 	APITimeout time.Duration
-	Logger     *zap.Logger
+	// StartJitter bounds a random delay before the caches' first list and
+	// watch (the agent is not ready meanwhile); 0 starts at once.
+	StartJitter time.Duration
+	Logger      *zap.Logger
 }
 
 // KubeSource is the Kubernetes enrollment source: shared informers on this
@@ -61,20 +86,23 @@ type KubeConfig struct {
 // It implements agent.Policy and the agent's optional PolicyWatcher,
 // PolicySyncer and OutcomeReporter interfaces.
 type KubeSource struct {
-	cfg       KubeConfig
-	log       *zap.Logger
-	client    kubernetes.Interface
-	podInf    cache.SharedIndexInformer
-	nsInf     cache.SharedIndexInformer
-	pods      corelisters.PodLister
-	ns        corelisters.NamespaceLister
-	changed   *notifier
+	cfg     KubeConfig
+	log     *zap.Logger
+	client  kubernetes.Interface
+	podInf  cache.SharedIndexInformer
+	nsInf   cache.SharedIndexInformer
+	pods    corelisters.PodLister
+	ns      corelisters.NamespaceLister
+	changed *notifier
+	// podSeen is notified on every pod the watch delivers (watchGrace).
+	podSeen   *notifier
 	reporter  *reporter
 	cancel    context.CancelFunc
 	informers sync.WaitGroup
 
 	mu       sync.Mutex
 	watchErr map[string]error // by resource: the last list/watch error, for Synced's reason
+	miss     func(resource string)
 }
 
 var (
@@ -85,6 +113,7 @@ var (
 	_ agent.OutcomeAuditor  = (*KubeSource)(nil)
 
 	_ agent.ServiceAccountSource = (*KubeSource)(nil)
+	_ agent.CacheMissNotifier    = (*KubeSource)(nil)
 	_ agent.RunningPodLister     = (*KubeSource)(nil)
 )
 
@@ -116,6 +145,7 @@ func StartKubeSource(ctx context.Context, cfg KubeConfig) (*KubeSource, error) {
 		log:      cfg.Logger.With(zap.String("node", cfg.NodeName)),
 		client:   cfg.Client,
 		changed:  newNotifier(),
+		podSeen:  newNotifier(),
 		watchErr: map[string]error{},
 	}
 	onNode := fields.OneTermEqualSelector("spec.nodeName", cfg.NodeName).String()
@@ -151,13 +181,17 @@ func StartKubeSource(ctx context.Context, cfg KubeConfig) (*KubeSource, error) {
 	}
 	if _, err := k.podInf.AddEventHandler(cache.ResourceEventHandlerDetailedFuncs{
 		AddFunc: func(_ any, initial bool) {
+			k.podSeen.notify()
 			// A pod decided from a direct GET may have changed before the
 			// watch delivered it: the agent re-decides from the cache.
 			if !initial {
 				k.changed.notify()
 			}
 		},
-		UpdateFunc: k.podUpdated,
+		UpdateFunc: func(oldObj, newObj any) {
+			k.podSeen.notify()
+			k.podUpdated(oldObj, newObj)
+		},
 		DeleteFunc: func(obj any) {
 			if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
 				obj = tomb.Obj
@@ -182,14 +216,43 @@ func StartKubeSource(ctx context.Context, cfg KubeConfig) (*KubeSource, error) {
 	}
 	ctx, k.cancel = context.WithCancel(ctx)
 	k.reporter = startReporter(ctx, k.log, cfg.Client, cfg.NodeName, cfg.Selectors.Profile == ProfileIstio, k.cachedPod)
+	delay := time.Duration(0)
+	if cfg.StartJitter > 0 {
+		delay = time.Duration(rand.Int64N(int64(cfg.StartJitter)))
+	}
 	for _, inf := range []cache.SharedIndexInformer{k.podInf, k.nsInf} {
 		k.informers.Add(1)
 		go func() {
 			defer k.informers.Done()
+			t := time.NewTimer(delay)
+			defer t.Stop()
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
 			inf.RunWithContext(ctx)
 		}()
 	}
 	return k, nil
+}
+
+// OnCacheMiss implements agent.CacheMissNotifier: miss is called with
+// ResourcePod or ResourceNamespace each time a decision has to ask the API
+// server for an object its cache lacks.
+func (k *KubeSource) OnCacheMiss(miss func(resource string)) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.miss = miss
+}
+
+func (k *KubeSource) cacheMiss(resource string) {
+	k.mu.Lock()
+	miss := k.miss
+	k.mu.Unlock()
+	if miss != nil {
+		miss(resource)
+	}
 }
 
 // Close stops the informers and the outcome reporter and waits for them.
@@ -307,6 +370,7 @@ func (k *KubeSource) Decide(ctx context.Context, pod *gatepb.PodIdentity) (agent
 	if err != nil {
 		return agent.Decision{}, err
 	}
+	k.reporter.observe(ns, name, string(p.UID), p.Annotations)
 	d, ignored := k.cfg.Selectors.decide(ns, nsObj.Labels, p.Labels, p.Annotations)
 	d.ServiceAccount = serviceAccountOf(p)
 	if k.cfg.Selectors.Profile == ProfileIstio {
@@ -323,8 +387,6 @@ func (k *KubeSource) Decide(ctx context.Context, pod *gatepb.PodIdentity) (agent
 	if ignored != "" {
 		k.reporter.optOutIgnored(ns, name, string(p.UID), ignored)
 	}
-	// The API server's copy, not the request's: a CNI request carries none.
-	d.Capture.Splice = agent.SpliceChoice(p.Annotations)
 	return d, nil
 }
 
@@ -346,7 +408,7 @@ func (k *KubeSource) AuditOutcomes(_ context.Context, captured func(uid string) 
 		return
 	}
 	for _, p := range pods {
-		if p.Spec.NodeName != k.cfg.NodeName || p.DeletionTimestamp != nil {
+		if p.Spec.NodeName != k.cfg.NodeName || p.DeletionTimestamp != nil || k.reporter.behind(p) {
 			continue
 		}
 		outcome := p.Annotations[AnnotationRedirection]
@@ -468,17 +530,53 @@ func (k *KubeSource) lookupPod(ctx context.Context, ns, name, uid string) (*core
 	if p, ok := fromCache(); ok {
 		return p, nil
 	}
-	what := fmt.Sprintf("pod %s/%s", ns, name)
-	return getWithRetry(ctx, k.cfg.APITimeout, what, fromCache, func(ctx context.Context) (*corev1.Pod, error) {
-		p, err := k.client.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
-		if err != nil {
-			return nil, err
-		}
-		if uid != "" && string(p.UID) != uid {
-			return nil, permanent(fmt.Errorf("%s has uid %s in the API server, not %s: the pod being added was deleted", what, p.UID, uid))
-		}
+	// The grace comes out of the API timeout: the ADD's wait stays bounded
+	// by it, as documented.
+	grace := min(watchGrace, k.cfg.APITimeout/4)
+	if p, ok := k.awaitWatch(ctx, grace, fromCache); ok {
 		return p, nil
+	}
+	k.cacheMiss(ResourcePod)
+	what := fmt.Sprintf("pod %s/%s", ns, name)
+	return getWithRetry(ctx, k.cfg.APITimeout-grace, what, fromCache, func(ctx context.Context) (*corev1.Pod, error) {
+		return cacheFirst(ctx, func(ctx context.Context, o metav1.GetOptions) (*corev1.Pod, error) {
+			p, err := k.client.CoreV1().Pods(ns).Get(ctx, name, o)
+			if err != nil {
+				return nil, err
+			}
+			if uid != "" && string(p.UID) != uid {
+				err := fmt.Errorf("%s has uid %s in the API server, not %s: the pod being added was deleted", what, p.UID, uid)
+				if o.ResourceVersion == "" {
+					return nil, permanent(err)
+				}
+				// The watch cache may still hold the previous pod of that
+				// name; only a quorum read says the new one is gone.
+				return nil, staleError{err}
+			}
+			return p, nil
+		})
 	})
+}
+
+// awaitWatch waits up to grace (and the caller's deadline) for the pod watch
+// to deliver what cached looks for.
+func (k *KubeSource) awaitWatch(ctx context.Context, grace time.Duration, cached func() (*corev1.Pod, bool)) (*corev1.Pod, bool) {
+	t := time.NewTimer(grace)
+	defer t.Stop()
+	for {
+		seen := k.podSeen.wait()
+		// Taken before the look, so a delivery in between is not missed.
+		if p, ok := cached(); ok {
+			return p, true
+		}
+		select {
+		case <-ctx.Done():
+			return nil, false
+		case <-t.C:
+			return nil, false
+		case <-seen:
+		}
+	}
 }
 
 func (k *KubeSource) lookupNamespace(ctx context.Context, ns string) (*corev1.Namespace, error) {
@@ -489,9 +587,34 @@ func (k *KubeSource) lookupNamespace(ctx context.Context, ns string) (*corev1.Na
 	if n, ok := fromCache(); ok {
 		return n, nil
 	}
+	k.cacheMiss(ResourceNamespace)
 	return getWithRetry(ctx, k.cfg.APITimeout, "namespace "+ns, fromCache, func(ctx context.Context) (*corev1.Namespace, error) {
-		return k.client.CoreV1().Namespaces().Get(ctx, ns, metav1.GetOptions{})
+		return cacheFirst(ctx, func(ctx context.Context, o metav1.GetOptions) (*corev1.Namespace, error) {
+			return k.client.CoreV1().Namespaces().Get(ctx, ns, o)
+		})
 	})
+}
+
+// staleError is a read from the API server's watch cache that a quorum read
+// may contradict.
+type staleError struct{ error }
+
+func (e staleError) Unwrap() error { return e.error }
+
+// cacheFirst reads an object from the API server's watch cache
+// (resourceVersion=0: no etcd round trip, the same source and freshness as
+// the agent's own watch, which every other decision reads), and only when
+// that has no such object, or a stale one, from etcd with a quorum read. A
+// cache miss of a brand-new pod (the agent's watch not there yet) is then
+// usually answered without touching etcd, and a thousand agents missing at
+// once do not become a thousand etcd reads.
+func cacheFirst[T any](ctx context.Context, get func(context.Context, metav1.GetOptions) (T, error)) (T, error) {
+	obj, err := get(ctx, metav1.GetOptions{ResourceVersion: "0"})
+	var stale staleError
+	if err == nil || !(apierrors.IsNotFound(err) || errors.As(err, &stale)) {
+		return obj, err
+	}
+	return get(ctx, metav1.GetOptions{})
 }
 
 type permanentError struct{ error }
@@ -516,7 +639,7 @@ func getWithRetry[T any](ctx context.Context, timeout time.Duration, what string
 	)
 	// The delay runs from the end of one try to the start of the next
 	// (sliding), as a try can take up to perAttemptTimeout.
-	retry := wait.Backoff{Duration: firstRetryDelay, Factor: 2, Cap: maxRetryDelay, Steps: math.MaxInt32}
+	retry := wait.Backoff{Duration: firstRetryDelay, Factor: 2, Jitter: retryJitter, Cap: maxRetryDelay, Steps: math.MaxInt32}
 	err := retry.DelayFunc().Until(ctx, true, true, func(ctx context.Context) (bool, error) {
 		if attempts > 0 {
 			if o, ok := cached(); ok {

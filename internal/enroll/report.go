@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"sync"
 	"time"
 
@@ -82,7 +83,19 @@ type reporter struct {
 	// ignored is the opt-out last reported ignored for each pod (uid and
 	// reason), so each is reported once, not on every re-decision.
 	ignored map[podKey]string
+	// bare holds, for each pod the source decided from an object the cache
+	// did not have (a direct GET), the uid it had when that object carried
+	// neither redirection annotation: such a pod outside the mesh needs no
+	// write either.
+	bare map[podKey]string
+	// writtenRV is the resourceVersion the API server gave the pod with this
+	// process's last annotation write (by uid): the audit must not take a
+	// cache that has not caught up with that write for someone else's.
+	writtenRV map[podKey]uidVersion
 }
+
+// uidVersion is a pod's uid and a resourceVersion of it.
+type uidVersion struct{ uid, rv string }
 
 func startReporter(ctx context.Context, log *zap.Logger, client kubernetes.Interface, node string, istio bool, cached func(string, string) *corev1.Pod) *reporter {
 	r := &reporter{
@@ -98,6 +111,9 @@ func startReporter(ctx context.Context, log *zap.Logger, client kubernetes.Inter
 		pending: map[podKey]*pendingReport{},
 		written: map[podKey]writtenOutcome{},
 		ignored: map[podKey]string{},
+		bare:    map[podKey]string{},
+
+		writtenRV: map[podKey]uidVersion{},
 	}
 	go func() {
 		<-ctx.Done()
@@ -236,6 +252,8 @@ func (r *reporter) drop(key podKey) {
 	delete(r.pending, key)
 	delete(r.written, key)
 	delete(r.ignored, key)
+	delete(r.bare, key)
+	delete(r.writtenRV, key)
 	r.mu.Unlock()
 }
 
@@ -264,7 +282,7 @@ func (r *reporter) write(ctx context.Context, key podKey) error {
 		r.mu.Unlock()
 	}
 	want := writtenOutcome{uid: uid, outcome: outcome}
-	skip := outcome == "" || (last == want && !force)
+	skip := outcome == "" || (last == want && !force) || (!force && r.unmarked(key, uid, outcome, last, known))
 	if !skip && (!known || force) {
 		// Nothing written by this process yet (e.g. after a restart), or a
 		// correction of a value someone else wrote: the cache showing the
@@ -277,9 +295,13 @@ func (r *reporter) write(ctx context.Context, key podKey) error {
 		}
 	}
 	if !skip {
-		if err := r.annotate(ctx, key, uid, outcome); err != nil {
+		rv, err := r.annotate(ctx, key, uid, outcome)
+		if err != nil {
 			return fmt.Errorf("annotate pod %s/%s: %w", key.namespace, key.name, err)
 		}
+		r.mu.Lock()
+		r.writtenRV[key] = uidVersion{uid: uid, rv: rv}
+		r.mu.Unlock()
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -296,15 +318,80 @@ func (r *reporter) write(ctx context.Context, key podKey) error {
 	return nil
 }
 
+// unmarked reports whether outcome needs no write because the pod outside
+// the mesh carries no redirection annotation to correct: nothing reads
+// "disabled" that the annotation's absence does not say as well (istiod
+// looks for ambient.istio.io/redirection=enabled; the gate's List and the
+// agent's status show every skipped pod), and a write per pod start outside
+// the mesh is an API write and a watch event for every pod watcher in the
+// cluster. What this process wrote last for the pod counts first (the cache
+// can lag behind it), then the cache, then the object a direct GET returned.
+// When nothing tells, the write is made.
+func (r *reporter) unmarked(key podKey, uid, outcome string, last writtenOutcome, known bool) bool {
+	if outcome != OutcomeDisabled {
+		return false
+	}
+	if known && last.uid == uid {
+		return last.outcome == OutcomeDisabled
+	}
+	if c := r.cached(key.namespace, key.name); c != nil && (uid == "" || string(c.UID) == uid) {
+		return !hasRedirection(c.Annotations)
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return uid != "" && r.bare[key] == uid
+}
+
+// hasRedirection reports whether annotations carry either redirection
+// annotation, whatever its value.
+func hasRedirection(annotations map[string]string) bool {
+	_, ours := annotations[AnnotationRedirection]
+	_, istio := annotations[IstioAnnotationRedirection]
+	return ours || istio
+}
+
+// observe records what a pod decided from a direct GET carried, for
+// unmarked.
+func (r *reporter) observe(namespace, name, uid string, annotations map[string]string) {
+	key := podKey{namespace, name}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if hasRedirection(annotations) {
+		delete(r.bare, key)
+		return
+	}
+	r.bare[key] = uid
+}
+
 // forget drops what is remembered of a pod that was deleted.
 func (r *reporter) forget(namespace, name string) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	delete(r.written, podKey{namespace, name})
 	delete(r.ignored, podKey{namespace, name})
+	delete(r.bare, podKey{namespace, name})
+	delete(r.writtenRV, podKey{namespace, name})
 }
 
-func (r *reporter) annotate(ctx context.Context, key podKey, uid, outcome string) error {
+// behind reports whether the cached pod p predates this process's last
+// annotation write to it: the cache has not caught up with that write yet
+// (the watch lags in a burst of pod starts), so what it shows is no
+// disagreement to correct. resourceVersions are compared as etcd's
+// revisions; one that does not parse as such is never taken as behind.
+func (r *reporter) behind(p *corev1.Pod) bool {
+	r.mu.Lock()
+	w, ok := r.writtenRV[podKey{p.Namespace, p.Name}]
+	r.mu.Unlock()
+	if !ok || w.uid != string(p.UID) {
+		return false
+	}
+	cached, err1 := strconv.ParseUint(p.ResourceVersion, 10, 64)
+	written, err2 := strconv.ParseUint(w.rv, 10, 64)
+	return err1 == nil && err2 == nil && cached < written
+}
+
+// annotate writes the outcome and returns the pod's resourceVersion after it.
+func (r *reporter) annotate(ctx context.Context, key podKey, uid, outcome string) (string, error) {
 	annotations := map[string]any{AnnotationRedirection: outcome}
 	if r.istio {
 		// null removes it (a merge patch).
@@ -321,12 +408,15 @@ func (r *reporter) annotate(ctx context.Context, key podKey, uid, outcome string
 	}
 	body, err := json.Marshal(map[string]any{"metadata": meta})
 	if err != nil {
-		return err
+		return "", err
 	}
 	ctx, cancel := context.WithTimeout(ctx, reportTimeout)
 	defer cancel()
-	_, err = r.client.CoreV1().Pods(key.namespace).Patch(ctx, key.name, types.MergePatchType, body, metav1.PatchOptions{FieldManager: "mesh-agent"})
-	return err
+	p, err := r.client.CoreV1().Pods(key.namespace).Patch(ctx, key.name, types.MergePatchType, body, metav1.PatchOptions{FieldManager: "mesh-agent"})
+	if err != nil {
+		return "", err
+	}
+	return p.ResourceVersion, nil
 }
 
 func (r *reporter) event(ctx context.Context, key podKey, pe pendingEvent) error {

@@ -8,8 +8,9 @@
 // network namespace's inode, its root directory, its executable file and its
 // parent. Names and command lines only pick candidates (a pod can rename its
 // processes): the kubelet is the process so named that also passes
-// KubeletFinder's checks, and the containerd shim only names a sandbox of a
-// pod already found by its cgroup.
+// KubeletFinder's checks, the container runtime one that passes
+// HostProcesses', and the containerd shim only names a sandbox of a pod
+// already found by its cgroup.
 package hostproc
 
 import (

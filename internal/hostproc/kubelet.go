@@ -1,33 +1,13 @@
 package hostproc
 
 import (
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
-)
 
-// KubeletCheck names what a process named like the kubelet must show to be
-// taken for it.
-type KubeletCheck string
-
-// The checks, in the order they are made. A pod can rename any of its
-// processes (prctl PR_SET_NAME, or an executable named kubelet), so the name
-// only picks the candidates; these decide.
-const (
-	// CheckRoot: its root directory is the host's (PID 1's), not a
-	// container's image.
-	CheckRoot KubeletCheck = "root"
-	// CheckNetNS: it is in the host's network namespace (PID 1's).
-	CheckNetNS KubeletCheck = "netns"
-	// CheckCgroup: no cgroup of it is in the pods' part of the hierarchy
-	// (InPodCgroup), which no process of a pod can leave.
-	CheckCgroup KubeletCheck = "cgroup"
-	// CheckExe: its executable is one of the kubelet's: the same file as one
-	// of the configured host paths, or by default a file named like it.
-	CheckExe KubeletCheck = "exe"
+	"golang.org/x/sys/unix"
 )
 
 // Kubelet is a process that passed every check.
@@ -38,19 +18,6 @@ type Kubelet struct {
 	StartTime uint64
 	// Exe is its executable as /proc/PID/exe reads.
 	Exe string
-}
-
-// Refusal is a process named like the kubelet that failed a check.
-type Refusal struct {
-	PID       int
-	Comm      string
-	StartTime uint64
-	Check     KubeletCheck
-	Err       error
-}
-
-func (r Refusal) Error() string {
-	return fmt.Sprintf("process %d (%s) is not taken for the kubelet: %s check: %v", r.PID, r.Comm, r.Check, r.Err)
 }
 
 // KubeletFinder finds the kubelet among the host's processes by what a pod
@@ -76,31 +43,17 @@ type KubeletFinder struct {
 // fails one, with the first check it failed. It fails only when the procfs
 // cannot be listed.
 func (f KubeletFinder) Scan() (found []Kubelet, refused []Refusal, _ error) {
-	pids, err := f.Proc.PIDs()
+	hosts, refused, err := f.Proc.HostProcesses(f.Names)
 	if err != nil {
 		return nil, nil, err
 	}
-	slices.Sort(pids)
-	var host *hostRef
-	for _, pid := range pids {
-		comm, err := f.Proc.Comm(pid)
-		if err != nil || !slices.Contains(f.Names, comm) {
+	for _, h := range hosts {
+		exe, err := f.exe(h.PID)
+		if err != nil {
+			refused = append(refused, Refusal{PID: h.PID, Comm: h.Comm, StartTime: h.StartTime, Check: CheckExe, Err: err})
 			continue
 		}
-		st, err := f.Proc.Stat(pid)
-		if err != nil {
-			continue // gone meanwhile
-		}
-		if host == nil {
-			h := f.hostRef()
-			host = &h
-		}
-		exe, check, err := f.check(pid, *host)
-		if err != nil {
-			refused = append(refused, Refusal{PID: pid, Comm: comm, StartTime: st.StartTime, Check: check, Err: err})
-			continue
-		}
-		found = append(found, Kubelet{PID: pid, Comm: comm, StartTime: st.StartTime, Exe: exe})
+		found = append(found, Kubelet{PID: h.PID, Comm: h.Comm, StartTime: h.StartTime, Exe: exe})
 	}
 	return found, refused, nil
 }
@@ -129,62 +82,13 @@ func (f KubeletFinder) Find() (Kubelet, []Refusal, error) {
 	return best, refused, nil
 }
 
-// hostRef is what the host's init shows, read once per scan.
-type hostRef struct {
-	root, netns NamespaceID
-	rootErr     error
-	netnsErr    error
-}
-
-func (f KubeletFinder) hostRef() hostRef {
-	var h hostRef
-	h.root, h.rootErr = statID(f.Proc.path(1, "root"))
-	h.netns, h.netnsErr = statID(f.Proc.path(1, "ns", "net"))
-	return h
-}
-
-// check makes the checks in order and returns the first that fails.
-func (f KubeletFinder) check(pid int, host hostRef) (exe string, _ KubeletCheck, _ error) {
-	if host.rootErr != nil {
-		return "", CheckRoot, fmt.Errorf("the host's root directory: %w", host.rootErr)
-	}
-	root, err := statID(f.Proc.path(pid, "root"))
+// exe reads the candidate's executable and checks it.
+func (f KubeletFinder) exe(pid int) (string, error) {
+	exe, err := os.Readlink(f.Proc.path(pid, "exe"))
 	if err != nil {
-		return "", CheckRoot, err
+		return "", err
 	}
-	if root != host.root {
-		return "", CheckRoot, errors.New("its root directory is not the host's: it runs in a container's file system")
-	}
-	if host.netnsErr != nil {
-		return "", CheckNetNS, fmt.Errorf("the host's network namespace: %w", host.netnsErr)
-	}
-	ns, err := statID(f.Proc.path(pid, "ns", "net"))
-	if err != nil {
-		return "", CheckNetNS, err
-	}
-	if ns != host.netns {
-		return "", CheckNetNS, errors.New("it is not in the host's network namespace")
-	}
-	cgs, err := f.Proc.Cgroups(pid)
-	if err != nil {
-		return "", CheckCgroup, err
-	}
-	if len(cgs) == 0 {
-		return "", CheckCgroup, errors.New("no cgroup")
-	}
-	for _, cg := range cgs {
-		if InPodCgroup(cg) {
-			return "", CheckCgroup, fmt.Errorf("its cgroup %s is a pod's", cg)
-		}
-	}
-	exe, err = os.Readlink(f.Proc.path(pid, "exe"))
-	if err != nil {
-		return "", CheckExe, err
-	}
-	if err := f.checkExe(pid, exe); err != nil {
-		return "", CheckExe, err
-	}
-	return exe, "", nil
+	return exe, f.checkExe(pid, exe)
 }
 
 // checkExe checks the executable: by file against the configured host
@@ -202,10 +106,32 @@ func (f KubeletFinder) checkExe(pid int, exe string) error {
 	}
 	for _, p := range f.Exes {
 		// Through PID 1's root: the agent's own file system is its image.
-		want, err := statID(filepath.Join(f.Proc.path(1, "root"), p))
+		// Symbolic links resolve in that root too (/usr/bin/kubelet linking
+		// to /opt/bin/kubelet names the host's /opt/bin).
+		want, err := statInRoot(f.Proc.path(1, "root"), p)
 		if err == nil && want == id {
 			return nil
 		}
 	}
 	return fmt.Errorf("its executable %s is none of the host's %s", exe, strings.Join(f.Exes, ", "))
+}
+
+// statInRoot is statID of path as seen with root as the root directory:
+// absolute symbolic links and ".." stay in root (openat2 RESOLVE_IN_ROOT).
+func statInRoot(root, path string) (NamespaceID, error) {
+	dir, err := unix.Open(root, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return NamespaceID{}, &os.PathError{Op: "open", Path: root, Err: err}
+	}
+	defer unix.Close(dir)
+	fd, err := unix.Openat2(dir, path, &unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC, Resolve: unix.RESOLVE_IN_ROOT})
+	if err != nil {
+		return NamespaceID{}, &os.PathError{Op: "openat2", Path: filepath.Join(root, path), Err: err}
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return NamespaceID{}, &os.PathError{Op: "fstat", Path: filepath.Join(root, path), Err: err}
+	}
+	return NamespaceID{Dev: st.Dev, Ino: st.Ino}, nil
 }

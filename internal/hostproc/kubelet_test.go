@@ -77,8 +77,8 @@ func (h *fakeHost) finder(exes ...string) KubeletFinder {
 }
 
 // refusedBy maps each refused pid to the check it failed.
-func refusedBy(refused []Refusal) map[int]KubeletCheck {
-	out := map[int]KubeletCheck{}
+func refusedBy(refused []Refusal) map[int]Check {
+	out := map[int]Check{}
 	for _, r := range refused {
 		out[r.PID] = r.Check
 	}
@@ -113,7 +113,7 @@ func TestKubeletFinderRefusals(t *testing.T) {
 	// Not a candidate at all.
 	h.process(19, "containerd", h.host, h.hostNet, hostCg, h.kubeletExe, 50)
 
-	want := map[int]KubeletCheck{10: CheckRoot, 11: CheckRoot, 12: CheckNetNS, 13: CheckCgroup, 14: CheckCgroup, 15: CheckCgroup, 16: CheckCgroup, 17: CheckCgroup, 18: CheckExe}
+	want := map[int]Check{10: CheckRoot, 11: CheckRoot, 12: CheckNetNS, 13: CheckCgroup, 14: CheckCgroup, 15: CheckCgroup, 16: CheckCgroup, 17: CheckCgroup, 18: CheckExe}
 	k, refused, err := h.finder().Find()
 	if err != nil || k.PID != 500 || k.Exe != h.kubeletExe {
 		t.Fatalf("found %+v, %v; want pid 500, the only process that passes", k, err)
@@ -155,6 +155,18 @@ func TestKubeletFinderExes(t *testing.T) {
 	}
 	if _, _, err := h.finder("/usr/bin/no-such-kubelet").Find(); err == nil {
 		t.Error("found a kubelet though no configured executable exists")
+	}
+	// A configured path that is an absolute link on the host resolves in the
+	// host's root, not in the agent's.
+	link := filepath.Join(h.host, "usr/local/bin/kubelet")
+	if err := os.MkdirAll(filepath.Dir(link), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink("/usr/bin/kubelet", link); err != nil {
+		t.Fatal(err)
+	}
+	if k, _, err := h.finder("/usr/local/bin/kubelet").Find(); err != nil || k.PID != 30 {
+		t.Errorf("by a link to the file: found %+v, %v; want 30", k, err)
 	}
 }
 
@@ -256,7 +268,7 @@ func TestKubeletFinderRealProcesses(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 		return p.Pid()
 	}
-	attackers := map[int]KubeletCheck{
+	attackers := map[int]Check{
 		start("pod", pod, podNetns, chroot, imageRoot, "/kubelet", "1000"): CheckRoot,
 		start("image", service, "", chroot, imageRoot, "/kubelet", "1000"): CheckRoot,
 		start("hostnet-podcgroup", pod, "", kubelet, "1000"):               CheckCgroup,

@@ -49,7 +49,7 @@ func (p Procfs) PodCgroupLayout(k Kubelet) (PodCgroupLayout, error) {
 	}
 	var s kubeletSettings
 	if file, ok := flags["config"]; ok && file != "" {
-		b, err := p.readAsProcess(k.PID, file)
+		b, err := p.ReadAsProcess(k.PID, file)
 		if err != nil {
 			return PodCgroupLayout{}, fmt.Errorf("the kubelet's --config: %w", err)
 		}
@@ -192,8 +192,10 @@ func (p Procfs) processPath(pid int, name string) (root, abs string, _ error) {
 	return root, path.Join(cwd, name), nil
 }
 
-// readAsProcess reads the file name as process pid opens it.
-func (p Procfs) readAsProcess(pid int, name string) ([]byte, error) {
+// ReadAsProcess reads the file name as process pid opens it: relative to its
+// working directory, links followed inside its root directory (at most 1 MiB:
+// a config file).
+func (p Procfs) ReadAsProcess(pid int, name string) ([]byte, error) {
 	root, abs, err := p.processPath(pid, name)
 	if err != nil {
 		return nil, err

@@ -86,10 +86,6 @@ type Capture struct {
 	DNS *bool `json:"dns,omitempty"`
 	// BypassInbound leaves the pod's inbound connections uncaptured.
 	BypassInbound bool `json:"bypassInbound,omitempty"`
-	// Splice, when set, turns the splice of the pod's applications' writes
-	// to its proxy on or off whatever the node's default (it never turns on
-	// a node that does not splice).
-	Splice *bool `json:"splice,omitempty"`
 }
 
 // SourceAdopted is the Source of a record the agent made for a pod that was

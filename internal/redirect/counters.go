@@ -18,9 +18,14 @@ const (
 	counterDNSRedirected
 	counterDNSPassed
 	counterDNSDropped
-	counterRawRefused
-	counterPacketRefused
 	counterMax
+)
+
+// Indexes into the socket_refusals map: enum socket_refusal in bpf/redirect.c.
+const (
+	refusedRaw uint32 = iota
+	refusedPacket
+	refusedMax
 )
 
 // DirectionCounters count redirection decisions in one direction.
@@ -67,19 +72,20 @@ func (d *Datapath) Counters() (Counters, error) {
 	if d.closed {
 		return Counters{}, ErrClosed
 	}
-	return sumCounters(d.objs.Counters)
+	return sumCounters(d.objs.Counters, d.objs.SocketRefusals)
 }
 
-// sumCounters adds up the per-CPU counters map.
-func sumCounters(m *ebpf.Map) (Counters, error) {
-	var sums [counterMax]uint64
-	for i := range counterMax {
-		var perCPU []uint64
-		if err := m.Lookup(i, &perCPU); err != nil {
-			return Counters{}, fmt.Errorf("read counter %d: %w", i, err)
-		}
-		for _, v := range perCPU {
-			sums[i] += v
+// sumCounters adds up the per-CPU counters and socket_refusals maps (refusals
+// nil: none pinned, all 0).
+func sumCounters(counters, refusals *ebpf.Map) (Counters, error) {
+	sums, err := sumPerCPU(counters, counterMax)
+	if err != nil {
+		return Counters{}, err
+	}
+	refused := make([]uint64, refusedMax)
+	if refusals != nil {
+		if refused, err = sumPerCPU(refusals, refusedMax); err != nil {
+			return Counters{}, err
 		}
 	}
 	return Counters{
@@ -99,7 +105,22 @@ func sumCounters(m *ebpf.Map) (Counters, error) {
 			Passed:     sums[counterDNSPassed],
 			Dropped:    sums[counterDNSDropped],
 		},
-		RawSocketsRefused:    sums[counterRawRefused],
-		PacketSocketsRefused: sums[counterPacketRefused],
+		RawSocketsRefused:    refused[refusedRaw],
+		PacketSocketsRefused: refused[refusedPacket],
 	}, nil
+}
+
+// sumPerCPU sums each of the first n entries of a per-CPU array over the CPUs.
+func sumPerCPU(m *ebpf.Map, n uint32) ([]uint64, error) {
+	sums := make([]uint64, n)
+	for i := range n {
+		var perCPU []uint64
+		if err := m.Lookup(i, &perCPU); err != nil {
+			return nil, fmt.Errorf("read %s entry %d: %w", m, i, err)
+		}
+		for _, v := range perCPU {
+			sums[i] += v
+		}
+	}
+	return sums, nil
 }

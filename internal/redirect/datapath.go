@@ -49,14 +49,6 @@ type Config struct {
 	// pods enrolled with DenyPacketSockets (the node's kernel must run the BPF
 	// LSM); without it such pods are refused (ErrNoPacketHook).
 	PacketSockets bool
-	// Splice moves the bytes applications write to their proxy straight into
-	// the proxy's socket (splice.go). Where the kernel cannot, Open logs why,
-	// Datapath.Splice reports it and connections stay on TCP. Off, Open
-	// switches off a splice an earlier agent left on.
-	Splice bool
-	// SpliceMaxUnread bounds the spliced bytes a proxy may leave unread on one
-	// connection before it goes back to TCP (DefaultSpliceMaxUnread when 0).
-	SpliceMaxUnread int64
 	// Logger receives what the data path does; nil means no logging.
 	Logger *zap.Logger
 }
@@ -78,12 +70,14 @@ func (c Config) withDefaults() Config {
 //	<root>/links/<hook>                   cgroup links at the cgroup v2 root
 //	<root>/pods/<cookie>/lookup_<netns inode>   a pod's sk_lookup link
 //	<root>/legacy/<map>                   maps of an earlier layout, while migrating
+//	<root>/retired/<map>                  an earlier build's map of a retired feature, until it empties
 type layout string
 
 func (l layout) maps() string             { return filepath.Join(string(l), "maps") }
 func (l layout) links() string            { return filepath.Join(string(l), "links") }
 func (l layout) pods() string             { return filepath.Join(string(l), "pods") }
 func (l layout) legacy() string           { return filepath.Join(string(l), "legacy") }
+func (l layout) retired() string          { return filepath.Join(string(l), "retired") }
 func (l layout) pod(cookie uint64) string { return filepath.Join(l.pods(), fmt.Sprint(cookie)) }
 
 // cgroupHook is one socket program attached at the cgroup root.
@@ -174,10 +168,6 @@ type Datapath struct {
 	cgLinks map[string]link.Link
 	// packetHook is the BPF LSM link of Config.PacketSockets (nil: none).
 	packetHook link.Link
-	// spliceRead is the splice's read accounting (nil: splicing is off);
-	// spliceErr says why Config.Splice could not be honoured.
-	spliceRead link.Link
-	spliceErr  error
 
 	// mapMu serializes the multi-step map updates (CIDR sets, then the pod
 	// entry) so that readers see whole enrollments.
@@ -261,6 +251,7 @@ func Open(ctx context.Context, cfg Config) (_ *Datapath, err error) {
 			return nil, fmt.Errorf("migrate pinned maps: %w", err)
 		}
 	}
+	d.dropStrayPodNet()
 	// Every pod's program tail-calls the shared decision: put this build's in
 	// place, which for an upgrade switches every enrolled pod at once. Only now:
 	// it reads this build's maps, which an upgrade from an earlier layout has
@@ -282,7 +273,7 @@ func Open(ctx context.Context, cfg Config) (_ *Datapath, err error) {
 	} else {
 		d.dropPacketHook()
 	}
-	d.setSplice()
+	d.retireSpliceRest()
 	if legacy != nil {
 		d.finishMigration(legacy)
 	}
@@ -339,6 +330,7 @@ func (d *Datapath) load(undo *undoStack) (*legacyMaps, error) {
 	if err != nil {
 		return nil, fmt.Errorf("load BPF spec: %w", err)
 	}
+	d.retireSplicePins()
 	legacy, err := d.setAsideIncompatible(spec)
 	if err != nil {
 		return nil, err
@@ -525,10 +517,6 @@ func (d *Datapath) closeAll() error {
 		errs = append(errs, d.packetHook.Close())
 		d.packetHook = nil
 	}
-	if d.spliceRead != nil {
-		errs = append(errs, d.spliceRead.Close())
-		d.spliceRead = nil
-	}
 	if err := d.objs.Close(); err != nil {
 		errs = append(errs, fmt.Errorf("close BPF objects: %w", err))
 	}
@@ -588,7 +576,7 @@ func Uninstall(ctx context.Context, cfg Config) error {
 	for _, dir := range []string{pins.pods(), pins.links()} {
 		errs = append(errs, removeIfExists(dir))
 	}
-	for _, dir := range []string{pins.maps(), pins.legacy()} {
+	for _, dir := range []string{pins.maps(), pins.legacy(), pins.retired()} {
 		mapPins, err := os.ReadDir(dir)
 		if err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, fmt.Errorf("list %s: %w", dir, err))

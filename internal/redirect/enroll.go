@@ -162,7 +162,7 @@ func (d *Datapath) Enroll(ctx context.Context, t Target) (Enrollment, error) {
 		if wasEnrolled {
 			prev = &old
 		}
-		return d.putPod(cookie, s, addrs, prev)
+		return d.putPod(cookie, s, &addrs, prev)
 	}()
 	if err != nil {
 		rollback()
@@ -171,11 +171,6 @@ func (d *Datapath) Enroll(ctx context.Context, t Target) (Enrollment, error) {
 	if listening {
 		if err := d.collectExisting(nsFd, cookie, s.InboundPort); err != nil {
 			log.Warn("collect existing inbound listeners", zap.Error(err))
-		}
-	}
-	if wasEnrolled && old.Flags&redirectSettingFlagsSETTING_SPLICE != 0 && !s.Splice {
-		if err := d.unspliceApplications(cookie); err != nil {
-			log.Warn("take the pod's applications off the splice", zap.Error(err))
 		}
 	}
 
@@ -256,6 +251,12 @@ func (d *Datapath) release(ctx context.Context, cookie uint64, nsFd int) error {
 	defer unlock()
 	var v redirectPodSettings
 	enrolled := d.objs.Pods.Lookup(cookie, &v) == nil
+	// The reply mark its reply route is for (none known without a pod_net
+	// entry: a pod enrolled by a build without one has no reply route).
+	podNet, err := d.podNet(cookie)
+	if err != nil {
+		return fmt.Errorf("release %d: %w", cookie, err)
+	}
 	err = func() error {
 		d.mapMu.Lock()
 		defer d.mapMu.Unlock()
@@ -267,11 +268,8 @@ func (d *Datapath) release(ctx context.Context, cookie uint64, nsFd int) error {
 	errs := []error{removeLinkDir(d.pins.pod(cookie))}
 	if enrolled {
 		d.dropListeners(cookie, v.InboundPort)
-		if v.Flags&redirectSettingFlagsSETTING_SPLICE != 0 {
-			errs = append(errs, d.unspliceApplications(cookie))
-		}
-		if nsFd >= 0 && v.Flags&redirectSettingFlagsSETTING_REPLY_MARK != 0 {
-			s := Settings{ReplyMark: v.ReplyMark, ReplyMarkMask: v.ReplyMarkMask}
+		if nsFd >= 0 && v.Flags&redirectSettingFlagsSETTING_REPLY_MARK != 0 && podNet != nil {
+			s := Settings{ReplyMark: podNet.ReplyMark, ReplyMarkMask: podNet.ReplyMarkMask}
 			errs = append(errs, netns.DoFd(nsFd, func() error { return removeReplyRoute(&d.proc, s) }))
 		}
 	}
@@ -304,8 +302,13 @@ func (d *Datapath) Check(ctx context.Context, cookie uint64) error {
 		return fmt.Errorf("check %d: %w", cookie, err)
 	}
 	var errs []error
-	if s.Flags&redirectSettingFlagsSETTING_EARLIER != 0 {
-		errs = append(errs, fmt.Errorf("settings copied from an earlier version, without the pod's addresses: %w", ErrLinkBroken))
+	switch n, err := d.podNet(cookie); {
+	case err != nil:
+		errs = append(errs, err)
+	case n == nil:
+		// Enrolled by a build without pod_net (the release, before an
+		// upgrade or during a rollback) or copied from an earlier layout.
+		errs = append(errs, fmt.Errorf("enrolled without the pod's addresses (no pod_net entry): %w", ErrLinkBroken))
 	}
 	switch {
 	case pp.lookup != nil:
@@ -366,10 +369,13 @@ func (d *Datapath) List(ctx context.Context) ([]Enrollment, error) {
 	)
 	it := d.objs.Pods.Iterate()
 	for it.Next(&cookie, &value) {
-		e := Enrollment{
-			Cookie:    cookie,
-			Settings:  d.settingsOf(value),
-			Addresses: podAddrsFromBPF(value),
+		n, err := d.podNet(cookie)
+		if err != nil {
+			return nil, fmt.Errorf("list: %w", err)
+		}
+		e := Enrollment{Cookie: cookie, Settings: d.settingsOf(value, n)}
+		if n != nil {
+			e.Addresses = podAddrsFromBPF(*n)
 		}
 		pp, err := readPodPins(d.pins.pod(cookie))
 		if err != nil {

@@ -25,7 +25,7 @@ import (
 )
 
 const (
-	testMark = 0x539
+	testMark = ZtunnelMark
 	ifName   = "eth0"
 )
 
@@ -286,22 +286,4 @@ func testSettings() Settings {
 	s := DefaultSettings()
 	s.ProxyMark, s.ProxyMarkMask = ZtunnelMark, ZtunnelMarkMask
 	return s
-}
-
-// blockingFd is a blocking duplicate of conn's socket; the conn is not to be
-// used again (O_NONBLOCK belongs to the open file both share).
-func blockingFd(conn net.Conn) (int, error) {
-	rc, err := conn.(*net.TCPConn).SyscallConn()
-	if err != nil {
-		return -1, err
-	}
-	fd, derr := -1, error(nil)
-	if err := rc.Control(func(f uintptr) { fd, derr = unix.Dup(int(f)) }); err != nil || derr != nil {
-		return -1, errors.Join(err, derr)
-	}
-	if err := unix.SetNonblock(fd, false); err != nil {
-		unix.Close(fd)
-		return -1, err
-	}
-	return fd, nil
 }

@@ -45,9 +45,6 @@ type Snapshot struct {
 	Pods     []PodState  `json:"pods"`
 	Refused  []Refusal   `json:"refusedListeners,omitempty"`
 	Counters Counters    `json:"counters"`
-	// Splice is the splice's switch and connections (nil: a build without
-	// it pinned this data path).
-	Splice *SpliceStatus `json:"splice,omitempty"`
 }
 
 // ErrNotInstalled is returned when nothing is pinned under the root.
@@ -118,10 +115,15 @@ func Inspect(ctx context.Context, pinRoot string) (Snapshot, error) {
 		return snap, fmt.Errorf("open pinned counters map: %w", err)
 	}
 	defer counters.Close()
-	if snap.Counters, err = sumCounters(counters); err != nil {
-		return snap, err
+	// Pinned by builds since the counters map's size was pinned.
+	refusals, err := ebpf.LoadPinnedMap(filepath.Join(pins.maps(), "socket_refusals"), readOnly)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return snap, fmt.Errorf("open pinned socket_refusals map: %w", err)
 	}
-	snap.Splice, err = inspectSplice(pins)
+	if refusals != nil {
+		defer refusals.Close()
+	}
+	snap.Counters, err = sumCounters(counters, refusals)
 	return snap, err
 }
 

@@ -127,7 +127,7 @@ func TestMPTCPListenerRefused(t *testing.T) {
 	})
 	t.Cleanup(func() { ln.Close() })
 	if !isMPTCP(t, ln) {
-		t.Skip("this kernel made a plain TCP listener (MPTCP disabled)")
+		fixtures.RequireFeature(t, mptcpFeature(b), errors.New("a listener asked for MPTCP is plain TCP"))
 	}
 	refusals, err := d.Refusals()
 	if err != nil {

@@ -19,8 +19,11 @@ import (
 //
 //  1. Open moves each pinned map whose layout this build does not have (or whose
 //     spec changed) under legacy/ and creates this build's maps; maps whose layout
-//     is unchanged (sock_orig, orig_dsts) are kept, so sockets redirected before
-//     the upgrade keep their original destinations.
+//     is unchanged (pods since the pinned release, sock_orig, orig_dsts) are
+//     kept, so pods keep their entries and sockets redirected before the upgrade
+//     their original destinations. A map's layout never changes now (new fields
+//     go into new maps), so an earlier build, which sets aside only the maps it
+//     does not know, keeps every entry it reads when the agent is rolled back.
 //  2. migrate copies every pod's settings and CIDR lists into the new maps.
 //  3. The pinned cgroup links switch to the new programs with link.Update: they
 //     see every pod from their first run.
@@ -47,51 +50,79 @@ type podSettingsV2 struct {
 	OutboundPortSet uint32
 }
 
-// podSettingsV3 is the second socket-lookup layout's: V2 and the DNS port, no
-// addresses or reply mark. Its flag 1 << 9 made the node's addresses probe
-// sources; it means nothing now.
-type podSettingsV3 struct {
-	podSettingsV2
-	DNSPort uint16
-	Pad     uint16
+// podSettingsWithNet is the pods value of the layout that held the pod's
+// addresses and reply mark in the pods entry itself, after the settings: a
+// pods value of this layout followed by a pod_net value.
+type podSettingsWithNet struct {
+	_ structs.HostLayout
+	redirectPodSettings
+	redirectPodNetInfo
 }
 
+// Flags of earlier layouts that mean nothing now: the node's addresses as
+// probe sources (the pinned release's SETTING_PROBE_NODE), and settings copied
+// from an earlier layout without the pod's addresses.
+const (
+	earlierProbeNode = 1 << 9
+	earlierCopied    = 1 << 13
+)
+
 // migratePods copies the pods of an earlier socket-lookup layout into this build's
-// map, marked SETTING_EARLIER: without their addresses, which only their namespace
-// tells, Check reports them and the agent's reconcile at start enrolls them again.
-// Their per-pod programs tail-call the earlier shared program, which reads the
-// earlier maps (still holding every entry), until Open puts this build's in
+// maps. Those of the first one, and those an earlier migration copied, come
+// without their addresses, which only their namespace tells: they get no pod_net
+// entry, so Check reports them and the agent's reconcile at start enrolls them
+// again. Their per-pod programs tail-call the earlier shared program, which reads
+// the earlier maps (still holding every entry), until Open puts this build's in
 // place once the copy is done.
 func (d *Datapath) migratePods(l *legacyMaps) error {
 	pods := l.maps["pods"]
 	if pods == nil {
 		return nil
 	}
-	var read func(*uint64) (podSettingsV3, bool)
+	// read returns the next pod's entries; net is nil when its addresses are
+	// not known.
+	var read func(*uint64) (v redirectPodSettings, net *redirectPodNetInfo, ok bool)
 	it := pods.Iterate()
 	switch pods.ValueSize() {
 	case uint32(binarySize[podSettingsV2]()):
-		read = func(cookie *uint64) (podSettingsV3, bool) {
+		read = func(cookie *uint64) (redirectPodSettings, *redirectPodNetInfo, bool) {
 			var v podSettingsV2
 			ok := it.Next(cookie, &v)
-			return podSettingsV3{podSettingsV2: v, DNSPort: DefaultSettings().DNSPort}, ok
+			return redirectPodSettings{
+				OutboundPort: v.OutboundPort, InboundPort: v.InboundPort,
+				Flags:     redirectSettingFlags(v.Flags),
+				ProxyMark: v.ProxyMark, ProxyMarkMask: v.ProxyMarkMask, ProxyUid: v.ProxyUID,
+				ExcludedSet: v.ExcludedSet, ProbeSet: v.ProbeSet,
+				InboundPortSet: v.InboundPortSet, OutboundPortSet: v.OutboundPortSet,
+				DnsPort: DefaultSettings().DNSPort,
+			}, nil, ok
 		}
-	case uint32(binarySize[podSettingsV3]()):
-		read = func(cookie *uint64) (podSettingsV3, bool) {
-			var v podSettingsV3
+	case uint32(binarySize[redirectPodSettings]()):
+		// This layout's own, set aside by a start that stopped before it
+		// finished (Open keeps a pods map of this layout).
+		read = func(cookie *uint64) (redirectPodSettings, *redirectPodNetInfo, bool) {
+			var v redirectPodSettings
 			ok := it.Next(cookie, &v)
-			return v, ok
+			return v, nil, ok
+		}
+	case uint32(binarySize[podSettingsWithNet]()):
+		read = func(cookie *uint64) (redirectPodSettings, *redirectPodNetInfo, bool) {
+			var v podSettingsWithNet
+			ok := it.Next(cookie, &v)
+			if v.Flags&earlierCopied != 0 {
+				return v.redirectPodSettings, nil, ok
+			}
+			return v.redirectPodSettings, &v.redirectPodNetInfo, ok
 		}
 	default:
 		return fmt.Errorf("legacy pods map has %d-byte values, a layout this build does not know", pods.ValueSize())
 	}
-	const earlierProbeNode = 1 << 9
 	var (
 		cookie uint64
 		n      int
 	)
 	for {
-		v, ok := read(&cookie)
+		v, net, ok := read(&cookie)
 		if !ok {
 			break
 		}
@@ -99,15 +130,14 @@ func (d *Datapath) migratePods(l *legacyMaps) error {
 		if d.objs.Pods.Lookup(cookie, &cur) == nil {
 			continue // migrated by an earlier, interrupted start
 		}
-		nv := redirectPodSettings{
-			OutboundPort: v.OutboundPort, InboundPort: v.InboundPort,
-			Flags:     redirectSettingFlags(v.Flags&^earlierProbeNode) | redirectSettingFlagsSETTING_EARLIER,
-			ProxyMark: v.ProxyMark, ProxyMarkMask: v.ProxyMarkMask, ProxyUid: v.ProxyUID,
-			ExcludedSet: v.ExcludedSet, ProbeSet: v.ProbeSet,
-			InboundPortSet: v.InboundPortSet, OutboundPortSet: v.OutboundPortSet,
-			DnsPort: v.DNSPort,
+		v.Flags &^= earlierProbeNode | earlierCopied
+		// pod_net first: the pods entry is what the programs key on.
+		if net != nil {
+			if err := d.objs.PodNet.Put(cookie, net); err != nil {
+				return fmt.Errorf("migrate pod %d: %w", cookie, err)
+			}
 		}
-		if err := d.objs.Pods.Put(cookie, nv); err != nil {
+		if err := d.objs.Pods.Put(cookie, v); err != nil {
 			return fmt.Errorf("migrate pod %d: %w", cookie, err)
 		}
 		n++
@@ -259,7 +289,7 @@ func (d *Datapath) migrate(l *legacyMaps) error {
 			d.log.Warn("legacy pod settings not migrated", zap.Uint64("cookie", cookie), zap.Error(err))
 			continue
 		}
-		if err := d.putPod(cookie, s, podAddrs{}, nil); err != nil {
+		if err := d.putPod(cookie, s, nil, nil); err != nil {
 			return fmt.Errorf("migrate pod %d: %w", cookie, err)
 		}
 		n++

@@ -8,6 +8,8 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -18,6 +20,7 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // testdata/tcx-layout.o is the data path's object as an earlier release built it
@@ -41,7 +44,7 @@ func installTCXLayout(t *testing.T, cfg Config, cgroup string, pods ...*pod) {
 	}
 	coll, err := ebpf.NewCollectionWithOptions(spec, ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: pins.maps()}})
 	if errors.Is(err, ebpf.ErrNotSupported) {
-		t.Skipf("the earlier release never ran on this kernel: %v", err)
+		fixtures.RequireFeature(t, tcxFeature(), fmt.Errorf("the earlier release's objects: %w", err))
 	}
 	if err != nil {
 		t.Fatalf("load the earlier release's objects: %v", err)
@@ -109,19 +112,7 @@ func TestMigrateFromTCXLayout(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg := Config{PinRoot: filepath.Join(t.TempDir(), "bpf"), Logger: zaptest.NewLogger(t)}
-	if err := os.MkdirAll(cfg.PinRoot, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	var undo undoStack
-	if err := ensurePinRoot(cfg.PinRoot, cfg.Logger, &undo); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := Uninstall(ctx, cfg); err != nil {
-			t.Errorf("uninstall: %v", err)
-		}
-	})
+	cfg := pinnedConfig(t)
 	a, b := newPodPair(t)
 	for _, p := range []*pod{a, b} {
 		startOutboundProxy(t, p, 15001)
@@ -131,28 +122,10 @@ func TestMigrateFromTCXLayout(t *testing.T) {
 	target := hostPort(b.addr4, appPort)
 	expectLines(t, a, target, dialOpts{}, "OUT "+target, "IN "+target)
 
-	var (
-		stop          atomic.Bool
-		wg            sync.WaitGroup
-		good, bad     atomic.Int64
-		firstProblems sync.Once
-	)
-	wg.Go(func() {
-		for !stop.Load() {
-			lines, _, err := a.fetch(target, dialOpts{timeout: 2 * time.Second})
-			if err != nil || len(lines) != 2 || lines[0] != "OUT "+target || lines[1] != "IN "+target {
-				bad.Add(1)
-				firstProblems.Do(func() { t.Logf("during the upgrade: %q, %v", joinLines(lines), err) })
-				continue
-			}
-			good.Add(1)
-		}
-	})
-
+	stop := clientLoop(t, a, target)
 	d, err := Open(ctx, cfg)
 	if err != nil {
-		stop.Store(true)
-		wg.Wait()
+		stop()
 		t.Fatalf("open over the earlier layout: %v", err)
 	}
 	t.Cleanup(func() { d.Close() })
@@ -173,10 +146,8 @@ func TestMigrateFromTCXLayout(t *testing.T) {
 		}
 	}
 	time.Sleep(200 * time.Millisecond)
-	stop.Store(true)
-	wg.Wait()
-	if good.Load() == 0 || bad.Load() != 0 {
-		t.Errorf("during the upgrade %d connections went through both proxies, %d did not", good.Load(), bad.Load())
+	if good, bad := stop(); good == 0 || bad != 0 {
+		t.Errorf("during the upgrade %d connections went through both proxies, %d did not", good, bad)
 	}
 	if _, err := os.Stat(d.pins.legacy()); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("legacy maps still pinned after the migration: %v", err)
@@ -190,9 +161,12 @@ type release struct {
 	// hooks are the cgroup programs it attached, by pin name.
 	hooks []string
 	// podValue is a pod's settings entry as it wrote it.
-	podValue func() any
+	podValue func(*pod) any
 	// nodeAddrs: it kept the node's addresses in probe_srcs.
 	nodeAddrs bool
+	// whole: its pods entries hold everything this build's do, so a pod
+	// migrated from it needs no enrolling again.
+	whole bool
 }
 
 // releaseSkLookupV1 is the first socket-lookup release: a whole decision program
@@ -201,7 +175,7 @@ func releaseSkLookupV1() release {
 	return release{
 		object: "testdata/sklookup-v1.o",
 		hooks:  []string{"getsockopt", "getpeername4", "getpeername6", "sockops", "connect4", "connect6"},
-		podValue: func() any {
+		podValue: func(*pod) any {
 			return podSettingsV2{OutboundPort: 15001, InboundPort: 15006, ProxyMark: testMark, ProxyMarkMask: 0xfff,
 				Flags: uint32(redirectSettingFlagsSETTING_PROXY_MARK | redirectSettingFlagsSETTING_INBOUND_PORTS), InboundPortSet: 1}
 		},
@@ -216,12 +190,32 @@ func releaseSkLookupV2() release {
 		object: "testdata/sklookup-v2.o",
 		hooks: []string{"getsockopt", "getpeername4", "getpeername6", "recvmsg4", "recvmsg6", "sockops",
 			"sendmsg4", "sendmsg6", "connect4", "connect6"},
-		podValue: func() any {
-			const probeNode = 1 << 9
-			return podSettingsV3{podSettingsV2: podSettingsV2{OutboundPort: 15001, InboundPort: 15006, ProxyMark: testMark, ProxyMarkMask: 0xfff,
-				Flags: uint32(redirectSettingFlagsSETTING_PROXY_MARK|redirectSettingFlagsSETTING_INBOUND_PORTS) | probeNode, InboundPortSet: 1}, DNSPort: 15053}
+		podValue: func(*pod) any {
+			return redirectPodSettings{OutboundPort: 15001, InboundPort: 15006, ProxyMark: testMark, ProxyMarkMask: 0xfff,
+				Flags:          redirectSettingFlagsSETTING_PROXY_MARK | redirectSettingFlagsSETTING_INBOUND_PORTS | earlierProbeNode,
+				InboundPortSet: 1, DnsPort: 15053}
 		},
 		nodeAddrs: true,
+	}
+}
+
+// releaseSkLookupV3 is the layout of the builds after that release which held
+// the pod's addresses and reply mark in its pods entry (never a pinned
+// release; the release cannot read it), as the last of them built it.
+func releaseSkLookupV3() release {
+	return release{
+		object: spliceLayoutObject,
+		hooks: []string{"getsockopt", "getpeername4", "getpeername6", "recvmsg4", "recvmsg6", "sockops",
+			"sendmsg4", "sendmsg6", "sock_create", "connect4", "connect6"},
+		podValue: func(p *pod) any {
+			s := testSettings().normalized()
+			v := podSettingsWithNet{
+				redirectPodSettings: s.toBPF(podSets{inPorts: 1}),
+				redirectPodNetInfo:  podAddrs{all: []netip.Addr{p.addr4, p.addr6}, src4: p.addr4, src6: p.addr6}.toBPF(s),
+			}
+			return v
+		},
+		whole: true,
 	}
 }
 
@@ -231,37 +225,21 @@ var hookAttach = map[string]ebpf.AttachType{
 	"recvmsg6": ebpf.AttachCGroupUDP6Recvmsg, "sockops": ebpf.AttachCGroupSockOps,
 	"sendmsg4": ebpf.AttachCGroupUDP4Sendmsg, "sendmsg6": ebpf.AttachCGroupUDP6Sendmsg,
 	"connect4": ebpf.AttachCGroupInet4Connect, "connect6": ebpf.AttachCGroupInet6Connect,
+	"sock_create": ebpf.AttachCGroupInetSockCreate,
 }
 
 // installRelease pins rel's data path the way that release did, with pods
 // enrolled.
 func installRelease(t *testing.T, rel release, cfg Config, cgroup string, pods ...*pod) {
 	t.Helper()
-	spec, err := ebpf.LoadCollectionSpec(rel.object)
-	if err != nil {
-		t.Fatal(err)
-	}
 	pins := layout(cfg.PinRoot)
 	for _, dir := range []string{pins.maps(), pins.links(), pins.pods()} {
 		if err := os.MkdirAll(dir, 0o700); err != nil {
 			t.Fatal(err)
 		}
 	}
-	perPod := spec.Programs["mesh_lookup"]
-	delete(spec.Programs, "mesh_lookup")
-	for _, m := range spec.Maps {
-		m.Pinning = ebpf.PinByName
-	}
-	coll, err := ebpf.NewCollectionWithOptions(spec, ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: pins.maps()}})
-	if err != nil {
-		t.Fatalf("load the release's objects: %v", err)
-	}
+	coll, perPod := loadRelease(t, rel, releaseSpec(t, rel), pins)
 	defer coll.Close()
-	if main := coll.Programs["mesh_lookup_main"]; main != nil {
-		if err := coll.Maps["lookup_main"].Update(uint32(0), main, ebpf.UpdateAny); err != nil {
-			t.Fatal(err)
-		}
-	}
 	for _, h := range rel.hooks {
 		l, err := link.AttachCgroup(link.CgroupOptions{Path: cgroup, Attach: hookAttach[h], Program: coll.Programs["mesh_"+h]})
 		if err != nil {
@@ -273,8 +251,10 @@ func installRelease(t *testing.T, rel release, cfg Config, cgroup string, pods .
 		l.Close()
 	}
 	// The release's inbound port and the proxy ports as its one port set.
-	if err := coll.Maps["listen_ports"].Put(uint16(15006), uint8(1)); err != nil {
-		t.Fatal(err)
+	if m := coll.Maps["listen_ports"]; m != nil {
+		if err := m.Put(uint16(15006), uint8(1)); err != nil {
+			t.Fatal(err)
+		}
 	}
 	for _, port := range earlierProxyPorts {
 		if err := coll.Maps["excluded_ports"].Put(redirectPortKey{Set: 1, Port: port}, uint8(1)); err != nil {
@@ -287,84 +267,75 @@ func installRelease(t *testing.T, rel release, cfg Config, cgroup string, pods .
 		}
 	}
 	for _, p := range pods {
-		if err := coll.Maps["pods"].Put(p.cookie, rel.podValue()); err != nil {
+		attachReleasePod(t, perPod, coll, pins, p)
+		if err := coll.Maps["pods"].Put(p.cookie, rel.podValue(p)); err != nil {
 			t.Fatal(err)
 		}
-		// The release's per-pod program, its cookie built in.
-		ps := perPod.Copy()
-		for i := range ps.Instructions {
-			ins := &ps.Instructions[i]
-			if ref := ins.Reference(); ref != "" && ins.IsLoadFromMap() {
-				if err := ins.AssociateMap(coll.Maps[ref]); err != nil {
-					t.Fatal(err)
-				}
-			}
-			if ins.OpCode.IsDWordLoad() && ins.Src == 0 && uint64(ins.Constant) == podCookieMarker {
-				ins.Constant = int64(p.cookie)
-			}
-		}
-		prog, err := ebpf.NewProgram(ps)
-		if err != nil {
-			t.Fatalf("load the release's per-pod program: %v", err)
-		}
-		ns, err := os.Open(p.path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ino, err := netnsInode(ns)
-		if err != nil {
-			t.Fatal(err)
-		}
-		l, err := link.AttachNetNs(int(ns.Fd()), prog)
-		ns.Close()
-		prog.Close()
-		if err != nil {
-			t.Fatal(err)
-		}
-		dir := pins.pod(p.cookie)
-		if err := os.MkdirAll(dir, 0o700); err != nil {
-			t.Fatal(err)
-		}
-		if err := l.Pin(filepath.Join(dir, lookupPinName(ino))); err != nil {
-			t.Fatal(err)
-		}
-		l.Close()
 	}
 }
 
-// A node running an earlier socket-lookup release (the first one, pods without a
-// DNS port; the one the manifests pinned, pods without addresses) is upgraded to
-// this build under a client loop: the pods are migrated before the cgroup
-// programs switch, the release's per-pod programs keep working until the agent
-// enrolls each pod again (Check reports the migrated ones), and no connection fails
-// or bypasses a proxy.
+// attachReleasePod attaches a release's per-pod program to p's namespace and
+// pins the link where that release did.
+func attachReleasePod(t *testing.T, perPod *ebpf.ProgramSpec, coll *ebpf.Collection, pins layout, p *pod) {
+	t.Helper()
+	prog := releasePodProgram(t, perPod, coll, p.cookie)
+	defer prog.Close()
+	ns, err := os.Open(p.path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ns.Close()
+	ino, err := netnsInode(ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := link.AttachNetNs(int(ns.Fd()), prog)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	dir := pins.pod(p.cookie)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Pin(filepath.Join(dir, lookupPinName(ino))); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A node running an earlier socket-lookup layout (the first one, pods without a
+// DNS port; the one the manifests pin, pods without addresses; the builds
+// between, which held the addresses in the pods entries) is upgraded to this
+// build under a client loop: the pods are migrated before the cgroup programs
+// switch, the earlier per-pod programs keep working until the agent enrolls each
+// pod again (Check reports those migrated without their addresses), and no
+// connection fails or bypasses a proxy. The last layout's node is also upgraded
+// after the pinned release failed to start on it (a rollback those builds could
+// not make: the release set their maps aside and refused their pods).
 func TestMigrateFromSkLookup(t *testing.T) {
 	t.Parallel()
-	for name, rel := range map[string]release{"v1": releaseSkLookupV1(), "v2": releaseSkLookupV2()} {
+	for name, c := range map[string]struct {
+		rel            release
+		failedRollback bool
+	}{
+		"v1": {rel: releaseSkLookupV1()}, "v2": {rel: releaseSkLookupV2()}, "v3": {rel: releaseSkLookupV3()},
+		"v3-after-failed-rollback": {rel: releaseSkLookupV3(), failedRollback: true},
+	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			testMigrateFromSkLookup(t, rel)
+			testMigrateFromSkLookup(t, c.rel, c.failedRollback)
 		})
 	}
 }
 
-func testMigrateFromSkLookup(t *testing.T, rel release) {
+func testMigrateFromSkLookup(t *testing.T, rel release, failedRollback bool) {
 	requireRoot(t)
 	ctx := context.Background()
 	cgroup, err := findCgroup2()
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg := Config{PinRoot: filepath.Join(t.TempDir(), "bpf"), Logger: zaptest.NewLogger(t)}
-	var undo undoStack
-	if err := ensurePinRoot(cfg.PinRoot, cfg.Logger, &undo); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := Uninstall(ctx, cfg); err != nil {
-			t.Errorf("uninstall: %v", err)
-		}
-	})
+	cfg := pinnedConfig(t)
 	a, b := newPodPair(t)
 	installRelease(t, rel, cfg, cgroup, a, b)
 	// The proxies start once the release runs: its sockops collects their listeners.
@@ -375,37 +346,46 @@ func testMigrateFromSkLookup(t *testing.T, rel release) {
 	target := hostPort(b.addr4, appPort)
 	expectLines(t, a, target, dialOpts{}, "OUT "+target, "IN "+target)
 
-	var (
-		stop      atomic.Bool
-		wg        sync.WaitGroup
-		good, bad atomic.Int64
-		first     sync.Once
-	)
-	wg.Go(func() {
-		for !stop.Load() {
-			lines, _, err := a.fetch(target, dialOpts{timeout: 2 * time.Second})
-			if err != nil || len(lines) != 2 || lines[0] != "OUT "+target || lines[1] != "IN "+target {
-				bad.Add(1)
-				first.Do(func() { t.Logf("during the upgrade: %q, %v", joinLines(lines), err) })
-				continue
-			}
-			good.Add(1)
+	var stop func() (good, bad int64)
+	if failedRollback {
+		// Left so, the pods' inbound connections pass their proxies (as
+		// docs/install.md warns): the release's shared sk_lookup program, now
+		// every pod's, finds none of them in its own pods map. Traffic is
+		// counted from the upgrade on.
+		failedReleaseStart(t, releaseSkLookupV2(), cfg)
+		lines, _, err := a.fetch(target, dialOpts{timeout: 2 * time.Second})
+		if slices.Contains(lines, "IN "+target) {
+			t.Errorf("after the release's failed start b's inbound proxy still takes a's connection (%q, %v): docs/install.md says it does not", joinLines(lines), err)
 		}
-	})
+	} else {
+		stop = clientLoop(t, a, target)
+	}
 	d, err := Open(ctx, cfg)
 	if err != nil {
-		stop.Store(true)
-		wg.Wait()
+		if stop != nil {
+			stop()
+		}
 		t.Fatalf("open over the release's layout: %v", err)
 	}
 	t.Cleanup(func() { d.Close() })
+	if failedRollback {
+		stop = clientLoop(t, a, target)
+	}
 	time.Sleep(200 * time.Millisecond) // traffic through the switched cgroup programs
 	list, err := d.List(ctx)
 	if err != nil || len(list) != 2 {
 		t.Errorf("after open: %d pods (%v), want both migrated", len(list), err)
 	}
+	for _, e := range list {
+		if rel.whole && len(e.Addresses) != 2 {
+			t.Errorf("pod %d migrated with addresses %v, want its two", e.Cookie, e.Addresses)
+		}
+	}
 	for _, p := range []*pod{a, b} {
-		if err := d.Check(ctx, p.cookie); err == nil {
+		switch err := d.Check(ctx, p.cookie); {
+		case rel.whole && err != nil:
+			t.Errorf("check %s after the migration: %v, want it intact", p.name, err)
+		case !rel.whole && err == nil:
 			t.Errorf("check %s after the migration: intact, want it reported for enrolling again", p.name)
 		}
 		enroll(t, d, p, testSettings())
@@ -414,10 +394,8 @@ func testMigrateFromSkLookup(t *testing.T, rel release) {
 		}
 	}
 	time.Sleep(200 * time.Millisecond)
-	stop.Store(true)
-	wg.Wait()
-	if good.Load() == 0 || bad.Load() != 0 {
-		t.Errorf("during the upgrade %d connections went through both proxies, %d did not", good.Load(), bad.Load())
+	if good, bad := stop(); good == 0 || bad != 0 {
+		t.Errorf("during the upgrade %d connections went through both proxies, %d did not", good, bad)
 	}
 	if n := mapLen(t, d.objs.ProbeSrcs); n != 0 {
 		t.Errorf("probe_srcs holds %d entries after the migration: the release's node addresses stayed", n)
@@ -425,3 +403,116 @@ func testMigrateFromSkLookup(t *testing.T, rel release) {
 }
 
 func netnsInode(f *os.File) (uint64, error) { return netns.InodeFd(int(f.Fd())) }
+
+func releaseSpec(t *testing.T, rel release) *ebpf.CollectionSpec {
+	t.Helper()
+	spec, err := ebpf.LoadCollectionSpec(rel.object)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return spec
+}
+
+// loadRelease loads rel's programs that it loaded with its maps (its hooks'
+// and the shared sk_lookup one; those of optional features, loaded apart, are
+// left out) on the maps pinned under pins, pinning the missing ones, and puts
+// the shared sk_lookup program in place, as that release's start did. It
+// returns the collection, for the caller to close, and the per-pod program.
+func loadRelease(t *testing.T, rel release, spec *ebpf.CollectionSpec, pins layout) (*ebpf.Collection, *ebpf.ProgramSpec) {
+	t.Helper()
+	perPod := spec.Programs["mesh_lookup"]
+	for name := range spec.Programs {
+		if name != "mesh_lookup_main" && !slices.Contains(rel.hooks, strings.TrimPrefix(name, "mesh_")) {
+			delete(spec.Programs, name)
+		}
+	}
+	for _, m := range spec.Maps {
+		m.Pinning = ebpf.PinByName
+	}
+	coll, err := ebpf.NewCollectionWithOptions(spec, ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: pins.maps()}})
+	if err != nil {
+		t.Fatalf("load the release's objects on the pinned maps: %v", err)
+	}
+	if main := coll.Programs["mesh_lookup_main"]; main != nil {
+		if err := coll.Maps["lookup_main"].Update(uint32(0), main, ebpf.UpdateAny); err != nil {
+			coll.Close()
+			t.Fatal(err)
+		}
+	}
+	return coll, perPod
+}
+
+// pinnedConfig is a Config whose PinRoot is a bpffs of its own in a temporary
+// directory, with nothing pinned yet, uninstalled when the test ends.
+func pinnedConfig(t *testing.T) Config {
+	t.Helper()
+	cfg := Config{PinRoot: filepath.Join(t.TempDir(), "bpf"), Logger: zaptest.NewLogger(t)}
+	var undo undoStack
+	if err := ensurePinRoot(cfg.PinRoot, cfg.Logger, &undo); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := Uninstall(context.Background(), cfg); err != nil {
+			t.Errorf("uninstall: %v", err)
+		}
+	})
+	return cfg
+}
+
+// clientLoop has a connect to target, one after the other, each to be answered
+// by its outbound proxy and target's inbound proxy ("OUT target", "IN
+// target"), until stop, which returns how many were (good) and how many were
+// not (bad; the first is logged).
+func clientLoop(t *testing.T, a *pod, target string) (stop func() (good, bad int64)) {
+	var (
+		done      atomic.Bool
+		wg        sync.WaitGroup
+		good, bad atomic.Int64
+		first     sync.Once
+	)
+	wg.Go(func() {
+		for !done.Load() {
+			lines, _, err := a.fetch(target, dialOpts{timeout: 2 * time.Second})
+			if err != nil || len(lines) != 2 || lines[0] != "OUT "+target || lines[1] != "IN "+target {
+				bad.Add(1)
+				first.Do(func() { t.Logf("a connection not through both proxies: %q, %v", joinLines(lines), err) })
+				continue
+			}
+			good.Add(1)
+		}
+	})
+	var once sync.Once
+	stop = func() (int64, int64) {
+		once.Do(func() {
+			done.Store(true)
+			wg.Wait()
+		})
+		return good.Load(), bad.Load()
+	}
+	t.Cleanup(func() { stop() })
+	return stop
+}
+
+// releasePodProgram loads a release's per-pod sk_lookup program (perPod) for
+// the pod with this cookie, built in as the release's loader does, on the maps
+// of coll. The caller closes it.
+func releasePodProgram(t *testing.T, perPod *ebpf.ProgramSpec, coll *ebpf.Collection, cookie uint64) *ebpf.Program {
+	t.Helper()
+	ps := perPod.Copy()
+	for i := range ps.Instructions {
+		ins := &ps.Instructions[i]
+		if ref := ins.Reference(); ref != "" && ins.IsLoadFromMap() {
+			if err := ins.AssociateMap(coll.Maps[ref]); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if ins.OpCode.IsDWordLoad() && ins.Src == 0 && uint64(ins.Constant) == podCookieMarker {
+			ins.Constant = int64(cookie)
+		}
+	}
+	prog, err := ebpf.NewProgram(ps)
+	if err != nil {
+		t.Fatalf("load the release's per-pod program: %v", err)
+	}
+	return prog
+}

@@ -28,7 +28,7 @@ func (d *Datapath) attachPacketHook(spec *ebpf.CollectionSpec, undo *undoStack) 
 	var objs struct {
 		Prog *ebpf.Program `ebpf:"mesh_socket_create"`
 	}
-	opts := &ebpf.CollectionOptions{MapReplacements: map[string]*ebpf.Map{"pods": d.objs.Pods, "counters": d.objs.Counters}}
+	opts := &ebpf.CollectionOptions{MapReplacements: map[string]*ebpf.Map{"pods": d.objs.Pods, "socket_refusals": d.objs.SocketRefusals}}
 	if err := spec.LoadAndAssign(&objs, opts); err != nil {
 		return fmt.Errorf("load the packet-socket hook: %w", err)
 	}

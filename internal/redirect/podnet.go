@@ -17,7 +17,7 @@ import (
 )
 
 // maxPodAddrs is MAX_POD_ADDRS of bpf/redirect.c.
-const maxPodAddrs = len(redirectPodSettings{}.Addrs)
+const maxPodAddrs = len(redirectPodNetInfo{}.Addrs)
 
 // podAddrs are a pod's own addresses, read from its namespace when it is
 // enrolled (before its containers run, at a CNI ADD), and what the data path
@@ -33,7 +33,10 @@ type podAddrs struct {
 	scope uint32
 }
 
-func (a podAddrs) fill(v *redirectPodSettings) {
+// toBPF is the pod's pod_net entry: its addresses, and the reply mark of s
+// (normalized).
+func (a podAddrs) toBPF(s Settings) redirectPodNetInfo {
+	v := redirectPodNetInfo{ReplyMark: s.ReplyMark, ReplyMarkMask: s.ReplyMarkMask}
 	for i, addr := range a.all {
 		v.Addrs[i] = addrWords(addr.As16())
 	}
@@ -45,10 +48,11 @@ func (a podAddrs) fill(v *redirectPodSettings) {
 		v.Src6 = addrWords(a.src6.As16())
 	}
 	v.ScopeId = a.scope
+	return v
 }
 
-// podAddrsFromBPF is the inverse of fill.
-func podAddrsFromBPF(v redirectPodSettings) []netip.Addr {
+// podAddrsFromBPF is the inverse of toBPF's addresses.
+func podAddrsFromBPF(v redirectPodNetInfo) []netip.Addr {
 	var out []netip.Addr
 	for _, w := range v.Addrs[:min(int(v.NrAddrs), maxPodAddrs)] {
 		out = append(out, netip.AddrFrom16(wordsAddr(w)).Unmap())

@@ -9,6 +9,8 @@ import (
 
 	"go.uber.org/zap/zaptest"
 	"golang.org/x/sys/unix"
+
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // A pod's root with CAP_NET_RAW, a default capability, sends a SYN from a raw
@@ -120,15 +122,7 @@ func TestDenyPacketSockets(t *testing.T) {
 	}
 	cfg := Config{PinRoot: filepath.Join(t.TempDir(), "bpf"), Logger: zaptest.NewLogger(t), PacketSockets: true}
 	d, err := Open(t.Context(), cfg)
-	if err != nil {
-		// The kernel refuses every BPF LSM program without the BPF LSM in its
-		// lsm= list, and under some lockdown policies (this project's own
-		// test machine, where even a program that returns 0 is refused).
-		if active, _ := BPFLSMActive(); !active || errors.Is(err, unix.EPERM) {
-			t.Skipf("BPF LSM programs cannot run on this kernel: %v", err)
-		}
-		t.Fatal(err)
-	}
+	fixtures.RequireFeature(t, bpfLSMFeature(), err)
 	t.Cleanup(func() {
 		d.Close()
 		if err := Uninstall(context.Background(), cfg); err != nil {

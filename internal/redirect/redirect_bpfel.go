@@ -54,6 +54,17 @@ type redirectOrigDst struct {
 	Family uint16
 }
 
+type redirectPodNetInfo struct {
+	_             structs.HostLayout
+	ReplyMark     uint32
+	ReplyMarkMask uint32
+	ScopeId       uint32
+	Src4          uint32
+	Src6          [4]uint32
+	NrAddrs       uint32
+	Addrs         [8][4]uint32
+}
+
 type redirectPodSettings struct {
 	_               structs.HostLayout
 	OutboundPort    uint16
@@ -68,13 +79,6 @@ type redirectPodSettings struct {
 	OutboundPortSet uint32
 	DnsPort         uint16
 	Pad             uint16
-	ReplyMark       uint32
-	ReplyMarkMask   uint32
-	ScopeId         uint32
-	Src4            uint32
-	Src6            [4]uint32
-	NrAddrs         uint32
-	Addrs           [8][4]uint32
 }
 
 type redirectPortKey struct {
@@ -114,32 +118,7 @@ const (
 	redirectSettingFlagsSETTING_DENY_RAW        redirectSettingFlags = 1024
 	redirectSettingFlagsSETTING_REPLY_MARK      redirectSettingFlags = 2048
 	redirectSettingFlagsSETTING_BYPASS_INBOUND  redirectSettingFlags = 4096
-	redirectSettingFlagsSETTING_EARLIER         redirectSettingFlags = 8192
 	redirectSettingFlagsSETTING_DENY_PACKET     redirectSettingFlags = 16384
-	redirectSettingFlagsSETTING_SPLICE          redirectSettingFlags = 32768
-)
-
-type redirectSpliceConfig struct {
-	_         structs.HostLayout
-	Enabled   uint32
-	Pad       uint32
-	MaxUnread int64
-}
-
-type redirectSpliceFlow struct {
-	_           structs.HostLayout
-	Unread      int64
-	State       redirectSpliceState
-	ProxyCopied uint32
-}
-
-type redirectSpliceState uint32
-
-const (
-	redirectSpliceStateSPLICE_PENDING redirectSpliceState = 0
-	redirectSpliceStateSPLICE_READY   redirectSpliceState = 1
-	redirectSpliceStateSPLICE_TCP     redirectSpliceState = 2
-	redirectSpliceStateSPLICE_BEHIND  redirectSpliceState = 3
 )
 
 type redirectTupleKey struct {
@@ -156,48 +135,40 @@ type redirectTupleKey struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	redirectMapAcceptedOrig            = "accepted_orig"
-	redirectMapCounters                = "counters"
-	redirectMapExcludedDsts            = "excluded_dsts"
-	redirectMapExcludedPorts           = "excluded_ports"
-	redirectMapListenRefused           = "listen_refused"
-	redirectMapListeners               = "listeners"
-	redirectMapLookupMain              = "lookup_main"
-	redirectMapLookupScratch           = "lookup_scratch"
-	redirectMapNode                    = "node"
-	redirectMapOrigDsts                = "orig_dsts"
-	redirectMapPods                    = "pods"
-	redirectMapProbeConns              = "probe_conns"
-	redirectMapProbeNode               = "probe_node"
-	redirectMapProbeSocks              = "probe_socks"
-	redirectMapProbeSrcs               = "probe_srcs"
-	redirectMapProxyConns              = "proxy_conns"
-	redirectMapProxySocks              = "proxy_socks"
-	redirectMapSockOrig                = "sock_orig"
-	redirectMapSpliceFlows             = "splice_flows"
-	redirectMapSpliceNode              = "splice_node"
-	redirectMapSpliceRx                = "splice_rx"
-	redirectMapSpliceSocks             = "splice_socks"
-	redirectMapSpliceTargets           = "splice_targets"
-	redirectProgMeshConnect4           = "mesh_connect4"
-	redirectProgMeshConnect6           = "mesh_connect6"
-	redirectProgMeshGetpeername4       = "mesh_getpeername4"
-	redirectProgMeshGetpeername6       = "mesh_getpeername6"
-	redirectProgMeshGetsockopt         = "mesh_getsockopt"
-	redirectProgMeshLookup             = "mesh_lookup"
-	redirectProgMeshLookupMain         = "mesh_lookup_main"
-	redirectProgMeshRecvmsg4           = "mesh_recvmsg4"
-	redirectProgMeshRecvmsg6           = "mesh_recvmsg6"
-	redirectProgMeshSendmsg4           = "mesh_sendmsg4"
-	redirectProgMeshSendmsg6           = "mesh_sendmsg6"
-	redirectProgMeshSockCreate         = "mesh_sock_create"
-	redirectProgMeshSocketCreate       = "mesh_socket_create"
-	redirectProgMeshSockops            = "mesh_sockops"
-	redirectProgMeshSpliceMsg          = "mesh_splice_msg"
-	redirectProgMeshSpliceRead         = "mesh_splice_read"
-	redirectProgMeshSpliceReadNoaddr   = "mesh_splice_read_noaddr"
-	redirectProgMeshSpliceReadNonblock = "mesh_splice_read_nonblock"
-	redirectProgMeshSpliceReadTp       = "mesh_splice_read_tp"
+	redirectMapAcceptedOrig      = "accepted_orig"
+	redirectMapCounters          = "counters"
+	redirectMapExcludedDsts      = "excluded_dsts"
+	redirectMapExcludedPorts     = "excluded_ports"
+	redirectMapListenRefused     = "listen_refused"
+	redirectMapListeners         = "listeners"
+	redirectMapLookupMain        = "lookup_main"
+	redirectMapLookupScratch     = "lookup_scratch"
+	redirectMapNode              = "node"
+	redirectMapOrigDsts          = "orig_dsts"
+	redirectMapPodNet            = "pod_net"
+	redirectMapPods              = "pods"
+	redirectMapProbeConns        = "probe_conns"
+	redirectMapProbeNode         = "probe_node"
+	redirectMapProbeSocks        = "probe_socks"
+	redirectMapProbeSrcs         = "probe_srcs"
+	redirectMapProxyConns        = "proxy_conns"
+	redirectMapProxySocks        = "proxy_socks"
+	redirectMapSockOrig          = "sock_orig"
+	redirectMapSocketRefusals    = "socket_refusals"
+	redirectProgMeshConnect4     = "mesh_connect4"
+	redirectProgMeshConnect6     = "mesh_connect6"
+	redirectProgMeshGetpeername4 = "mesh_getpeername4"
+	redirectProgMeshGetpeername6 = "mesh_getpeername6"
+	redirectProgMeshGetsockopt   = "mesh_getsockopt"
+	redirectProgMeshLookup       = "mesh_lookup"
+	redirectProgMeshLookupMain   = "mesh_lookup_main"
+	redirectProgMeshRecvmsg4     = "mesh_recvmsg4"
+	redirectProgMeshRecvmsg6     = "mesh_recvmsg6"
+	redirectProgMeshSendmsg4     = "mesh_sendmsg4"
+	redirectProgMeshSendmsg6     = "mesh_sendmsg6"
+	redirectProgMeshSockCreate   = "mesh_sock_create"
+	redirectProgMeshSocketCreate = "mesh_socket_create"
+	redirectProgMeshSockops      = "mesh_sockops"
 )
 
 // loadRedirect returns the embedded CollectionSpec for redirect.
@@ -242,54 +213,46 @@ type redirectSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type redirectProgramSpecs struct {
-	MeshConnect4           *ebpf.ProgramSpec `ebpf:"mesh_connect4"`
-	MeshConnect6           *ebpf.ProgramSpec `ebpf:"mesh_connect6"`
-	MeshGetpeername4       *ebpf.ProgramSpec `ebpf:"mesh_getpeername4"`
-	MeshGetpeername6       *ebpf.ProgramSpec `ebpf:"mesh_getpeername6"`
-	MeshGetsockopt         *ebpf.ProgramSpec `ebpf:"mesh_getsockopt"`
-	MeshLookup             *ebpf.ProgramSpec `ebpf:"mesh_lookup"`
-	MeshLookupMain         *ebpf.ProgramSpec `ebpf:"mesh_lookup_main"`
-	MeshRecvmsg4           *ebpf.ProgramSpec `ebpf:"mesh_recvmsg4"`
-	MeshRecvmsg6           *ebpf.ProgramSpec `ebpf:"mesh_recvmsg6"`
-	MeshSendmsg4           *ebpf.ProgramSpec `ebpf:"mesh_sendmsg4"`
-	MeshSendmsg6           *ebpf.ProgramSpec `ebpf:"mesh_sendmsg6"`
-	MeshSockCreate         *ebpf.ProgramSpec `ebpf:"mesh_sock_create"`
-	MeshSocketCreate       *ebpf.ProgramSpec `ebpf:"mesh_socket_create"`
-	MeshSockops            *ebpf.ProgramSpec `ebpf:"mesh_sockops"`
-	MeshSpliceMsg          *ebpf.ProgramSpec `ebpf:"mesh_splice_msg"`
-	MeshSpliceRead         *ebpf.ProgramSpec `ebpf:"mesh_splice_read"`
-	MeshSpliceReadNoaddr   *ebpf.ProgramSpec `ebpf:"mesh_splice_read_noaddr"`
-	MeshSpliceReadNonblock *ebpf.ProgramSpec `ebpf:"mesh_splice_read_nonblock"`
-	MeshSpliceReadTp       *ebpf.ProgramSpec `ebpf:"mesh_splice_read_tp"`
+	MeshConnect4     *ebpf.ProgramSpec `ebpf:"mesh_connect4"`
+	MeshConnect6     *ebpf.ProgramSpec `ebpf:"mesh_connect6"`
+	MeshGetpeername4 *ebpf.ProgramSpec `ebpf:"mesh_getpeername4"`
+	MeshGetpeername6 *ebpf.ProgramSpec `ebpf:"mesh_getpeername6"`
+	MeshGetsockopt   *ebpf.ProgramSpec `ebpf:"mesh_getsockopt"`
+	MeshLookup       *ebpf.ProgramSpec `ebpf:"mesh_lookup"`
+	MeshLookupMain   *ebpf.ProgramSpec `ebpf:"mesh_lookup_main"`
+	MeshRecvmsg4     *ebpf.ProgramSpec `ebpf:"mesh_recvmsg4"`
+	MeshRecvmsg6     *ebpf.ProgramSpec `ebpf:"mesh_recvmsg6"`
+	MeshSendmsg4     *ebpf.ProgramSpec `ebpf:"mesh_sendmsg4"`
+	MeshSendmsg6     *ebpf.ProgramSpec `ebpf:"mesh_sendmsg6"`
+	MeshSockCreate   *ebpf.ProgramSpec `ebpf:"mesh_sock_create"`
+	MeshSocketCreate *ebpf.ProgramSpec `ebpf:"mesh_socket_create"`
+	MeshSockops      *ebpf.ProgramSpec `ebpf:"mesh_sockops"`
 }
 
 // redirectMapSpecs contains maps before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type redirectMapSpecs struct {
-	AcceptedOrig  *ebpf.MapSpec `ebpf:"accepted_orig"`
-	Counters      *ebpf.MapSpec `ebpf:"counters"`
-	ExcludedDsts  *ebpf.MapSpec `ebpf:"excluded_dsts"`
-	ExcludedPorts *ebpf.MapSpec `ebpf:"excluded_ports"`
-	ListenRefused *ebpf.MapSpec `ebpf:"listen_refused"`
-	Listeners     *ebpf.MapSpec `ebpf:"listeners"`
-	LookupMain    *ebpf.MapSpec `ebpf:"lookup_main"`
-	LookupScratch *ebpf.MapSpec `ebpf:"lookup_scratch"`
-	Node          *ebpf.MapSpec `ebpf:"node"`
-	OrigDsts      *ebpf.MapSpec `ebpf:"orig_dsts"`
-	Pods          *ebpf.MapSpec `ebpf:"pods"`
-	ProbeConns    *ebpf.MapSpec `ebpf:"probe_conns"`
-	ProbeNode     *ebpf.MapSpec `ebpf:"probe_node"`
-	ProbeSocks    *ebpf.MapSpec `ebpf:"probe_socks"`
-	ProbeSrcs     *ebpf.MapSpec `ebpf:"probe_srcs"`
-	ProxyConns    *ebpf.MapSpec `ebpf:"proxy_conns"`
-	ProxySocks    *ebpf.MapSpec `ebpf:"proxy_socks"`
-	SockOrig      *ebpf.MapSpec `ebpf:"sock_orig"`
-	SpliceFlows   *ebpf.MapSpec `ebpf:"splice_flows"`
-	SpliceNode    *ebpf.MapSpec `ebpf:"splice_node"`
-	SpliceRx      *ebpf.MapSpec `ebpf:"splice_rx"`
-	SpliceSocks   *ebpf.MapSpec `ebpf:"splice_socks"`
-	SpliceTargets *ebpf.MapSpec `ebpf:"splice_targets"`
+	AcceptedOrig   *ebpf.MapSpec `ebpf:"accepted_orig"`
+	Counters       *ebpf.MapSpec `ebpf:"counters"`
+	ExcludedDsts   *ebpf.MapSpec `ebpf:"excluded_dsts"`
+	ExcludedPorts  *ebpf.MapSpec `ebpf:"excluded_ports"`
+	ListenRefused  *ebpf.MapSpec `ebpf:"listen_refused"`
+	Listeners      *ebpf.MapSpec `ebpf:"listeners"`
+	LookupMain     *ebpf.MapSpec `ebpf:"lookup_main"`
+	LookupScratch  *ebpf.MapSpec `ebpf:"lookup_scratch"`
+	Node           *ebpf.MapSpec `ebpf:"node"`
+	OrigDsts       *ebpf.MapSpec `ebpf:"orig_dsts"`
+	PodNet         *ebpf.MapSpec `ebpf:"pod_net"`
+	Pods           *ebpf.MapSpec `ebpf:"pods"`
+	ProbeConns     *ebpf.MapSpec `ebpf:"probe_conns"`
+	ProbeNode      *ebpf.MapSpec `ebpf:"probe_node"`
+	ProbeSocks     *ebpf.MapSpec `ebpf:"probe_socks"`
+	ProbeSrcs      *ebpf.MapSpec `ebpf:"probe_srcs"`
+	ProxyConns     *ebpf.MapSpec `ebpf:"proxy_conns"`
+	ProxySocks     *ebpf.MapSpec `ebpf:"proxy_socks"`
+	SockOrig       *ebpf.MapSpec `ebpf:"sock_orig"`
+	SocketRefusals *ebpf.MapSpec `ebpf:"socket_refusals"`
 }
 
 // redirectVariableSpecs contains global variables before they are loaded into the kernel.
@@ -318,29 +281,26 @@ func (o *redirectObjects) Close() error {
 //
 // It can be passed to loadRedirectObjects or ebpf.CollectionSpec.LoadAndAssign.
 type redirectMaps struct {
-	AcceptedOrig  *ebpf.Map `ebpf:"accepted_orig"`
-	Counters      *ebpf.Map `ebpf:"counters"`
-	ExcludedDsts  *ebpf.Map `ebpf:"excluded_dsts"`
-	ExcludedPorts *ebpf.Map `ebpf:"excluded_ports"`
-	ListenRefused *ebpf.Map `ebpf:"listen_refused"`
-	Listeners     *ebpf.Map `ebpf:"listeners"`
-	LookupMain    *ebpf.Map `ebpf:"lookup_main"`
-	LookupScratch *ebpf.Map `ebpf:"lookup_scratch"`
-	Node          *ebpf.Map `ebpf:"node"`
-	OrigDsts      *ebpf.Map `ebpf:"orig_dsts"`
-	Pods          *ebpf.Map `ebpf:"pods"`
-	ProbeConns    *ebpf.Map `ebpf:"probe_conns"`
-	ProbeNode     *ebpf.Map `ebpf:"probe_node"`
-	ProbeSocks    *ebpf.Map `ebpf:"probe_socks"`
-	ProbeSrcs     *ebpf.Map `ebpf:"probe_srcs"`
-	ProxyConns    *ebpf.Map `ebpf:"proxy_conns"`
-	ProxySocks    *ebpf.Map `ebpf:"proxy_socks"`
-	SockOrig      *ebpf.Map `ebpf:"sock_orig"`
-	SpliceFlows   *ebpf.Map `ebpf:"splice_flows"`
-	SpliceNode    *ebpf.Map `ebpf:"splice_node"`
-	SpliceRx      *ebpf.Map `ebpf:"splice_rx"`
-	SpliceSocks   *ebpf.Map `ebpf:"splice_socks"`
-	SpliceTargets *ebpf.Map `ebpf:"splice_targets"`
+	AcceptedOrig   *ebpf.Map `ebpf:"accepted_orig"`
+	Counters       *ebpf.Map `ebpf:"counters"`
+	ExcludedDsts   *ebpf.Map `ebpf:"excluded_dsts"`
+	ExcludedPorts  *ebpf.Map `ebpf:"excluded_ports"`
+	ListenRefused  *ebpf.Map `ebpf:"listen_refused"`
+	Listeners      *ebpf.Map `ebpf:"listeners"`
+	LookupMain     *ebpf.Map `ebpf:"lookup_main"`
+	LookupScratch  *ebpf.Map `ebpf:"lookup_scratch"`
+	Node           *ebpf.Map `ebpf:"node"`
+	OrigDsts       *ebpf.Map `ebpf:"orig_dsts"`
+	PodNet         *ebpf.Map `ebpf:"pod_net"`
+	Pods           *ebpf.Map `ebpf:"pods"`
+	ProbeConns     *ebpf.Map `ebpf:"probe_conns"`
+	ProbeNode      *ebpf.Map `ebpf:"probe_node"`
+	ProbeSocks     *ebpf.Map `ebpf:"probe_socks"`
+	ProbeSrcs      *ebpf.Map `ebpf:"probe_srcs"`
+	ProxyConns     *ebpf.Map `ebpf:"proxy_conns"`
+	ProxySocks     *ebpf.Map `ebpf:"proxy_socks"`
+	SockOrig       *ebpf.Map `ebpf:"sock_orig"`
+	SocketRefusals *ebpf.Map `ebpf:"socket_refusals"`
 }
 
 func (m *redirectMaps) Close() error {
@@ -355,6 +315,7 @@ func (m *redirectMaps) Close() error {
 		m.LookupScratch,
 		m.Node,
 		m.OrigDsts,
+		m.PodNet,
 		m.Pods,
 		m.ProbeConns,
 		m.ProbeNode,
@@ -363,11 +324,7 @@ func (m *redirectMaps) Close() error {
 		m.ProxyConns,
 		m.ProxySocks,
 		m.SockOrig,
-		m.SpliceFlows,
-		m.SpliceNode,
-		m.SpliceRx,
-		m.SpliceSocks,
-		m.SpliceTargets,
+		m.SocketRefusals,
 	)
 }
 
@@ -381,25 +338,20 @@ type redirectVariables struct {
 //
 // It can be passed to loadRedirectObjects or ebpf.CollectionSpec.LoadAndAssign.
 type redirectPrograms struct {
-	MeshConnect4           *ebpf.Program `ebpf:"mesh_connect4"`
-	MeshConnect6           *ebpf.Program `ebpf:"mesh_connect6"`
-	MeshGetpeername4       *ebpf.Program `ebpf:"mesh_getpeername4"`
-	MeshGetpeername6       *ebpf.Program `ebpf:"mesh_getpeername6"`
-	MeshGetsockopt         *ebpf.Program `ebpf:"mesh_getsockopt"`
-	MeshLookup             *ebpf.Program `ebpf:"mesh_lookup"`
-	MeshLookupMain         *ebpf.Program `ebpf:"mesh_lookup_main"`
-	MeshRecvmsg4           *ebpf.Program `ebpf:"mesh_recvmsg4"`
-	MeshRecvmsg6           *ebpf.Program `ebpf:"mesh_recvmsg6"`
-	MeshSendmsg4           *ebpf.Program `ebpf:"mesh_sendmsg4"`
-	MeshSendmsg6           *ebpf.Program `ebpf:"mesh_sendmsg6"`
-	MeshSockCreate         *ebpf.Program `ebpf:"mesh_sock_create"`
-	MeshSocketCreate       *ebpf.Program `ebpf:"mesh_socket_create"`
-	MeshSockops            *ebpf.Program `ebpf:"mesh_sockops"`
-	MeshSpliceMsg          *ebpf.Program `ebpf:"mesh_splice_msg"`
-	MeshSpliceRead         *ebpf.Program `ebpf:"mesh_splice_read"`
-	MeshSpliceReadNoaddr   *ebpf.Program `ebpf:"mesh_splice_read_noaddr"`
-	MeshSpliceReadNonblock *ebpf.Program `ebpf:"mesh_splice_read_nonblock"`
-	MeshSpliceReadTp       *ebpf.Program `ebpf:"mesh_splice_read_tp"`
+	MeshConnect4     *ebpf.Program `ebpf:"mesh_connect4"`
+	MeshConnect6     *ebpf.Program `ebpf:"mesh_connect6"`
+	MeshGetpeername4 *ebpf.Program `ebpf:"mesh_getpeername4"`
+	MeshGetpeername6 *ebpf.Program `ebpf:"mesh_getpeername6"`
+	MeshGetsockopt   *ebpf.Program `ebpf:"mesh_getsockopt"`
+	MeshLookup       *ebpf.Program `ebpf:"mesh_lookup"`
+	MeshLookupMain   *ebpf.Program `ebpf:"mesh_lookup_main"`
+	MeshRecvmsg4     *ebpf.Program `ebpf:"mesh_recvmsg4"`
+	MeshRecvmsg6     *ebpf.Program `ebpf:"mesh_recvmsg6"`
+	MeshSendmsg4     *ebpf.Program `ebpf:"mesh_sendmsg4"`
+	MeshSendmsg6     *ebpf.Program `ebpf:"mesh_sendmsg6"`
+	MeshSockCreate   *ebpf.Program `ebpf:"mesh_sock_create"`
+	MeshSocketCreate *ebpf.Program `ebpf:"mesh_socket_create"`
+	MeshSockops      *ebpf.Program `ebpf:"mesh_sockops"`
 }
 
 func (p *redirectPrograms) Close() error {
@@ -418,11 +370,6 @@ func (p *redirectPrograms) Close() error {
 		p.MeshSockCreate,
 		p.MeshSocketCreate,
 		p.MeshSockops,
-		p.MeshSpliceMsg,
-		p.MeshSpliceRead,
-		p.MeshSpliceReadNoaddr,
-		p.MeshSpliceReadNonblock,
-		p.MeshSpliceReadTp,
 	)
 }
 

@@ -8,6 +8,7 @@ import (
 	"strings"
 
 	"github.com/cilium/ebpf"
+	"go.uber.org/zap"
 )
 
 // legacyNodeSet is the set id an earlier layout kept the node's own addresses
@@ -229,16 +230,31 @@ func (d *Datapath) releaseSets(ps podSets) {
 	d.ports.release(ps.outPorts)
 }
 
-// settingsOf reads a pod's settings back, lists included. Callers hold mapMu.
-func (d *Datapath) settingsOf(v redirectPodSettings) Settings {
+// settingsOf reads a pod's settings back, lists included; n is its pod_net
+// entry (nil: none). Callers hold mapMu.
+func (d *Datapath) settingsOf(v redirectPodSettings, n *redirectPodNetInfo) Settings {
 	ps := setsOf(v)
-	return settingsFromBPF(v, d.excluded.members(ps.excluded), d.probes.members(ps.probes),
+	return settingsFromBPF(v, n, d.excluded.members(ps.excluded), d.probes.members(ps.probes),
 		d.ports.members(ps.inPorts), d.ports.members(ps.outPorts))
 }
 
-// putPod writes a pod's entry with its sets and addresses, replacing an earlier one (old, when
-// not nil) and releasing the sets that one named. Callers hold mapMu.
-func (d *Datapath) putPod(cookie uint64, s Settings, addrs podAddrs, old *redirectPodSettings) error {
+// podNet reads the pod's pod_net entry; nil when it has none (enrolled by a
+// build without the map, or copied from an earlier layout).
+func (d *Datapath) podNet(cookie uint64) (*redirectPodNetInfo, error) {
+	var n redirectPodNetInfo
+	if err := d.objs.PodNet.Lookup(cookie, &n); errors.Is(err, ebpf.ErrKeyNotExist) {
+		return nil, nil
+	} else if err != nil {
+		return nil, fmt.Errorf("read pod_net entry: %w", err)
+	}
+	return &n, nil
+}
+
+// putPod writes a pod's entries with its sets and addresses (nil: unknown, no
+// pod_net entry), replacing earlier ones (old, when not nil) and releasing the
+// sets that one named. The pods entry, which every program keys on, goes last.
+// Callers hold mapMu.
+func (d *Datapath) putPod(cookie uint64, s Settings, addrs *podAddrs, old *redirectPodSettings) error {
 	var (
 		ps   podSets
 		errs []error
@@ -259,8 +275,23 @@ func (d *Datapath) putPod(cookie uint64, s Settings, addrs podAddrs, old *redire
 		d.releaseSets(ps)
 		return err
 	}
-	if err := d.objs.Pods.Put(cookie, s.toBPF(ps, addrs)); err != nil {
+	if addrs != nil {
+		err = d.objs.PodNet.Put(cookie, addrs.toBPF(s))
+	} else {
+		err = d.objs.PodNet.Delete(cookie)
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			err = nil
+		}
+	}
+	if err != nil {
 		d.releaseSets(ps)
+		return fmt.Errorf("write pod_net entry: %w", err)
+	}
+	if err := d.objs.Pods.Put(cookie, s.toBPF(ps)); err != nil {
+		d.releaseSets(ps)
+		if old == nil {
+			_ = d.objs.PodNet.Delete(cookie)
+		}
 		return fmt.Errorf("write pod entry: %w", err)
 	}
 	if old != nil {
@@ -281,5 +312,33 @@ func (d *Datapath) deletePod(cookie uint64) error {
 		return fmt.Errorf("delete pod entry: %w", err)
 	}
 	d.releaseSets(setsOf(v))
+	if err := d.objs.PodNet.Delete(cookie); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		return fmt.Errorf("delete pod_net entry: %w", err)
+	}
 	return nil
+}
+
+// dropStrayPodNet removes pod_net entries of pods without a pods entry (an
+// agent stopped between the two deletions).
+func (d *Datapath) dropStrayPodNet() {
+	var (
+		cookie uint64
+		n      redirectPodNetInfo
+		stray  []uint64
+	)
+	it := d.objs.PodNet.Iterate()
+	for it.Next(&cookie, &n) {
+		var v redirectPodSettings
+		if errors.Is(d.objs.Pods.Lookup(cookie, &v), ebpf.ErrKeyNotExist) {
+			stray = append(stray, cookie)
+		}
+	}
+	if err := it.Err(); err != nil {
+		d.log.Warn("read pod_net", zap.Error(err))
+	}
+	for _, c := range stray {
+		if err := d.objs.PodNet.Delete(c); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			d.log.Warn("remove a stray pod_net entry", zap.Uint64("cookie", c), zap.Error(err))
+		}
+	}
 }

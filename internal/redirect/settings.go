@@ -79,12 +79,6 @@ type Settings struct {
 	// any frame (a TCP handshake as another address, ARP answers for it). It
 	// needs the BPF LSM on the node (Config.PacketSockets).
 	DenyPacketSockets bool
-	// Splice lets the data path splice what the pod's applications write to
-	// its proxy, when it splices at all (Config.Splice). A socket in a
-	// sockhash gets the kernel's sockmap reader, which can end a blocking
-	// read with EAGAIN where TCP would go on waiting, so a pod asks for it
-	// only when its applications read non-blocking (design.md, the splice).
-	Splice bool
 }
 
 // HBONEPort is ztunnel's in-pod HBONE listener, the one port of a pod's proxy
@@ -255,9 +249,10 @@ func normalizePrefixes(ps []netip.Prefix) []netip.Prefix {
 	return slices.Compact(out)
 }
 
-// toBPF converts normalized settings to the map value; ps names the pod's lists in
-// the set maps (0: none), a are the pod's own addresses.
-func (s Settings) toBPF(ps podSets, a podAddrs) redirectPodSettings {
+// toBPF converts normalized settings to the pods value; ps names the pod's lists
+// in the set maps (0: none). The reply mark's value goes into pod_net
+// (podAddrs.toBPF), its flag here.
+func (s Settings) toBPF(ps podSets) redirectPodSettings {
 	v := redirectPodSettings{
 		OutboundPort:    s.OutboundPort,
 		InboundPort:     s.InboundPort,
@@ -268,10 +263,7 @@ func (s Settings) toBPF(ps podSets, a podAddrs) redirectPodSettings {
 		InboundPortSet:  ps.inPorts,
 		OutboundPortSet: ps.outPorts,
 		DnsPort:         s.DNSPort,
-		ReplyMark:       s.ReplyMark,
-		ReplyMarkMask:   s.ReplyMarkMask,
 	}
-	a.fill(&v)
 	flag := func(on bool, f redirectSettingFlags) {
 		if on {
 			v.Flags |= f
@@ -289,7 +281,6 @@ func (s Settings) toBPF(ps podSets, a podAddrs) redirectPodSettings {
 	flag(s.DenyPacketSockets, redirectSettingFlagsSETTING_DENY_PACKET)
 	flag(s.ReplyMark != 0, redirectSettingFlagsSETTING_REPLY_MARK)
 	flag(s.BypassInbound, redirectSettingFlagsSETTING_BYPASS_INBOUND)
-	flag(s.Splice, redirectSettingFlagsSETTING_SPLICE)
 	if s.ProxyUID != nil {
 		v.ProxyUid = *s.ProxyUID
 		v.Flags |= redirectSettingFlagsSETTING_PROXY_UID
@@ -297,8 +288,9 @@ func (s Settings) toBPF(ps podSets, a podAddrs) redirectPodSettings {
 	return v
 }
 
-// settingsFromBPF is the inverse of toBPF; the lists come from the set maps.
-func settingsFromBPF(v redirectPodSettings, excluded, probes []netip.Prefix, inPorts, outPorts []uint16) Settings {
+// settingsFromBPF is the inverse of toBPF; the lists come from the set maps, the
+// reply mark from the pod's pod_net entry (nil: none).
+func settingsFromBPF(v redirectPodSettings, n *redirectPodNetInfo, excluded, probes []netip.Prefix, inPorts, outPorts []uint16) Settings {
 	s := Settings{
 		OutboundPort:          v.OutboundPort,
 		InboundPort:           v.InboundPort,
@@ -313,13 +305,12 @@ func settingsFromBPF(v redirectPodSettings, excluded, probes []netip.Prefix, inP
 		DenyRawSockets:        v.Flags&redirectSettingFlagsSETTING_DENY_RAW != 0,
 		DenyPacketSockets:     v.Flags&redirectSettingFlagsSETTING_DENY_PACKET != 0,
 		BypassInbound:         v.Flags&redirectSettingFlagsSETTING_BYPASS_INBOUND != 0,
-		Splice:                v.Flags&redirectSettingFlagsSETTING_SPLICE != 0,
 	}
 	if v.Flags&redirectSettingFlagsSETTING_PROXY_MARK != 0 {
 		s.ProxyMark, s.ProxyMarkMask = v.ProxyMark, v.ProxyMarkMask
 	}
-	if v.Flags&redirectSettingFlagsSETTING_REPLY_MARK != 0 {
-		s.ReplyMark, s.ReplyMarkMask = v.ReplyMark, v.ReplyMarkMask
+	if v.Flags&redirectSettingFlagsSETTING_REPLY_MARK != 0 && n != nil {
+		s.ReplyMark, s.ReplyMarkMask = n.ReplyMark, n.ReplyMarkMask
 	}
 	if v.Flags&redirectSettingFlagsSETTING_PROXY_UID != 0 {
 		uid := v.ProxyUid

@@ -109,15 +109,17 @@ func TestSettingsRoundTrip(t *testing.T) {
 		all:  []netip.Addr{netip.MustParseAddr("10.1.2.3"), netip.MustParseAddr("fd00::3"), netip.MustParseAddr("fe80::3")},
 		src4: netip.MustParseAddr("10.1.2.3"), src6: netip.MustParseAddr("fd00::3"), scope: 2,
 	}
-	v := n.toBPF(podSets{excluded: 1, probes: 2, inPorts: 3, outPorts: 4}, addrs)
-	if got := podAddrsFromBPF(v); !reflect.DeepEqual(got, addrs.all) {
+	v := n.toBPF(podSets{excluded: 1, probes: 2, inPorts: 3, outPorts: 4})
+	net := addrs.toBPF(n)
+	if got := podAddrsFromBPF(net); !reflect.DeepEqual(got, addrs.all) {
 		t.Errorf("addresses read back as %v, want %v", got, addrs.all)
 	}
-	if got := settingsFromBPF(v, excluded, probes, n.InboundExcludedPorts, n.OutboundExcludedPorts); !reflect.DeepEqual(got, n) {
+	if got := settingsFromBPF(v, &net, excluded, probes, n.InboundExcludedPorts, n.OutboundExcludedPorts); !reflect.DeepEqual(got, n) {
 		t.Errorf("map round trip:\n%+v\nwant\n%+v", got, n)
 	}
 	d := DefaultSettings().normalized()
-	if got := settingsFromBPF(d.toBPF(podSets{inPorts: 1}, podAddrs{}), nil, nil, d.InboundExcludedPorts, nil); !reflect.DeepEqual(got, d) {
+	dnet := podAddrs{}.toBPF(d)
+	if got := settingsFromBPF(d.toBPF(podSets{inPorts: 1}), &dnet, nil, nil, d.InboundExcludedPorts, nil); !reflect.DeepEqual(got, d) {
 		t.Errorf("defaults do not round-trip: %+v", got)
 	}
 }

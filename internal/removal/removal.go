@@ -16,6 +16,8 @@ import (
 	"sync"
 	"time"
 
+	"go.uber.org/zap"
+
 	appsv1 "k8s.io/api/apps/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -113,6 +115,7 @@ func notFoundAnswer(err error, name string) bool {
 type Watcher struct {
 	client kubernetes.Interface
 	pod    Pod
+	log    *zap.Logger
 
 	mu       sync.Mutex
 	removed  string        // why the DaemonSet counts as removed, as last seen; "" while it does not
@@ -120,9 +123,10 @@ type Watcher struct {
 	watching chan struct{} // closed once a watch of the DaemonSet first opened
 }
 
-// NewWatcher returns a watcher of pod's DaemonSet; Run starts it.
-func NewWatcher(client kubernetes.Interface, pod Pod) *Watcher {
-	return &Watcher{client: client, pod: pod, changed: make(chan struct{}), watching: make(chan struct{})}
+// NewWatcher returns a watcher of pod's DaemonSet; Run starts it. It logs
+// what it follows and each change of what it saw to log.
+func NewWatcher(client kubernetes.Interface, pod Pod, log *zap.Logger) *Watcher {
+	return &Watcher{client: client, pod: pod, log: log, changed: make(chan struct{}), watching: make(chan struct{})}
 }
 
 // Watching is closed once the watcher first had a watch of the DaemonSet open.
@@ -142,8 +146,11 @@ func (w *Watcher) Run(ctx context.Context) {
 			p, err := w.client.CoreV1().Pods(w.pod.Namespace).Get(ctx, w.pod.Name, metav1.GetOptions{})
 			if err == nil {
 				if ref = metav1.GetControllerOfNoCopy(p); ref == nil || ref.Kind != "DaemonSet" || groupOf(ref.APIVersion) != appsv1.GroupName {
+					w.log.Info("the agent's pod is not a DaemonSet's: a stop keeps the chain entry and the data path", zap.String("pod", w.pod.Namespace+"/"+w.pod.Name))
 					return // no DaemonSet to follow: Check keeps
 				}
+			} else {
+				w.log.Debug("the agent's own pod, to find its DaemonSet", zap.Error(err))
 			}
 		}
 		if ref != nil && w.follow(ctx, *ref) {
@@ -162,6 +169,7 @@ func (w *Watcher) follow(ctx context.Context, ref metav1.OwnerReference) bool {
 	byName := metav1.ListOptions{FieldSelector: fields.OneTermEqualSelector("metadata.name", ref.Name).String()}
 	list, err := w.client.AppsV1().DaemonSets(w.pod.Namespace).List(ctx, byName)
 	if err != nil {
+		w.log.Debug("list the agent's DaemonSet", zap.String("daemonset", ref.Name), zap.Error(err))
 		return false
 	}
 	if len(list.Items) == 0 {
@@ -174,6 +182,7 @@ func (w *Watcher) follow(ctx context.Context, ref metav1.OwnerReference) bool {
 	byName.AllowWatchBookmarks = true
 	wi, err := w.client.AppsV1().DaemonSets(w.pod.Namespace).Watch(ctx, byName)
 	if err != nil {
+		w.log.Debug("watch the agent's DaemonSet", zap.String("daemonset", ref.Name), zap.Error(err))
 		return false
 	}
 	defer wi.Stop()
@@ -182,6 +191,7 @@ func (w *Watcher) follow(ctx context.Context, ref metav1.OwnerReference) bool {
 	case <-w.watching:
 	default:
 		close(w.watching)
+		w.log.Info("following the agent's DaemonSet: its deletion uninstalls at the agent's stop", zap.String("daemonset", w.pod.Namespace+"/"+ref.Name))
 	}
 	w.mu.Unlock()
 	for ev := range wi.ResultChan() {
@@ -219,6 +229,11 @@ func (w *Watcher) set(reason string) {
 		return
 	}
 	w.removed = reason
+	if reason != "" {
+		w.log.Info("the agent's DaemonSet counts as removed: the agent's stop uninstalls", zap.String("why", reason))
+	} else {
+		w.log.Info("the agent's DaemonSet is in place again: the agent's stop keeps everything")
+	}
 	close(w.changed)
 	w.changed = make(chan struct{})
 }

@@ -5,12 +5,22 @@ import (
 	"fmt"
 	"io/fs"
 	"path/filepath"
+	"slices"
 
 	"github.com/mesh-cni/mesh-cni/internal/hostproc"
 )
 
 // containerdDefaultConfig is where containerd reads its config without -c.
 const containerdDefaultConfig = "/etc/containerd/config.toml"
+
+// errNoCRI: the containerd runs without its CRI plugin (Docker's own, which
+// ships a config with disabled_plugins = ["cri"]): it sets up no pod's
+// network and loads no CNI.
+var errNoCRI = errors.New("its CRI plugin is disabled")
+
+// criPlugins are the names disabled_plugins turns the CRI off by: the short
+// id, the 1.x plugin, and containerd 2's runtime plugin.
+var criPlugins = []string{"cri", "io.containerd.grpc.v1.cri", "io.containerd.cri.v1.runtime"}
 
 // containerd reads the CRI plugin's cni section: in config version 3 and
 // later (containerd 2) io.containerd.cri.v1.runtime's bin_dirs (or bin_dir)
@@ -81,6 +91,9 @@ func containerd(proc hostproc.Procfs, pid int) (Dirs, error) {
 		section = []string{"plugins", "cri", "cni"}
 	}
 	for _, t := range tables {
+		if disabled, ok := stringsOf(t["disabled_plugins"]); ok && slices.ContainsFunc(disabled, func(p string) bool { return slices.Contains(criPlugins, p) }) {
+			return d, errNoCRI
+		}
 		if v, ok := lookup(t, append(section, "bin_dirs")...); ok {
 			if dirs, ok := stringsOf(v); ok && len(dirs) > 0 {
 				d.BinDirs = dirs

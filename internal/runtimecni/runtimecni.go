@@ -1,10 +1,11 @@
 // Package runtimecni reads where the node's container runtime loads CNI plugins
-// and network configs from: its process (found in the host's procfs), its
-// command line and its config files, read through the process's own root so
-// that the paths mean what they mean to the runtime. The agent installs its
-// chain entry and plugin where it is told; a platform that keeps them
-// elsewhere (GKE's /home/kubernetes/bin, k3s' directories) would have every
-// pod start without the mesh, so the agent compares and says so instead.
+// and network configs from: its process (found in the host's procfs by what a
+// pod cannot fake), its command line and its config files, read through the
+// process's own root so that the paths mean what they mean to the runtime.
+// Decide says where the agent installs its plugin and chain entry: a chain
+// entry anywhere else (a manifest rendered for the default layout on GKE's
+// /home/kubernetes/bin or k3s' directories) would have every pod start
+// without the mesh.
 package runtimecni
 
 import (
@@ -14,6 +15,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 
 	"github.com/BurntSushi/toml"
@@ -39,44 +41,47 @@ func (d Dirs) String() string {
 		d.Runtime, d.PID, strings.Join(d.Configs, ", "), strings.Join(d.BinDirs, ", "), d.ConfDir)
 }
 
-// ErrNoRuntime is returned when no containerd or CRI-O process runs.
-var ErrNoRuntime = errors.New("no container runtime process (containerd, crio) found")
+// ErrNoRuntime is returned when no containerd or CRI-O process runs as the
+// host's own.
+var ErrNoRuntime = errors.New("no container runtime process (containerd, crio) of the host's own found")
 
-// FindAll reads the CNI dirs of every containerd and CRI-O process: a node
-// runs one, but a test machine may run several, and only the one whose
-// directories are the agent's own matters (Serves).
-func FindAll(proc hostproc.Procfs) ([]Dirs, error) {
-	pids, err := proc.PIDs()
+// runtimeNames are the process names (comm) that make a process a candidate.
+var runtimeNames = []string{"containerd", "crio"}
+
+// FindAll reads the CNI dirs of every containerd and CRI-O process that runs
+// as the host's own: its root directory and network namespace PID 1's, no
+// cgroup of it a pod's (hostproc.HostProcesses, as the kubelet is found). A
+// process in a pod can be named containerd and read a config of its own
+// making; it is refused, never read. A node runs one runtime, but a machine
+// may run several; Serves and Decide say which matters. A containerd whose
+// CRI plugin is disabled (Docker's own) loads no CNI and is left out.
+func FindAll(proc hostproc.Procfs) (found []Dirs, refused []hostproc.Refusal, _ error) {
+	hosts, refused, err := proc.HostProcesses(runtimeNames)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	slices.Sort(pids)
-	var out []Dirs
 	var errs []error
-	for _, pid := range pids {
-		comm, err := proc.Comm(pid)
-		if err != nil {
-			continue
-		}
+	for _, h := range hosts {
 		var d Dirs
-		switch comm {
+		switch h.Comm {
 		case "containerd":
-			d, err = containerd(proc, pid)
+			d, err = containerd(proc, h.PID)
 		case "crio":
-			d, err = crio(proc, pid)
-		default:
+			d, err = crio(proc, h.PID)
+		}
+		if errors.Is(err, errNoCRI) {
 			continue
 		}
 		if err != nil {
-			errs = append(errs, fmt.Errorf("%s (pid %d): %w", comm, pid, err))
+			errs = append(errs, fmt.Errorf("%s (pid %d): %w", h.Comm, h.PID, err))
 			continue
 		}
-		out = append(out, d)
+		found = append(found, d)
 	}
-	if len(out) == 0 && len(errs) == 0 {
-		return nil, ErrNoRuntime
+	if len(found) == 0 && len(errs) == 0 {
+		return nil, refused, ErrNoRuntime
 	}
-	return out, errors.Join(errs...)
+	return found, refused, errors.Join(errs...)
 }
 
 // Serves returns "" when one of runtimes loads CNI from where the agent
@@ -130,19 +135,79 @@ type runtimeFS struct {
 	pid  int
 }
 
-func (r runtimeFS) path(p string) string {
-	if !filepath.IsAbs(p) {
-		return filepath.Join(r.proc.Root, fmt.Sprint(r.pid), "cwd", p)
-	}
-	return filepath.Join(r.proc.Root, fmt.Sprint(r.pid), "root", p)
+// root is the runtime's root directory, as the agent reaches it.
+func (r runtimeFS) root() string {
+	return filepath.Join(r.proc.Root, strconv.Itoa(r.pid), "root")
 }
 
-func (r runtimeFS) read(p string) ([]byte, error) { return os.ReadFile(r.path(p)) }
+// path is where the agent reaches the runtime's absolute path p: its symbolic
+// links followed inside the runtime's root (resolve), or, where p does not
+// resolve, p as it reads below that root (a stat then says what is missing).
+func (r runtimeFS) path(p string) string {
+	if in, err := r.resolve(p); err == nil {
+		p = in
+	}
+	return filepath.Join(r.root(), p)
+}
+
+// maxLinks is how many symbolic links resolve follows, as the kernel does.
+const maxLinks = 40
+
+// resolve follows the symbolic links of the runtime's absolute path p as the
+// runtime would, within its root, and returns the path without them. Through
+// /proc/PID/root the kernel would start a link's absolute target again at the
+// agent's own root (its container image), never the runtime's. A path, not a
+// descriptor (openat2 RESOLVE_IN_ROOT, as the runtime's files are read): the
+// installer keeps writing and watching its directories by path.
+func (r runtimeFS) resolve(p string) (string, error) {
+	root := r.root()
+	rest := strings.Split(filepath.Clean(p), "/")
+	cur, links := "/", 0
+	for len(rest) > 0 {
+		c := rest[0]
+		rest = rest[1:]
+		switch c {
+		case "", ".":
+			continue
+		case "..":
+			cur = filepath.Dir(cur)
+			continue
+		}
+		next := filepath.Join(cur, c)
+		fi, err := os.Lstat(filepath.Join(root, next))
+		if err != nil {
+			return "", err
+		}
+		if fi.Mode()&os.ModeSymlink == 0 {
+			cur = next
+			continue
+		}
+		if links++; links > maxLinks {
+			return "", fmt.Errorf("%s: more than %d symbolic links", p, maxLinks)
+		}
+		target, err := os.Readlink(filepath.Join(root, next))
+		if err != nil {
+			return "", err
+		}
+		if filepath.IsAbs(target) {
+			cur = "/"
+		}
+		rest = append(strings.Split(target, "/"), rest...)
+	}
+	return cur, nil
+}
+
+// read reads the runtime's file p as the runtime opens it.
+func (r runtimeFS) read(p string) ([]byte, error) { return r.proc.ReadAsProcess(r.pid, p) }
 
 // glob expands pattern in the runtime's filesystem, sorted, as runtime names.
 func (r runtimeFS) glob(pattern string) ([]string, error) {
-	root := r.path("/")
-	matches, err := filepath.Glob(r.path(pattern))
+	root := r.root()
+	dir, base := filepath.Split(pattern)
+	if in, err := r.resolve(dir); err == nil {
+		dir = in
+	}
+	matches, err := filepath.Glob(filepath.Join(root, dir, base))
 	if err != nil {
 		return nil, err
 	}

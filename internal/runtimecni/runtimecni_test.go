@@ -9,34 +9,17 @@ import (
 	"testing"
 
 	"github.com/mesh-cni/mesh-cni/internal/hostproc"
+	"github.com/mesh-cni/mesh-cni/internal/hostproc/hostproctest"
 )
 
-// fakeProc is a procfs with one process, whose root is a directory of the test.
+// fakeProc is a node with one runtime process, pid 4242, of the host's own,
+// and files in the host's root.
 func fakeProc(t *testing.T, comm string, args []string, files map[string]string) hostproc.Procfs {
 	t.Helper()
-	proc, root := t.TempDir(), t.TempDir()
-	pid := filepath.Join(proc, "4242")
-	if err := os.MkdirAll(pid, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	for name, data := range map[string]string{"comm": comm + "\n", "cmdline": strings.Join(args, "\x00") + "\x00"} {
-		if err := os.WriteFile(filepath.Join(pid, name), []byte(data), 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := os.Symlink(root, filepath.Join(pid, "root")); err != nil {
-		t.Fatal(err)
-	}
-	for name, data := range files {
-		p := filepath.Join(root, name)
-		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(p, []byte(data), 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	return hostproc.Procfs{Root: proc}
+	n := hostproctest.New(t)
+	n.Files(n.Root, files)
+	n.Process(4242, comm, args, n.Root, n.Netns, n.HostCgroup)
+	return n.Procfs()
 }
 
 func TestFind(t *testing.T) {
@@ -93,7 +76,7 @@ func TestFind(t *testing.T) {
 		},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			all, err := FindAll(fakeProc(t, c.comm, c.args, c.files))
+			all, _, err := FindAll(fakeProc(t, c.comm, c.args, c.files))
 			if err != nil || len(all) != 1 {
 				t.Fatalf("found %+v, %v; want one runtime", all, err)
 			}
@@ -106,14 +89,22 @@ func TestFind(t *testing.T) {
 }
 
 func TestFindFails(t *testing.T) {
-	if _, err := FindAll(fakeProc(t, "dockerd", []string{"dockerd"}, nil)); !errors.Is(err, ErrNoRuntime) {
+	if _, _, err := FindAll(fakeProc(t, "dockerd", []string{"dockerd"}, nil)); !errors.Is(err, ErrNoRuntime) {
 		t.Errorf("no runtime: %v, want ErrNoRuntime", err)
 	}
-	if _, err := FindAll(fakeProc(t, "containerd", []string{"containerd", "-c", "/etc/x.toml"}, nil)); err == nil {
+	if _, _, err := FindAll(fakeProc(t, "containerd", []string{"containerd", "-c", "/etc/x.toml"}, nil)); err == nil {
 		t.Error("a config named on the command line that does not exist: no error")
 	}
-	if _, err := FindAll(fakeProc(t, "containerd", []string{"containerd"}, map[string]string{"/etc/containerd/config.toml": "version = [\n"})); err == nil || !strings.Contains(err.Error(), "parse") {
+	if _, _, err := FindAll(fakeProc(t, "containerd", []string{"containerd"}, map[string]string{"/etc/containerd/config.toml": "version = [\n"})); err == nil || !strings.Contains(err.Error(), "parse") {
 		t.Errorf("a config that does not parse: %v", err)
+	}
+	// Docker's containerd, its CRI off, loads no CNI: it is no runtime of
+	// the kubelet's, in each config version's spelling.
+	for _, disabled := range []string{`["cri"]`, `["io.containerd.grpc.v1.cri"]`, `['io.containerd.cri.v1.runtime']`} {
+		all, _, err := FindAll(fakeProc(t, "containerd", []string{"containerd"}, map[string]string{"/etc/containerd/config.toml": "disabled_plugins = " + disabled + "\n"}))
+		if !errors.Is(err, ErrNoRuntime) || len(all) != 0 {
+			t.Errorf("containerd with disabled_plugins = %s: found %+v, %v; want none", disabled, all, err)
+		}
 	}
 }
 
@@ -125,7 +116,7 @@ func TestMismatch(t *testing.T) {
 		"/opt/cni/bin/bridge":                                          "",
 		"/var/lib/rancher/k3s/agent/etc/cni/net.d/10-flannel.conflist": "",
 	})
-	all, err := FindAll(proc)
+	all, _, err := FindAll(proc)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -2,8 +2,6 @@ package bench
 
 import (
 	"context"
-	"errors"
-	"fmt"
 	"net/netip"
 	"os/exec"
 	"path/filepath"
@@ -27,27 +25,16 @@ const (
 	varIPTables = "iptables"
 	varNFTables = "nftables"
 	varIstio    = "istio-cni"
-	// The splice and its baselines, whose proxies copy with read(2), as
-	// --splice asks of a proxy (the others' copy with splice(2)).
-	varLimitRead = "limit-read"
-	varEBPFRead  = "ebpf-read"
-	varSplice    = "splice"
 )
 
 var variantLabels = map[string]string{
-	varDirect:    "direct, no proxy",
-	varLimit:     "proxy port dialed, no capture",
-	varEBPF:      "eBPF (mesh-cni)",
-	varIPTables:  "iptables REDIRECT",
-	varNFTables:  "nftables redirect",
-	varIstio:     "istio-cni's in-pod rules",
-	varLimitRead: "proxy port dialed, no capture (proxies read(2))",
-	varEBPFRead:  "eBPF (mesh-cni), proxies read(2)",
-	varSplice:    "eBPF with --splice=all, proxies read(2)",
+	varDirect:   "direct, no proxy",
+	varLimit:    "proxy port dialed, no capture",
+	varEBPF:     "eBPF (mesh-cni)",
+	varIPTables: "iptables REDIRECT",
+	varNFTables: "nftables redirect",
+	varIstio:    "istio-cni's in-pod rules",
 }
-
-// readCopy says which variants' proxies copy with read(2).
-var readCopy = map[string]bool{varLimitRead: true, varEBPFRead: true, varSplice: true}
 
 // forwardToFlag is the refproxy flag the "limit" variant of the full chain
 // needs: forward every accepted connection to one fixed address instead of its
@@ -72,8 +59,6 @@ type captureEnv struct {
 	echo []captureSetup
 	// noLimit says why the chain has no "limit" variant ("" when it has one).
 	noLimit string
-	// noSplice says why there is no "splice" variant ("" when there is).
-	noSplice string
 }
 
 // BenchmarkCapture measures connection capture pod→pod on one node: the same
@@ -93,10 +78,8 @@ func BenchmarkCapture(b *testing.B) {
 	ctx := benchContext(b, 40*time.Minute)
 	env := newCaptureEnv(ctx, b)
 	res := newResult(b, "capture", "Connection capture: eBPF vs istio-cni's rules vs iptables vs nftables", "BenchmarkCapture", captureDescription(env))
-	for _, note := range []string{env.noLimit, env.noSplice} {
-		if note != "" {
-			res.Notes = append(res.Notes, note)
-		}
+	if env.noLimit != "" {
+		res.Notes = append(res.Notes, env.noLimit)
 	}
 	rounds := size(20, 3)
 
@@ -113,7 +96,6 @@ func BenchmarkCapture(b *testing.B) {
 			reportRatio(b, &rate, cfg.name+":", varEBPF, rate.Baseline)
 			reportRatio(b, &rate, cfg.name+":", varEBPF, varIPTables)
 			reportRatio(b, &rate, cfg.name+":", varEBPF, varIstio)
-			reportRatio(b, &rate, cfg.name+":", varSplice, varLimitRead)
 		}
 		b.ReportMetric(0, "ns/op")
 	})
@@ -130,7 +112,6 @@ func BenchmarkCapture(b *testing.B) {
 			res.Metrics = append(res.Metrics, m, cpu)
 			report(b, &m, varEBPF, 0, cfg.name+"-us")
 			reportRatio(b, &cpu, cfg.name+"-cpu:", varEBPF, varIstio)
-			reportRatio(b, &m, cfg.name+":", varSplice, varLimitRead)
 		}
 		b.ReportMetric(0, "ns/op")
 	})
@@ -148,69 +129,10 @@ func BenchmarkCapture(b *testing.B) {
 			}
 			res.Metrics = append(res.Metrics, m)
 			reportRatio(b, &m, cfg.name+":", varEBPF, m.Baseline)
-			reportRatio(b, &m, cfg.name+":", varSplice, varLimitRead)
 		}
-		b.ReportMetric(0, "ns/op")
-	})
-	b.Run("machine-profile", func(b *testing.B) {
-		profileSplice(ctx, b, res, env.chain)
 		b.ReportMetric(0, "ns/op")
 	})
 	finish(b, res)
-}
-
-// profileSplice records machine profiles (perf, every CPU, kernel included)
-// of the splice and of the same capture without it, each alone on the
-// machine, in the full chain: a bulk upload and a request/response batch.
-// They show what bounds the splice where it misses its targets.
-func profileSplice(ctx context.Context, b *testing.B, res *run, chain []captureSetup) {
-	const uploads = 8
-	uploadSize := int64(size(128<<20, 32<<20))
-	requests := size(10000, 2000)
-	buf := make([]byte, 256<<10)
-	for _, su := range chain {
-		if su.variant != varSplice && su.variant != varEBPFRead {
-			continue
-		}
-		for _, kind := range []struct {
-			name, title string
-			ops         int
-			op          string
-			run         func() error
-		}{
-			{"throughput", "bulk upload", uploads * int(uploadSize>>20), "MiB", func() error {
-				for range uploads {
-					if _, err := su.client.upload(ctx, uploadSize, buf); err != nil {
-						return err
-					}
-				}
-				return nil
-			}},
-			{"request", "request/response", requests, "request", func() error {
-				_, err := su.client.requests(ctx, requests)
-				return err
-			}},
-		} {
-			name := "machine-" + kind.name + "-" + su.variant
-			file := filepath.Join(profilesDir(b), name+".pprof")
-			if err := machineProfile(ctx, file, kind.run); err != nil {
-				if errors.Is(err, errNoPerf) {
-					res.Notes = append(res.Notes, "No machine profiles: "+err.Error()+".")
-					return
-				}
-				b.Fatalf("%s: %v", name, err)
-			}
-			rel, _ := filepath.Rel(outDir(b), file)
-			res.Profiles = append(res.Profiles, results.Profile{
-				Name:       name,
-				Title:      fmt.Sprintf("Machine, %s, full chain: `%s` %s (perf, all CPUs, kernel included)", kind.title, su.variant, variantLabels[su.variant]),
-				File:       rel,
-				Command:    "go tool pprof -top " + filepath.Join(results.DefaultOut, rel),
-				Operations: kind.ops,
-				Operation:  kind.op,
-			})
-		}
-	}
 }
 
 func configTitle(name string) string {
@@ -234,17 +156,12 @@ func captureDescription(env *captureEnv) string {
 		"Variants: `direct` = no proxy, no capture; `ebpf` = pods added through [bridge, mesh-cni] with a real `mesh-agent` (eBPF data path); " +
 		"`iptables` / `nftables` = pods added through [bridge] with in-pod NAT REDIRECT rules like Istio ambient's (`test/capture`); " +
 		"`istio-cni` = pods added through [bridge] with Istio ambient's own in-pod rules, written by istio-cni's code (`hack/istio-inpod`: its nat, mangle and raw chains, the policy route and the mark rule, DNS capture on as in its chart); " + limit + " " +
-		"`splice` = pods of a second `mesh-agent`, run with `--splice=all`: what an application writes to its proxy is moved into the proxy's socket instead of through loopback TCP. " +
-		"Its proxies copy with read(2) and write(2) (refproxy `-read-copy`), as the splice asks of a proxy, where the others' copy with splice(2); `limit-read` and `ebpf-read` are `limit` and `ebpf` with those same proxies, the splice's own baselines. " +
-		"The splice's read accounting runs on every socket read of the node, in every variant alike, and leaves at its first lookup for the sockets that are not spliced. " +
 		"Two configurations: **chain** = client → client proxy → server proxy → server, a mesh's real path; " +
 		"**capture** = the client's proxy runs with `-echo` and answers itself, which isolates the capture (the `limit` there dials 127.0.0.1:15001 of an echoing proxy). " +
 		"Throughput: in the chain, uploads of 128 MiB (32 MiB in quick mode) to a counting sink; in the capture-only configuration the same amount sent and echoed back at once. " +
 		"CPU per request: the machine's busy CPU time (user, system, irq and softirq of both CPUs, from /proc/stat, in 10 ms ticks) over a request batch, divided by its requests; only that variant runs meanwhile, so it is everything a request costs: client, application, both proxies and the kernel. " +
 		"In every round each variant runs one batch, in rotating order; rates are per batch (conn/s, MiB/s), latencies per operation. " +
-		"Ratios are paired: the median over rounds of variant ÷ baseline in the same round. " +
-		"Machine profiles: after the rounds, `splice` and `ebpf-read` each run 8 uploads and one batch of 10,000 requests (2,000 in quick mode) of the full chain alone, under `perf record -a -g` " +
-		"(cpu-clock at 997 Hz on every CPU: user space, kernel and softirq, whichever process they run for; idle CPUs left out), converted to pprof with each process's name as the root of its stacks."
+		"Ratios are paired: the median over rounds of variant ÷ baseline in the same round."
 }
 
 func newCaptureEnv(ctx context.Context, b *testing.B) *captureEnv {
@@ -255,24 +172,8 @@ func newCaptureEnv(ctx context.Context, b *testing.B) *captureEnv {
 	node := harness.NewNode(b, harness.NodeOptions{Plugins: append(harness.ReferencePluginNames(), "mesh-cni")})
 	bridgeOnly := node.Conflist(b, benchNet)
 	withMesh := node.Conflist(b, benchNet, a.meshEntry("mesh-cni"))
-	// The splice's pods are another agent's, with --splice=all: data paths of
-	// several agents share the cgroup root, each acting on its own pods.
-	sa := newAgent(b, agentOptions{Args: []string{"--splice=all"}})
-	if _, _, err := sa.start(ctx); err != nil {
-		b.Fatal(err)
-	}
-	withSplice := node.Conflist(b, benchNet, sa.meshEntry("mesh-cni"))
 	refproxy := harness.Bins(b).Path("refproxy")
 	env := &captureEnv{}
-	if _, on := sa.logFields("splicing the pod-local hop into the proxy", 0); on == 0 {
-		why := "no reason logged"
-		for _, line := range strings.Split(sa.proc.Output(), "\n") {
-			if strings.Contains(line, "splicing is off") {
-				why = line
-			}
-		}
-		env.noSplice = "There is no `splice` variant: the agent with `--splice=all` could not splice on this kernel (its log: " + why + ")."
-	}
 	spawn := newSpawner(b)
 	if !refproxyHasFlag(b, refproxy, forwardToFlag) {
 		env.noLimit = "The full-chain `limit` variant is missing: the reference proxy has no `-" + forwardToFlag +
@@ -313,28 +214,16 @@ func newCaptureEnv(ctx context.Context, b *testing.B) *captureEnv {
 		})
 	}
 	listFor := func(variant string) *libcni.NetworkConfigList {
-		switch variant {
-		case varEBPF, varEBPFRead:
+		if variant == varEBPF {
 			return withMesh
-		case varSplice:
-			return withSplice
 		}
 		return bridgeOnly
 	}
-	proxyArgs := func(variant string, args ...string) []string {
-		if readCopy[variant] {
-			return append(args, "-read-copy")
-		}
-		return args
-	}
 
 	// Full chain: a client and a server pod per variant.
-	chainVariants := []string{varDirect, varEBPF, varIstio, varIPTables, varNFTables, varEBPFRead}
+	chainVariants := []string{varDirect, varEBPF, varIstio, varIPTables, varNFTables}
 	if env.noLimit == "" {
-		chainVariants = append(chainVariants, varLimit, varLimitRead)
-	}
-	if env.noSplice == "" {
-		chainVariants = append(chainVariants, varSplice)
+		chainVariants = append(chainVariants, varLimit)
 	}
 	for _, v := range chainVariants {
 		cp := addPod(listFor(v), v+"-client")
@@ -343,13 +232,13 @@ func newCaptureEnv(ctx context.Context, b *testing.B) *captureEnv {
 		target := netip.AddrPortFrom(sp.IPv4(b), appPort)
 		switch v {
 		case varDirect:
-		case varLimit, varLimitRead:
-			startRefproxy(ctx, b, spawn, cp, proxyArgs(v, "-"+forwardToFlag, netip.AddrPortFrom(sp.IPv4(b), proxy.DefaultInboundPort).String())...)
-			startRefproxy(ctx, b, spawn, sp, proxyArgs(v, "-"+forwardToFlag, target.String())...)
+		case varLimit:
+			startRefproxy(ctx, b, spawn, cp, "-"+forwardToFlag, netip.AddrPortFrom(sp.IPv4(b), proxy.DefaultInboundPort).String())
+			startRefproxy(ctx, b, spawn, sp, "-"+forwardToFlag, target.String())
 			target = netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), proxy.DefaultOutboundPort)
 		default:
-			startRefproxy(ctx, b, spawn, cp, proxyArgs(v)...)
-			startRefproxy(ctx, b, spawn, sp, proxyArgs(v)...)
+			startRefproxy(ctx, b, spawn, cp)
+			startRefproxy(ctx, b, spawn, sp)
 			install(cp, v)
 			install(sp, v)
 		}
@@ -358,16 +247,13 @@ func newCaptureEnv(ctx context.Context, b *testing.B) *captureEnv {
 	// Capture only: one client pod per variant with an echoing proxy; the
 	// destination is the direct server, which the capture never lets it reach.
 	nominal := env.chain[0].client.target
-	echoVariants := []string{varLimit, varEBPF, varIstio, varIPTables, varNFTables, varLimitRead, varEBPFRead}
-	if env.noSplice == "" {
-		echoVariants = append(echoVariants, varSplice)
-	}
+	echoVariants := []string{varLimit, varEBPF, varIstio, varIPTables, varNFTables}
 	for _, v := range echoVariants {
 		cp := addPod(listFor(v), v+"-echo")
-		startRefproxy(ctx, b, spawn, cp, proxyArgs(v, "-echo")...)
+		startRefproxy(ctx, b, spawn, cp, "-echo")
 		install(cp, v)
 		target := nominal
-		if v == varLimit || v == varLimitRead {
+		if v == varLimit {
 			target = netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), proxy.DefaultOutboundPort)
 		}
 		env.echo = append(env.echo, captureSetup{variant: v, client: client{netns: cp.NetNSPath, target: target}})

@@ -201,17 +201,7 @@ func idle(frames []string) bool {
 	return inIdle
 }
 
-// profilesDir is the results directory's folder of profiles, made if need be.
-func profilesDir(b *testing.B) string {
-	b.Helper()
-	dir := filepath.Join(outDir(b), "profiles")
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		b.Fatal(err)
-	}
-	return dir
-}
-
-// A perf script excerpt: a write through the splice, softirq taken in the
+// A perf script excerpt: a write through a sockmap, softirq taken in the
 // idle loop, a plain idle sample and a command with a space in its name.
 const perfScriptSample = `refproxy 1003009 
 	ffffffff81a1 tcp_bpf_sendmsg

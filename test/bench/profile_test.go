@@ -404,3 +404,13 @@ func attachedPrograms(a *agent) ([]namedProgram, error) {
 	}
 	return slices.Clip(out), nil
 }
+
+// profilesDir is the results directory's folder of profiles, made if need be.
+func profilesDir(b *testing.B) string {
+	b.Helper()
+	dir := filepath.Join(outDir(b), "profiles")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		b.Fatal(err)
+	}
+	return dir
+}

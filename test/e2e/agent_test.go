@@ -34,8 +34,20 @@ type agent struct {
 	// it in the node's (hostNetwork); "" keeps the test's.
 	NetNSPath string
 	// Wrapper runs the agent through this command line (e.g. setpriv), the
-	// agent's path and arguments appended.
-	Wrapper []string
+	// agent's path and arguments appended; WrapperLaunches says it forks the
+	// agent rather than exec it (nsenter into a PID namespace,
+	// harness.ProcessOptions.Launcher).
+	Wrapper         []string
+	WrapperLaunches bool
+}
+
+// command is the agent's path and args through its wrapper.
+func (a *agent) command(args []string) (string, []string) {
+	path := harness.Bins(a.t).Path("mesh-agent")
+	if len(a.Wrapper) == 0 {
+		return path, args
+	}
+	return a.Wrapper[0], append(append(slices.Clone(a.Wrapper[1:]), path), args...)
 }
 
 // newAgent prepares (but does not start) an agent with its own socket and state
@@ -83,11 +95,8 @@ var agents sync.Map
 // start runs the agent and waits until it reports ready.
 func (a *agent) start(ctx context.Context) {
 	a.t.Helper()
-	path, args := harness.Bins(a.t).Path("mesh-agent"), a.Args
-	if len(a.Wrapper) > 0 {
-		path, args = a.Wrapper[0], append(append(slices.Clone(a.Wrapper[1:]), path), args...)
-	}
-	a.Proc = harness.StartProcess(a.t, harness.ProcessOptions{Path: path, Args: args, Name: "mesh-agent", NetNSPath: a.NetNSPath})
+	path, args := a.command(a.Args)
+	a.Proc = harness.StartProcess(a.t, harness.ProcessOptions{Path: path, Args: args, Name: "mesh-agent", NetNSPath: a.NetNSPath, Launcher: a.WrapperLaunches})
 	agents.Store(a.Socket, a)
 	a.waitReady(ctx)
 }

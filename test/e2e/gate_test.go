@@ -17,8 +17,16 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	types100 "github.com/containernetworking/cni/pkg/types/100"
 
+	"github.com/mesh-cni/mesh-cni/internal/cniplugin"
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/test/harness"
+)
+
+// TestBadInput's non-root caller, and the mode it opens the gate socket and
+// its directories up to: the agent refuses the caller by its credentials.
+const (
+	nobodyUID      = 65534
+	openSocketMode = 0o777
 )
 
 func cniCode(t testing.TB, err error) *types.Error {
@@ -366,7 +374,7 @@ func TestBadInput(t *testing.T) {
 		return b
 	}
 	goodArgs := argsString(pod.CNIArgs())
-	nobody := &syscall.Credential{Uid: 65534, Gid: 65534}
+	nobody := &syscall.Credential{Uid: nobodyUID, Gid: nobodyUID}
 
 	tests := []struct {
 		name string
@@ -384,7 +392,7 @@ func TestBadInput(t *testing.T) {
 		{"missing netns", pluginCall{Netns: "/run/netns/mesh-e2e-does-not-exist"}, types.ErrInvalidNetNS, "not a network namespace"},
 		{"netns is a plain file", pluginCall{Netns: notNetns}, types.ErrInvalidNetNS, "not a network namespace"},
 		{"missing prevResult", pluginCall{Stdin: conf(map[string]any{"prevResult": nil})}, types.ErrInvalidNetworkConfig, "prevResult"},
-		{"non-root caller", pluginCall{Credential: nobody}, 100, "no permission"},
+		{"non-root caller", pluginCall{Credential: nobody}, cniplugin.ErrGateRefused, "no permission"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -418,14 +426,14 @@ func TestBadInput(t *testing.T) {
 	// peer is refused by the agent itself.
 	t.Run("non-root peer on an open socket", func(t *testing.T) {
 		for _, p := range []string{filepath.Dir(filepath.Dir(a.Socket)), filepath.Dir(a.Socket), a.Socket} {
-			if err := os.Chmod(p, 0o777); err != nil {
+			if err := os.Chmod(p, openSocketMode); err != nil {
 				t.Fatal(err)
 			}
 		}
 		_, cniErr := pluginCall{Command: "ADD", ContainerID: "c0ffee", IfName: "eth0", Netns: pod.NetNSPath,
 			Args: goodArgs, Stdin: conf(nil), Credential: nobody}.run(ctx, t)
-		if cniErr == nil || cniErr.Code != 100 || !strings.Contains(cniErr.Details, "uid 65534") {
-			t.Fatalf("non-root peer: %v, want code 100 naming uid 65534", cniErr)
+		if cniErr == nil || cniErr.Code != cniplugin.ErrGateRefused || !strings.Contains(cniErr.Details, fmt.Sprintf("uid %d", nobodyUID)) {
+			t.Fatalf("non-root peer: %v, want code %d naming uid %d", cniErr, cniplugin.ErrGateRefused, nobodyUID)
 		}
 	})
 

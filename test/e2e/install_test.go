@@ -84,7 +84,8 @@ func (a *agent) installStateDir() string {
 // launch starts the agent without waiting for it to be ready.
 func (a *agent) launch() {
 	a.t.Helper()
-	a.Proc = harness.StartProcess(a.t, harness.ProcessOptions{Path: harness.Bins(a.t).Path("mesh-agent"), Args: a.Args, Name: "mesh-agent"})
+	path, args := a.command(a.Args)
+	a.Proc = harness.StartProcess(a.t, harness.ProcessOptions{Path: path, Args: args, Name: "mesh-agent", Launcher: a.WrapperLaunches})
 	agents.Store(a.Socket, a)
 }
 
@@ -103,8 +104,8 @@ func (a *agent) uninstall(ctx context.Context) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
-	args := append([]string{"uninstall"}, a.Args[1:]...)
-	out, err := exec.CommandContext(ctx, harness.Bins(a.t).Path("mesh-agent"), args...).CombinedOutput()
+	path, args := a.command(append([]string{"uninstall"}, a.Args[1:]...))
+	out, err := exec.CommandContext(ctx, path, args...).CombinedOutput()
 	if err != nil {
 		a.t.Fatalf("mesh-agent uninstall: %v\n%s", err, out)
 	}

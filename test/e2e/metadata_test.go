@@ -14,6 +14,9 @@ import (
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
+// largeAnnotation is the size of TestLargeAnnotation's large annotation.
+const largeAnnotation = 64 << 10
+
 // TestLargeAnnotation: pods whose metadata exceeds the gate's bounds (a 64 KiB
 // kubectl.kubernetes.io/last-applied-configuration annotation, 300 annotations)
 // still start through the real hook path into the agent, and the policy's
@@ -46,7 +49,7 @@ func TestLargeAnnotation(t *testing.T) {
 	}
 	defer hook.Close()
 
-	big := strings.Repeat("x", 64<<10)
+	big := strings.Repeat("x", largeAnnotation)
 	many := map[string]string{}
 	for i := range 300 {
 		many[fmt.Sprintf("example.com/a%03d", i)] = "v"

@@ -93,13 +93,20 @@ func TestDelBestEffort(t *testing.T) {
 	})
 }
 
+// hugeStdin is the stdin TestPluginStdinCapped gives the plugin, and
+// refusedStdinRSS what the plugin may take resident refusing it.
+const (
+	hugeStdin       = 200 << 20
+	refusedStdinRSS = 64 << 20
+)
+
 // TestPluginStdinCapped: a huge stdin is refused as an invalid configuration
 // (code 7) after at most MaxStdin bytes, without the plugin's memory growing
 // with it (skel alone read all of a 200 MB stdin, over 400 MB resident).
 func TestPluginStdinCapped(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
-	const size = 200 << 20
+	const size = hugeStdin
 	var usage syscall.Rusage
 	_, cniErr := pluginCall{
 		Command: "ADD", ContainerID: "c0ffee", IfName: "eth0", Netns: "/proc/self/ns/net",
@@ -115,7 +122,7 @@ func TestPluginStdinCapped(t *testing.T) {
 	// Maxrss is in KiB. The bound is far above what reading the capped 4 MiB
 	// needs and far below the stdin's size.
 	t.Logf("plugin max RSS: %d KiB", usage.Maxrss)
-	if usage.Maxrss > 64<<10 {
+	if usage.Maxrss > refusedStdinRSS>>10 {
 		t.Fatalf("plugin max RSS %d KiB for a refused stdin: it read more than the cap", usage.Maxrss)
 	}
 }

@@ -3,11 +3,14 @@ package harness
 import (
 	"errors"
 	"fmt"
+	"os"
 	"testing"
 
 	"github.com/containernetworking/plugins/pkg/netlinksafe"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // Primary is the kind of primary network a node gives its pods: the plugin that
@@ -157,8 +160,9 @@ func KernelOption(plugin string) (option string, ok bool) {
 
 // RequirePrimary fails tb unless the kernel can make the interfaces of the
 // node's primary (ProbePrimary). It skips instead only where the kernel lacks
-// an optional driver: the kernel does not know the link kind (EOPNOTSUPP) and
-// KernelOption names its option. Any other failure, or one of a driver every
+// an optional driver (fixtures.RequireFeature): KernelOption names its option,
+// the kernel does not know the link kind (EOPNOTSUPP) and has no module of
+// that name loaded or built in. Any other failure, or one of a driver every
 // kernel has, fails: a primary the kernel should support never skips.
 func (n *Node) RequirePrimary(tb testing.TB) {
 	tb.Helper()
@@ -166,10 +170,22 @@ func (n *Node) RequirePrimary(tb testing.TB) {
 	if err == nil {
 		return
 	}
-	if option, ok := KernelOption(n.Primary.Plugin()); ok && errors.Is(err, unix.EOPNOTSUPP) {
-		tb.Skipf("%v (%s): %s not run on this kernel", err, option, n.Primary)
+	plugin := n.Primary.Plugin()
+	option, ok := KernelOption(plugin)
+	if !ok {
+		tb.Fatal(err)
 	}
-	tb.Fatal(err)
+	fixtures.RequireFeature(tb, fixtures.Feature{
+		Name: fmt.Sprintf("%s links (%s)", plugin, n.Primary),
+		// ipvlan, the one driver KernelOption names, is in Linux 3.19.
+		Since: fixtures.KernelVersion{Major: 3, Minor: 19},
+		Off: func(err error) string {
+			if _, serr := os.Stat("/sys/module/" + plugin); errors.Is(err, unix.EOPNOTSUPP) && errors.Is(serr, os.ErrNotExist) {
+				return fmt.Sprintf("it has no %s driver, built in or as a module (%s)", plugin, option)
+			}
+			return ""
+		},
+	}, err)
 }
 
 // primaryEntry is the conflist entry of the node's primary plugin.

@@ -242,7 +242,7 @@ func (p *Process) Wait(ctx context.Context) error {
 // Launcher's children while it has any.
 func (p *Process) Signal(sig os.Signal) error {
 	if p.launcher {
-		if kids := p.children(); len(kids) > 0 {
+		if kids := p.Children(); len(kids) > 0 {
 			for _, pid := range kids {
 				if err := syscall.Kill(pid, sig.(syscall.Signal)); err != nil && !errors.Is(err, syscall.ESRCH) {
 					return fmt.Errorf("signal %s's child %d: %w", p.name, pid, err)
@@ -257,8 +257,8 @@ func (p *Process) Signal(sig os.Signal) error {
 	return nil
 }
 
-// children are the pids of the process's children.
-func (p *Process) children() []int {
+// Children are the pids of the process's children.
+func (p *Process) Children() []int {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", p.Pid(), p.Pid()))
 	if err != nil {
 		return nil

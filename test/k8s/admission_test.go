@@ -641,7 +641,7 @@ func testPolicyRealAgent(t *testing.T, pc *policyCluster) {
 		add(ctx, t, node, list, cniPod(t, node, p))
 	}
 	pc.waitAnnotation(t, ns, "meshed", enroll.OutcomeEnabled)
-	pc.waitAnnotation(t, ns, "opt-out", enroll.OutcomeDisabled)
+	pc.noRedirection(t, ns, "opt-out")
 
 	waitCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()

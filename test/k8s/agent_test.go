@@ -23,10 +23,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 
-	meshagent "github.com/mesh-cni/mesh-cni/internal/agent"
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
 	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
-	"github.com/mesh-cni/mesh-cni/internal/redirect"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
@@ -206,6 +204,15 @@ func (c *cluster) waitAnnotation(t *testing.T, namespace, name, want string) {
 	})
 }
 
+// noRedirection fails the test if the pod carries either redirection
+// annotation: a pod that was never in the mesh is not written to.
+func (c *cluster) noRedirection(t *testing.T, namespace, name string) {
+	t.Helper()
+	if o, v, ok := c.redirectionOf(t, namespace, name); o != "" || ok {
+		t.Errorf("%s/%s, never in the mesh, carries %s=%q, %s=%q: want neither", namespace, name, enroll.AnnotationRedirection, o, enroll.IstioAnnotationRedirection, v)
+	}
+}
+
 // waitEnrolled waits until the agent lists (want) or no longer lists the pod,
 // reporting an error past the design's one second and failing past 30 s.
 func waitEnrolled(t *testing.T, a *agent, p *harness.Pod, want bool, what string) {
@@ -252,8 +259,10 @@ func testAgentEnrollmentFollowsLabels(t *testing.T, c *cluster) {
 		t.Error("a pod in an unlabelled namespace was enrolled")
 	}
 	c.waitAnnotation(t, lab, "client", enroll.OutcomeEnabled)
-	c.waitAnnotation(t, lab, "opt-out", enroll.OutcomeDisabled)
-	c.waitAnnotation(t, plain, "late", enroll.OutcomeDisabled)
+	// Pods outside the mesh get no write at all (testAgentPodStartRequests
+	// counts them in the audit log).
+	c.noRedirection(t, lab, "opt-out")
+	c.noRedirection(t, plain, "late")
 
 	var app echoServer
 	app.serve(t, srv, 8080)
@@ -564,59 +573,4 @@ func waitRecords(ctx context.Context, t *testing.T, path string, n int) []proxy.
 		t.Fatalf("proxy: want %d records, have %d: %v", n, len(recs), err)
 	}
 	return recs
-}
-
-// testAgentSpliceAnnotated: with --splice=annotated, the agent splices what
-// the applications of a pod annotated mesh-cni.io/splice=enabled write to
-// their proxy, read from the API server as the pod is enrolled, and leaves a
-// pod without the annotation on plain TCP: in each direction between such two
-// pods, only the connection's hop inside the annotated pod is spliced.
-func testAgentSpliceAnnotated(t *testing.T, c *cluster) {
-	if err := redirect.SpliceSupport(); err != nil {
-		t.Skipf("kernel cannot splice: %v", err)
-	}
-	ctx := apiContext(t)
-	kubeNode := "node-" + randomHex(t, 4)
-	ns := c.namespace(t, "splice", enabled)
-	askingPod := c.pod(t, ns, "asking", kubeNode, nil, map[string]string{meshagent.AnnotationSplice: "enabled"})
-	plainPod := c.pod(t, ns, "plain", kubeNode, nil, nil)
-	a := newAgent(t, c.api, kubeNode, "--splice=annotated")
-	a.start(ctx)
-	node := harness.NewNode(t, harness.NodeOptions{Plugins: append(harness.ReferencePluginNames(), "mesh-cni")})
-	list := node.Conflist(t, "meshnet", a.meshEntry())
-	asking, plain := cniPod(t, node, askingPod), cniPod(t, node, plainPod)
-	for _, p := range []*harness.Pod{asking, plain} {
-		add(ctx, t, node, list, p)
-		// Copying with read(2), as the splice asks of a proxy.
-		startProxy(ctx, t, p, "-read-copy")
-		var app echoServer
-		app.serve(t, p, 8080)
-	}
-	for _, tc := range []struct{ from, to *harness.Pod }{{asking, plain}, {plain, asking}} {
-		conn, err := tc.from.Dial(ctx, "tcp", netip.AddrPortFrom(tc.to.IPv4(t), 8080).String())
-		if err != nil {
-			t.Fatal(err)
-		}
-		_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
-		payload := []byte("spliced or not")
-		got := make([]byte, len(payload))
-		if _, err := conn.Write(payload); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := io.ReadFull(conn, got); err != nil || !bytes.Equal(got, payload) {
-			t.Fatalf("%s -> %s: echo %q, %v", tc.from.Name, tc.to.Name, got, err)
-		}
-		snap, err := redirect.Inspect(ctx, a.BPFFS)
-		conn.Close()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if sp := snap.Splice; sp == nil || !sp.Enabled || sp.Spliced != 1 {
-			t.Errorf("%s -> %s open: splice %+v, want one spliced connection (the hop inside %s)", tc.from.Name, tc.to.Name, sp, asking.Name)
-		}
-		harness.WaitFor(t, 30*time.Second, "the splice to forget the closed connection", func() bool {
-			snap, err := redirect.Inspect(ctx, a.BPFFS)
-			return err == nil && snap.Splice != nil && snap.Splice.Spliced+snap.Splice.Pending+snap.Splice.TCP+snap.Splice.Behind == 0
-		})
-	}
 }

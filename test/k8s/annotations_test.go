@@ -116,6 +116,15 @@ func testPolicyRedirectionAnnotations(t *testing.T, pc *policyCluster) {
 		Target:     corev1.ObjectReference{Kind: "Node", Name: pc.nodeA},
 	}, metav1.CreateOptions{})
 	expectRefusedBy(t, redirectionPolicy, "binding a pod with "+enroll.IstioAnnotationRedirection, err, enroll.IstioAnnotationRedirection)
+	// The same through the namespace's bindings resource, which the API
+	// server serves as the pod's binding subresource.
+	unbound := pc.workload(t, "unbound-ns", "")
+	err = pc.admin.CoreV1().RESTClient().Post().Namespace(unbound.Namespace).Resource("bindings").Body(&corev1.Binding{
+		ObjectMeta: metav1.ObjectMeta{Name: unbound.Name, Annotations: map[string]string{enroll.AnnotationRedirection: enroll.OutcomeEnabled}},
+		Target:     corev1.ObjectReference{Kind: "Node", Name: pc.nodeA},
+	}).Do(ctx).Error()
+	expectRefusedBy(t, redirectionPolicy, "binding a pod with "+enroll.AnnotationRedirection+" through the bindings resource", err, enroll.AnnotationRedirection)
+	pc.unchanged(ctx, t, unbound)
 	pc.unchanged(ctx, t, p)
 
 	// The agent marks the pod captured; the editor may not undo or change that.
@@ -268,8 +277,9 @@ func testAgentCorrectsForgedAnnotations(t *testing.T, c *cluster) {
 	add(ctx, t, node, list, meshed)
 	add(ctx, t, node, list, uncaptured)
 	c.waitRedirection(t, amb, "meshed", enroll.OutcomeEnabled, true)
-	c.waitRedirection(t, plain, "plain", enroll.OutcomeDisabled, false)
 	c.waitRedirection(t, plain, "never-added", enroll.OutcomeDisabled, false)
+	// Never in the mesh, never marked: nothing to write.
+	c.noRedirection(t, plain, "plain")
 
 	for _, f := range []struct {
 		pod  *corev1.Pod
@@ -328,7 +338,7 @@ func testAgentEnforcedNamespace(t *testing.T, c *cluster) {
 		t.Error("a pod opted out in a namespace that does not enforce was enrolled")
 	}
 	c.waitAnnotation(t, enforced, "opt-out", enroll.OutcomeEnabled)
-	c.waitAnnotation(t, later, "opt-out", enroll.OutcomeDisabled)
+	c.noRedirection(t, later, "opt-out")
 	c.waitOptOutEvent(t, enforcedPod)
 
 	c.setLabel(t, later, "", enroll.LabelEnforce, enroll.ValueEnforce)

@@ -33,7 +33,8 @@ func TestKubernetes(t *testing.T) {
 		t.Fatal(err)
 	}
 	etcd := kubeenv.StartEtcd(t, bins)
-	api := kubeenv.StartAPIServer(t, bins, etcd, "shared-"+randomHex(t, 3))
+	// The audit log lets a test count what its agent asked (by its user agent).
+	api := kubeenv.StartAPIServerWith(t, bins, etcd, "shared-"+randomHex(t, 3), kubeenv.APIServerOptions{Audit: true})
 	api.GrantAgent(t)
 	c := &cluster{bins: bins, etcd: etcd, api: api, admin: api.Client(t, kubeenv.AdminUser)}
 
@@ -43,7 +44,6 @@ func TestKubernetes(t *testing.T) {
 	}{
 		{"SourceFollowsLabels", testSourceFollowsLabels},
 		{"SourceIstioProfile", testSourceIstioProfile},
-		{"SourceSpliceChoice", testSourceSpliceChoice},
 		{"SourceDirectGet", testSourceDirectGet},
 		{"SourceReportsOutcome", testSourceReportsOutcome},
 		{"SourceAPIServerDown", testSourceAPIServerDown},
@@ -53,9 +53,9 @@ func TestKubernetes(t *testing.T) {
 		{"AgentAddWithAPIServerDown", testAgentAddWithAPIServerDown},
 		{"AgentZDSEntryPoints", testAgentZDSEntryPoints},
 		{"AgentAdoptsRunningPods", testAgentAdoptsRunningPods},
-		{"AgentSpliceAnnotated", testAgentSpliceAnnotated},
 		{"AgentCorrectsForgedAnnotations", testAgentCorrectsForgedAnnotations},
 		{"AgentEnforcedNamespace", testAgentEnforcedNamespace},
+		{"AgentPodStartRequests", testAgentPodStartRequests},
 		{"RemovalDecision", testRemovalDecision},
 		{"RemovalWatch", testRemovalWatch},
 		{"RemovalDecisionAPIServerDown", testRemovalDecisionAPIServerDown},

@@ -18,6 +18,8 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/zap/zaptest"
+
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
@@ -235,7 +237,7 @@ func testRemovalWatch(t *testing.T, c *cluster) {
 	agent := c.api.Client(t, kubeenv.AgentUser)
 	ns := c.namespace(t, "rm-watch", nil)
 	d := c.deployAgent(t, ns, "node-"+randomHex(t, 4), true)
-	w := removal.NewWatcher(agent, d.ref())
+	w := removal.NewWatcher(agent, d.ref(), zaptest.NewLogger(t))
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go w.Run(ctx)
@@ -272,7 +274,7 @@ func testRemovalWatch(t *testing.T, c *cluster) {
 	// answers that it is in place, and the node keeps everything.
 	ns2 := c.namespace(t, "rm-watch-again", nil)
 	d2 := c.deployAgent(t, ns2, "node-"+randomHex(t, 4), true)
-	w2 := removal.NewWatcher(agent, d2.ref())
+	w2 := removal.NewWatcher(agent, d2.ref(), zaptest.NewLogger(t))
 	go w2.Run(ctx)
 	select {
 	case <-w2.Watching():

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -169,46 +168,6 @@ func testSourceIstioProfile(t *testing.T, c *cluster) {
 	}
 	if d := decide(t, src, openBypass); !d.Enroll || !d.Capture.BypassInbound {
 		t.Errorf("inbound bypassed in a namespace that does not enforce: %+v; want enrolled with inbound bypassed", d)
-	}
-}
-
-// testSourceSpliceChoice: the pod's mesh-cni.io/splice annotation, read from
-// the API server's copy (a CNI request carries no annotations, and a request
-// that carries other ones does not count), under either profile; any value
-// but enabled opts out.
-func testSourceSpliceChoice(t *testing.T, c *cluster) {
-	node := "node-" + randomHex(t, 4)
-	ambient := map[string]string{enroll.IstioLabelDataplaneMode: enroll.IstioValueAmbient}
-	ours := c.namespace(t, "splice", enabled)
-	amb := c.namespace(t, "splice-ambient", ambient)
-	on, off := true, false
-	for _, profile := range []string{enroll.ProfileMeshCNI, enroll.ProfileIstio} {
-		ns := ours
-		if profile == enroll.ProfileIstio {
-			ns = amb
-		}
-		src := startSource(t, c.api, node, profile, 5*time.Second)
-		for _, tc := range []struct {
-			value string
-			want  *bool
-		}{{"enabled", &on}, {"disabled", &off}, {"yes", &off}, {"", nil}} {
-			var annotations map[string]string
-			if tc.value != "" {
-				annotations = map[string]string{meshagent.AnnotationSplice: tc.value}
-			}
-			pod := c.pod(t, ns, profile+"-"+strings.Trim(tc.value+"-none", "-"), node, nil, annotations)
-			req := identity(pod)
-			req.Annotations = map[string]string{meshagent.AnnotationSplice: "enabled"}
-			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			d, err := src.Decide(ctx, req)
-			cancel()
-			if err != nil {
-				t.Fatal(err)
-			}
-			if !d.Enroll || !reflect.DeepEqual(d.Capture.Splice, tc.want) {
-				t.Errorf("profile %s, annotation %q: enroll %v, splice %v, want enrolled with %v", profile, tc.value, d.Enroll, d.Capture.Splice, tc.want)
-			}
-		}
 	}
 }
 

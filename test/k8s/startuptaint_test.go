@@ -260,15 +260,7 @@ func testStartupTaintRealAgent(t *testing.T, pc *policyCluster, arg string) {
 	a.Proc = harness.StartProcess(t, harness.ProcessOptions{Path: harness.Bins(t).Path("mesh-agent"), Args: a.Args, Name: "mesh-agent"})
 	waitCtx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
-	line, err := a.Proc.WaitForLine(waitCtx, "metrics and health serving")
-	if err != nil {
-		t.Fatal(err)
-	}
-	m := regexp.MustCompile(`"addr":"([^"]+)"`).FindStringSubmatch(line)
-	if m == nil {
-		t.Fatalf("no address in %q", line)
-	}
-	addr := m[1]
+	addr := metricsAddr(waitCtx, t, a)
 	if _, err := a.Proc.WaitForLine(waitCtx, "the node carries the startup taint"); err != nil {
 		t.Fatalf("the agent did not read its node's startup taint: %v", err)
 	}

@@ -90,7 +90,7 @@ func (s *scenario) helm(t *testing.T, ctx context.Context) {
 	s.op.run(ctx, s.releaseDir, "helm-uninstall", 0)
 	uninstalled := time.Now()
 	snapshotNode(t, s.n).mustEqual(t, before)
-	checkLinksGone(t, links)
+	checkLinksGone(t, links, "uninstall")
 	if c, err := s.n.ReadyCondition(ctx); err != nil || c.Status != corev1.ConditionTrue {
 		t.Errorf("after helm uninstall the node is not Ready: %v %s", err, c.Message)
 	}

@@ -33,6 +33,10 @@ import (
 // machine (the host, off the node) scrapes the agent through the chart's
 // Service, with the chart's alert rules loaded; and uninstalling releases the
 // running pods and leaves the node's CNI directories and pins as they were.
+// Each platform runs twice: with the platform value (helm install --set
+// platform), and rendered as a GitOps tool renders it, by helm template with
+// no cluster and no platform value (the default layout's directories
+// mounted), where the agent finds the runtime's directories itself.
 func TestPlatformLayouts(t *testing.T) {
 	if testing.Short() {
 		t.Skip("whole nodes: skipped with -short")
@@ -52,11 +56,89 @@ func TestPlatformLayouts(t *testing.T) {
 				platform = p
 			}
 		}
-		t.Run(name, func(t *testing.T) { platformLayout(t, platform, current, prometheus) })
+		t.Run(name, func(t *testing.T) { platformLayout(t, platform, current, prometheus, platformSet) })
+		t.Run(name+"-rendered", func(t *testing.T) { platformLayout(t, platform, current, prometheus, renderedBlocks) })
 	}
 }
 
-func platformLayout(t *testing.T, platform kubernetes.Platform, current nodeenv.Images, prometheus string) {
+// layoutInstall is how a layout test installs and uninstalls: the blocks of
+// docs/install.md it runs.
+type layoutInstall struct {
+	install, uninstall opBlock
+	// rendered: the chart rendered without the platform.
+	rendered bool
+}
+
+// platformSet installs with helm install --set platform=$PLATFORM.
+func platformSet(t *testing.T) layoutInstall {
+	t.Helper()
+	var li layoutInstall
+	for _, b := range opBlocks() {
+		switch b.Name {
+		case "platform":
+			li.install = b
+		case "platform-uninstall":
+			li.uninstall = b
+		}
+	}
+	if li.install.Name == "" || li.uninstall.Name == "" {
+		t.Fatal("docs/install.md has no platform blocks")
+	}
+	return li
+}
+
+// renderedBlocks renders the chart with helm template and no platform and
+// applies it, as a GitOps tool does; the uninstall deletes the DaemonSet
+// (the agents remove what they installed), runs the uninstall Job for
+// anything an agent already gone left, and deletes the rest.
+func renderedBlocks(*testing.T) layoutInstall {
+	return layoutInstall{rendered: true, install: opBlock{Name: "rendered", Cmds: []opCommand{
+		importAgent(),
+		{Run: "kubectl apply -f install/kubernetes/namespace.yaml"},
+		{Run: `helm template mesh-cni install/helm/mesh-cni -n mesh-system \
+  --set image.digest=$(cat bin/image/mesh-agent.tar.digest) --set proxyMark=0x539 \
+  --set metrics.bindAddress=0.0.0.0 --set metrics.service.enabled=true > mesh-cni.yaml`},
+		{Run: "kubectl apply -f mesh-cni.yaml"},
+		{Run: rollout},
+	}}, uninstall: opBlock{Name: "rendered-uninstall", Cmds: []opCommand{
+		{Run: "kubectl -n mesh-system delete daemonset mesh-agent --cascade=foreground"},
+		{Run: `helm template mesh-cni install/helm/mesh-cni -n mesh-system \
+  --set image.digest=$(cat bin/image/mesh-agent.tar.digest) --set uninstall.node=$NODE \
+  --show-only templates/uninstall-job.yaml | kubectl apply -f -`},
+		{Run: `kubectl -n mesh-system wait --for=condition=Complete --timeout=3m job/mesh-agent-uninstall-$NODE`},
+		{Run: "kubectl delete -f mesh-cni.yaml --ignore-not-found"},
+		{Run: "kubectl delete -f install/kubernetes/namespace.yaml"},
+	}}}
+}
+
+// TestReadmeInstallRendered keeps the rendered install and uninstall of
+// docs/install.md the commands TestPlatformLayouts runs, word for word.
+func TestReadmeInstallRendered(t *testing.T) {
+	li := renderedBlocks(t)
+	for _, b := range []opBlock{li.install, li.uninstall} {
+		begin, end := readmeMarkers(b.Name)
+		harness.DocSection(t, "docs/install.md", begin, end, b.markdown())
+	}
+}
+
+// runBlock runs every command of b in the checkout dir, as operator.run
+// does for docs/install.md's blocks, and fails the test on the first that
+// fails.
+func runBlock(ctx context.Context, o *operator, dir string, b opBlock) {
+	o.t.Helper()
+	for _, c := range b.Cmds {
+		start := time.Now()
+		out, err := o.exec(ctx, dir, c)
+		o.t.Logf("$ %s\n%s(%s, %v)", c.Run, out, b.Name, time.Since(start).Round(time.Millisecond))
+		if err != nil {
+			o.diagnose(ctx)
+			o.t.Fatalf("docs/install.md step %q of %s failed: %v", c.Run, b.Name, err)
+		}
+	}
+}
+
+func platformLayout(t *testing.T, platform kubernetes.Platform, current nodeenv.Images, prometheus string, how func(*testing.T) layoutInstall) {
+	li := how(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 12*time.Minute)
 	defer cancel()
 	n := nodeenv.Start(t, nodeenv.Options{CNIBinDir: platform.CNIBinDir, CNIConfDir: platform.CNIConfDir})
@@ -80,7 +162,7 @@ func platformLayout(t *testing.T, platform kubernetes.Platform, current nodeenv.
 		started[name], _ = s.until(ctx, "shop", name, "running", running)
 	}
 
-	op.run(ctx, dir, "platform")
+	runBlock(ctx, op, dir, li.install)
 	if file, meshed := s.chainEntry(t); !meshed {
 		t.Fatalf("the runtime loads %s from %s first, which does not chain mesh-cni", file, platform.CNIConfDir)
 	}
@@ -89,6 +171,27 @@ func platformLayout(t *testing.T, platform kubernetes.Platform, current nodeenv.
 	}
 	if _, err := os.Stat(n.Path("/opt/cni/bin/mesh-cni")); err == nil && platform.CNIBinDir != "/opt/cni/bin" {
 		t.Errorf("the plugin was also installed into /opt/cni/bin, which this runtime does not read")
+	}
+	if platform.CNIConfDir != "/etc/cni/net.d" {
+		if entries, _ := os.ReadDir(n.Path("/etc/cni/net.d")); len(entries) != 0 {
+			t.Errorf("the agent wrote %v into /etc/cni/net.d, which this runtime does not read", entries)
+		}
+	}
+	if li.rendered {
+		// The DaemonSet mounts the default layout's directories; the agent
+		// says it reached this runtime's through the host's root.
+		var st struct {
+			CNI struct {
+				Dirs string `json:"dirs"`
+			} `json:"cniConfig"`
+		}
+		out := s.kubectl(t, ctx, "-n", kubernetes.Namespace, "exec", "ds/mesh-agent", "--", kubernetes.AgentBinary, "status", "-o", "json")
+		if err := json.Unmarshal([]byte(out), &st); err != nil {
+			t.Fatalf("mesh-agent status -o json: %v\n%s", err, out)
+		}
+		if dirs, want := st.CNI.Dirs, filepath.Join("/proc/1/root", platform.CNIBinDir); !strings.Contains(dirs, want+" (host root)") {
+			t.Errorf("mesh-agent status says the CNI directories are %q, want the plugin in %s", dirs, want)
+		}
 	}
 
 	// The running pods are enrolled where they run: same pods, no restart,
@@ -127,7 +230,18 @@ func platformLayout(t *testing.T, platform kubernetes.Platform, current nodeenv.
 
 	// Uninstalled, the running pods are released: they keep running and
 	// talking, now directly.
-	op.run(ctx, dir, "platform-uninstall")
+	if li.rendered {
+		// Up to the uninstall Job's completion, whose log says where it
+		// looked: the runtime's directories, found as the agent finds them.
+		runBlock(ctx, op, dir, opBlock{Name: li.uninstall.Name, Cmds: li.uninstall.Cmds[:3]})
+		logs := s.kubectl(t, ctx, "-n", kubernetes.Namespace, "logs", "job/mesh-agent-uninstall-"+n.Name)
+		if want := strconv.Quote(filepath.Join("/proc/1/root", platform.CNIBinDir)); !strings.Contains(logs, want) {
+			t.Errorf("the uninstall Job did not look in %s, where this runtime loads plugins:\n%s", want, logs)
+		}
+		runBlock(ctx, op, dir, opBlock{Name: li.uninstall.Name, Cmds: li.uninstall.Cmds[3:]})
+	} else {
+		runBlock(ctx, op, dir, li.uninstall)
+	}
 	released := time.Now()
 	s.waitConnections(t, ctx, "client", 5)
 	direct := 0

@@ -102,6 +102,10 @@ EOF`},
   --set image.digest=$(cat bin/image/mesh-agent.tar.digest)`},
 			{Run: rollout},
 		}},
+		{Name: "helm-rollback", Cmds: []opCommand{
+			{Run: "helm rollback mesh-cni -n mesh-system"},
+			{Run: rollout},
+		}},
 		{Name: "startup-taint", Cmds: []opCommand{
 			importAgent(),
 			{Run: "kubectl apply -f install/kubernetes/namespace.yaml"},

@@ -134,16 +134,16 @@ func pinnedLinkIDs(t *testing.T, n *nodeenv.Node) []link.ID {
 	return ids
 }
 
-// checkLinksGone fails for every link that still exists: its program would
-// still be attached to the host's cgroup root.
-func checkLinksGone(t *testing.T, ids []link.ID) {
+// checkLinksGone fails for every link that still exists after what: its
+// program would still be attached to the host's cgroup root.
+func checkLinksGone(t *testing.T, ids []link.ID, what string) {
 	t.Helper()
 	for _, id := range ids {
 		l, err := link.NewFromID(id)
 		if err == nil {
 			info, _ := l.Info()
 			l.Close()
-			t.Errorf("link %d (type %v) still exists after uninstall", id, info.Type)
+			t.Errorf("link %d (type %v) still exists after %s", id, info.Type, what)
 			continue
 		}
 		if !errors.Is(err, os.ErrNotExist) {

@@ -73,10 +73,6 @@ type Config struct {
 	// its original destination, with no lookup and no loop check: two proxies
 	// chained explicitly, the "no capture at all" limit in benchmarks.
 	ForwardTo netip.AddrPort
-	// ReadCopy copies with read(2) and write(2) instead of splice(2): what a
-	// proxy must do under the data path's --splice, whose bytes splice(2)
-	// from the socket does not see.
-	ReadCopy bool
 	// DialTimeout bounds each onward connect; 0 means DefaultDialTimeout.
 	DialTimeout time.Duration
 	// NetNS, when set, is the network namespace the proxy listens and dials in,
@@ -383,7 +379,7 @@ func (p *Proxy) proxy(client *net.TCPConn, ln *listener, rec *Record) error {
 		if err != nil {
 			p.log.Debug("echo without original destination", zap.Error(err))
 		}
-		n, err := p.copy(client, client)
+		n, err := copyConn(client, client)
 		rec.BytesToDst, rec.BytesToClient = n, n
 		if err != nil {
 			return fmt.Errorf("echo: %w", err)
@@ -416,7 +412,7 @@ func (p *Proxy) forward(client *net.TCPConn, dst netip.AddrPort, rec *Record, de
 	defer p.removeOnward(self)
 	stop := context.AfterFunc(p.ctx, func() { upstream.Close() })
 	defer stop()
-	rec.BytesToDst, rec.BytesToClient, err = pipe(client, upstream, p.copy)
+	rec.BytesToDst, rec.BytesToClient, err = pipe(client, upstream, copyConn)
 	return err
 }
 
@@ -458,15 +454,9 @@ func (p *Proxy) destination(c *net.TCPConn, dir Direction, local netip.AddrPort)
 	return netip.AddrPort{}, SourceNone, fmt.Errorf("original destination: %w", err)
 }
 
-// copy copies src to dst until src ends: with splice(2) (io.Copy between two
-// *net.TCPConn), or with read(2) and write(2) under Config.ReadCopy, where the
-// wrappers hide ReadFrom and WriteTo.
-func (p *Proxy) copy(dst, src *net.TCPConn) (int64, error) {
-	if p.cfg.ReadCopy {
-		return io.Copy(struct{ io.Writer }{dst}, struct{ io.Reader }{src})
-	}
-	return io.Copy(dst, src)
-}
+// copyConn copies src to dst until src ends (io.Copy between two
+// *net.TCPConn: the kernel moves the bytes, they never reach user space).
+func copyConn(dst, src *net.TCPConn) (int64, error) { return io.Copy(dst, src) }
 
 // pipe copies both ways with cp until both directions end. A direction that ends
 // cleanly passes the client's or server's FIN on with CloseWrite so the other

@@ -36,7 +36,7 @@ type Options struct {
 
 // sectionOrder is the order of the known benchmarks in the report; others
 // follow by name.
-var sectionOrder = []string{"chain-add", "plugin", "capture", "dns", "scale", "profile"}
+var sectionOrder = []string{"chain-add", "plugin", "capture", "dns", "scale", "fleet", "profile"}
 
 // Generate reads every result in opts.In and writes the report and its figures.
 func Generate(opts Options) error {
@@ -167,6 +167,7 @@ func writeResult(w *bytes.Buffer, r *results.Result, opts Options, figLink strin
 	for _, n := range r.Notes {
 		fmt.Fprintf(w, "> %s\n\n", n)
 	}
+	writeSectionTargets(w, r, opts.In)
 	for i := range r.Metrics {
 		m := &r.Metrics[i]
 		fmt.Fprintf(w, "### %s\n\n", m.Title)

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/pprof/profile"
 	"github.com/mesh-cni/mesh-cni/test/bench/results"
 )
 
@@ -210,5 +211,38 @@ func TestWrap(t *testing.T) {
 	}
 	if got := wrap("", 7); got != "" {
 		t.Errorf("wrap empty = %q", got)
+	}
+}
+
+// writeStacks writes a CPU profile of the given stacks (leaf first), 1 ms each.
+func writeStacks(t *testing.T, path string, stacks ...[]string) {
+	t.Helper()
+	p := &profile.Profile{SampleType: []*profile.ValueType{{Type: "samples", Unit: "count"}, {Type: "cpu", Unit: "nanoseconds"}}}
+	locs := map[string]*profile.Location{}
+	for _, st := range stacks {
+		s := &profile.Sample{Value: []int64{1, 1e6}}
+		for _, name := range st {
+			l, found := locs[name]
+			if !found {
+				fn := &profile.Function{ID: uint64(len(p.Function) + 1), Name: name}
+				p.Function = append(p.Function, fn)
+				l = &profile.Location{ID: uint64(len(p.Location) + 1), Line: []profile.Line{{Function: fn}}}
+				p.Location = append(p.Location, l)
+				locs[name] = l
+			}
+			s.Location = append(s.Location, l)
+		}
+		p.Sample = append(p.Sample, s)
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := p.Write(f); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -105,8 +105,8 @@ func writeTargets(w *bytes.Buffer, rs []*results.Result, dir string) {
 		connRateVsLimit(d), connRateVsInPod(d, "iptables", "iptables REDIRECT"),
 		connRateVsInPod(d, "istio-cni", "istio-cni's in-pod rules"), requestVsIstio(d), throughputVsLimit(d),
 	}
-	ts = append(ts, spliceTargets(d)...)
 	ts = append(ts, enrollScaling(d), agentMemory(d), restartReady(d))
+	ts = append(ts, fleetTargets(d)...)
 	fmt.Fprintf(w, "## Targets\n\n")
 	fmt.Fprintf(w, "Each target checked against this run; ratios are between variants measured side by side in the same run. "+
 		"The thresholds are the targets' own; every other number below comes from this run's samples.\n\n")
@@ -695,116 +695,4 @@ func restartReady(d data) target {
 	t.status = check(worst < 2000)
 	t.limits = fmt.Sprintf("%s ms against 2000 ms: a restart adopts the pinned data path and reconciles every enrolled pod (its namespace, its sk_lookup link) before it is ready.", num(worst))
 	return t
-}
-
-// spliceTargets check the splice (variant "splice": --splice, its proxies
-// copying with read(2)) against the no-capture limit with the same proxies
-// ("limit-read") and against istio-cni's rules, each with the splice's own
-// gain over the same capture without it ("ebpf-read").
-func spliceTargets(d data) []target {
-	const (
-		splice, limit, plain = "splice", "limit-read", "ebpf-read"
-		hops                 = "The splice takes two directions of the pod-local hops out of TCP: the client's writes into its proxy and the server's answers into its proxy. " +
-			"The proxies' writes to their applications and the proxy-to-proxy hop stay TCP. " +
-			"Where a hop is spliced, the kernel's sockmap path (a copy into a scatterlist, the verdict program, the proxy's socket locked, queued and woken) replaces loopback TCP's, and every hop still wakes its reader, often on the other CPU: " +
-			"one hop timed alone costs about the same either way on this project's test machine (`BenchmarkSpliceHop`, [design.md](design.md#the-splice))."
-	)
-	gain := func(metric string) string {
-		if r, cfg := captureRatio(d, metric, splice, plain); ok(r) {
-			return fmt.Sprintf("; against the same capture without it: %.3f× (%s)", r, configNote(cfg))
-		}
-		return ""
-	}
-	ratio := func(goal, metric, baseline string, want float64, higher bool) target {
-		t := target{goal: goal}
-		r, cfg := captureRatio(d, metric, splice, baseline)
-		if !ok(r) {
-			return t
-		}
-		t.measured = fmt.Sprintf("%.3f× (paired median, %s%s)%s", r, configNote(cfg), otherConfig(d, metric, splice, baseline, cfg), gain(metric))
-		t.status = check((higher && r >= want) || (!higher && r <= want))
-		t.limits = join(fmt.Sprintf("%.3f× against %.2f×.", r, want), hops, loadNote(d, "capture"))
-		return t
-	}
-	request := func(goal, baseline string, want float64, quantile float64) target {
-		t := target{goal: goal}
-		m := d.metric("capture", "rr-chain")
-		if m == nil {
-			return t
-		}
-		a, b := m.Find(splice, 0), m.Find(baseline, 0)
-		if a == nil || b == nil {
-			return t
-		}
-		// The median is compared round by round, as everywhere else; a tail
-		// quantile over all samples.
-		qa, qb := results.Quantile(samplesOf(a), quantile), results.Quantile(samplesOf(b), quantile)
-		r := qa / qb
-		if quantile == 0.5 {
-			var found bool
-			if r, found = results.PairedRatio(a, b); !found {
-				return t
-			}
-		}
-		if !ok(r) {
-			return t
-		}
-		t.measured = fmt.Sprintf("%.3f× (p%.0f %s µs vs %s µs)", r, 100*quantile, num(qa), num(qb))
-		if p, found := results.PairedRatio(a, m.Find(plain, 0)); found && ok(p) {
-			t.measured += fmt.Sprintf("; against the same capture without it: %.3f× (paired median)", p)
-		}
-		t.status = check(r <= want)
-		t.limits = join(fmt.Sprintf("%.3f× against %.2f×.", r, want), hops, loadNote(d, "capture"))
-		return t
-	}
-	withProfile := func(t target, kind string) target {
-		if t.status == missed {
-			t.limits = join(t.limits, spliceProfileNote(d, kind))
-		}
-		return t
-	}
-	return []target{
-		withProfile(request("splice: request/response p50 ≤ 0.85× the no-capture limit (full chain, proxies read(2))", limit, 0.85, 0.5), "request"),
-		withProfile(request("splice: request/response p99 ≤ 0.95× the no-capture limit (full chain, proxies read(2))", limit, 0.95, 0.99), "request"),
-		withProfile(ratio("splice: throughput ≥ 1.3× the no-capture limit (proxies read(2))", "throughput", limit, 1.3, true), "throughput"),
-		ratio("splice: conn/s ≥ 0.98× the no-capture limit (proxies read(2))", "conn-rate", limit, 0.98, true),
-		ratio("splice: conn/s ≥ 1.2× istio-cni's in-pod rules", "conn-rate", "istio-cni", 1.2, true),
-		withProfile(request("splice: request/response p50 ≤ 0.70× istio-cni's in-pod rules (full chain)", "istio-cni", 0.70, 0.5), "request"),
-	}
-}
-
-// Kernel functions the splice's machine profiles break out: the write path of
-// a socket in a sockhash with an sk_msg program, the reader of a socket in
-// one, plain TCP's write path, and the tracepoint runner the read accounting
-// runs in.
-const (
-	kfnBPFSend  = "tcp_bpf_sendmsg"
-	kfnBPFRecv  = "tcp_bpf_recvmsg"
-	kfnTCPSend  = "tcp_sendmsg"
-	kfnTraceRun = "bpf_trace_run3"
-)
-
-// spliceProfileNote compares the machine profiles (kind "throughput" or
-// "request") of the splice and of the same capture without it: CPU per
-// operation, and the shares of the functions that differ between the two.
-func spliceProfileNote(d data, kind string) string {
-	spl, plain := machinePrefix+kind+"-splice", machinePrefix+kind+"-ebpf-read"
-	p, found := d.profileOf(spl)
-	if !found {
-		return ""
-	}
-	a, b := profileTotal(d, spl), profileTotal(d, plain)
-	share := func(prof, fn string) float64 { _, s := fnCPU(d, prof, fn); return s }
-	unit, scale := "ms", 1.0
-	if p.Operation == "request" {
-		unit, scale = "µs", 1000
-	}
-	return join(
-		sentence("Machine profiles of both, full chain, one batch each alone on the machine (perf, all CPUs, kernel included; CPU profiles below): %s %s of CPU per %s with the splice, %s %s without it (%.2f×).",
-			num(a*scale), unit, p.Operation, num(b*scale), unit, a/b),
-		sentence("With the splice, the applications' writes into their proxies go through `%s` (%.1f%% of the CPU) and every other write through `%s` (%.1f%%), and the proxies' reads of them through `%s` (%.1f%%); without it, every write goes through `%s` (%.1f%%).",
-			kfnBPFSend, share(spl, kfnBPFSend), kfnTCPSend, share(spl, kfnTCPSend), kfnBPFRecv, share(spl, kfnBPFRecv), kfnTCPSend, share(plain, kfnTCPSend)),
-		sentence("The tracepoint the read accounting runs in (`%s`, on every read of the node) takes %.1f%% with the splice and %.1f%% without.",
-			kfnTraceRun, share(spl, kfnTraceRun), share(plain, kfnTraceRun)),
-	)
 }

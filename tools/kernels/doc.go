@@ -4,10 +4,13 @@
 // docs (docs/compatibility.md) is proved; `make test-kernels` runs it (tools/cmd/kernels), CI too.
 //
 // The matrix (matrix.txt, embedded) lists each kernel, where its packages come
-// from, and for each suite (suites.go) whether it must pass or must fail there.
-// Both directions are checked: a suite that fails where the matrix says pass is
-// a regression, one that passes where it says fail is a gap closed without the
-// matrix (and so docs/compatibility.md, generated from it) saying so. Either fails the run.
+// from, and for each suite (suites.go) whether it must pass or must fail there;
+// skips.txt, the tests each kernel is expected to skip and why. Both directions
+// are checked: a suite that fails where the matrix says pass is a regression,
+// one that passes where it says fail is a gap closed without the matrix (and
+// so docs/compatibility.md, generated from both) saying so; a test that skips
+// where skips.txt does not expect it fails its suite, and one that passes where
+// skips.txt expects a skip is a stale line. Any of them fails the run.
 //
 // For each kernel, on the host:
 //
@@ -33,8 +36,8 @@
 // through busybox's modprobe. Then it powers off.
 //
 // Back on the host each suite's -test.v output is read test by test: a suite
-// passes only when every one of its tests passed (a skip is not a pass) and the
-// binary exited 0; a suite the kernel died in fails, with the kernel's own
+// passes only when every one of its tests passed or skipped as skips.txt
+// expects on that kernel (a skip is not a pass) and the binary exited 0; a suite the kernel died in fails, with the kernel's own
 // words (soft lockup, oops) in its note. One summary line per kernel is
 // printed; bin/kernels/<kernel>/ keeps each suite's log, console and kernel log,
 // and tests.txt, every test's verdict.

@@ -152,6 +152,10 @@ func mountAll(ms []mount) error {
 
 const newRoot = "/newroot"
 
+// guestOpenFiles is the open-file limit the suites run with, as systemd gives
+// a node's services.
+const guestOpenFiles = 524288
+
 func guestSetup(p *plan) error {
 	var uts unix.Utsname
 	if err := unix.Uname(&uts); err != nil {
@@ -216,11 +220,27 @@ func guestSetup(p *plan) error {
 	if err := os.WriteFile("/proc/sys/kernel/modprobe", []byte(helper), 0o644); err != nil {
 		return err
 	}
-	if err := unix.Chroot(newRoot); err != nil {
-		return fmt.Errorf("chroot %s: %w", newRoot, err)
+	// Into the new root as switch_root does (the initramfs cannot be pivoted
+	// away): moved over /, then entered. A chroot into the directory instead
+	// would leave every process chrooted, and the kernel refuses a chrooted
+	// process a user namespace (EPERM), which the tests make unprivileged.
+	if err := os.Chdir(newRoot); err != nil {
+		return err
+	}
+	if err := unix.Mount(newRoot, "/", "", unix.MS_MOVE, ""); err != nil {
+		return fmt.Errorf("move %s over /: %w", newRoot, err)
+	}
+	if err := unix.Chroot("."); err != nil {
+		return fmt.Errorf("enter the new root: %w", err)
 	}
 	if err := os.Chdir("/"); err != nil {
 		return err
+	}
+	// The kernel starts pid 1 with a hard limit of 4096 open files, which
+	// the suites inherit; a node's init gives its services far more (systemd:
+	// 524288), and TestListenerFlood holds 16,800 listeners open.
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &unix.Rlimit{Cur: guestOpenFiles, Max: guestOpenFiles}); err != nil {
+		return fmt.Errorf("raise the open-file limit: %w", err)
 	}
 	lo, err := netlinksafe.LinkByName("lo")
 	if err == nil {

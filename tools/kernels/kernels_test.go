@@ -55,6 +55,84 @@ func TestMatrixErrors(t *testing.T) {
 	}
 }
 
+func TestSkipsParse(t *testing.T) {
+	t.Parallel()
+	matrix := "kernel need archive suites packages datapath gate traffic\n" +
+		"6.1 required debian bookworm linux-image-6.1.0-*-amd64 pass pass pass\n" +
+		"6.12 optional debian bookworm linux-image-6.12.*+deb12-amd64 pass pass pass\n"
+	load := func(skips string) (*Matrix, error) {
+		m, err := ParseMatrix(matrix, Suites)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m, m.ParseSkips(skips, Suites)
+	}
+	m, err := load("# why\n* datapath TestHelper a helper\n6.12 gate TestOld needs widgets, in 7.0\n")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := m.Kernels[0].Skips; len(got) != 1 || got["datapath"]["TestHelper"] != "a helper" {
+		t.Errorf("6.1's skips %v", got)
+	}
+	if got := m.Kernels[1].Skips; len(got) != 2 || got["gate"]["TestOld"] != "needs widgets, in 7.0" {
+		t.Errorf("6.12's skips %v", got)
+	}
+	for _, c := range []struct{ name, text, want string }{
+		{"no why", "6.1 datapath TestA\n", "line 1: 3 fields"},
+		{"unknown kernel", "5.4 datapath TestA why\n", `kernel "5.4"`},
+		{"unknown suite", "6.1 fast TestA why\n", `suite "fast"`},
+		{"not a test", "6.1 datapath TestA/sub why\n", `"TestA/sub"`},
+		{"twice", "* datapath TestA why\n\n6.12 datapath TestA why\n", "line 3: datapath TestA is listed twice for kernel 6.12"},
+	} {
+		if _, err := load(c.text); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: error %v, want one containing %q", c.name, err, c.want)
+		}
+	}
+	if err := checkSkips(m.Kernels, map[string][]string{"datapath": {"TestHelper"}, "gate": {"TestNew"}}); err == nil || !strings.Contains(err.Error(), "TestOld") {
+		t.Errorf("a skip of a test the suite does not run: %v", err)
+	}
+}
+
+// TestSkipsNameTests holds every test skips.txt expects to skip to one its
+// suite's package has, so a renamed test does not leave its line behind (the
+// run checks it against the test binaries too).
+func TestSkipsNameTests(t *testing.T) {
+	t.Parallel()
+	m, err := LoadMatrix()
+	if err != nil {
+		t.Fatal(err)
+	}
+	root, err := ModuleRoot(t.Context(), ".")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range m.Kernels {
+		for _, s := range Suites {
+			for test := range k.Skips[s.Name] {
+				if len(s.Tests) > 0 && !slices.Contains(s.Tests, test) {
+					t.Errorf("%s: %s is expected to skip in %s, which does not run it", k.Name, test, s.Name)
+					continue
+				}
+				files, err := filepath.Glob(filepath.Join(root, s.Package, "*_test.go"))
+				if err != nil {
+					t.Fatal(err)
+				}
+				found := false
+				for _, f := range files {
+					b, err := os.ReadFile(f)
+					if err != nil {
+						t.Fatal(err)
+					}
+					found = found || bytes.Contains(b, []byte("\nfunc "+test+"(t *testing.T)"))
+				}
+				if !found {
+					t.Errorf("%s: %s is expected to skip in %s, and %s has no such test", k.Name, test, s.Name, s.Package)
+				}
+			}
+		}
+	}
+}
+
 func TestPatternPicksTheBuild(t *testing.T) {
 	t.Parallel()
 	re := pattern("linux-image-6.1.0-*-amd64-unsigned")
@@ -91,15 +169,30 @@ func TestParseTestLog(t *testing.T) {
 	out := []byte(`=== RUN   TestA
 === PAUSE TestA
 === RUN   TestB
+=== RUN   TestB/sub
+    b_test.go:9: the subtest's own words
     --- FAIL: TestB/sub (0.00s)
 --- FAIL: TestB (0.01s)
+=== RUN   TestC
+=== PAUSE TestC
 === CONT  TestA
+    a_test.go:3: first
+=== NAME  TestC
+    c_test.go:7: needs widgets, in Linux 9.9 and later
+        and a second line
+=== NAME  TestA
+    a_test.go:4: last
+    logger.go:146: INFO a cleanup logged
 --- PASS: TestA (1.20s)
 --- SKIP: TestC (0.00s)
 panic: test timed out after 10m0s
 `)
 	got := parseTestLog(out)
-	want := map[string]string{"TestA": "PASS", "TestB": "FAIL", "TestC": "SKIP"}
+	want := map[string]testVerdict{
+		"TestA": {"PASS", "a_test.go:4: last"},
+		"TestB": {"FAIL", ""},
+		"TestC": {"SKIP", "c_test.go:7: needs widgets, in Linux 9.9 and later"},
+	}
 	if len(got) != len(want) {
 		t.Fatalf("got %v, want %v", got, want)
 	}
@@ -113,17 +206,24 @@ panic: test timed out after 10m0s
 func TestSuiteOutcome(t *testing.T) {
 	t.Parallel()
 	s := Suite{Name: "x"}
+	expectB := map[string]string{"TestB": "TestB needs widgets"}
 	for _, c := range []struct {
-		name, log string
-		exit      int
-		want      Outcome
-		missing   int
+		name, log         string
+		skips             map[string]string
+		exit              int
+		want              Outcome
+		missing           int
+		unexpected, stale []string
 	}{
-		{"all pass", "--- PASS: TestA (0.1s)\n--- PASS: TestB (0.1s)\n", 0, Pass, 0},
-		{"one fails", "--- PASS: TestA (0.1s)\n--- FAIL: TestB (0.1s)\n", 1, Fail, 0},
-		{"a skip does not fail", "--- PASS: TestA (0.1s)\n--- SKIP: TestB (0.1s)\n", 0, Pass, 0},
-		{"crashed midway", "--- PASS: TestA (0.1s)\npanic: boom\n", 2, Fail, 1},
-		{"passes but exits non-zero (a leak)", "--- PASS: TestA (0.1s)\n--- PASS: TestB (0.1s)\n", 1, Fail, 0},
+		{"all pass", "--- PASS: TestA (0.1s)\n--- PASS: TestB (0.1s)\n", nil, 0, Pass, 0, nil, nil},
+		{"one fails", "--- PASS: TestA (0.1s)\n--- FAIL: TestB (0.1s)\n", nil, 1, Fail, 0, nil, nil},
+		{"a skip is not a pass", "--- PASS: TestA (0.1s)\n--- SKIP: TestB (0.1s)\n", nil, 0, Fail, 0, []string{"TestB"}, nil},
+		{"a skip the kernel is expected to make", "--- PASS: TestA (0.1s)\n--- SKIP: TestB (0.1s)\n", expectB, 0, Pass, 0, nil, nil},
+		{"a skip of another test than expected", "--- SKIP: TestA (0.1s)\n--- SKIP: TestB (0.1s)\n", expectB, 0, Fail, 0, []string{"TestA"}, nil},
+		{"an expected skip that passed", "--- PASS: TestA (0.1s)\n--- PASS: TestB (0.1s)\n", expectB, 0, Pass, 0, nil, []string{"TestB"}},
+		{"an expected skip that failed", "--- PASS: TestA (0.1s)\n--- FAIL: TestB (0.1s)\n", expectB, 1, Fail, 0, nil, nil},
+		{"crashed midway", "--- PASS: TestA (0.1s)\npanic: boom\n", nil, 2, Fail, 1, nil, nil},
+		{"passes but exits non-zero (a leak)", "--- PASS: TestA (0.1s)\n--- PASS: TestB (0.1s)\n", nil, 1, Fail, 0, nil, nil},
 	} {
 		dir := t.TempDir()
 		if err := os.WriteFile(filepath.Join(dir, "x.log"), []byte(c.log), 0o644); err != nil {
@@ -133,16 +233,24 @@ func TestSuiteOutcome(t *testing.T) {
 		if err := os.WriteFile(filepath.Join(dir, "x.json"), exit, 0o644); err != nil {
 			t.Fatal(err)
 		}
-		r, err := readSuiteResult(dir, s, []string{"TestA", "TestB"}, nil)
+		r, err := readSuiteResult(dir, s, []string{"TestA", "TestB"}, c.skips, nil)
 		if err != nil {
 			t.Fatalf("%s: %v", c.name, err)
 		}
 		if r.Outcome != c.want || r.Missing != c.missing {
 			t.Errorf("%s: %s with %d missing, want %s with %d", c.name, r.Outcome, r.Missing, c.want, c.missing)
 		}
+		if !slices.Equal(r.UnexpectedSkips, c.unexpected) || !slices.Equal(r.StaleSkips, c.stale) {
+			t.Errorf("%s: unexpected skips %v, stale %v; want %v, %v", c.name, r.UnexpectedSkips, r.StaleSkips, c.unexpected, c.stale)
+		}
+		for _, u := range c.unexpected {
+			if !strings.Contains(r.Note, u+" skipped") {
+				t.Errorf("%s: note %q does not name %s", c.name, r.Note, u)
+			}
+		}
 	}
 	// A suite the guest never started is an error of the run, not a result.
-	if r, err := readSuiteResult(t.TempDir(), s, []string{"TestA"}, nil); r.Outcome != Fail || err == nil {
+	if r, err := readSuiteResult(t.TempDir(), s, []string{"TestA"}, nil, nil); r.Outcome != Fail || err == nil {
 		t.Errorf("no log: %+v, %v; want a failure and an error", r, err)
 	}
 	// One the kernel died in is the suite's failure, with what the kernel said.
@@ -154,7 +262,7 @@ func TestSuiteOutcome(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(dir, "x.console.log"), []byte(console), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	r, err := readSuiteResult(dir, s, []string{"TestA", "TestB"}, nil)
+	r, err := readSuiteResult(dir, s, []string{"TestA", "TestB"}, nil, nil)
 	if err != nil || r.Outcome != Fail || r.Missing != 1 || !strings.Contains(r.Note, "soft lockup") {
 		t.Errorf("kernel died: %+v, %v; want a failure naming the soft lockup", r, err)
 	}
@@ -175,6 +283,15 @@ func TestDeviationsBothWays(t *testing.T) {
 	var out bytes.Buffer
 	if code := Summarize(&out, []*KernelResult{r}); code != 1 || !strings.Contains(out.String(), "1 unexpected (6.1)") {
 		t.Errorf("exit %d, %q", code, out.String())
+	}
+	// An expected skip that passed is a deviation too, whatever the suite did.
+	k.Skips = map[string]map[string]string{"gate": {"TestG": "needs widgets"}}
+	stale := &KernelResult{Kernel: k, Suites: []SuiteResult{{Suite: "datapath", Outcome: Fail}, {Suite: "gate", Outcome: Pass, StaleSkips: []string{"TestG"}}}}
+	if d := stale.Deviations(); len(d) != 1 || !strings.Contains(d[0], "TestG passed") || !strings.Contains(d[0], "needs widgets") {
+		t.Errorf("an expected skip that passed: deviations %v", d)
+	}
+	if line := stale.Line(); !strings.Contains(line, "1 EXPECTED TO SKIP PASSED") {
+		t.Errorf("line %q does not say an expected skip passed", line)
 	}
 	gone := &KernelResult{Kernel: k, Unavailable: true}
 	if d := gone.Deviations(); len(d) != 1 {

@@ -15,6 +15,11 @@ import (
 //go:embed matrix.txt
 var matrixFile string
 
+// skipsFile lists the tests each kernel is expected to skip, and why.
+//
+//go:embed skips.txt
+var skipsFile string
+
 // Outcome is what a suite did on a kernel, or must do.
 type Outcome string
 
@@ -32,6 +37,9 @@ type Kernel struct {
 	Packages []string // with "*" for the build
 	// Expect is each test suite's required outcome, by suite name.
 	Expect map[string]Outcome
+	// Skips are the tests expected to skip on this kernel, by suite and
+	// test, with why (skips.txt).
+	Skips map[string]map[string]string
 }
 
 // Matrix is the whole table, rows in file order.
@@ -39,9 +47,17 @@ type Matrix struct {
 	Kernels []Kernel
 }
 
-// LoadMatrix parses the matrix built into this package.
+// LoadMatrix parses the matrix built into this package, with its expected
+// skips.
 func LoadMatrix() (*Matrix, error) {
-	return ParseMatrix(matrixFile, Suites)
+	m, err := ParseMatrix(matrixFile, Suites)
+	if err != nil {
+		return nil, err
+	}
+	if err := m.ParseSkips(skipsFile, Suites); err != nil {
+		return nil, err
+	}
+	return m, nil
 }
 
 // fixedColumns come before the suite columns, in this order.
@@ -75,7 +91,7 @@ func ParseMatrix(text string, suites []Suite) (*Matrix, error) {
 		if len(fields) != len(header) {
 			return nil, at("%d columns, the header has %d", len(fields), len(header))
 		}
-		k := Kernel{Name: fields[0], Archive: fields[2], Expect: map[string]Outcome{}}
+		k := Kernel{Name: fields[0], Archive: fields[2], Expect: map[string]Outcome{}, Skips: map[string]map[string]string{}}
 		if !kernelName.MatchString(k.Name) {
 			return nil, at("kernel name %q: lower-case letters, digits and dots only", k.Name)
 		}
@@ -116,6 +132,58 @@ func ParseMatrix(text string, suites []Suite) (*Matrix, error) {
 		return nil, errors.New("kernel matrix: no required kernel")
 	}
 	return &m, nil
+}
+
+// allKernels in skips.txt stands for every kernel of the matrix.
+const allKernels = "*"
+
+var testName = regexp.MustCompile(`^Test[A-Za-z0-9_]*$`)
+
+// ParseSkips reads the expected skips (skips.txt) into the matrix's kernels:
+// each line names a kernel of the matrix or *, a suite, a test and why. A
+// test is listed at most once for a kernel, * included. Every error names its
+// line.
+func (m *Matrix) ParseSkips(text string, suites []Suite) error {
+	for i, line := range strings.Split(text, "\n") {
+		line = strings.TrimSpace(line)
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		at := func(format string, args ...any) error {
+			return fmt.Errorf("kernel skips line %d: "+format, append([]any{i + 1}, args...)...)
+		}
+		fields := strings.Fields(line)
+		if len(fields) < 4 {
+			return at("%d fields, want kernel, suite, test and why", len(fields))
+		}
+		kernel, suite, test := fields[0], fields[1], fields[2]
+		if !slices.ContainsFunc(suites, func(s Suite) bool { return s.Name == suite }) {
+			return at("suite %q is not one of suites.go", suite)
+		}
+		if !testName.MatchString(test) {
+			return at("%q is not a top-level test's name", test)
+		}
+		var rows []*Kernel
+		for j := range m.Kernels {
+			if kernel == allKernels || m.Kernels[j].Name == kernel {
+				rows = append(rows, &m.Kernels[j])
+			}
+		}
+		if len(rows) == 0 {
+			return at("kernel %q is not in the matrix", kernel)
+		}
+		why := strings.Join(fields[3:], " ")
+		for _, k := range rows {
+			if _, dup := k.Skips[suite][test]; dup {
+				return at("%s %s is listed twice for kernel %s", suite, test, k.Name)
+			}
+			if k.Skips[suite] == nil {
+				k.Skips[suite] = map[string]string{}
+			}
+			k.Skips[suite][test] = why
+		}
+	}
+	return nil
 }
 
 func checkHeader(fields []string, suites []Suite) error {

@@ -22,6 +22,10 @@ type SuiteResult struct {
 	// did not finish (the binary crashed, timed out, or never got to it).
 	Tests                                   map[string]string
 	Passed, Failed, Skipped, Missing, Total int
+	// UnexpectedSkips are the skipped tests skips.txt does not list for this
+	// kernel, each failing the suite; StaleSkips are those it lists that
+	// passed instead, each a deviation of the row.
+	UnexpectedSkips, StaleSkips []string
 	// Note says why a suite without failed tests still failed, and what the
 	// kernel said if it went wrong itself.
 	Note    string
@@ -64,6 +68,10 @@ func (r *KernelResult) Deviations() []string {
 		if want := r.Kernel.Expect[s.Suite]; s.Outcome != want {
 			out = append(out, fmt.Sprintf("%s %s, the matrix says %s", s.Suite, s.Outcome, want))
 		}
+		for _, t := range s.StaleSkips {
+			out = append(out, fmt.Sprintf("%s: %s passed, where tools/kernels/skips.txt expects it to skip (%s): the kernel has what it needs, drop the line",
+				s.Suite, t, r.Kernel.Skips[s.Suite][t]))
+		}
 	}
 	return out
 }
@@ -87,9 +95,19 @@ func (r *KernelResult) Line() string {
 		if s.Outcome != r.Kernel.Expect[s.Suite] {
 			mark = "UNEXPECTED"
 		}
+		var skips []string
+		if n := s.Skipped - len(s.UnexpectedSkips); n > 0 {
+			skips = append(skips, fmt.Sprintf("%d skipped as expected", n))
+		}
+		if n := len(s.UnexpectedSkips); n > 0 {
+			skips = append(skips, fmt.Sprintf("%d SKIPPED UNEXPECTEDLY", n))
+		}
+		if n := len(s.StaleSkips); n > 0 {
+			skips = append(skips, fmt.Sprintf("%d EXPECTED TO SKIP PASSED", n))
+		}
 		skipped := ""
-		if s.Skipped > 0 {
-			skipped = fmt.Sprintf(" (%d skipped)", s.Skipped)
+		if len(skips) > 0 {
+			skipped = " (" + strings.Join(skips, ", ") + ")"
 		}
 		if s.Retried != "" {
 			mark += " on a second boot"
@@ -100,19 +118,42 @@ func (r *KernelResult) Line() string {
 	return b.String()
 }
 
-// topLevel matches the verdict line of a top-level test in -test.v output;
-// subtests are indented.
-var topLevel = regexp.MustCompile(`^--- (PASS|FAIL|SKIP): (Test[^ /]*) \(`)
+// In -test.v output: the verdict line of a top-level test (subtests' are
+// indented), the line naming the test whose output follows, and a line a
+// top-level test logged from its test file (a subtest's are indented further;
+// a logger's, such as zaptest's, name the logger's file).
+var (
+	topLevel = regexp.MustCompile(`^--- (PASS|FAIL|SKIP): (Test[^ /]*) \(`)
+	testTurn = regexp.MustCompile(`^=== (?:RUN|CONT|NAME|PAUSE) +(\S+)`)
+	ownLine  = regexp.MustCompile(`^    (\S+_test\.go:\d+: .*)`)
+)
+
+// testVerdict is what a top-level test did, and the last line it logged from
+// its test files (why it skipped, for a skip: cleanups may log after).
+type testVerdict struct {
+	Result, Said string
+}
 
 // parseTestLog reads the verdict of every top-level test in a test binary's
 // -test.v output.
-func parseTestLog(out []byte) map[string]string {
-	got := map[string]string{}
+func parseTestLog(out []byte) map[string]testVerdict {
+	got := map[string]testVerdict{}
+	said := map[string]string{}
+	current := ""
 	sc := bufio.NewScanner(bytes.NewReader(out))
 	sc.Buffer(make([]byte, 0, 64*1024), 4*1024*1024)
 	for sc.Scan() {
-		if m := topLevel.FindStringSubmatch(sc.Text()); m != nil {
-			got[m[2]] = m[1]
+		line := sc.Text()
+		if m := topLevel.FindStringSubmatch(line); m != nil {
+			got[m[2]] = testVerdict{Result: m[1], Said: said[m[2]]}
+			continue
+		}
+		if m := testTurn.FindStringSubmatch(line); m != nil {
+			current = m[1]
+			continue
+		}
+		if m := ownLine.FindStringSubmatch(line); m != nil && current != "" && !strings.Contains(current, "/") {
+			said[current] = m[1]
 		}
 	}
 	return got
@@ -130,10 +171,11 @@ var kernelTrouble = []*regexp.Regexp{
 }
 
 // readSuiteResult reads what one boot left for its suite: tests are the
-// suite's tests, listed from its binary on the host; vmErr is how QEMU ended.
-// It returns an error only when the guest never started the suite, which no
-// cell of the matrix can expect.
-func readSuiteResult(dir string, s Suite, tests []string, vmErr error) (SuiteResult, error) {
+// suite's tests, listed from its binary on the host; skips are those expected
+// to skip on this kernel; vmErr is how QEMU ended. It returns an error only
+// when the guest never started the suite, which no cell of the matrix can
+// expect.
+func readSuiteResult(dir string, s Suite, tests []string, skips map[string]string, vmErr error) (SuiteResult, error) {
 	r := SuiteResult{Suite: s.Name, Outcome: Fail, Tests: map[string]string{}, Total: len(tests),
 		Log: filepath.Join(dir, s.Name+".log"), Console: filepath.Join(dir, s.Name+".console.log")}
 	console, _ := os.ReadFile(r.Console)
@@ -157,14 +199,22 @@ func readSuiteResult(dir string, s Suite, tests []string, vmErr error) (SuiteRes
 	got := parseTestLog(out)
 	for _, t := range tests {
 		v := got[t]
-		r.Tests[t] = v
-		switch v {
+		r.Tests[t] = v.Result
+		_, expected := skips[t]
+		switch v.Result {
 		case "PASS":
 			r.Passed++
+			if expected {
+				r.StaleSkips = append(r.StaleSkips, t)
+			}
 		case "FAIL":
 			r.Failed++
 		case "SKIP":
 			r.Skipped++
+			if !expected {
+				r.UnexpectedSkips = append(r.UnexpectedSkips, t)
+				notes = append(notes, fmt.Sprintf("%s skipped, which tools/kernels/skips.txt does not expect on this kernel: %s", t, v.Said))
+			}
 		default:
 			r.Missing++
 		}
@@ -189,9 +239,10 @@ func readSuiteResult(dir string, s Suite, tests []string, vmErr error) (SuiteRes
 		notes = append([]string{fmt.Sprintf("exit %d", exit.ExitCode)}, notes...)
 	}
 	r.Note = strings.Join(notes, "; ")
-	// A pass is no test failing or unfinished and a clean exit (the harness
-	// fails an exit that leaked).
-	if r.Passed+r.Skipped == r.Total && err == nil && exit.ExitCode == 0 && exit.Error == "" {
+	// A pass is every test passed or skipped as skips.txt expects, none
+	// failing, unfinished or skipping otherwise (a skip is not a pass), and a
+	// clean exit (the harness fails an exit that leaked).
+	if r.Passed+r.Skipped-len(r.UnexpectedSkips) == r.Total && err == nil && exit.ExitCode == 0 && exit.Error == "" {
 		r.Outcome = Pass
 	}
 	return r, nil
@@ -215,7 +266,7 @@ func (r *KernelResult) writeTests() error {
 	var b strings.Builder
 	fmt.Fprintf(&b, "# %s\n", r.Line())
 	for _, s := range r.Suites {
-		fmt.Fprintf(&b, "\n%s: %s, %d passed, %d failed, %d skipped, %d did not finish", s.Suite, s.Outcome, s.Passed, s.Failed, s.Skipped, s.Missing)
+		fmt.Fprintf(&b, "\n%s: %s, %d passed, %d failed, %d skipped (%d unexpectedly), %d did not finish", s.Suite, s.Outcome, s.Passed, s.Failed, s.Skipped, len(s.UnexpectedSkips), s.Missing)
 		if s.Note != "" {
 			fmt.Fprintf(&b, " (%s)", s.Note)
 		}
@@ -232,6 +283,15 @@ func (r *KernelResult) writeTests() error {
 			v := s.Tests[t]
 			if v == "" {
 				v = "DID NOT FINISH"
+			}
+			why, expected := r.Kernel.Skips[s.Suite][t]
+			switch {
+			case v == "SKIP" && expected:
+				t += " (expected: " + why + ")"
+			case v == "SKIP":
+				t += " (UNEXPECTED: tools/kernels/skips.txt does not list it)"
+			case expected:
+				t += " (tools/kernels/skips.txt expects a skip: " + why + ")"
 			}
 			fmt.Fprintf(&b, "  %-4s %s\n", v, t)
 		}

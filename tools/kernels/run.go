@@ -81,6 +81,9 @@ func Run(ctx context.Context, o Options) ([]*KernelResult, error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := checkSkips(rows, tests); err != nil {
+		return nil, err
+	}
 	var results []*KernelResult
 	for _, k := range rows {
 		if err := ctx.Err(); err != nil {
@@ -202,6 +205,22 @@ func listTests(ctx context.Context, o Options, b *builds) (map[string][]string, 
 	return out, nil
 }
 
+// checkSkips refuses an expected skip of a test its suite does not run, which
+// could never be met or gone stale.
+func checkSkips(rows []Kernel, tests map[string][]string) error {
+	var errs []error
+	for _, k := range rows {
+		for _, suite := range slices.Sorted(maps.Keys(k.Skips)) {
+			for _, t := range slices.Sorted(maps.Keys(k.Skips[suite])) {
+				if !slices.Contains(tests[suite], t) {
+					errs = append(errs, fmt.Errorf("tools/kernels/skips.txt expects %s to skip in suite %s on %s, and the suite does not run it", t, suite, k.Name))
+				}
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
 func runKernel(ctx context.Context, o Options, k Kernel, work string, b *builds, tests map[string][]string) *KernelResult {
 	start := time.Now()
 	r := &KernelResult{Kernel: k}
@@ -287,7 +306,7 @@ func runKernel(ctx context.Context, o Options, k Kernel, work string, b *builds,
 				_ = os.Rename(filepath.Join(results, s.Name+suffix), filepath.Join(results, s.Name+".first"+suffix))
 			}
 			sr = runSuite(ctx, k, s, u, initramfs, results, tests[s.Name], modules, &r.Err)
-			sr.Retried = fmt.Sprintf("the first boot failed %d of %d (%s.first.log)", first.Failed+first.Missing, first.Total, s.Name)
+			sr.Retried = fmt.Sprintf("the first boot failed %d of %d (%s.first.log)", first.Failed+first.Missing+len(first.UnexpectedSkips), first.Total, s.Name)
 			if firstErr != nil {
 				sr.Retried += ": " + strings.ReplaceAll(firstErr.Error(), "\n", "; ")
 			}
@@ -334,7 +353,7 @@ func runSuite(ctx context.Context, k Kernel, s Suite, u *Unpacked, initramfs, re
 	v := vm{name: "mesh-kernels-" + k.Name + "-" + s.Name, suite: s.Name, image: u.Image, initramfs: initramfs,
 		results: results, console: filepath.Join(results, s.Name+".console.log"), memoryMiB: guestMemoryMiB, cpus: guestCPUs}
 	vmErr := v.run(ctx)
-	sr, err := readSuiteResult(results, s, tests, vmErr)
+	sr, err := readSuiteResult(results, s, tests, k.Skips[s.Name], vmErr)
 	if err != nil {
 		*errs = errors.Join(*errs, fmt.Errorf("%s: %w", s.Name, err))
 	}

@@ -1084,10 +1084,13 @@ type CNIConfig struct {
 	InPlace bool                   `protobuf:"varint,2,opt,name=in_place,json=inPlace,proto3" json:"in_place,omitempty"`
 	Mode    string                 `protobuf:"bytes,3,opt,name=mode,proto3" json:"mode,omitempty"`
 	// The primary CNI's config file and the file carrying the entry.
-	PrimaryFile   string `protobuf:"bytes,4,opt,name=primary_file,json=primaryFile,proto3" json:"primary_file,omitempty"`
-	File          string `protobuf:"bytes,5,opt,name=file,proto3" json:"file,omitempty"`
-	Repairs       uint64 `protobuf:"varint,6,opt,name=repairs,proto3" json:"repairs,omitempty"`
-	Reason        string `protobuf:"bytes,7,opt,name=reason,proto3" json:"reason,omitempty"`
+	PrimaryFile string `protobuf:"bytes,4,opt,name=primary_file,json=primaryFile,proto3" json:"primary_file,omitempty"`
+	File        string `protobuf:"bytes,5,opt,name=file,proto3" json:"file,omitempty"`
+	Repairs     uint64 `protobuf:"varint,6,opt,name=repairs,proto3" json:"repairs,omitempty"`
+	Reason      string `protobuf:"bytes,7,opt,name=reason,proto3" json:"reason,omitempty"`
+	// Where the agent installs the plugin and the entry, and why there (the
+	// runtime's directories, the flags', how it reaches them).
+	Dirs          string `protobuf:"bytes,8,opt,name=dirs,proto3" json:"dirs,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1167,6 +1170,13 @@ func (x *CNIConfig) GetRepairs() uint64 {
 func (x *CNIConfig) GetReason() string {
 	if x != nil {
 		return x.Reason
+	}
+	return ""
+}
+
+func (x *CNIConfig) GetDirs() string {
+	if x != nil {
+		return x.Dirs
 	}
 	return ""
 }
@@ -1341,7 +1351,7 @@ const file_pkg_gate_gatepb_gate_proto_rawDesc = "" +
 	"\tCondition\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x0e\n" +
 	"\x02ok\x18\x02 \x01(\bR\x02ok\x12\x16\n" +
-	"\x06reason\x18\x03 \x01(\tR\x06reason\"\xbd\x01\n" +
+	"\x06reason\x18\x03 \x01(\tR\x06reason\"\xd1\x01\n" +
 	"\tCNIConfig\x12\x18\n" +
 	"\amanaged\x18\x01 \x01(\bR\amanaged\x12\x19\n" +
 	"\bin_place\x18\x02 \x01(\bR\ainPlace\x12\x12\n" +
@@ -1349,7 +1359,8 @@ const file_pkg_gate_gatepb_gate_proto_rawDesc = "" +
 	"\fprimary_file\x18\x04 \x01(\tR\vprimaryFile\x12\x12\n" +
 	"\x04file\x18\x05 \x01(\tR\x04file\x12\x18\n" +
 	"\arepairs\x18\x06 \x01(\x04R\arepairs\x12\x16\n" +
-	"\x06reason\x18\a \x01(\tR\x06reason\"\xd5\x01\n" +
+	"\x06reason\x18\a \x01(\tR\x06reason\x12\x12\n" +
+	"\x04dirs\x18\b \x01(\tR\x04dirs\"\xd5\x01\n" +
 	"\x0eStatusResponse\x12\x14\n" +
 	"\x05ready\x18\x01 \x01(\bR\x05ready\x12:\n" +
 	"\n" +

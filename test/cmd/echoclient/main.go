@@ -4,7 +4,10 @@
 // -interval apart), one round trip each, and prints one line per connection:
 // "ok LOCAL" or "error: ...". With -record it also appends one JSON line per
 // connection to a file, for a test that counts them while the client runs. It
-// exits 0 only when every round trip succeeded (with -n 0: on SIGTERM).
+// exits 0 only when every round trip succeeded (with -n 0: on SIGTERM). With
+// -hold every round trip goes over one connection, dialed again only after a
+// round trip failed: a test sees from the records' local address whether one
+// connection lasted through what it did.
 package main
 
 import (
@@ -38,6 +41,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	interval := fs.Duration("interval", 0, "pause between connections")
 	timeout := fs.Duration("timeout", 10*time.Second, "deadline of each connection")
 	record := fs.String("record", "", "append a JSON line per connection to this file")
+	hold := fs.Bool("hold", false, "make every round trip on one kept connection (dialed again after a failure)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
@@ -63,6 +67,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		rec = f
 	}
 	failed := 0
+	var kept net.Conn
+	defer func() {
+		if kept != nil {
+			kept.Close()
+		}
+	}()
 	for i := 0; *n == 0 || i < *n; i++ {
 		if i > 0 && *interval > 0 {
 			select {
@@ -78,7 +88,16 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			continue
 		}
 		start := time.Now()
-		local, err := roundTrip(ctx, *addr, *timeout, fmt.Appendf(nil, "echoclient %d\n", i))
+		msg := fmt.Appendf(nil, "echoclient %d\n", i)
+		var (
+			local string
+			err   error
+		)
+		if *hold {
+			local, err = keptRoundTrip(ctx, &kept, *addr, *timeout, msg)
+		} else {
+			local, err = roundTrip(ctx, *addr, *timeout, msg)
+		}
 		if err != nil && stopped(ctx) && *n == 0 {
 			break // stopped mid-connection: not a failure of the path
 		}
@@ -133,6 +152,33 @@ func roundTrip(ctx context.Context, addr string, timeout time.Duration, msg []by
 		return "", err
 	}
 	defer c.Close()
+	return echo(ctx, c, msg)
+}
+
+// keptRoundTrip is a round trip on *kept, dialed first when nil; a failure
+// closes it (the next one dials again).
+func keptRoundTrip(ctx context.Context, kept *net.Conn, addr string, timeout time.Duration, msg []byte) (string, error) {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	if *kept == nil {
+		var d net.Dialer
+		c, err := d.DialContext(ctx, "tcp", addr)
+		if err != nil {
+			return "", err
+		}
+		*kept = c
+	}
+	local, err := echo(ctx, *kept, msg)
+	if err != nil {
+		(*kept).Close()
+		*kept = nil
+	}
+	return local, err
+}
+
+// echo writes msg on c, reads it back and returns c's local address, within
+// ctx's deadline.
+func echo(ctx context.Context, c net.Conn, msg []byte) (string, error) {
 	if dl, ok := ctx.Deadline(); ok {
 		if err := c.SetDeadline(dl); err != nil {
 			return "", err

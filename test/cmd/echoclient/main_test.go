@@ -93,6 +93,75 @@ func TestUntilStopped(t *testing.T) {
 	}
 }
 
+// -hold makes every round trip on one connection, and dials again only after
+// one failed.
+func TestHoldKeepsOneConnection(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	accepted := make(chan net.Conn, 4)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			accepted <- c
+			go func() {
+				defer c.Close()
+				_, _ = io.Copy(c, c)
+			}()
+		}
+	}()
+	rec := filepath.Join(t.TempDir(), "client.jsonl")
+	var stdout, stderr bytes.Buffer
+	if code := run(context.Background(), []string{"-connect", ln.Addr().String(), "-n", "3", "-hold", "-record", rec}, &stdout, &stderr); code != 0 {
+		t.Fatalf("exit %d: %s%s", code, stdout.String(), stderr.String())
+	}
+	recs := readRecords(t, rec)
+	if len(recs) != 3 || len(accepted) != 1 {
+		t.Fatalf("%d records over %d connections, want 3 over 1", len(recs), len(accepted))
+	}
+	for _, c := range recs {
+		if c.Error != "" || c.Local != recs[0].Local {
+			t.Errorf("record %+v: want a round trip from %s", c, recs[0].Local)
+		}
+	}
+
+	<-accepted
+	// The server drops the connection: that round trip fails, the next dials
+	// again.
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	rec = filepath.Join(t.TempDir(), "again.jsonl")
+	done := make(chan int, 1)
+	go func() {
+		done <- run(ctx, []string{"-connect", ln.Addr().String(), "-n", "0", "-interval", "20ms", "-hold", "-record", rec}, io.Discard, io.Discard)
+	}()
+	first := <-accepted
+	time.Sleep(100 * time.Millisecond)
+	first.(*net.TCPConn).SetLinger(0)
+	first.Close()
+	<-accepted
+	time.Sleep(100 * time.Millisecond)
+	cancel()
+	<-done
+	var locals []string
+	failed := 0
+	for _, c := range readRecords(t, rec) {
+		if c.Error != "" {
+			failed++
+		} else if len(locals) == 0 || locals[len(locals)-1] != c.Local {
+			locals = append(locals, c.Local)
+		}
+	}
+	if failed != 1 || len(locals) != 2 {
+		t.Errorf("after the server dropped the connection: %d failures, round trips from %q; want 1, then a new connection", failed, locals)
+	}
+}
+
 func TestRejectsBadFlags(t *testing.T) {
 	for _, args := range [][]string{{}, {"-connect", "x:1", "-n", "-1"}, {"-connect", "x:1", "-interval", "-1s"}} {
 		var stdout, stderr bytes.Buffer

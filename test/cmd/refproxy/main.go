@@ -50,7 +50,6 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	mark := fs.String("mark", fmt.Sprintf("%#x", proxy.DefaultMark), "SO_MARK set on onward connections (decimal or 0x hex)")
 	record := fs.String("record", "", "append a JSON line per finished connection to this file")
 	echo := fs.Bool("echo", false, "answer connections by echoing instead of dialing the original destination")
-	readCopy := fs.Bool("read-copy", false, "copy with read(2) and write(2) instead of splice(2), as a proxy must under mesh-agent --splice")
 	forwardTo := fs.String("forward-to", "", "send every accepted connection to this HOST:PORT instead of its original destination (chaining proxies explicitly, with no capture)")
 	zdsPath := fs.String("zds", "", "run as a node proxy: take pods from the agent's ZDS socket at this path (e.g. "+zds.DefaultSocketPath+")")
 	requireSA := fs.Bool("require-service-account", false, "with -zds: refuse (and hang up on) a pod handed over without a service account, which ztunnel could not serve")
@@ -66,7 +65,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "refproxy: unexpected arguments %q\n", fs.Args())
 		return 2
 	}
-	cfg := proxy.Config{RecordPath: *record, Echo: *echo, ReadCopy: *readCopy}
+	cfg := proxy.Config{RecordPath: *record, Echo: *echo}
 	var err error
 	if *forwardTo != "" {
 		if cfg.ForwardTo, err = netip.ParseAddrPort(*forwardTo); err != nil {

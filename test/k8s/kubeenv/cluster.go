@@ -29,6 +29,10 @@ const (
 	AdminUser = "mesh-e2e-admin"
 	// AgentUser is the agent's identity, given only AgentRules by GrantAgent.
 	AgentUser = "system:serviceaccount:mesh-cni:mesh-agent"
+	// AgentGroup is given AgentRules by GrantAgent too: further users in it
+	// (APIServerOptions.Users) are agents of other nodes, each with a
+	// credential of its own.
+	AgentGroup = "mesh-cni:agents"
 )
 
 // startTimeout bounds the start of etcd or kube-apiserver (bootstrap included)
@@ -110,6 +114,8 @@ type APIServer struct {
 	pki    *pki
 	tokens map[string]string
 	name   string
+	// auditLog is the audit log's path; "" without APIServerOptions.Audit.
+	auditLog string
 }
 
 // APIServerOptions adjust the API server for a cluster that runs pods. The
@@ -128,6 +134,12 @@ type APIServerOptions struct {
 	// Users are further static-token users, name -> groups (the node's
 	// kubelet, the scheduler, the controller manager, kube-proxy).
 	Users map[string][]string
+	// PriorityAndFairness turns on API Priority and Fairness, as production
+	// API servers run (the tests' servers run without it: fewer moving parts).
+	PriorityAndFairness bool
+	// Audit writes every request's metadata (user, verb, object, response
+	// code) to a log that Audit reads: what clients asked, by whom.
+	Audit bool
 }
 
 // ServiceCIDR is the cluster's Service range; the kubernetes Service takes
@@ -199,9 +211,18 @@ func StartAPIServerWith(tb testing.TB, bins Binaries, etcd *Etcd, name string, o
 		"--service-account-key-file", pki.SAKey,
 		"--service-account-signing-key-file", pki.SAKey,
 		"--service-cluster-ip-range", ServiceCIDR,
-		"--enable-priority-and-fairness=false",
+		"--enable-priority-and-fairness=" + strconv.FormatBool(opts.PriorityAndFairness),
 		"--profiling=false",
 		"--v", "1",
+	}
+	if opts.Audit {
+		s.auditLog = filepath.Join(dir, "audit.log")
+		policy := filepath.Join(dir, "audit-policy.yaml")
+		if err := os.WriteFile(policy, []byte(auditPolicy), 0o600); err != nil {
+			tb.Fatal(err)
+		}
+		s.args = append(s.args, "--audit-policy-file", policy, "--audit-log-path", s.auditLog,
+			"--audit-log-format", "json", "--audit-log-mode", "blocking", "--audit-log-maxsize", "0")
 	}
 	if opts.Cluster {
 		kubeletCert, kubeletKey, err := pki.issueClient(dir, "kubelet-client", "kube-apiserver-kubelet-client", []string{"system:masters"})
@@ -317,7 +338,7 @@ func (s *APIServer) WriteKubeconfig(tb testing.TB, user, path string) string {
 // Token is user's bearer token (for asserting it appears nowhere it should not).
 func (s *APIServer) Token(user string) string { return s.tokens[user] }
 
-// GrantAgent gives AgentUser the AgentRules, cluster-wide.
+// GrantAgent gives AgentUser and AgentGroup the AgentRules, cluster-wide.
 func (s *APIServer) GrantAgent(tb testing.TB) {
 	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -333,7 +354,10 @@ func (s *APIServer) GrantAgent(tb testing.TB) {
 	_, err = admin.RbacV1().ClusterRoleBindings().Create(ctx, &rbacv1.ClusterRoleBinding{
 		ObjectMeta: metav1.ObjectMeta{Name: "mesh-agent"},
 		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: "mesh-agent"},
-		Subjects:   []rbacv1.Subject{{APIGroup: rbacv1.GroupName, Kind: rbacv1.UserKind, Name: AgentUser}},
+		Subjects: []rbacv1.Subject{
+			{APIGroup: rbacv1.GroupName, Kind: rbacv1.UserKind, Name: AgentUser},
+			{APIGroup: rbacv1.GroupName, Kind: rbacv1.GroupKind, Name: AgentGroup},
+		},
 	}, metav1.CreateOptions{})
 	if err != nil {
 		tb.Fatalf("create agent ClusterRoleBinding: %v", err)

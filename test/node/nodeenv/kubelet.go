@@ -1,13 +1,11 @@
 package nodeenv
 
 import (
-	"context"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
@@ -107,23 +105,7 @@ func kubeletArgs(m *Machine) []string {
 // cgroup path, a new cgroup (another id). Pods keep running.
 func (n *Node) RestartKubeletInPlace() {
 	n.tb.Helper()
-	dir := n.Kubelet.Cgroup()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	if err := n.Kubelet.Stop(ctx); err != nil {
-		n.tb.Logf("kubelet stopped: %v", err)
-	}
-	var err error
-	if !harness.Eventually(ctx, 10*time.Second, harness.WaitInterval, func() bool {
-		err = os.Remove(dir)
-		return err == nil
-	}) {
-		n.tb.Fatalf("remove the kubelet's cgroup %s: %v", dir, err)
-	}
-	if err := os.Mkdir(dir, 0o755); err != nil {
-		n.tb.Fatal(err)
-	}
-	n.Kubelet = n.Machine.StartInCgroup(n.tb, "kubelet", dir, n.Bins.kube("kubelet"), kubeletArgs(n.Machine)...)
+	n.Kubelet = n.restartKubelet()
 }
 
 // startKubeProxy runs kube-proxy (iptables mode) on the node: the agent

@@ -316,7 +316,7 @@ func (m *Machine) mounts(tb testing.TB) {
 	// Registered after the holder's own cleanup, so this runs first: nothing
 	// may outlive the node, whoever started it (shims are reparented away
 	// from containerd, containers are the shims' children).
-	tb.Cleanup(func() { m.killLeftovers(tb) })
+	tb.Cleanup(func() { m.killLeftovers(tb, false) })
 }
 
 // Path is where the test reaches the node's file p (its /etc/cni/net.d, its
@@ -360,19 +360,26 @@ func (m *Machine) Command(ctx context.Context, env []string, path string, args .
 }
 
 // killLeftovers kills every process in the node's mount namespace but the
-// holder, by pid, and waits for them to go.
-func (m *Machine) killLeftovers(tb testing.TB) {
+// holder, by pid, and waits for them to go; with keepInit, the node's init
+// (the holder's child, PID 1 of the node's PID namespace) stays too.
+func (m *Machine) killLeftovers(tb testing.TB, keepInit bool) {
 	tb.Helper()
 	want, err := os.Readlink(m.mntNS)
 	if err != nil {
 		return // the holder is gone: so is the namespace
+	}
+	keep := map[int]bool{m.holder.Pid(): true, os.Getpid(): true}
+	if keepInit {
+		for _, pid := range m.holder.Children() {
+			keep[pid] = true
+		}
 	}
 	for range 50 {
 		var left []int
 		entries, _ := os.ReadDir("/proc")
 		for _, e := range entries {
 			pid, err := strconv.Atoi(e.Name())
-			if err != nil || pid == m.holder.Pid() || pid == os.Getpid() {
+			if err != nil || keep[pid] {
 				continue
 			}
 			if ns, err := os.Readlink(filepath.Join("/proc", e.Name(), "ns/mnt")); err == nil && ns == want {

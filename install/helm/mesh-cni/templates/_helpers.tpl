@@ -65,6 +65,21 @@ The node's CNI directories: cni.binDir and cni.confDir, else the platform's
 {{- end -}}
 
 {{/*
+The CNI directory flags: only for a directory the operator named (cni.binDir,
+cni.confDir), which the agent then installs into as named. Otherwise the agent
+installs where the node's container runtime loads CNI from, through the mounts
+when they are those directories (a platform's), or through the host's root.
+*/}}
+{{- define "mesh-cni.cniDirArgs" -}}
+{{- if .Values.cni.binDir }}
+- --cni-bin-dir=/opt/cni/bin
+{{- end }}
+{{- if .Values.cni.confDir }}
+- --cni-conf-dir=/etc/cni/net.d
+{{- end }}
+{{- end -}}
+
+{{/*
 The host the kubelet probes: the metrics address, or loopback for a wildcard.
 */}}
 {{- define "mesh-cni.probeHost" -}}

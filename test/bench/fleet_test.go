@@ -1,0 +1,754 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/procfs"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/mesh-cni/mesh-cni/internal/enroll"
+	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/test/bench/results"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
+	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
+)
+
+// fleetAgentPrefix starts the name of every fleet agent's user: the audit log
+// tells the agents' requests from the benchmark's own by it.
+const fleetAgentPrefix = "mesh-agent-"
+
+// BenchmarkFleet measures what a fleet of node agents costs one API server:
+// N real mesh-agent processes (--datapath none: the data path is not what is
+// measured), each with its own node name and credential, on one real
+// kube-apiserver and etcd with API Priority and Fairness on and an audit log.
+// Pods are created bound to a node (spec.nodeName, as the scheduler leaves
+// them), in many namespaces (half of them in the mesh), at a steady rate and
+// then in a burst; each pod's start reaches its node's agent over the gate,
+// as the plugin's call does, right after the create returns. The audit log
+// attributes every request to its agent; /proc gives the API server's and
+// etcd's CPU time and memory.
+func BenchmarkFleet(b *testing.B) {
+	requireRoot(b)
+	ctx := benchContext(b, 50*time.Minute)
+	bins, err := kubeenv.EnsureBinaries(ctx)
+	if err != nil {
+		b.Fatal(err)
+	}
+	levels := []int{10, 40, 100}
+	if quickMode() {
+		levels = []int{3}
+	}
+	cfg := fleetConfig{
+		namespaces: size(400, 40), steady: size(400, 40), rate: 20,
+		burstPerNode: size(10, 5), baseline: size(200, 20), churn: size(40, 10),
+	}
+	res := newResult(b, "fleet", "Fleet: what node agents cost one API server", "BenchmarkFleet",
+		fmt.Sprintf("N real `mesh-agent` processes (`--enrollment kubernetes --datapath none`: the data path is not what is measured), "+
+			"each with its own node name and bearer token, on one real kube-apiserver and etcd (API Priority and Fairness on, an audit log of every request's metadata). "+
+			"%d namespaces, every other one labelled `mesh-cni.io/dataplane-mode=enabled`. "+
+			"**Baseline**: before any agent starts, the API server sits idle for 15 s, then %d pods are created at %d/s with no agent at all: the API server's and etcd's own cost. "+
+			"Then the agents start together (**agent start**), sit idle for 15 s (**idle**, counted above the API server's own idle cost), and take **pod starts**: %d pods at %d/s across the nodes and namespaces, "+
+			"then a **burst** of %d pods per node created all at once; each pod's start reaches its node's agent over the gate socket right after its create returns, "+
+			"as the plugin's call would (the plugin itself makes no API request: it holds no credential). That is sooner than a kubelet calls CNI (after its own watch, the sandbox and the chain before mesh-cni), "+
+			"so a pod the agent's watch has not delivered yet, a cache miss, is more frequent here than on a node. "+
+			"Requests are the agents' own, from the audit log (by user); watch events are the API server's `apiserver_watch_events_total`, every watcher counted. "+
+			"Then %d namespaces are created (**namespace churn**), and every agent is restarted at once (**fleet restart**: SIGTERM, start, until every gate is ready). "+
+			"At the smallest fleet only, the API server is then killed for a minute (**outage**): the agents' gates must stay ready (decisions from their caches), and the report gives how long after its start every agent was back on it. "+
+			"CPU is the processes' user+system time from /proc over each phase; the machine is shared, so ratios and counts hold better than absolute times. "+
+			"The burst of the largest fleet runs under a machine profile (perf, every CPU), which shows what its latency is bound by.",
+			cfg.namespaces, cfg.baseline, cfg.rate, cfg.steady, cfg.rate, cfg.burstPerNode, cfg.churn))
+	res.Notes = append(res.Notes, "No istio-cni variant yet: its node agent and plugin per node (a chroot and PID namespace each, as test/k8s runs one) "+
+		"are not in this benchmark; the counts here stand alone.")
+
+	// The pods' network namespace, shared: the agent records each pod by its
+	// attachment; with no data path nothing is put inside it. Made before any
+	// process starts: netns.Create ends the thread it ran on, and a child
+	// forked from that thread would die with it (see spawner).
+	nsPath := filepath.Join(harness.NetnsDir, harness.NetnsPrefix()+"fleet-"+randHex(4))
+	podNS := fixtures.NewNetns(b, nsPath)
+
+	m := newFleetMetrics()
+	for i, n := range levels {
+		lc := cfg
+		if i == 0 {
+			// Once: a minute without the API server.
+			lc.outage = time.Duration(size(60, 10)) * time.Second
+		}
+		// The largest burst, profiled.
+		lc.profile = i == len(levels)-1
+		b.Run(fmt.Sprintf("agents=%d", n), func(b *testing.B) {
+			runFleetLevel(ctx, b, bins, podNS.Path, n, lc, m)
+		})
+		if b.Failed() {
+			return
+		}
+	}
+	res.Metrics = append(res.Metrics, m.all()...)
+	res.Notes = append(res.Notes, m.notes...)
+	res.Profiles = append(res.Profiles, m.profiles...)
+	b.ReportMetric(0, "ns/op")
+	finish(b, res)
+}
+
+// fleetIdle is how long the idle phases last.
+const fleetIdle = 15 * time.Second
+
+// sleepCtx waits for d or until ctx ends.
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-time.After(d):
+		return nil
+	}
+}
+
+// fleetConfig sizes one level.
+type fleetConfig struct {
+	namespaces   int
+	steady, rate int
+	burstPerNode int
+	baseline     int
+	churn        int
+	// outage, when set, stops the API server that long at the end.
+	outage time.Duration
+	// profile takes a machine profile of the burst.
+	profile bool
+}
+
+// fleetMetrics collects every level's numbers.
+type fleetMetrics struct {
+	requests, writes, misses, watchEvents, cpuPerPod, etcdPerPod,
+	idle, startReqs, startCPU, latency, restart, restartRate, memory results.Metric
+	notes    []string
+	profiles []results.Profile
+}
+
+func newFleetMetrics() *fleetMetrics {
+	const x = "agents (nodes)"
+	return &fleetMetrics{
+		requests:    results.Metric{Name: "requests-per-pod", Title: "Agents' API requests per pod start, by verb", Unit: "req", XLabel: x},
+		writes:      results.Metric{Name: "writes-per-pod", Title: "Agents' API writes per pod start, meshed and not", Unit: "req", XLabel: x},
+		misses:      results.Metric{Name: "cache-misses", Title: "Decisions that had to ask the API server (pod GETs per pod start)", Unit: "req", XLabel: x},
+		watchEvents: results.Metric{Name: "watch-events", Title: "Watch events the API server sent, per object created", Unit: "events", XLabel: x},
+		cpuPerPod:   results.Metric{Name: "apiserver-cpu-per-pod", Title: "API server CPU per pod create, without and with the agents", Unit: "ms", XLabel: x},
+		etcdPerPod:  results.Metric{Name: "etcd-cpu-per-pod", Title: "etcd CPU per pod create, without and with the agents", Unit: "ms", XLabel: x},
+		idle:        results.Metric{Name: "idle-cpu-per-agent", Title: "API server CPU per idle agent", Unit: "ms/s", XLabel: x},
+		startReqs:   results.Metric{Name: "agent-start-requests", Title: "API requests per agent start, and refused", Unit: "req", XLabel: x},
+		startCPU:    results.Metric{Name: "agent-start-cpu", Title: "API server CPU per agent start", Unit: "ms", XLabel: x},
+		latency:     results.Metric{Name: "decision-latency", Title: "Pod create → the gate's decision", Unit: "ms", XLabel: x},
+		restart:     results.Metric{Name: "fleet-restart", Title: "Whole-fleet restart: until every agent is ready", Unit: "s", XLabel: x},
+		restartRate: results.Metric{Name: "restart-request-rate", Title: "Agents' requests in the busiest second of a start all at once", Unit: "req/s", XLabel: x},
+		memory:      results.Metric{Name: "control-plane-memory", Title: "API server and etcd memory (VmRSS) at the end", Unit: "MiB", XLabel: x},
+	}
+}
+
+func (m *fleetMetrics) all() []results.Metric {
+	return []results.Metric{m.requests, m.writes, m.misses, m.watchEvents, m.cpuPerPod, m.etcdPerPod, m.idle, m.startReqs, m.startCPU, m.latency, m.restart, m.restartRate, m.memory}
+}
+
+func point(m *results.Metric, variant, label string, x float64, samples ...float64) {
+	m.Series = append(m.Series, results.Series{Variant: variant, Label: label, X: x, Samples: samples})
+}
+
+// fleet is one level's cluster: the control plane, the namespaces and the agents.
+type fleet struct {
+	api        *kubeenv.APIServer
+	etcd       *kubeenv.Etcd
+	admin      kubernetes.Interface
+	namespaces []string
+	meshed     map[string]bool
+	agents     []*agent
+	gates      []gatepb.GateClient
+	nodes      []string
+	netns      string
+	mu         sync.Mutex
+	seq        int
+	// createdLog lists the pods created in the current phase.
+	createdLog []createdPod
+}
+
+func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, netnsPath string, n int, cfg fleetConfig, m *fleetMetrics) {
+	x := float64(n)
+	f := &fleet{netns: netnsPath, meshed: map[string]bool{}}
+	users := map[string][]string{}
+	for i := range n {
+		node := fmt.Sprintf("node-%03d", i)
+		f.nodes = append(f.nodes, node)
+		users[fleetAgentPrefix+node] = []string{kubeenv.AgentGroup}
+	}
+	f.etcd = kubeenv.StartEtcd(b, bins)
+	f.api = kubeenv.StartAPIServerWith(b, bins, f.etcd, "fleet", kubeenv.APIServerOptions{Users: users, PriorityAndFairness: true, Audit: true})
+	f.api.GrantAgent(b)
+	rc := f.api.RestConfig(kubeenv.AdminUser)
+	// The benchmark's own creates must not be what limits the rate.
+	rc.QPS, rc.Burst = 1000, 2000
+	admin, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		b.Fatal(err)
+	}
+	f.admin = admin
+	if err := f.makeNamespaces(ctx, "fleet", cfg.namespaces); err != nil {
+		b.Fatal(err)
+	}
+
+	// Baseline: the API server idle, then taking pod creates, with no agent
+	// at all.
+	idleBase, err := f.phase(ctx, func() error { return sleepCtx(ctx, fleetIdle) })
+	if err != nil {
+		b.Fatal(err)
+	}
+	base, err := f.phase(ctx, func() error { return f.steadyPods(ctx, cfg.baseline, cfg.rate, nil) })
+	if err != nil {
+		b.Fatal(err)
+	}
+	point(&m.cpuPerPod, "no-agents", "no agents (the create alone)", x, base.apiCPU/float64(cfg.baseline))
+	point(&m.etcdPerPod, "no-agents", "no agents (the create alone)", x, base.etcdCPU/float64(cfg.baseline))
+
+	// The agents start together.
+	var startTook time.Duration
+	start, err := f.phase(ctx, func() error {
+		t0 := time.Now()
+		err := f.startAgents(ctx, b, n)
+		startTook = time.Since(t0)
+		return err
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
+	point(&m.startReqs, "first-start", "first start, all at once", x, float64(len(start.agentReqs))/x)
+	point(&m.startCPU, "first-start", "first start, all at once", x, start.apiCPU/x)
+	point(&m.restart, "first-start", "first start, all at once", x, startTook.Seconds())
+
+	idle, err := f.phase(ctx, func() error { return sleepCtx(ctx, fleetIdle) })
+	if err != nil {
+		b.Fatal(err)
+	}
+	// What the idle agents add to the idle API server's own background work.
+	perAgentIdle := (idle.apiCPU/idle.took.Seconds() - idleBase.apiCPU/idleBase.took.Seconds()) / x
+	point(&m.idle, "apiserver", "API server CPU per agent, idle (above the API server's own)", x, perAgentIdle)
+
+	// Steady pod starts.
+	var steadyLat []float64
+	steady, err := f.phase(ctx, func() error {
+		var err error
+		steadyLat, err = f.steadyPodsLatency(ctx, cfg.steady, cfg.rate)
+		return err
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
+	// A burst: every node's pods at once.
+	var burstLat []float64
+	runBurst := func() error {
+		var err error
+		burstLat, err = f.burstPods(ctx, cfg.burstPerNode*n)
+		return err
+	}
+	burst, err := f.phase(ctx, func() error {
+		if !cfg.profile {
+			return runBurst()
+		}
+		// What bounds the burst: the machine's CPUs, split by process.
+		name := fmt.Sprintf("machine-fleet-burst-%d", n)
+		file := filepath.Join(profilesDir(b), name+".pprof")
+		err := machineProfile(ctx, file, runBurst)
+		switch {
+		case errors.Is(err, errNoPerf):
+			m.notes = append(m.notes, "No machine profile of the burst: "+err.Error()+".")
+			return runBurst()
+		case err != nil:
+			return err
+		}
+		rel, _ := filepath.Rel(outDir(b), file)
+		m.profiles = append(m.profiles, results.Profile{
+			Name:       name,
+			Title:      fmt.Sprintf("Machine during the burst of %d pods on %d nodes (perf, all CPUs, kernel included; each process its own root)", cfg.burstPerNode*n, n),
+			File:       rel,
+			Command:    "go tool pprof -top " + filepath.Join(results.DefaultOut, rel),
+			Operations: cfg.burstPerNode * n,
+			Operation:  "pod start",
+		})
+		return nil
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
+	point(&m.latency, "steady", fmt.Sprintf("steady, %d pods/s", cfg.rate), x, steadyLat...)
+	point(&m.latency, "burst", "burst, every node's pods at once", x, burstLat...)
+	pods := float64(cfg.steady + cfg.burstPerNode*n)
+	both := append(slices.Clone(steady.agentReqs), burst.agentReqs...)
+	for _, verb := range []string{"get", "patch", "create", "list", "watch"} {
+		count := 0
+		for _, e := range both {
+			if e.Verb == verb {
+				count++
+			}
+		}
+		point(&m.requests, verb, verb, x, float64(count)/pods)
+	}
+	point(&m.requests, "all", "all verbs", x, float64(len(both))/pods)
+	refusedPods := 0
+	for _, e := range both {
+		if e.ResponseStatus.Code == 429 {
+			refusedPods++
+		}
+	}
+	point(&m.requests, "refused", "of which refused (429)", x, float64(refusedPods)/pods)
+	meshedPods, plainPods := f.podsByMesh(append(slices.Clone(steady.created), burst.created...))
+	meshedW, plainW := 0, 0
+	for _, e := range both {
+		// A write the API server refused (API Priority and Fairness: 429)
+		// changed nothing; it counts among the requests, retried.
+		if e.Write() && e.ResponseStatus.Code < 400 {
+			if f.meshed[e.ObjectRef.Namespace] {
+				meshedW++
+			} else {
+				plainW++
+			}
+		}
+	}
+	point(&m.writes, "meshed", "per meshed pod start", x, float64(meshedW)/float64(meshedPods))
+	point(&m.writes, "unmeshed", "per pod start outside the mesh", x, float64(plainW)/float64(plainPods))
+	for _, ph := range []struct {
+		name string
+		p    phaseResult
+		pods int
+	}{{"steady", steady, cfg.steady}, {"burst", burst, cfg.burstPerNode * n}} {
+		gets := 0
+		for _, e := range ph.p.agentReqs {
+			if e.Verb == "get" && e.ObjectRef.Resource == "pods" {
+				gets++
+			}
+		}
+		point(&m.misses, ph.name, ph.name, x, float64(gets)/float64(ph.pods))
+	}
+	point(&m.cpuPerPod, "agents", "with the agents", x, (steady.apiCPU+burst.apiCPU)/pods)
+	point(&m.etcdPerPod, "agents", "with the agents", x, (steady.etcdCPU+burst.etcdCPU)/pods)
+	point(&m.watchEvents, "per-pod", "per pod created (pods)", x, (steady.podEvents+burst.podEvents)/pods)
+
+	churn, err := f.phase(ctx, func() error { return f.makeNamespaces(ctx, "churn", cfg.churn) })
+	if err != nil {
+		b.Fatal(err)
+	}
+	point(&m.watchEvents, "per-namespace", "per namespace created (namespaces)", x, churn.nsEvents/float64(cfg.churn))
+
+	// Every agent restarted at once.
+	var restartTook time.Duration
+	restart, err := f.phase(ctx, func() error {
+		errs := make([]error, len(f.agents))
+		var wg sync.WaitGroup
+		for i, a := range f.agents {
+			wg.Go(func() { errs[i] = a.stop(ctx) })
+		}
+		wg.Wait()
+		if err := errors.Join(errs...); err != nil {
+			return err
+		}
+		t0 := time.Now()
+		err := f.launchAll(ctx)
+		restartTook = time.Since(t0)
+		return err
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
+	refused := 0
+	for _, e := range restart.agentReqs {
+		if e.ResponseStatus.Code == 429 {
+			refused++
+		}
+	}
+	point(&m.restart, "restart", "SIGTERM all, start all, until every gate is ready", x, restartTook.Seconds())
+	point(&m.startReqs, "restart", "fleet restart", x, float64(len(restart.agentReqs))/x)
+	point(&m.startReqs, "refused", "refused (429) in the fleet restart", x, float64(refused)/x)
+	point(&m.startCPU, "restart", "fleet restart", x, restart.apiCPU/x)
+	point(&m.restartRate, "restart", "fleet restart: the busiest second", x, peakPerSecond(restart.agentReqs))
+	point(&m.restartRate, "first-start", "first start: the busiest second", x, peakPerSecond(start.agentReqs))
+
+	if cfg.outage > 0 {
+		ready, reconnect, err := f.outage(ctx, b, cfg.outage)
+		if err != nil {
+			b.Fatal(err)
+		}
+		point(&m.restart, "outage-reconnect", fmt.Sprintf("after a %s API server outage: from its start until every agent is back", cfg.outage), x, reconnect.Seconds())
+		if ready < n {
+			b.Errorf("%d of %d agents stopped being ready during the API server outage: a node's agent must keep deciding from its cache", n-ready, n)
+		}
+		res := fmt.Sprintf("API server down for %s with %d agents: %d stayed ready throughout; every agent was back on the API server %.1f s after it was started again (its own start-up included).",
+			cfg.outage, n, ready, reconnect.Seconds())
+		m.notes = append(m.notes, res)
+	}
+
+	apiRSS, err := procStatusKiB(f.api.Proc.Pid(), "VmRSS")
+	if err != nil {
+		b.Fatal(err)
+	}
+	etcdRSS, err := procStatusKiB(f.etcd.Proc.Pid(), "VmRSS")
+	if err != nil {
+		b.Fatal(err)
+	}
+	point(&m.memory, "apiserver", "kube-apiserver", x, apiRSS/1024)
+	point(&m.memory, "etcd", "etcd", x, etcdRSS/1024)
+	var agentRSS []float64
+	for _, a := range f.agents {
+		rss, err := procStatusKiB(a.pid(), "VmRSS")
+		if err != nil {
+			b.Fatal(err)
+		}
+		agentRSS = append(agentRSS, rss/1024)
+	}
+	point(&m.memory, "agent", "one mesh-agent (each node's)", x, agentRSS...)
+	b.Logf("N=%d: %.2f agent requests per pod start (%d pods), writes %.2f meshed / %.2f unmeshed, API server CPU %.1f ms per pod (%.1f without agents), "+
+		"decision p50 %.1f ms p99 %.1f ms (burst p99 %.1f ms), idle %.2f ms/s per agent, start %.1f s, restart %.1f s with %d refused",
+		n, float64(len(both))/pods, int(pods), float64(meshedW)/float64(meshedPods), float64(plainW)/float64(plainPods),
+		(steady.apiCPU+burst.apiCPU)/pods, base.apiCPU/float64(cfg.baseline),
+		results.Median(steadyLat), results.Quantile(steadyLat, 0.99), results.Quantile(burstLat, 0.99),
+		perAgentIdle, startTook.Seconds(), restartTook.Seconds(), refused)
+}
+
+// phaseResult is what one phase cost the control plane.
+type phaseResult struct {
+	took            time.Duration
+	apiCPU, etcdCPU float64 // ms
+	agentReqs       []kubeenv.AuditEvent
+	podEvents       float64
+	nsEvents        float64
+	created         []createdPod
+}
+
+type createdPod struct{ namespace string }
+
+// phase runs fn and measures it: CPU of the API server and etcd, the
+// agents' requests from the audit log once it has settled, and watch events.
+func (f *fleet) phase(ctx context.Context, fn func() error) (phaseResult, error) {
+	var r phaseResult
+	before, err := f.audit()
+	if err != nil {
+		return r, err
+	}
+	f.mu.Lock()
+	f.createdLog = f.createdLog[:0]
+	f.mu.Unlock()
+	podEv0, nsEv0, err := f.watchEvents(ctx)
+	if err != nil {
+		return r, err
+	}
+	api0, etcd0 := cpuMs(f.api.Proc.Pid()), cpuMs(f.etcd.Proc.Pid())
+	t0 := time.Now()
+	if err := fn(); err != nil {
+		return r, err
+	}
+	// Writes queued by the agents land shortly after the decisions: wait
+	// until the audit log stops growing.
+	after, err := f.settle(ctx)
+	if err != nil {
+		return r, err
+	}
+	r.took = time.Since(t0)
+	r.apiCPU, r.etcdCPU = cpuMs(f.api.Proc.Pid())-api0, cpuMs(f.etcd.Proc.Pid())-etcd0
+	podEv1, nsEv1, err := f.watchEvents(ctx)
+	if err != nil {
+		return r, err
+	}
+	r.podEvents, r.nsEvents = podEv1-podEv0, nsEv1-nsEv0
+	for _, e := range after[len(before):] {
+		if strings.HasPrefix(e.User.Username, fleetAgentPrefix) {
+			r.agentReqs = append(r.agentReqs, e)
+		}
+	}
+	f.mu.Lock()
+	r.created = slices.Clone(f.createdLog)
+	f.mu.Unlock()
+	return r, nil
+}
+
+func (f *fleet) audit() ([]kubeenv.AuditEvent, error) { return f.api.Audit() }
+
+// settle waits until the audit log has not grown for two seconds (at most 30 s).
+func (f *fleet) settle(ctx context.Context) ([]kubeenv.AuditEvent, error) {
+	deadline := time.Now().Add(30 * time.Second)
+	last := -1
+	for {
+		evs, err := f.audit()
+		if err != nil {
+			return nil, err
+		}
+		if len(evs) == last || time.Now().After(deadline) {
+			return evs, nil
+		}
+		last = len(evs)
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(2 * time.Second):
+		}
+	}
+}
+
+// watchEvents reads the API server's count of watch events sent for pods and
+// for namespaces, to every watcher.
+func (f *fleet) watchEvents(ctx context.Context) (pods, namespaces float64, err error) {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	fams, err := kubeenv.Metrics(ctx, f.admin)
+	if err != nil {
+		return 0, 0, err
+	}
+	const name = "apiserver_watch_events_total"
+	pods = kubeenv.SumMetric(fams, name, map[string]string{"resource": "pods"}) + kubeenv.SumMetric(fams, name, map[string]string{"kind": "Pod"})
+	namespaces = kubeenv.SumMetric(fams, name, map[string]string{"resource": "namespaces"}) + kubeenv.SumMetric(fams, name, map[string]string{"kind": "Namespace"})
+	return pods, namespaces, nil
+}
+
+// cpuMs is a process's user+system CPU time in ms, 0 if it cannot be read.
+func cpuMs(pid int) float64 {
+	p, err := procfs.NewProc(pid)
+	if err != nil {
+		return 0
+	}
+	st, err := p.Stat()
+	if err != nil {
+		return 0
+	}
+	return st.CPUTime() * 1000
+}
+
+// makeNamespaces creates count namespaces named prefix-i, every other one
+// in the mesh.
+func (f *fleet) makeNamespaces(ctx context.Context, prefix string, count int) error {
+	for i := range count {
+		ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("%s-%04d", prefix, i)}}
+		if i%2 == 0 {
+			ns.Labels = map[string]string{enroll.LabelDataplaneMode: enroll.ValueEnabled}
+		}
+		cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		_, err := f.admin.CoreV1().Namespaces().Create(cctx, ns, metav1.CreateOptions{})
+		cancel()
+		if err != nil {
+			return fmt.Errorf("create namespace %s: %w", ns.Name, err)
+		}
+		if prefix == "fleet" {
+			f.namespaces = append(f.namespaces, ns.Name)
+			f.meshed[ns.Name] = i%2 == 0
+		}
+	}
+	return nil
+}
+
+// startAgents prepares n agents and starts them all at once.
+func (f *fleet) startAgents(ctx context.Context, b *testing.B, n int) error {
+	for i := range n {
+		a := newAgent(b, agentOptions{Datapath: "none", LogLevel: "warn"})
+		kubeconfig := f.api.WriteKubeconfig(b, fleetAgentPrefix+f.nodes[i], filepath.Join(a.dir, "kubeconfig"))
+		a.args = append(a.args, "--enrollment", "kubernetes", "--kubeconfig", kubeconfig, "--node-name", f.nodes[i])
+		f.agents = append(f.agents, a)
+		conn, err := gaterpc.Dial(a.Socket)
+		if err != nil {
+			return err
+		}
+		b.Cleanup(func() { conn.Close() })
+		f.gates = append(f.gates, gatepb.NewGateClient(conn))
+	}
+	return f.launchAll(ctx)
+}
+
+// launchAll starts every agent at once and waits until each gate is ready.
+func (f *fleet) launchAll(ctx context.Context) error {
+	for _, a := range f.agents {
+		a.launch()
+	}
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
+	defer cancel()
+	errs := make([]error, len(f.agents))
+	var wg sync.WaitGroup
+	for i, a := range f.agents {
+		wg.Go(func() { errs[i] = waitHealthy(ctx, a) })
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// podsByMesh counts created pods in meshed and other namespaces.
+func (f *fleet) podsByMesh(created []createdPod) (meshed, plain int) {
+	for _, c := range created {
+		if f.meshed[c.namespace] {
+			meshed++
+		} else {
+			plain++
+		}
+	}
+	return meshed, plain
+}
+
+// steadyPods creates count pods at rate per second, each followed by its
+// gate Add when gated; latencies are collected into lat when not nil.
+func (f *fleet) steadyPods(ctx context.Context, count, rate int, lat *[]float64) error {
+	tick := time.NewTicker(time.Second / time.Duration(rate))
+	defer tick.Stop()
+	var mu sync.Mutex
+	errs := make([]error, count)
+	var wg sync.WaitGroup
+	for i := range count {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-tick.C:
+		}
+		wg.Go(func() {
+			d, err := f.podStart(ctx, lat != nil)
+			errs[i] = err
+			if lat != nil && err == nil {
+				mu.Lock()
+				*lat = append(*lat, ms(d))
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+func (f *fleet) steadyPodsLatency(ctx context.Context, count, rate int) ([]float64, error) {
+	var lat []float64
+	err := f.steadyPods(ctx, count, rate, &lat)
+	return lat, err
+}
+
+// burstPods creates count pods at once, each followed by its gate Add.
+func (f *fleet) burstPods(ctx context.Context, count int) ([]float64, error) {
+	lat := make([]float64, count)
+	errs := make([]error, count)
+	var wg sync.WaitGroup
+	for i := range count {
+		wg.Go(func() {
+			d, err := f.podStart(ctx, true)
+			lat[i], errs[i] = ms(d), err
+		})
+	}
+	wg.Wait()
+	return lat, errors.Join(errs...)
+}
+
+// podStart creates the next pod (round robin over nodes and namespaces) and,
+// when gate is set, calls its node's gate Add as the plugin would, returning
+// the time from the create's return to the decision.
+func (f *fleet) podStart(ctx context.Context, gate bool) (time.Duration, error) {
+	f.mu.Lock()
+	i := f.seq
+	f.seq++
+	ns := f.namespaces[i%len(f.namespaces)]
+	f.createdLog = append(f.createdLog, createdPod{namespace: ns})
+	f.mu.Unlock()
+	node := i % len(f.nodes)
+	name := fmt.Sprintf("pod-%06d", i)
+	cctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	p, err := f.admin.CoreV1().Pods(ns).Create(cctx, &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Labels: map[string]string{"app": "fleet"}},
+		Spec: corev1.PodSpec{
+			NodeName:                      f.nodes[node],
+			ServiceAccountName:            "default",
+			Containers:                    []corev1.Container{{Name: "app", Image: "registry.invalid/app:never-pulled"}},
+			TerminationGracePeriodSeconds: new(int64),
+		},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		return 0, fmt.Errorf("create pod %s/%s: %w", ns, name, err)
+	}
+	if !gate {
+		return 0, nil
+	}
+	created := time.Now()
+	uid := string(p.UID)
+	_, err = f.gates[node].Add(cctx, &gatepb.AddRequest{
+		Pod:        &gatepb.PodIdentity{Namespace: ns, Name: name, Uid: uid},
+		Attachment: &gatepb.Attachment{ContainerId: strings.ReplaceAll(uid, "-", ""), Ifname: "eth0", Network: "fleet"},
+		NetnsPath:  f.netns,
+		Source:     gatepb.Source_SOURCE_CNI,
+	})
+	if err != nil {
+		return 0, fmt.Errorf("gate Add for %s/%s on %s: %w", ns, name, f.nodes[node], err)
+	}
+	return time.Since(created), nil
+}
+
+// peakPerSecond is the most requests received in any one second.
+func peakPerSecond(evs []kubeenv.AuditEvent) float64 {
+	per := map[int64]int{}
+	peak := 0
+	for _, e := range evs {
+		s := e.Received.Unix()
+		per[s]++
+		peak = max(peak, per[s])
+	}
+	return float64(peak)
+}
+
+// outage stops the API server for d, counts the agents whose gate stays
+// ready throughout, starts it again and returns how long until every agent
+// had made a request of the new server (its watches back), from the server's
+// start.
+func (f *fleet) outage(ctx context.Context, b *testing.B, d time.Duration) (ready int, reconnect time.Duration, err error) {
+	f.api.Stop(b)
+	if err := sleepCtx(ctx, d); err != nil {
+		return 0, 0, err
+	}
+	for _, a := range f.agents {
+		hctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		if harness.WaitForHealthy(hctx, a.Socket) == nil {
+			ready++
+		}
+		cancel()
+	}
+	// From the server's start: its own start-up is part of the wait.
+	back := time.Now()
+	f.api.Start(b)
+	deadline := back.Add(3 * time.Minute)
+	for {
+		evs, err := f.audit()
+		if err != nil {
+			return ready, 0, err
+		}
+		seen := map[string]time.Time{}
+		for _, e := range evs {
+			if strings.HasPrefix(e.User.Username, fleetAgentPrefix) && e.Received.After(back) {
+				if _, ok := seen[e.User.Username]; !ok {
+					seen[e.User.Username] = e.Received
+				}
+			}
+		}
+		if len(seen) == len(f.agents) {
+			var last time.Time
+			for _, t := range seen {
+				if t.After(last) {
+					last = t
+				}
+			}
+			return ready, last.Sub(back), nil
+		}
+		if time.Now().After(deadline) {
+			return ready, 0, fmt.Errorf("%d of %d agents back on the API server %s after it returned", len(seen), len(f.agents), time.Since(back).Round(time.Second))
+		}
+		if err := sleepCtx(ctx, time.Second); err != nil {
+			return ready, 0, err
+		}
+	}
+}
+
+// waitHealthy waits until the agent's gate answers its health check.
+func waitHealthy(ctx context.Context, a *agent) error {
+	return harness.WaitForHealthy(ctx, a.Socket)
+}
