@@ -68,6 +68,9 @@ char LICENSE[] SEC("license") = "Dual BSD/GPL";
 // kernel then picks within the whole group), so capture keeps working while any of
 // them is open. Each slot costs the per-pod program's verification time.
 #define LISTENER_SLOTS 8
+// The ports of one pod that its own probes and lifecycle hooks name: the kubelet's
+// connections reach these past the inbound capture (SETTING_KUBELET_PORTS).
+#define MAX_KUBELET_PORTS 32
 
 // The per-pod sk_lookup program carries its pod's netns cookie as an immediate: the
 // loader replaces this marker (the program's context has no netns identity, and the
@@ -96,6 +99,10 @@ enum setting_flags {
 	// 1 << 15 asked an earlier build to splice the pod's writes to its
 	// proxy (docs/design.md); never set now, and not to be given another
 	// meaning while pins of those builds may exist.
+	// The kubelet's connections pass the inbound capture only to the pod's
+	// kubelet_ports (pod_net); without this flag, to any port (a source that
+	// does not know the pod's probes, or the pinned release, which ignores it).
+	SETTING_KUBELET_PORTS = 1 << 16,
 };
 
 #define DNS_PORT 53
@@ -124,7 +131,8 @@ struct pod_settings {
 };
 
 // What Enroll read from the pod's namespace, keyed by netns cookie: its
-// addresses, and the reply mark of the reply route it put there. A pod with an
+// addresses, and the reply mark of the reply route it put there; and the ports
+// its own probes name (from its spec). A pod with an
 // entry in pods and none here (enrolled by a build without this map, such as
 // the pinned release) is redirected without them: connects to its own
 // addresses go to the proxy too, redirected connects leave from loopback, the
@@ -146,6 +154,11 @@ struct pod_net_info {
 	// the pod, and the proxy's connects to them carry the reply mark.
 	__u32 nr_addrs;
 	__u32 addrs[MAX_POD_ADDRS][4];
+	// SETTING_KUBELET_PORTS: the ports (host byte order) of the pod's own
+	// probes and lifecycle hooks, the only ones the kubelet's connections
+	// reach past the inbound capture.
+	__u32 nr_kubelet_ports;
+	__u16 kubelet_ports[MAX_KUBELET_PORTS];
 };
 
 // A cgroup whose processes are the proxy: the node proxy's own cgroup (learned from
@@ -1404,6 +1417,27 @@ int mesh_lookup(struct bpf_sk_lookup *ctx)
 	return SK_DROP;
 }
 
+// kubelet_port: the kubelet's connection to port of the pod passes its inbound
+// capture. With SETTING_KUBELET_PORTS only the ports of the pod's own probes and
+// hooks do; one aimed at another port (a probe whose host names this pod from
+// another pod's spec) is captured like any other. No pod_net entry fails closed.
+static __always_inline bool kubelet_port(const struct pod_settings *s, __u64 netns, __u16 port)
+{
+	if (!(s->flags & SETTING_KUBELET_PORTS))
+		return true;
+	struct pod_net_info *n = bpf_map_lookup_elem(&pod_net, &netns);
+	if (!n)
+		return false;
+	__u32 nr = n->nr_kubelet_ports;
+	for (__u32 i = 0; i < MAX_KUBELET_PORTS; i++) {
+		if (i >= nr)
+			break;
+		if (n->kubelet_ports[i] == port)
+			return true;
+	}
+	return false;
+}
+
 // mesh_lookup_main decides for the pod whose cookie mesh_lookup left in
 // lookup_scratch.
 SEC("sk_lookup")
@@ -1453,9 +1487,10 @@ int mesh_lookup_main(struct bpf_sk_lookup *ctx)
 		count(COUNTER_IN_PASSED);
 		return SK_PASS;
 	}
-	// The kubelet's probes, by the socket that sent them (probe_conns).
+	// The kubelet's probes, by the socket that sent them (probe_conns), to a
+	// port the pod's own probes name.
 	t.netns = 0;
-	if (bpf_map_lookup_elem(&probe_conns, &t)) {
+	if (bpf_map_lookup_elem(&probe_conns, &t) && kubelet_port(s, netns, lport)) {
 		count(COUNTER_IN_PASSED);
 		return SK_PASS;
 	}

@@ -117,23 +117,36 @@ func followSync(ctx context.Context, syncer PolicySyncer, readiness *Readiness) 
 	}
 }
 
-// followPolicy re-decides every known pod whenever the policy changes.
-func followPolicy(ctx context.Context, log *zap.Logger, w PolicyWatcher, svc *Service) {
-	changed := w.Changed()
+// followPolicy re-decides every known pod once the source is synced (what
+// changed while the agent was away: a namespace label, a pod's capture, a
+// record written by an earlier build), then whenever the policy changes.
+// syncer is nil for a source that is always synced.
+func followPolicy(ctx context.Context, log *zap.Logger, w PolicyWatcher, syncer PolicySyncer, svc *Service) {
+	if syncer != nil {
+		t := time.NewTicker(100 * time.Millisecond)
+		defer t.Stop()
+		for ok, _ := syncer.Synced(); !ok; ok, _ = syncer.Synced() {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+		}
+	}
 	for {
+		// Taken before re-deciding: a change during Reevaluate closes it.
+		changed := w.Changed()
+		res, err := svc.Reevaluate(ctx)
+		fields := []zap.Field{zap.Int("enrolled", res.Enrolled), zap.Int("released", res.Released), zap.Int("updated", res.Updated)}
+		if err != nil {
+			log.Warn("policy change applied with errors", append(fields, zap.Error(err))...)
+		} else if res.Enrolled+res.Released+res.Updated > 0 {
+			log.Info("policy change applied", fields...)
+		}
 		select {
 		case <-ctx.Done():
 			return
 		case <-changed:
-		}
-		// Taken before re-deciding: a change during Reevaluate closes it.
-		changed = w.Changed()
-		enrolled, released, err := svc.Reevaluate(ctx)
-		fields := []zap.Field{zap.Int("enrolled", enrolled), zap.Int("released", released)}
-		if err != nil {
-			log.Warn("policy change applied with errors", append(fields, zap.Error(err))...)
-		} else if enrolled+released > 0 {
-			log.Info("policy change applied", fields...)
 		}
 	}
 }

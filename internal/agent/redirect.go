@@ -64,6 +64,9 @@ func (r RedirectDatapath) settingsFor(c podstore.Capture) redirect.Settings {
 		s.DNSFailClosed = s.DNSFailClosed && s.DNSCapture
 	}
 	s.BypassInbound = s.BypassInbound || c.BypassInbound
+	if c.KubeletPorts != nil {
+		s.KubeletPortsOnly, s.KubeletPorts = true, *c.KubeletPorts
+	}
 	return s
 }
 

@@ -205,10 +205,14 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 		}()
 	}
 	if w, ok := policy.(PolicyWatcher); ok {
+		var ws PolicySyncer
+		if needsSync {
+			ws = syncer
+		}
 		background.Add(1)
 		go func() {
 			defer background.Done()
-			followPolicy(bgCtx, log, w, svc)
+			followPolicy(bgCtx, log, w, ws, svc)
 		}()
 	}
 	interval := cfg.ReconcileInterval

@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -67,6 +68,7 @@ func (d *fakeDatapath) Enrolled(context.Context) ([]uint64, error) {
 type fakePolicy struct {
 	mu       sync.Mutex
 	enrolled map[string]bool // by namespace
+	capture  podstore.Capture
 	err      error
 	outcomes map[string]string // pod name -> last outcome
 }
@@ -77,7 +79,7 @@ func (p *fakePolicy) Decide(_ context.Context, pod *gatepb.PodIdentity) (Decisio
 	if p.err != nil {
 		return Decision{}, p.err
 	}
-	return Decision{Enroll: p.enrolled[pod.GetNamespace()], Reason: "test", ServiceAccount: "sa-" + pod.GetName()}, nil
+	return Decision{Enroll: p.enrolled[pod.GetNamespace()], Reason: "test", ServiceAccount: "sa-" + pod.GetName(), Capture: p.capture}, nil
 }
 
 func (p *fakePolicy) Report(_ context.Context, pod *gatepb.PodIdentity, outcome string, _ error) {
@@ -279,16 +281,51 @@ func TestServiceCheckGCReevaluate(t *testing.T) {
 	}
 
 	e.policy.set("shop", false)
-	enrolled, released, err := e.svc.Reevaluate(ctx)
-	if err != nil || enrolled != 0 || released != 2 {
-		t.Errorf("Reevaluate after unlabelling = %d enrolled, %d released, %v; want 0, 2", enrolled, released, err)
+	res, err := e.svc.Reevaluate(ctx)
+	if err != nil || res != (ReevaluateResult{Released: 2}) {
+		t.Errorf("Reevaluate after unlabelling = %+v, %v; want 2 released", res, err)
 	}
 	if n := len(e.svc.enrolled()); n != 0 {
 		t.Errorf("%d still enrolled", n)
 	}
 	e.policy.set("shop", true)
-	if enrolled, _, err := e.svc.Reevaluate(ctx); err != nil || enrolled != 2 {
-		t.Errorf("Reevaluate after labelling = %d enrolled, %v; want 2", enrolled, err)
+	if res, err := e.svc.Reevaluate(ctx); err != nil || res != (ReevaluateResult{Enrolled: 2}) {
+		t.Errorf("Reevaluate after labelling = %+v, %v; want 2 enrolled", res, err)
+	}
+}
+
+// An enrolled pod whose capture the policy now answers differently (its
+// annotations, or its probes' ports where its record predates them) gets it
+// in place, once: no release, the data path and the record both updated.
+func TestReevaluateUpdatesCapture(t *testing.T) {
+	e := newServiceEnv(t)
+	ctx := context.Background()
+	resp, err := e.svc.Add(ctx, addRequest("shop", "web", "c0ffee01"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res, err := e.svc.Reevaluate(ctx); err != nil || res != (ReevaluateResult{}) {
+		t.Fatalf("Reevaluate with nothing changed = %+v, %v", res, err)
+	}
+	ports := []uint16{8080}
+	e.policy.mu.Lock()
+	e.policy.capture = podstore.Capture{KubeletPorts: &ports}
+	e.policy.mu.Unlock()
+	if res, err := e.svc.Reevaluate(ctx); err != nil || res != (ReevaluateResult{Updated: 1}) {
+		t.Fatalf("Reevaluate with the probes' ports = %+v, %v; want 1 updated", res, err)
+	}
+	e.dp.mu.Lock()
+	got, released := e.dp.enrolled[resp.GetNetnsCookie()], e.dp.released
+	e.dp.mu.Unlock()
+	if got.KubeletPorts == nil || !slices.Equal(*got.KubeletPorts, ports) || released != 0 {
+		t.Errorf("data path has %+v after %d releases, want the ports and none", got, released)
+	}
+	rec, _ := e.store.Get(podstore.Key{Network: "meshnet", ContainerID: "c0ffee01", Ifname: "eth0"})
+	if !rec.Capture.Equal(e.policy.capture) {
+		t.Errorf("record's capture %+v, want %+v", rec.Capture, e.policy.capture)
+	}
+	if res, err := e.svc.Reevaluate(ctx); err != nil || res != (ReevaluateResult{}) {
+		t.Errorf("Reevaluate once applied = %+v, %v; want nothing", res, err)
 	}
 }
 

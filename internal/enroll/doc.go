@@ -16,7 +16,7 @@
 // When labels disagree: a pod opt-out wins over everything, then the pod's own
 // enable label, then its namespace. A namespace labelled mesh-cni.io/enforce=true
 // overrules its pods' opt-outs (and the istio profile's
-// ambient.istio.io/bypass-inbound-capture): they are ignored, the reason says so,
+// ambient.istio.io/bypass-inbound-capture and dns-capture=false): they are ignored, the reason says so,
 // and the Kubernetes source puts a Warning Event MeshOptOutIgnored on the pod. A pod labelled disabled in an enabled
 // namespace stays out; a pod labelled enabled is in whatever its namespace
 // says. Only the chosen profile's labels count: an Istio label means nothing

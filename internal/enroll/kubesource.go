@@ -334,9 +334,15 @@ func (k *KubeSource) podUpdated(oldObj, newObj any) {
 	nsLabels := k.cachedNamespaceLabels(n.Namespace)
 	before := k.cfg.Selectors.Decide(o.Namespace, nsLabels, o.Labels, o.Annotations)
 	after := k.cfg.Selectors.Decide(n.Namespace, nsLabels, n.Labels, n.Annotations)
-	if before.Enroll != after.Enroll || o.UID != n.UID {
+	if before.Enroll != after.Enroll || o.UID != n.UID || k.captureChanged(o, n) {
 		k.changed.notify()
 	}
+}
+
+// captureChanged: the pod's own capture annotations changed, which the agent
+// applies to a running pod in place.
+func (k *KubeSource) captureChanged(o, n *corev1.Pod) bool {
+	return k.cfg.Selectors.Profile == ProfileIstio && !IstioCapture(o.Annotations).Equal(IstioCapture(n.Annotations))
 }
 
 func (k *KubeSource) namespaceUpdated(oldObj, newObj any) {
@@ -375,14 +381,28 @@ func (k *KubeSource) Decide(ctx context.Context, pod *gatepb.PodIdentity) (agent
 	d.ServiceAccount = serviceAccountOf(p)
 	if k.cfg.Selectors.Profile == ProfileIstio {
 		d.Capture = IstioCapture(p.Annotations)
-		if d.Enroll && d.Capture.BypassInbound && Enforced(nsObj.Labels) {
-			// Leaving inbound uncaptured is an opt-out of half the mesh.
-			d.Capture.BypassInbound = false
-			bypass := fmt.Sprintf("annotation %s=%s, ignored: namespace %s enforces the mesh (%s=%s)",
-				IstioAnnotationBypassInbound, p.Annotations[IstioAnnotationBypassInbound], ns, LabelEnforce, ValueEnforce)
-			d.Reason += "; " + bypass
-			ignored = strings.TrimPrefix(ignored+"; "+bypass, "; ")
+		// Leaving inbound uncaptured, or DNS to the node's resolver, opts out
+		// of part of the mesh: where the namespace enforces it, ignored and said.
+		overrule := func(annotation string) {
+			why := fmt.Sprintf("annotation %s=%s, ignored: namespace %s enforces the mesh (%s=%s)",
+				annotation, p.Annotations[annotation], ns, LabelEnforce, ValueEnforce)
+			d.Reason += "; " + why
+			ignored = strings.TrimPrefix(ignored+"; "+why, "; ")
 		}
+		if d.Enroll && Enforced(nsObj.Labels) {
+			if d.Capture.BypassInbound {
+				d.Capture.BypassInbound = false
+				overrule(IstioAnnotationBypassInbound)
+			}
+			if d.Capture.DNS != nil && !*d.Capture.DNS {
+				d.Capture.DNS = nil
+				overrule(IstioAnnotationDNSCapture)
+			}
+		}
+	}
+	if d.Enroll {
+		ports := KubeletPorts(p)
+		d.Capture.KubeletPorts = &ports
 	}
 	if ignored != "" {
 		k.reporter.optOutIgnored(ns, name, string(p.UID), ignored)

@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -86,6 +87,18 @@ type Capture struct {
 	DNS *bool `json:"dns,omitempty"`
 	// BypassInbound leaves the pod's inbound connections uncaptured.
 	BypassInbound bool `json:"bypassInbound,omitempty"`
+	// KubeletPorts, when not nil, are the only ports of the pod the kubelet's
+	// connections reach past its inbound capture: those of its own probes and
+	// hooks (empty: none). Nil: any port (a source that does not read the
+	// pod's spec).
+	KubeletPorts *[]uint16 `json:"kubeletPorts,omitempty"`
+}
+
+// Equal reports whether c and o capture the same way.
+func (c Capture) Equal(o Capture) bool {
+	eqPtr := func(a, b *bool) bool { return (a == nil) == (b == nil) && (a == nil || *a == *b) }
+	eqPorts := func(a, b *[]uint16) bool { return (a == nil) == (b == nil) && (a == nil || slices.Equal(*a, *b)) }
+	return eqPtr(c.DNS, o.DNS) && c.BypassInbound == o.BypassInbound && eqPorts(c.KubeletPorts, o.KubeletPorts)
 }
 
 // SourceAdopted is the Source of a record the agent made for a pod that was

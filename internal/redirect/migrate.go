@@ -52,11 +52,33 @@ type podSettingsV2 struct {
 
 // podSettingsWithNet is the pods value of the layout that held the pod's
 // addresses and reply mark in the pods entry itself, after the settings: a
-// pods value of this layout followed by a pod_net value.
+// pods value of this layout followed by podNetV1.
 type podSettingsWithNet struct {
 	_ structs.HostLayout
 	redirectPodSettings
-	redirectPodNetInfo
+	podNetV1
+}
+
+// podNetV1 is what that layout held of a pod's namespace: pod_net_info before
+// it held the kubelet's ports.
+type podNetV1 struct {
+	_             structs.HostLayout
+	ReplyMark     uint32
+	ReplyMarkMask uint32
+	ScopeId       uint32
+	Src4          uint32
+	Src6          [4]uint32
+	NrAddrs       uint32
+	Addrs         [maxPodAddrs][4]uint32
+}
+
+// podNet is v as this build's pod_net value, with no kubelet ports (that layout
+// never restricted the kubelet).
+func (v podNetV1) podNet() *redirectPodNetInfo {
+	return &redirectPodNetInfo{
+		ReplyMark: v.ReplyMark, ReplyMarkMask: v.ReplyMarkMask, ScopeId: v.ScopeId,
+		Src4: v.Src4, Src6: v.Src6, NrAddrs: v.NrAddrs, Addrs: v.Addrs,
+	}
 }
 
 // Flags of earlier layouts that mean nothing now: the node's addresses as
@@ -112,7 +134,7 @@ func (d *Datapath) migratePods(l *legacyMaps) error {
 			if v.Flags&earlierCopied != 0 {
 				return v.redirectPodSettings, nil, ok
 			}
-			return v.redirectPodSettings, &v.redirectPodNetInfo, ok
+			return v.redirectPodSettings, v.podNet(), ok
 		}
 	default:
 		return fmt.Errorf("legacy pods map has %d-byte values, a layout this build does not know", pods.ValueSize())

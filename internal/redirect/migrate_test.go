@@ -209,11 +209,12 @@ func releaseSkLookupV3() release {
 			"sendmsg4", "sendmsg6", "sock_create", "connect4", "connect6"},
 		podValue: func(p *pod) any {
 			s := testSettings().normalized()
-			v := podSettingsWithNet{
+			n := podAddrs{all: []netip.Addr{p.addr4, p.addr6}, src4: p.addr4, src6: p.addr6}.toBPF(s)
+			return podSettingsWithNet{
 				redirectPodSettings: s.toBPF(podSets{inPorts: 1}),
-				redirectPodNetInfo:  podAddrs{all: []netip.Addr{p.addr4, p.addr6}, src4: p.addr4, src6: p.addr6}.toBPF(s),
+				podNetV1: podNetV1{ReplyMark: n.ReplyMark, ReplyMarkMask: n.ReplyMarkMask, ScopeId: n.ScopeId,
+					Src4: n.Src4, Src6: n.Src6, NrAddrs: n.NrAddrs, Addrs: n.Addrs},
 			}
-			return v
 		},
 		whole: true,
 	}

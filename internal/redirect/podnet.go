@@ -33,10 +33,11 @@ type podAddrs struct {
 	scope uint32
 }
 
-// toBPF is the pod's pod_net entry: its addresses, and the reply mark of s
-// (normalized).
+// toBPF is the pod's pod_net entry: its addresses, and the reply mark and
+// kubelet ports of s (normalized, valid).
 func (a podAddrs) toBPF(s Settings) redirectPodNetInfo {
 	v := redirectPodNetInfo{ReplyMark: s.ReplyMark, ReplyMarkMask: s.ReplyMarkMask}
+	v.NrKubeletPorts = uint32(copy(v.KubeletPorts[:], s.KubeletPorts))
 	for i, addr := range a.all {
 		v.Addrs[i] = addrWords(addr.As16())
 	}

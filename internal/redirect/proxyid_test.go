@@ -2,6 +2,7 @@ package redirect
 
 import (
 	"bufio"
+	"context"
 	"fmt"
 	"math/rand/v2"
 	"net"
@@ -9,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -203,6 +205,65 @@ func TestKubeletProbes(t *testing.T) {
 	target := hostPort(b.addr4, appPort)
 	if got := dialFromCgroup(t, kubelet, a, target, 0); !refused(got) {
 		t.Errorf("kubelet cgroup cleared: %q, want captured", got)
+	}
+}
+
+// With the pod's probe ports known, the kubelet passes the inbound capture only
+// to them: a probe another pod's author aims at this pod (its host field) on
+// any other port is captured like any connection, and with no proxy running
+// it is reset. An empty list captures all of the kubelet's connections; off,
+// the kubelet reaches every port again. Enroll applies each in place.
+func TestKubeletProbesOwnPortsOnly(t *testing.T) {
+	t.Parallel()
+	requireRoot(t)
+	d, _ := testDatapath(t)
+	a, b := newPodPair(t)
+	const otherPort = appPort + 1
+	startApp(t, b, appPort)
+	startApp(t, b, otherPort)
+	s := testSettings()
+	s.KubeletPortsOnly, s.KubeletPorts = true, []uint16{appPort}
+	if e := enroll(t, d, b, s); !e.Settings.KubeletPortsOnly || !slices.Equal(e.Settings.KubeletPorts, []uint16{appPort}) {
+		t.Fatalf("enrolled with %+v", e.Settings)
+	}
+	kubelet := newCgroup(t, d.cgroup, fmt.Sprintf("mesh-test-kubelet-ports-%d", os.Getpid()))
+	if err := d.SetProbeCgroups(a.cookie, []string{kubelet}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.SetProbeCgroups(0, nil) })
+
+	refused := func(got []string) bool { return len(got) == 1 && strings.HasPrefix(got[0], "ERR") }
+	probe := func(dst netip.Addr, port uint16) (string, []string) {
+		target := hostPort(dst, port)
+		return target, dialFromCgroup(t, kubelet, a, target, 0)
+	}
+	for _, dst := range []netip.Addr{b.addr4, b.addr6} {
+		if target, got := probe(dst, appPort); len(got) != 1 || got[0] != "APP "+target {
+			t.Errorf("kubelet to the pod's probe port %s: %q, want the application", target, got)
+		}
+		if target, got := probe(dst, otherPort); !refused(got) {
+			t.Errorf("kubelet to %s, a port no probe of the pod names: %q, want captured (reset, no proxy)", target, got)
+		}
+	}
+	listed, err := d.List(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range listed {
+		if e.Cookie == b.cookie && !slices.Equal(e.Settings.KubeletPorts, []uint16{appPort}) {
+			t.Errorf("List reads the ports back as %v", e.Settings.KubeletPorts)
+		}
+	}
+
+	s.KubeletPorts = nil // a pod with no probes
+	enroll(t, d, b, s)
+	if target, got := probe(b.addr4, appPort); !refused(got) {
+		t.Errorf("kubelet to %s of a pod without probes: %q, want captured", target, got)
+	}
+	s.KubeletPortsOnly = false // a source that does not know the pod's spec
+	enroll(t, d, b, s)
+	if target, got := probe(b.addr6, otherPort); len(got) != 1 || got[0] != "APP "+target {
+		t.Errorf("kubelet to %s with every port open to it: %q, want the application", target, got)
 	}
 }
 

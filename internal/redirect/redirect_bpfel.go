@@ -55,14 +55,16 @@ type redirectOrigDst struct {
 }
 
 type redirectPodNetInfo struct {
-	_             structs.HostLayout
-	ReplyMark     uint32
-	ReplyMarkMask uint32
-	ScopeId       uint32
-	Src4          uint32
-	Src6          [4]uint32
-	NrAddrs       uint32
-	Addrs         [8][4]uint32
+	_              structs.HostLayout
+	ReplyMark      uint32
+	ReplyMarkMask  uint32
+	ScopeId        uint32
+	Src4           uint32
+	Src6           [4]uint32
+	NrAddrs        uint32
+	Addrs          [8][4]uint32
+	NrKubeletPorts uint32
+	KubeletPorts   [32]uint16
 }
 
 type redirectPodSettings struct {
@@ -119,6 +121,7 @@ const (
 	redirectSettingFlagsSETTING_REPLY_MARK      redirectSettingFlags = 2048
 	redirectSettingFlagsSETTING_BYPASS_INBOUND  redirectSettingFlags = 4096
 	redirectSettingFlagsSETTING_DENY_PACKET     redirectSettingFlags = 16384
+	redirectSettingFlagsSETTING_KUBELET_PORTS   redirectSettingFlags = 65536
 )
 
 type redirectTupleKey struct {

@@ -16,6 +16,11 @@ const (
 	MaxCIDRs         = 256
 )
 
+// MaxKubeletPorts is how many ports of one pod its probes and hooks may name
+// (MAX_KUBELET_PORTS of bpf/redirect.c): they live in the pod's own pod_net
+// entry, which the data path scans for each of the kubelet's connections.
+const MaxKubeletPorts = len(redirectPodNetInfo{}.KubeletPorts)
+
 // Settings are one pod's redirection settings.
 type Settings struct {
 	// OutboundPort is the proxy's outbound listener inside the pod, reached on
@@ -46,6 +51,14 @@ type Settings struct {
 	// spoofing pod) passes too. The kubelet's probes are recognised by their
 	// socket instead (Datapath.SetProbeCgroups).
 	ProbeSources []netip.Prefix
+	// KubeletPortsOnly lets the kubelet's connections (Datapath.SetProbeCgroups)
+	// pass the inbound capture only to KubeletPorts, the ports of the pod's own
+	// probes and lifecycle hooks: a probe another pod's author aims at this pod
+	// (its host field) reaches any other port through the proxy, like any
+	// connection. Off, the kubelet reaches every port (a source that does not
+	// know the pod's spec).
+	KubeletPortsOnly bool
+	KubeletPorts     []uint16
 	// FailOpen passes traffic through unredirected while no proxy listens, instead
 	// of refusing outbound connects and resetting inbound connections.
 	FailOpen bool
@@ -145,6 +158,15 @@ func (s Settings) Validate() error {
 	}
 	errs = append(errs, validatePorts("inbound", s.InboundExcludedPorts)...)
 	errs = append(errs, validatePorts("outbound", s.OutboundExcludedPorts)...)
+	if len(s.KubeletPorts) > 0 && !s.KubeletPortsOnly {
+		errs = append(errs, errors.New("kubelet ports without KubeletPortsOnly"))
+	}
+	if slices.Contains(s.KubeletPorts, 0) {
+		errs = append(errs, errors.New("kubelet port 0"))
+	}
+	if n := len(normalizePorts(s.KubeletPorts)); n > MaxKubeletPorts {
+		errs = append(errs, fmt.Errorf("%d ports named by the pod's probes and hooks, at most %d", n, MaxKubeletPorts))
+	}
 	errs = append(errs, validatePrefixes("excluded CIDR", s.ExcludedCIDRs)...)
 	errs = append(errs, validatePrefixes("probe source", s.ProbeSources)...)
 	if err := errors.Join(errs...); err != nil {
@@ -214,6 +236,7 @@ func (s Settings) normalized() Settings {
 	n.OutboundExcludedPorts = normalizePorts(s.OutboundExcludedPorts)
 	n.ExcludedCIDRs = normalizePrefixes(s.ExcludedCIDRs)
 	n.ProbeSources = normalizePrefixes(s.ProbeSources)
+	n.KubeletPorts = normalizePorts(s.KubeletPorts)
 	return n
 }
 
@@ -281,6 +304,7 @@ func (s Settings) toBPF(ps podSets) redirectPodSettings {
 	flag(s.DenyPacketSockets, redirectSettingFlagsSETTING_DENY_PACKET)
 	flag(s.ReplyMark != 0, redirectSettingFlagsSETTING_REPLY_MARK)
 	flag(s.BypassInbound, redirectSettingFlagsSETTING_BYPASS_INBOUND)
+	flag(s.KubeletPortsOnly, redirectSettingFlagsSETTING_KUBELET_PORTS)
 	if s.ProxyUID != nil {
 		v.ProxyUid = *s.ProxyUID
 		v.Flags |= redirectSettingFlagsSETTING_PROXY_UID
@@ -289,7 +313,7 @@ func (s Settings) toBPF(ps podSets) redirectPodSettings {
 }
 
 // settingsFromBPF is the inverse of toBPF; the lists come from the set maps, the
-// reply mark from the pod's pod_net entry (nil: none).
+// reply mark and the kubelet's ports from the pod's pod_net entry (nil: none).
 func settingsFromBPF(v redirectPodSettings, n *redirectPodNetInfo, excluded, probes []netip.Prefix, inPorts, outPorts []uint16) Settings {
 	s := Settings{
 		OutboundPort:          v.OutboundPort,
@@ -305,6 +329,10 @@ func settingsFromBPF(v redirectPodSettings, n *redirectPodNetInfo, excluded, pro
 		DenyRawSockets:        v.Flags&redirectSettingFlagsSETTING_DENY_RAW != 0,
 		DenyPacketSockets:     v.Flags&redirectSettingFlagsSETTING_DENY_PACKET != 0,
 		BypassInbound:         v.Flags&redirectSettingFlagsSETTING_BYPASS_INBOUND != 0,
+		KubeletPortsOnly:      v.Flags&redirectSettingFlagsSETTING_KUBELET_PORTS != 0,
+	}
+	if s.KubeletPortsOnly && n != nil {
+		s.KubeletPorts = normalizePorts(portsFromBPF(n.KubeletPorts[:], n.NrKubeletPorts))
 	}
 	if v.Flags&redirectSettingFlagsSETTING_PROXY_MARK != 0 {
 		s.ProxyMark, s.ProxyMarkMask = v.ProxyMark, v.ProxyMarkMask

@@ -29,6 +29,11 @@ func TestSettingsValidate(t *testing.T) {
 		{"too many ports", func(s *Settings) { s.OutboundExcludedPorts = many }, "outbound excluded ports, at most"},
 		{"duplicate ports are fine", func(s *Settings) { s.InboundExcludedPorts = append(s.InboundExcludedPorts, s.InboundExcludedPorts...) }, ""},
 		{"invalid CIDR", func(s *Settings) { s.ExcludedCIDRs = []netip.Prefix{{}} }, "invalid excluded CIDR"},
+		{"kubelet ports", func(s *Settings) { s.KubeletPortsOnly, s.KubeletPorts = true, []uint16{8080, 8080} }, ""},
+		{"kubelet to no port", func(s *Settings) { s.KubeletPortsOnly = true }, ""},
+		{"kubelet ports unused", func(s *Settings) { s.KubeletPorts = []uint16{8080} }, "without KubeletPortsOnly"},
+		{"kubelet port 0", func(s *Settings) { s.KubeletPortsOnly, s.KubeletPorts = true, []uint16{0} }, "kubelet port 0"},
+		{"too many kubelet ports", func(s *Settings) { s.KubeletPortsOnly, s.KubeletPorts = true, many[:MaxKubeletPorts+1] }, "probes and hooks, at most"},
 		{"invalid probe source", func(s *Settings) {
 			s.ProbeSources = []netip.Prefix{netip.PrefixFrom(netip.MustParseAddr("10.0.0.1"), 33)}
 		}, "invalid probe source"},
@@ -62,10 +67,12 @@ func TestSettingsRoundTrip(t *testing.T) {
 			netip.MustParsePrefix("fd00::/8"),
 			netip.MustParsePrefix("10.0.0.0/8"),
 		},
-		ProbeSources:  []netip.Prefix{netip.MustParsePrefix("169.254.7.1/32")},
-		FailOpen:      true,
-		ReplyMark:     0x111,
-		BypassInbound: true,
+		ProbeSources:     []netip.Prefix{netip.MustParsePrefix("169.254.7.1/32")},
+		FailOpen:         true,
+		ReplyMark:        0x111,
+		BypassInbound:    true,
+		KubeletPortsOnly: true,
+		KubeletPorts:     []uint16{8080, 80, 8080},
 	}
 	n := s.normalized()
 	want := Settings{
@@ -81,11 +88,13 @@ func TestSettingsRoundTrip(t *testing.T) {
 			netip.MustParsePrefix("192.168.0.0/16"),
 			netip.MustParsePrefix("fd00::/8"),
 		},
-		ProbeSources:  []netip.Prefix{netip.MustParsePrefix("169.254.7.1/32")},
-		FailOpen:      true,
-		ReplyMark:     0x111,
-		ReplyMarkMask: 0xffffffff,
-		BypassInbound: true,
+		ProbeSources:     []netip.Prefix{netip.MustParsePrefix("169.254.7.1/32")},
+		FailOpen:         true,
+		ReplyMark:        0x111,
+		ReplyMarkMask:    0xffffffff,
+		BypassInbound:    true,
+		KubeletPortsOnly: true,
+		KubeletPorts:     []uint16{80, 8080},
 	}
 	if !reflect.DeepEqual(n, want) {
 		t.Fatalf("normalized:\n%+v\nwant\n%+v", n, want)

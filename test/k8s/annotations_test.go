@@ -179,6 +179,7 @@ func testPolicyEnforcedNamespace(t *testing.T, pc *policyCluster) {
 		{"the istio opt-out annotation", nil, map[string]string{enroll.IstioLabelDataplaneMode: enroll.IstioValueNone}, "annotation istio.io/dataplane-mode=none"},
 		{"a sidecar's status", nil, map[string]string{enroll.IstioAnnotationSidecar: "{}"}, "annotation " + enroll.IstioAnnotationSidecar},
 		{"inbound capture bypassed", nil, map[string]string{enroll.IstioAnnotationBypassInbound: "true"}, "annotation " + enroll.IstioAnnotationBypassInbound},
+		{"DNS capture turned off", nil, map[string]string{enroll.IstioAnnotationDNSCapture: "F"}, "annotation " + enroll.IstioAnnotationDNSCapture + "=F"},
 	} {
 		name := "opt-out-" + randomHex(t, 3)
 		_, err := createPod(ctx, pc.editor, enforced, name, pc.nodeA, tc.labels, tc.annotations)

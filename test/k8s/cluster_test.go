@@ -130,11 +130,17 @@ func createPod(ctx context.Context, client kubernetes.Interface, namespace, name
 // patch, on a namespace (podName "") or a pod.
 func (c *cluster) setLabel(t *testing.T, namespace, podName, key, value string) {
 	t.Helper()
+	c.setMeta(t, namespace, podName, "labels", key, value)
+}
+
+// setMeta is setLabel for field "labels" or "annotations".
+func (c *cluster) setMeta(t *testing.T, namespace, podName, field, key, value string) {
+	t.Helper()
 	var v any = value
 	if value == "" {
 		v = nil
 	}
-	body, err := json.Marshal(map[string]any{"metadata": map[string]any{"labels": map[string]any{key: v}}})
+	body, err := json.Marshal(map[string]any{"metadata": map[string]any{field: map[string]any{key: v}}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -145,6 +151,6 @@ func (c *cluster) setLabel(t *testing.T, namespace, podName, key, value string) 
 		_, err = c.admin.CoreV1().Pods(namespace).Patch(ctx, podName, types.MergePatchType, body, metav1.PatchOptions{})
 	}
 	if err != nil {
-		t.Fatalf("label %s/%s %s=%q: %v", namespace, podName, key, value, err)
+		t.Fatalf("%s of %s/%s: %s=%q: %v", field, namespace, podName, key, value, err)
 	}
 }

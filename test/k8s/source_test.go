@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -12,6 +13,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/util/intstr"
 
 	meshagent "github.com/mesh-cni/mesh-cni/internal/agent"
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
@@ -70,17 +72,23 @@ func decide(t *testing.T, src meshagent.Policy, p *corev1.Pod) meshagent.Decisio
 // waiting, to tell "slow" from "never".
 func expectChange(t *testing.T, src *enroll.KubeSource, ch <-chan struct{}, p *corev1.Pod, want bool, what string) {
 	t.Helper()
+	expectDecision(t, src, ch, p, what, fmt.Sprintf("enroll=%v", want), func(d meshagent.Decision) bool { return d.Enroll == want })
+}
+
+// expectDecision is expectChange for any property of the decision.
+func expectDecision(t *testing.T, src *enroll.KubeSource, ch <-chan struct{}, p *corev1.Pod, what, want string, cond func(meshagent.Decision) bool) {
+	t.Helper()
 	start := time.Now()
 	ok := func() bool {
 		select {
 		case <-ch:
-			return decide(t, src, p).Enroll == want
+			return cond(decide(t, src, p))
 		default:
 			return false
 		}
 	}
 	if !harness.Eventually(t.Context(), changeLimit, harness.WaitInterval, ok) {
-		t.Errorf("%s: the decision for %s/%s did not become enroll=%v within %s", what, p.Namespace, p.Name, want, changeLimit)
+		t.Errorf("%s: the decision for %s/%s did not become %s within %s", what, p.Namespace, p.Name, want, changeLimit)
 		harness.WaitFor(t, 30*time.Second, what, ok)
 	}
 	t.Logf("%s: decision changed after %s", what, time.Since(start).Round(time.Millisecond))
@@ -109,6 +117,32 @@ func testSourceFollowsLabels(t *testing.T, c *cluster) {
 		if d := decide(t, src, tc.pod); d.Enroll != tc.enroll {
 			t.Errorf("%s/%s: %+v, want enroll=%v", tc.pod.Namespace, tc.pod.Name, d, tc.enroll)
 		}
+	}
+
+	// The kubelet reaches an enrolled pod past capture only at the ports of
+	// its own probes and hooks, as the API server admitted its spec: none
+	// for a pod without probes; a probe aimed at another host is not its.
+	if d := decide(t, src, plain); d.Capture.KubeletPorts == nil || len(*d.Capture.KubeletPorts) != 0 {
+		t.Errorf("pod without probes: kubelet ports %v, want none", d.Capture.KubeletPorts)
+	}
+	probed := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "probed", Namespace: on},
+		Spec: corev1.PodSpec{NodeName: node, TerminationGracePeriodSeconds: new(int64), Containers: []corev1.Container{{
+			Name: "app", Image: "registry.invalid/app:never-pulled",
+			Ports:          []corev1.ContainerPort{{Name: "http", ContainerPort: 8080}},
+			ReadinessProbe: &corev1.Probe{ProbeHandler: corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/ready", Port: intstr.FromString("http")}}},
+			LivenessProbe:  &corev1.Probe{ProbeHandler: corev1.ProbeHandler{TCPSocket: &corev1.TCPSocketAction{Host: "10.0.0.9", Port: intstr.FromInt32(5432)}}},
+			Lifecycle:      &corev1.Lifecycle{PreStop: &corev1.LifecycleHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/drain", Port: intstr.FromInt32(9901)}}},
+		}}},
+	}
+	if _, err := c.admin.CoreV1().Pods(on).Create(apiContext(t), probed, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if d := decide(t, src, probed); d.Capture.KubeletPorts == nil || !slices.Equal(*d.Capture.KubeletPorts, []uint16{8080, 9901}) {
+		t.Errorf("probed pod: kubelet ports %v, want [8080 9901]", d.Capture.KubeletPorts)
+	}
+	if d := decide(t, src, optOut); d.Capture.KubeletPorts != nil {
+		t.Errorf("a pod not enrolled has kubelet ports %v", *d.Capture.KubeletPorts)
 	}
 
 	// Labelling the namespace after its pods started enrolls them.
@@ -151,7 +185,7 @@ func testSourceIstioProfile(t *testing.T, c *cluster) {
 	}
 	// In a namespace that enforces the mesh, neither opting out nor leaving
 	// inbound uncaptured holds; elsewhere the bypass does.
-	bypass := map[string]string{enroll.IstioAnnotationBypassInbound: "true"}
+	bypass := map[string]string{enroll.IstioAnnotationBypassInbound: "true", enroll.IstioAnnotationDNSCapture: "False"}
 	enforced := c.namespace(t, "ambient-enforced", map[string]string{enroll.IstioLabelDataplaneMode: enroll.IstioValueAmbient, enroll.LabelEnforce: enroll.ValueEnforce})
 	enforcedBypass := c.pod(t, enforced, "bypass", node, none, bypass)
 	openBypass := c.pod(t, amb, "bypass", node, nil, bypass)
@@ -162,13 +196,19 @@ func testSourceIstioProfile(t *testing.T, c *cluster) {
 		}
 	}
 	d := decide(t, src, enforcedBypass)
-	if !d.Enroll || d.Capture.BypassInbound || !strings.Contains(d.Reason, `"istio.io/dataplane-mode=none" (profile istio), ignored`) ||
-		!strings.Contains(d.Reason, enroll.IstioAnnotationBypassInbound+"=true, ignored: namespace "+enforced+" enforces the mesh") {
-		t.Errorf("opted out, inbound bypassed, in an enforcing namespace: %+v; want enrolled with inbound captured, saying both were ignored", d)
+	if !d.Enroll || d.Capture.BypassInbound || d.Capture.DNS != nil || !strings.Contains(d.Reason, `"istio.io/dataplane-mode=none" (profile istio), ignored`) ||
+		!strings.Contains(d.Reason, enroll.IstioAnnotationBypassInbound+"=true, ignored: namespace "+enforced+" enforces the mesh") ||
+		!strings.Contains(d.Reason, enroll.IstioAnnotationDNSCapture+"=False, ignored: namespace "+enforced+" enforces the mesh") {
+		t.Errorf("opted out, inbound bypassed, DNS not captured, in an enforcing namespace: %+v; want enrolled with inbound and DNS as the node captures them, saying all three were ignored", d)
 	}
-	if d := decide(t, src, openBypass); !d.Enroll || !d.Capture.BypassInbound {
-		t.Errorf("inbound bypassed in a namespace that does not enforce: %+v; want enrolled with inbound bypassed", d)
+	if d := decide(t, src, openBypass); !d.Enroll || !d.Capture.BypassInbound || d.Capture.DNS == nil || *d.Capture.DNS {
+		t.Errorf("inbound bypassed, DNS not captured, in a namespace that does not enforce: %+v; want enrolled with both", d)
 	}
+	// Changing the annotation on a running pod is a change the agent applies.
+	ch := src.Changed()
+	c.setMeta(t, amb, openBypass.Name, "annotations", enroll.IstioAnnotationBypassInbound, "false")
+	expectDecision(t, src, ch, openBypass, "bypass annotation turned off", "inbound captured",
+		func(d meshagent.Decision) bool { return d.Enroll && !d.Capture.BypassInbound })
 }
 
 // testSourceDirectGet: a pod the cache does not hold is fetched from the API

@@ -85,6 +85,7 @@ func TestNode(t *testing.T) {
 		{"3-meshed-pods-talk", s.meshedPodsTalk},
 		{"4c-rollout-to-this-build", s.rolloutOwnBuild},
 		{"4d-nodeport-captured-probes-pass", s.nodePortAndProbes},
+		{"4e-probe-aimed-elsewhere-captured", s.probeAimedElsewhere},
 		{"2-pod-waits-for-agent", s.podWaitsForAgent},
 		{"4a-containerd-restart", s.containerdRestart},
 		{"4b-agent-pod-replaced", s.agentPodReplaced},
@@ -617,6 +618,55 @@ func (s *scenario) nodePortAndProbes(t *testing.T, ctx context.Context) {
 		})
 	})
 	t.Logf("kubelet restarted in place: its probes reach the application directly again %v later", direct.Sub(restarted).Round(time.Millisecond))
+}
+
+// probeAimedElsewhere: a pod's author aims its readiness probe at another
+// team's meshed pod (the probe's host field), at a port that pod's own probes
+// do not name. The kubelet makes the connection, but it reaches the target
+// only through the target's proxy, like any connection; the target's own
+// probes still reach it directly (4d).
+func (s *scenario) probeAimedElsewhere(t *testing.T, ctx context.Context) {
+	s.create(ctx, s.server("shop", "aimed-at", true))
+	targetIP := s.podIP(ctx, "shop", "aimed-at")
+	aimer := s.server("plain", "aimer", false)
+	aimer.Spec.Containers[0].ReadinessProbe = &corev1.Probe{
+		ProbeHandler:  corev1.ProbeHandler{TCPSocket: &corev1.TCPSocketAction{Host: targetIP, Port: intstr.FromInt32(serverPort)}},
+		PeriodSeconds: 1,
+	}
+	s.create(ctx, aimer)
+	// The proxy forwards the probe's connection, so the probe succeeds: the
+	// point is the path it took.
+	s.until(ctx, "plain", "aimer", "ready", func(p *corev1.Pod) bool {
+		return slices.ContainsFunc(p.Status.Conditions, func(c corev1.PodCondition) bool {
+			return c.Type == corev1.PodReady && c.Status == corev1.ConditionTrue
+		})
+	})
+	nodeAddrs := s.nodeAddresses(t)
+	var viaProxy int
+	for deadline := time.Now().Add(10 * time.Second); viaProxy == 0 && time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+		for _, r := range readLines[proxy.Record](t, filepath.Join(s.records(), "aimed-at-proxy.jsonl")) {
+			if r.Direction == proxy.Inbound && slices.Contains(nodeAddrs, r.Client.Addr()) && r.OriginalDst.Port() == serverPort {
+				viaProxy++
+			}
+		}
+	}
+	target := netip.MustParseAddr(targetIP)
+	var direct int
+	for _, r := range readLines[accepted](t, filepath.Join(s.records(), "aimed-at.jsonl")) {
+		if client := netip.MustParseAddrPort(r.Client).Addr(); client != target {
+			direct++
+			t.Errorf("the target's application accepted %s directly, past its proxy", r.Client)
+		}
+	}
+	if viaProxy == 0 {
+		t.Errorf("none of the probes aimed at %s:%d went through its proxy", targetIP, serverPort)
+	}
+	t.Logf("a probe aimed at another pod's port %d: %d connections through that pod's proxy, %d directly", serverPort, viaProxy, direct)
+	for _, p := range [][2]string{{"plain", "aimer"}, {"shop", "aimed-at"}} {
+		if err := s.n.Admin.CoreV1().Pods(p[0]).Delete(ctx, p[1], metav1.DeleteOptions{}); err != nil {
+			t.Errorf("delete pod %s/%s: %v", p[0], p[1], err)
+		}
+	}
 }
 
 // echoFromHost has a line echoed by the server at target, from the test's own
