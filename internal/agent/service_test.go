@@ -5,6 +5,7 @@ import (
 	"errors"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -349,5 +350,55 @@ func TestServiceReconcile(t *testing.T) {
 	res, err = e.svc.Reconcile(ctx)
 	if err != nil || res.Repaired != 1 {
 		t.Errorf("Reconcile of a broken pod = %+v, %v; want 1 repaired", res, err)
+	}
+}
+
+type fakeSyncer struct{ synced atomic.Bool }
+
+func (s *fakeSyncer) Synced() (bool, string) { return s.synced.Load(), "test" }
+
+// neverChanged is a policy watcher whose policy never changes.
+type neverChanged struct{}
+
+func (neverChanged) Changed() <-chan struct{} { return nil }
+
+// The agent re-decides every pod once its source is synced, with no change
+// announced: what changed while it was away (here a capture an earlier
+// record lacks) is applied at start. Not before the source is synced: a
+// decision from an empty cache would be a guess.
+func TestFollowPolicyDecidesOnceSynced(t *testing.T) {
+	e := newServiceEnv(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	if _, err := e.svc.Add(ctx, addRequest("shop", "web", "c0ffee01")); err != nil {
+		t.Fatal(err)
+	}
+	ports := []uint16{8080}
+	e.policy.mu.Lock()
+	e.policy.capture = podstore.Capture{KubeletPorts: &ports}
+	e.policy.mu.Unlock()
+	key := podstore.Key{Network: "meshnet", ContainerID: "c0ffee01", Ifname: "eth0"}
+	updated := func() bool {
+		rec, _ := e.store.Get(key)
+		return rec.Capture.KubeletPorts != nil
+	}
+	syncer := &fakeSyncer{}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		followPolicy(ctx, zaptest.NewLogger(t), neverChanged{}, syncer, e.svc)
+	}()
+	defer func() { cancel(); <-done }()
+
+	// A bounded look for something that must not happen.
+	for end := time.Now().Add(300 * time.Millisecond); time.Now().Before(end); time.Sleep(10 * time.Millisecond) {
+		if updated() {
+			t.Fatal("re-decided before the source was synced")
+		}
+	}
+	syncer.synced.Store(true)
+	for end := time.Now().Add(10 * time.Second); !updated(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(end) {
+			t.Fatal("the record's capture was not updated once the source was synced")
+		}
 	}
 }

@@ -723,9 +723,64 @@ func trimPod(obj any) (any, error) {
 		TypeMeta:   p.TypeMeta,
 		ObjectMeta: trimMeta(p.ObjectMeta),
 		// The service account goes to the node proxy with the pod (ZDS).
-		Spec:   corev1.PodSpec{NodeName: p.Spec.NodeName, ServiceAccountName: p.Spec.ServiceAccountName, HostNetwork: p.Spec.HostNetwork},
+		Spec: corev1.PodSpec{NodeName: p.Spec.NodeName, ServiceAccountName: p.Spec.ServiceAccountName, HostNetwork: p.Spec.HostNetwork,
+			InitContainers: trimContainers(p.Spec.InitContainers), Containers: trimContainers(p.Spec.Containers)},
 		Status: corev1.PodStatus{Phase: p.Status.Phase, PodIPs: p.Status.PodIPs},
 	}, nil
+}
+
+// trimContainers keeps what KubeletPorts reads: each container's probes and
+// hooks, only where they connect, and its named ports they may refer to.
+func trimContainers(cs []corev1.Container) []corev1.Container {
+	if len(cs) == 0 {
+		return nil
+	}
+	out := make([]corev1.Container, len(cs))
+	for i, c := range cs {
+		t := corev1.Container{Name: c.Name, LivenessProbe: trimProbe(c.LivenessProbe),
+			ReadinessProbe: trimProbe(c.ReadinessProbe), StartupProbe: trimProbe(c.StartupProbe)}
+		for _, p := range c.Ports {
+			if p.Name != "" {
+				t.Ports = append(t.Ports, corev1.ContainerPort{Name: p.Name, ContainerPort: p.ContainerPort})
+			}
+		}
+		if l := c.Lifecycle; l != nil && (l.PostStart != nil || l.PreStop != nil) {
+			t.Lifecycle = &corev1.Lifecycle{PostStart: trimHook(l.PostStart), PreStop: trimHook(l.PreStop)}
+		}
+		out[i] = t
+	}
+	return out
+}
+
+func trimProbe(p *corev1.Probe) *corev1.Probe {
+	if p == nil {
+		return nil
+	}
+	h := p.ProbeHandler
+	t := &corev1.Probe{}
+	switch {
+	case h.HTTPGet != nil:
+		t.HTTPGet = &corev1.HTTPGetAction{Host: h.HTTPGet.Host, Port: h.HTTPGet.Port}
+	case h.TCPSocket != nil:
+		t.TCPSocket = &corev1.TCPSocketAction{Host: h.TCPSocket.Host, Port: h.TCPSocket.Port}
+	case h.GRPC != nil:
+		t.GRPC = &corev1.GRPCAction{Port: h.GRPC.Port}
+	default:
+		return nil
+	}
+	return t
+}
+
+func trimHook(h *corev1.LifecycleHandler) *corev1.LifecycleHandler {
+	switch {
+	case h == nil:
+		return nil
+	case h.HTTPGet != nil:
+		return &corev1.LifecycleHandler{HTTPGet: &corev1.HTTPGetAction{Host: h.HTTPGet.Host, Port: h.HTTPGet.Port}}
+	case h.TCPSocket != nil:
+		return &corev1.LifecycleHandler{TCPSocket: &corev1.TCPSocketAction{Host: h.TCPSocket.Host, Port: h.TCPSocket.Port}}
+	}
+	return nil
 }
 
 func trimNamespace(obj any) (any, error) {

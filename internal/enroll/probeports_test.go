@@ -65,9 +65,19 @@ func TestKubeletPorts(t *testing.T) {
 		}}}, want: []uint16{}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			got := KubeletPorts(&corev1.Pod{Spec: tc.spec})
+			pod := &corev1.Pod{Spec: tc.spec}
+			got := KubeletPorts(pod)
 			if got == nil || !slices.Equal(got, tc.want) {
 				t.Errorf("KubeletPorts = %#v, want %#v", got, tc.want)
+			}
+			// The informer's cache holds pods trimmed: what it keeps must
+			// give the same ports.
+			trimmed, err := trimPod(pod)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := KubeletPorts(trimmed.(*corev1.Pod)); !slices.Equal(got, tc.want) {
+				t.Errorf("KubeletPorts of the cached pod = %#v, want %#v", got, tc.want)
 			}
 		})
 	}
