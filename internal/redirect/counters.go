@@ -6,7 +6,7 @@ import (
 	"github.com/cilium/ebpf"
 )
 
-// Indexes into the counters map: enum counter in bpf/redirect.c.
+// Indexes into the counters map: enum counter in bpf/lib/common.h.
 const (
 	counterOutRedirected uint32 = iota
 	counterOutPassed
@@ -21,7 +21,7 @@ const (
 	counterMax
 )
 
-// Indexes into the socket_refusals map: enum socket_refusal in bpf/redirect.c.
+// Indexes into the socket_refusals map: enum socket_refusal in bpf/lib/common.h.
 const (
 	refusedRaw uint32 = iota
 	refusedPacket

@@ -66,7 +66,7 @@ func (c Config) withDefaults() Config {
 
 // layout names the pins under a PinRoot:
 //
-//	<root>/maps/<map>                     every map of bpf/redirect.c
+//	<root>/maps/<map>                     every map of the object
 //	<root>/links/<hook>                   cgroup links at the cgroup v2 root
 //	<root>/pods/<cookie>/lookup_<netns inode>   a pod's sk_lookup link
 //	<root>/legacy/<map>                   maps of an earlier layout, while migrating

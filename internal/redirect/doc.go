@@ -2,7 +2,8 @@
 // enrolled pods to a mesh proxy that listens inside each pod's network namespace,
 // and answers SO_ORIGINAL_DST for the proxy the way iptables REDIRECT does.
 //
-// The programs are C in bpf/redirect.c, compiled by bpf2go into the committed
+// The programs are C in bpf/ (one compilation unit, bpf/redirect.c; its README
+// says which file holds what), compiled by bpf2go into the committed
 // redirect_bpfel.{go,o} (see gen.go). What they do:
 //
 //   - cgroup/connect4, cgroup/connect6 (at the cgroup v2 root): a TCP connect from an
@@ -53,8 +54,8 @@
 //     listener of any namespace. The cookie is therefore fixed when the agent loads
 //     the pod's program, from the namespace it attaches it to; nothing a pod or a
 //     packet controls (an address, an interface) decides whose listeners it gets.
-//     The programs carry no BTF and no CO-RE relocations, so a load is one short
-//     verifier pass.
+//     The per-pod program carries no BTF and no CO-RE relocations, so a load is
+//     one short verifier pass.
 //   - Listeners: sockops collects every listener of an inbound port (listen_ports),
 //     whether or not its netns is enrolled yet (and Enroll those already open, from
 //     their process with pidfd_getfd), into one of a few slots per

@@ -14,7 +14,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 )
 
-// listenerSlots is LISTENER_SLOTS of bpf/redirect.c.
+// listenerSlots is LISTENER_SLOTS of bpf/lib/common.h.
 const listenerSlots = 8
 
 // Address families as the listener keys hold them.

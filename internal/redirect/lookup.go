@@ -12,7 +12,7 @@ import (
 	"github.com/cilium/ebpf/link"
 )
 
-// podCookieMarker is POD_COOKIE_MARKER of bpf/redirect.c.
+// podCookieMarker is POD_COOKIE_MARKER of bpf/lib/common.h.
 const podCookieMarker = 0x6d6573682d636e69
 
 // lookupTemplate builds each pod's sk_lookup program from mesh_lookup: the same

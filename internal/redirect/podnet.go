@@ -16,7 +16,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/podif"
 )
 
-// maxPodAddrs is MAX_POD_ADDRS of bpf/redirect.c.
+// maxPodAddrs is MAX_POD_ADDRS of bpf/lib/common.h.
 const maxPodAddrs = len(redirectPodNetInfo{}.Addrs)
 
 // podAddrs are a pod's own addresses, read from its namespace when it is

@@ -15,7 +15,7 @@ import (
 )
 
 // MaxProxyCgroups is how many proxy cgroups the node's settings hold
-// (MAX_PROXY_CGROUPS of bpf/redirect.c).
+// (MAX_PROXY_CGROUPS of bpf/lib/common.h).
 const MaxProxyCgroups = len(redirectNodeConfig{}.ProxyCgroups)
 
 // SetProxyCgroups names the cgroups whose processes are the mesh proxy: their

@@ -17,7 +17,7 @@ const (
 )
 
 // MaxKubeletPorts is how many ports of one pod its probes and hooks may name
-// (MAX_KUBELET_PORTS of bpf/redirect.c): they live in the pod's own pod_net
+// (MAX_KUBELET_PORTS of bpf/lib/common.h): they live in the pod's own pod_net
 // entry, which the data path scans for each of the kubelet's connections.
 const MaxKubeletPorts = len(redirectPodNetInfo{}.KubeletPorts)
 

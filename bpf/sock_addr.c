@@ -1,0 +1,378 @@
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
+//
+// The sock_addr hooks: connect, sendmsg and recvmsg (outbound capture and DNS).
+
+#include "lib/common.h"
+#include "lib/maps.h"
+#include "lib/addr.h"
+
+// in_cgroups reports whether the task making the call runs in one of these
+// cgroups or below one. A pod cannot move itself into another cgroup, so unlike a
+// socket mark (settable with CAP_NET_RAW, which runtimes grant by default) this
+// cannot be forged from inside a pod.
+static __always_inline bool in_cgroups(const struct proxy_cgroup *cgs, __u32 nr)
+{
+	for (__u32 i = 0; i < MAX_PROXY_CGROUPS; i++) {
+		if (i >= nr)
+			break;
+		const struct proxy_cgroup *c = &cgs[i];
+		if (c->id && bpf_get_current_ancestor_cgroup_id(c->level) == c->id)
+			return true;
+	}
+	return false;
+}
+
+// is_proxy_task reports whether the task making the call runs in one of the node's
+// proxy cgroups.
+static __always_inline bool is_proxy_task(void)
+{
+	__u32 zero = 0;
+	struct node_config *n = bpf_map_lookup_elem(&node, &zero);
+	return n && in_cgroups(n->proxy_cgroups, n->nr_proxy_cgroups);
+}
+
+// mark_probe_socket remembers a TCP socket of the node's own namespace connected
+// by the kubelet (probe_node): sockops records its connection so the pod's inbound
+// capture lets it through. Everything else on the node leaves after one lookup.
+static __always_inline void mark_probe_socket(struct bpf_sock *sk, __u64 netns)
+{
+	__u32 zero = 0;
+	struct probe_config *p = bpf_map_lookup_elem(&probe_node, &zero);
+	if (!p || !p->nr_cgroups || p->host_netns != netns)
+		return;
+	if (!in_cgroups(p->cgroups, p->nr_cgroups)) {
+		bpf_sk_storage_delete(&probe_socks, sk);
+		return;
+	}
+	__u8 *v = bpf_sk_storage_get(&probe_socks, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (v)
+		*v = 1;
+}
+
+// proxy_addr is where a redirected connect or datagram of sk goes, IPv4-mapped
+// for IPv4: loopback, as after iptables REDIRECT; for a socket bound to a device
+// (SO_BINDTODEVICE), which reaches loopback through no device but lo, the pod's own
+// address of that family, a local destination the kernel delivers whatever the
+// bound device (the proxy must then listen on the wildcard, as ztunnel does).
+static __always_inline void proxy_addr(const struct bpf_sock *sk, const struct pod_net_info *n, bool v4, __u32 *a)
+{
+	a[0] = 0;
+	a[1] = 0;
+	if (v4) {
+		a[2] = bpf_htonl(0x0000ffff);
+		a[3] = sk->bound_dev_if && n && n->src4 ? n->src4 : bpf_htonl(0x7f000001);
+		return;
+	}
+	if (sk->bound_dev_if && n && (n->src6[0] | n->src6[1] | n->src6[2] | n->src6[3])) {
+		a[0] = n->src6[0];
+		a[1] = n->src6[1];
+		a[2] = n->src6[2];
+		a[3] = n->src6[3];
+		return;
+	}
+	a[2] = 0;
+	a[3] = bpf_htonl(1);
+}
+
+// proxy_listening reports whether the proxy listens on port of the address a (see
+// proxy_addr) a connect or datagram is about to be rewritten to, in the socket's
+// netns: a TCP listener, or a bound UDP socket.
+static __always_inline bool proxy_listening(struct bpf_sock_addr *ctx, const __u32 *a, bool v4, __u16 port, bool udp)
+{
+	struct bpf_sock_tuple t = {};
+	struct bpf_sock *sk;
+	__u32 size;
+
+	if (v4) {
+		t.ipv4.daddr = a[3];
+		t.ipv4.dport = bpf_htons(port);
+		size = sizeof(t.ipv4);
+	} else {
+		t.ipv6.daddr[0] = a[0];
+		t.ipv6.daddr[1] = a[1];
+		t.ipv6.daddr[2] = a[2];
+		t.ipv6.daddr[3] = a[3];
+		t.ipv6.dport = bpf_htons(port);
+		size = sizeof(t.ipv6);
+	}
+	if (udp) {
+		sk = bpf_sk_lookup_udp(ctx, &t, size, BPF_F_CURRENT_NETNS, 0);
+		if (!sk)
+			return false;
+		bpf_sk_release(sk);
+		return true;
+	}
+	sk = bpf_skc_lookup_tcp(ctx, &t, size, BPF_F_CURRENT_NETNS, 0);
+	if (!sk)
+		return false;
+	bool listening = sk->state == BPF_TCP_LISTEN;
+	bpf_sk_release(sk);
+	return listening;
+}
+
+// rewrite_dst points the connect or datagram at port of a (IPv4-mapped for IPv4),
+// in the form the socket's family needs.
+static __always_inline void rewrite_dst(struct bpf_sock_addr *ctx, bool v6, const __u32 *a, __u16 port)
+{
+	ctx->user_port = bpf_htons(port);
+	if (!v6) {
+		ctx->user_ip4 = a[3];
+		return;
+	}
+	ctx->user_ip6[0] = a[0];
+	ctx->user_ip6[1] = a[1];
+	ctx->user_ip6[2] = a[2];
+	ctx->user_ip6[3] = a[3];
+}
+
+// bind_pod_source binds a connect that is being redirected and has no local
+// address yet to the pod's own address of the destination's family, which is the
+// source the kernel would have picked for the original destination: the proxy sees
+// the pod's address as the peer (as after iptables REDIRECT, where only the
+// destination changes) instead of loopback. Only the address is bound; the port is
+// chosen at connect. A failure leaves the connect as it was.
+static __always_inline void bind_pod_source(struct bpf_sock_addr *ctx, const struct bpf_sock *sk,
+					    const struct pod_net_info *n, bool v6, bool v4dst)
+{
+	if (!n || sk->bound_dev_if || sk->src_port)
+		return;
+	if (!v6) {
+		if (sk->src_ip4 || !n->src4)
+			return;
+		struct mesh_sockaddr_in sin = {.family = AF_INET, .addr = n->src4};
+		bpf_bind(ctx, (struct sockaddr *)&sin, sizeof(sin));
+		return;
+	}
+	if (sk->src_ip6[0] | sk->src_ip6[1] | sk->src_ip6[2] | sk->src_ip6[3])
+		return;
+	struct mesh_sockaddr_in6 sin6 = {.family = AF_INET6};
+	if (v4dst) {
+		if (!n->src4)
+			return;
+		map_v4(sin6.addr, n->src4);
+	} else {
+		if (!(n->src6[0] | n->src6[1] | n->src6[2] | n->src6[3]))
+			return;
+		sin6.addr[0] = n->src6[0];
+		sin6.addr[1] = n->src6[1];
+		sin6.addr[2] = n->src6[2];
+		sin6.addr[3] = n->src6[3];
+	}
+	bpf_bind(ctx, (struct sockaddr *)&sin6, sizeof(sin6));
+}
+
+// user_dst reads the connect's or datagram's destination, IPv4-mapped for IPv4.
+static __always_inline void user_dst(struct bpf_sock_addr *ctx, bool v6, struct orig_dst *d)
+{
+	if (v6) {
+		d->addr[0] = ctx->user_ip6[0];
+		d->addr[1] = ctx->user_ip6[1];
+		d->addr[2] = ctx->user_ip6[2];
+		d->addr[3] = ctx->user_ip6[3];
+		d->family = is_v4_mapped(d->addr) ? AF_INET : AF_INET6;
+	} else {
+		map_v4(d->addr, ctx->user_ip4);
+		d->family = AF_INET;
+	}
+	d->port = (__u16)ctx->user_port;
+}
+
+// is_proxy_socket: the proxy's own connects are never redirected.
+static __always_inline bool is_proxy_socket(struct bpf_sock *sk, const struct pod_settings *s)
+{
+	if ((s->flags & SETTING_PROXY_MARK) && (sk->mark & s->proxy_mark_mask) == s->proxy_mark)
+		return true;
+	if ((s->flags & SETTING_PROXY_UID) && (__u32)bpf_get_current_uid_gid() == s->proxy_uid)
+		return true;
+	return is_proxy_task();
+}
+
+// dns_redirect sends a DNS query (UDP datagram or connect, or TCP connect, to port
+// 53) to the proxy's DNS listener on loopback. With nothing listening there it is
+// left alone (a pod must not lose name resolution while its proxy restarts) unless
+// the pod is DNS fail-closed. The original destination is kept in the socket's
+// storage: recvmsg shows answers as coming from it, as resolver libraries require.
+static __always_inline int dns_redirect(struct bpf_sock_addr *ctx, const struct pod_settings *s,
+					const struct pod_net_info *n, struct bpf_sock *sk, struct orig_dst *d, bool v6,
+					bool udp, bool connect)
+{
+	bool v4 = d->family == AF_INET;
+	__u32 a[4];
+	proxy_addr(sk, n, v4, a);
+	if (!proxy_listening(ctx, a, v4, s->dns_port, udp)) {
+		if (!(s->flags & SETTING_DNS_FAIL_CLOSED)) {
+			bpf_sk_storage_delete(&sock_orig, sk);
+			count(COUNTER_DNS_PASSED);
+			return 1;
+		}
+		count(COUNTER_DNS_DROPPED);
+	} else {
+		count(COUNTER_DNS_REDIRECTED);
+	}
+	struct orig_dst *st = bpf_sk_storage_get(&sock_orig, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!st)
+		return 0;
+	*st = *d;
+	if (connect && !udp)
+		bind_pod_source(ctx, sk, n, v6, v4);
+	rewrite_dst(ctx, v6, a, s->dns_port);
+	return 1;
+}
+
+static __always_inline bool is_dns(const struct pod_settings *s, const struct orig_dst *d)
+{
+	return (s->flags & SETTING_DNS_CAPTURE) && d->port == bpf_htons(DNS_PORT) && !is_loopback_or_any(d->addr);
+}
+
+// redirect_common decides a TCP connect, a UDP connect or a UDP datagram (sendmsg,
+// which the kernel runs for UDP only) from an enrolled netns. A TCP connect from
+// any other netns is only looked at for the kubelet's (mark_probe_socket). connect
+// is a constant: bpf_bind exists only for the connect hooks, so the sendmsg
+// programs must not contain the call.
+static __always_inline int redirect_common(struct bpf_sock_addr *ctx, bool v6, bool connect)
+{
+	__u32 proto = ctx->protocol;
+	if (proto != IPPROTO_TCP && proto != IPPROTO_UDP)
+		return 1;
+	struct bpf_sock *sk = ctx->sk;
+	if (!sk)
+		return 1;
+	__u64 netns = bpf_get_netns_cookie(ctx);
+	struct pod_settings *s = bpf_map_lookup_elem(&pods, &netns);
+	if (!s) {
+		if (proto == IPPROTO_TCP)
+			mark_probe_socket(sk, netns);
+		return 1;
+	}
+	struct orig_dst d = {};
+	user_dst(ctx, v6, &d);
+	bool udp = proto == IPPROTO_UDP;
+	bool dns = is_dns(s, &d);
+	// Only DNS is captured among datagrams: every other one leaves before the
+	// proxy-identity checks, which would otherwise run for each UDP send.
+	if (udp && !dns)
+		return 1;
+
+	// A socket may connect again after a failed attempt: forget an earlier
+	// redirection so getpeername does not report a stale peer.
+	if (is_proxy_socket(sk, s)) {
+		bpf_sk_storage_delete(&sock_orig, sk);
+		if (!udp) {
+			__u8 *p = bpf_sk_storage_get(&proxy_socks, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+			if (p)
+				*p = 1;
+			count(COUNTER_OUT_PASSED);
+		}
+		return 1;
+	}
+	const struct pod_net_info *n = bpf_map_lookup_elem(&pod_net, &netns);
+	if (dns)
+		return dns_redirect(ctx, s, n, sk, &d, v6, udp, connect);
+	// Loopback, unspecified and the pod's own addresses stay inside the pod, like
+	// the `! -d 127.0.0.1/32` and `-o lo` exclusions of iptables-based meshes.
+	if (is_loopback_or_any(d.addr) || is_pod_addr(n, d.addr) ||
+	    ((s->flags & SETTING_OUTBOUND_PORTS) && port_in(s->outbound_port_set, bpf_ntohs(d.port))) ||
+	    ((s->flags & SETTING_EXCLUDED_CIDRS) && in_cidrs(&excluded_dsts, s->excluded_set, d.addr))) {
+		bpf_sk_storage_delete(&sock_orig, sk);
+		count(COUNTER_OUT_PASSED);
+		return 1;
+	}
+
+	bool v4 = d.family == AF_INET;
+	__u32 a[4];
+	proxy_addr(sk, n, v4, a);
+	if (!proxy_listening(ctx, a, v4, s->outbound_port, false)) {
+		if (s->flags & SETTING_FAIL_OPEN) {
+			bpf_sk_storage_delete(&sock_orig, sk);
+			count(COUNTER_OUT_PASSED);
+			return 1;
+		}
+		// Fail closed: still rewrite, the connect gets ECONNREFUSED from the
+		// closed proxy port just like an iptables REDIRECT would.
+		count(COUNTER_OUT_DROPPED);
+	} else {
+		count(COUNTER_OUT_REDIRECTED);
+	}
+
+	struct orig_dst *st = bpf_sk_storage_get(&sock_orig, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!st) {
+		// Without the original destination the proxy cannot forward: refuse the
+		// connect (EPERM) rather than let it bypass the proxy.
+		return 0;
+	}
+	*st = d;
+	if (connect)
+		bind_pod_source(ctx, sk, n, v6, v4);
+	rewrite_dst(ctx, v6, a, s->outbound_port);
+	return 1;
+}
+
+SEC("cgroup/connect4")
+int mesh_connect4(struct bpf_sock_addr *ctx)
+{
+	return redirect_common(ctx, false, true);
+}
+
+SEC("cgroup/connect6")
+int mesh_connect6(struct bpf_sock_addr *ctx)
+{
+	return redirect_common(ctx, true, true);
+}
+
+// sendmsg4/6 run for datagrams sent with an address (sendto, sendmsg with a name):
+// DNS queries of unconnected UDP sockets.
+SEC("cgroup/sendmsg4")
+int mesh_sendmsg4(struct bpf_sock_addr *ctx)
+{
+	return redirect_common(ctx, false, false);
+}
+
+SEC("cgroup/sendmsg6")
+int mesh_sendmsg6(struct bpf_sock_addr *ctx)
+{
+	return redirect_common(ctx, true, false);
+}
+
+// recvmsg4/6 show a DNS answer from the proxy's listener as coming from the
+// resolver the query was sent to.
+static __always_inline int recvmsg_common(struct bpf_sock_addr *ctx, bool v6)
+{
+	struct bpf_sock *sk = ctx->sk;
+	if (!sk)
+		return 1;
+	struct orig_dst *o = bpf_sk_storage_get(&sock_orig, sk, 0, 0);
+	if (!o)
+		return 1;
+	__u64 netns = bpf_get_netns_cookie(ctx);
+	struct pod_settings *s = bpf_map_lookup_elem(&pods, &netns);
+	if (!s || ctx->user_port != bpf_htons(s->dns_port))
+		return 1;
+	struct orig_dst from = {};
+	user_dst(ctx, v6, &from);
+	if (!is_loopback_or_any(from.addr))
+		return 1;
+	if (!v6) {
+		if (o->family != AF_INET)
+			return 1;
+		ctx->user_ip4 = o->addr[3];
+	} else {
+		ctx->user_ip6[0] = o->addr[0];
+		ctx->user_ip6[1] = o->addr[1];
+		ctx->user_ip6[2] = o->addr[2];
+		ctx->user_ip6[3] = o->addr[3];
+	}
+	ctx->user_port = o->port;
+	return 1;
+}
+
+SEC("cgroup/recvmsg4")
+int mesh_recvmsg4(struct bpf_sock_addr *ctx)
+{
+	return recvmsg_common(ctx, false);
+}
+
+SEC("cgroup/recvmsg6")
+int mesh_recvmsg6(struct bpf_sock_addr *ctx)
+{
+	return recvmsg_common(ctx, true);
+}
