@@ -119,8 +119,9 @@ int mesh_lookup_main(struct bpf_sk_lookup *ctx)
 	// family read as zero): clang would otherwise pick a context offset per
 	// branch, and the verifier refuses a context pointer that was moved.
 	__u32 l4 = ctx->local_ip4, r4 = ctx->remote_ip4;
-	__u32 l6[4] = {ctx->local_ip6[0], ctx->local_ip6[1], ctx->local_ip6[2], ctx->local_ip6[3]};
-	__u32 r6[4] = {ctx->remote_ip6[0], ctx->remote_ip6[1], ctx->remote_ip6[2], ctx->remote_ip6[3]};
+	__u32 l6[4], r6[4];
+	copy_addr(l6, ctx->local_ip6);
+	copy_addr(r6, ctx->remote_ip6);
 	struct tuple_key t = {.netns = netns};
 	bool v4 = ctx->family == AF_INET;
 	if (v4) {

@@ -56,20 +56,16 @@ static __always_inline void mark_probe_socket(struct bpf_sock *sk, __u64 netns)
 // bound device (the proxy must then listen on the wildcard, as ztunnel does).
 static __always_inline void proxy_addr(const struct bpf_sock *sk, const struct pod_net_info *n, bool v4, __u32 *a)
 {
+	if (v4) {
+		map_v4(a, sk->bound_dev_if && n && n->src4 ? n->src4 : bpf_htonl(0x7f000001));
+		return;
+	}
+	if (sk->bound_dev_if && n && addr_set(n->src6)) {
+		copy_addr(a, n->src6);
+		return;
+	}
 	a[0] = 0;
 	a[1] = 0;
-	if (v4) {
-		a[2] = bpf_htonl(0x0000ffff);
-		a[3] = sk->bound_dev_if && n && n->src4 ? n->src4 : bpf_htonl(0x7f000001);
-		return;
-	}
-	if (sk->bound_dev_if && n && (n->src6[0] | n->src6[1] | n->src6[2] | n->src6[3])) {
-		a[0] = n->src6[0];
-		a[1] = n->src6[1];
-		a[2] = n->src6[2];
-		a[3] = n->src6[3];
-		return;
-	}
 	a[2] = 0;
 	a[3] = bpf_htonl(1);
 }
@@ -88,10 +84,7 @@ static __always_inline bool proxy_listening(struct bpf_sock_addr *ctx, const __u
 		t.ipv4.dport = bpf_htons(port);
 		size = sizeof(t.ipv4);
 	} else {
-		t.ipv6.daddr[0] = a[0];
-		t.ipv6.daddr[1] = a[1];
-		t.ipv6.daddr[2] = a[2];
-		t.ipv6.daddr[3] = a[3];
+		copy_addr(t.ipv6.daddr, a);
 		t.ipv6.dport = bpf_htons(port);
 		size = sizeof(t.ipv6);
 	}
@@ -119,10 +112,7 @@ static __always_inline void rewrite_dst(struct bpf_sock_addr *ctx, bool v6, cons
 		ctx->user_ip4 = a[3];
 		return;
 	}
-	ctx->user_ip6[0] = a[0];
-	ctx->user_ip6[1] = a[1];
-	ctx->user_ip6[2] = a[2];
-	ctx->user_ip6[3] = a[3];
+	copy_addr(ctx->user_ip6, a);
 }
 
 // bind_pod_source binds a connect that is being redirected and has no local
@@ -143,7 +133,7 @@ static __always_inline void bind_pod_source(struct bpf_sock_addr *ctx, const str
 		bpf_bind(ctx, (struct sockaddr *)&sin, sizeof(sin));
 		return;
 	}
-	if (sk->src_ip6[0] | sk->src_ip6[1] | sk->src_ip6[2] | sk->src_ip6[3])
+	if (addr_set(sk->src_ip6))
 		return;
 	struct mesh_sockaddr_in6 sin6 = {.family = AF_INET6};
 	if (v4dst) {
@@ -151,12 +141,9 @@ static __always_inline void bind_pod_source(struct bpf_sock_addr *ctx, const str
 			return;
 		map_v4(sin6.addr, n->src4);
 	} else {
-		if (!(n->src6[0] | n->src6[1] | n->src6[2] | n->src6[3]))
+		if (!addr_set(n->src6))
 			return;
-		sin6.addr[0] = n->src6[0];
-		sin6.addr[1] = n->src6[1];
-		sin6.addr[2] = n->src6[2];
-		sin6.addr[3] = n->src6[3];
+		copy_addr(sin6.addr, n->src6);
 	}
 	bpf_bind(ctx, (struct sockaddr *)&sin6, sizeof(sin6));
 }
@@ -165,11 +152,8 @@ static __always_inline void bind_pod_source(struct bpf_sock_addr *ctx, const str
 static __always_inline void user_dst(struct bpf_sock_addr *ctx, bool v6, struct orig_dst *d)
 {
 	if (v6) {
-		d->addr[0] = ctx->user_ip6[0];
-		d->addr[1] = ctx->user_ip6[1];
-		d->addr[2] = ctx->user_ip6[2];
-		d->addr[3] = ctx->user_ip6[3];
-		d->family = is_v4_mapped(d->addr) ? AF_INET : AF_INET6;
+		copy_addr(d->addr, ctx->user_ip6);
+		d->family = addr_family(d->addr);
 	} else {
 		map_v4(d->addr, ctx->user_ip4);
 		d->family = AF_INET;
@@ -349,19 +333,8 @@ static __always_inline int recvmsg_common(struct bpf_sock_addr *ctx, bool v6)
 		return 1;
 	struct orig_dst from = {};
 	user_dst(ctx, v6, &from);
-	if (!is_loopback_or_any(from.addr))
-		return 1;
-	if (!v6) {
-		if (o->family != AF_INET)
-			return 1;
-		ctx->user_ip4 = o->addr[3];
-	} else {
-		ctx->user_ip6[0] = o->addr[0];
-		ctx->user_ip6[1] = o->addr[1];
-		ctx->user_ip6[2] = o->addr[2];
-		ctx->user_ip6[3] = o->addr[3];
-	}
-	ctx->user_port = o->port;
+	if (is_loopback_or_any(from.addr))
+		show_orig(ctx, v6, o);
 	return 1;
 }
 

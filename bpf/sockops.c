@@ -7,29 +7,31 @@
 #include "lib/maps.h"
 #include "lib/addr.h"
 
-
-// ops_addrs fills the local and remote address of a sockops socket, IPv4-mapped for
-// IPv4 (and as a dual-stack socket sees an IPv4 peer). Returns false for other
-// families.
-static __always_inline bool ops_addrs(struct bpf_sock_ops *ctx, __u32 *local, __u32 *remote)
+// sock_addrs fills the local and remote address of a socket of family from the
+// fields of that family (l4, r4 or l6, r6: a context's or a bpf_sock's),
+// IPv4-mapped for IPv4 (and as a dual-stack socket sees an IPv4 peer). Returns
+// false for other families.
+static __always_inline bool sock_addrs(__u32 family, const __u32 *l4, const __u32 *r4, const __u32 *l6,
+				       const __u32 *r6, __u32 *local, __u32 *remote)
 {
-	if (ctx->family == AF_INET) {
-		map_v4(local, ctx->local_ip4);
-		map_v4(remote, ctx->remote_ip4);
+	if (family == AF_INET) {
+		map_v4(local, *l4);
+		map_v4(remote, *r4);
 		return true;
 	}
-	if (ctx->family == AF_INET6) {
-		local[0] = ctx->local_ip6[0];
-		local[1] = ctx->local_ip6[1];
-		local[2] = ctx->local_ip6[2];
-		local[3] = ctx->local_ip6[3];
-		remote[0] = ctx->remote_ip6[0];
-		remote[1] = ctx->remote_ip6[1];
-		remote[2] = ctx->remote_ip6[2];
-		remote[3] = ctx->remote_ip6[3];
+	if (family == AF_INET6) {
+		copy_addr(local, l6);
+		copy_addr(remote, r6);
 		return true;
 	}
 	return false;
+}
+
+// ops_addrs fills the local and remote address of a sockops socket (sock_addrs).
+static __always_inline bool ops_addrs(struct bpf_sock_ops *ctx, __u32 *local, __u32 *remote)
+{
+	return sock_addrs(ctx->family, &ctx->local_ip4, &ctx->remote_ip4, ctx->local_ip6, ctx->remote_ip6, local,
+			  remote);
 }
 
 // peer_key is the key of a connection as its server side sees it, built from the
@@ -131,7 +133,7 @@ static __always_inline void accepted(struct bpf_sock_ops *ctx)
 			return;
 		__builtin_memcpy(d.addr, k.local, sizeof(d.addr));
 		d.port = k.local_port;
-		d.family = is_v4_mapped(k.local) ? AF_INET : AF_INET6;
+		d.family = addr_family(k.local);
 	}
 	struct orig_dst *st = bpf_sk_storage_get(&accepted_orig, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
 	if (!st)
@@ -280,22 +282,8 @@ int mesh_getsockopt(struct bpf_sockopt *ctx)
 		// The hand-over entry stays in orig_dsts if the socket's storage could
 		// not be allocated when it was accepted.
 		struct tuple_key k = {};
-		__u32 family = sk->family;
-		if (family == AF_INET) {
-			map_v4(k.local, sk->src_ip4);
-			map_v4(k.remote, sk->dst_ip4);
-		} else if (family == AF_INET6) {
-			k.local[0] = sk->src_ip6[0];
-			k.local[1] = sk->src_ip6[1];
-			k.local[2] = sk->src_ip6[2];
-			k.local[3] = sk->src_ip6[3];
-			k.remote[0] = sk->dst_ip6[0];
-			k.remote[1] = sk->dst_ip6[1];
-			k.remote[2] = sk->dst_ip6[2];
-			k.remote[3] = sk->dst_ip6[3];
-		} else {
+		if (!sock_addrs(sk->family, &sk->src_ip4, &sk->dst_ip4, sk->src_ip6, sk->dst_ip6, k.local, k.remote))
 			return 1;
-		}
 		k.local_port = bpf_htons((__u16)sk->src_port);
 		k.remote_port = sk->dst_port;
 		k.netns = bpf_get_netns_cookie(ctx);
@@ -324,10 +312,7 @@ int mesh_getsockopt(struct bpf_sockopt *ctx)
 		sin6->family = AF_INET6;
 		sin6->port = o->port;
 		sin6->flowinfo = 0;
-		sin6->addr[0] = o->addr[0];
-		sin6->addr[1] = o->addr[1];
-		sin6->addr[2] = o->addr[2];
-		sin6->addr[3] = o->addr[3];
+		copy_addr(sin6->addr, o->addr);
 		// A link-local destination is only dialable with its interface: the
 		// pod's (the client's connect named it, but the hooks cannot read it).
 		__u32 scope = 0;
@@ -365,15 +350,9 @@ static __always_inline struct orig_dst *mptcp_orig(struct bpf_sock_addr *ctx, st
 		t.ipv4.dport = bpf_htons((__u16)sk->src_port);
 		size = sizeof(t.ipv4);
 	} else {
-		t.ipv6.saddr[0] = ctx->user_ip6[0];
-		t.ipv6.saddr[1] = ctx->user_ip6[1];
-		t.ipv6.saddr[2] = ctx->user_ip6[2];
-		t.ipv6.saddr[3] = ctx->user_ip6[3];
+		copy_addr(t.ipv6.saddr, ctx->user_ip6);
 		t.ipv6.sport = (__u16)ctx->user_port;
-		t.ipv6.daddr[0] = sk->src_ip6[0];
-		t.ipv6.daddr[1] = sk->src_ip6[1];
-		t.ipv6.daddr[2] = sk->src_ip6[2];
-		t.ipv6.daddr[3] = sk->src_ip6[3];
+		copy_addr(t.ipv6.daddr, sk->src_ip6);
 		t.ipv6.dport = bpf_htons((__u16)sk->src_port);
 		size = sizeof(t.ipv6);
 	}
@@ -386,41 +365,32 @@ static __always_inline struct orig_dst *mptcp_orig(struct bpf_sock_addr *ctx, st
 }
 
 // getpeername on a redirected client socket reports the original destination, as it
-// does with iptables REDIRECT, instead of the proxy's address.
-SEC("cgroup/getpeername4")
-int mesh_getpeername4(struct bpf_sock_addr *ctx)
-{
-	struct bpf_sock *sk = ctx->sk;
-	if (!sk)
-		return 1;
-	struct orig_dst *o = bpf_sk_storage_get(&sock_orig, sk, 0, 0);
-	if (!o && sk->protocol == IPPROTO_MPTCP)
-		o = mptcp_orig(ctx, sk, false, true);
-	if (!o || o->family != AF_INET)
-		return 1;
-	ctx->user_ip4 = o->addr[3];
-	ctx->user_port = o->port;
-	return 1;
-}
-
-SEC("cgroup/getpeername6")
-int mesh_getpeername6(struct bpf_sock_addr *ctx)
+// does with iptables REDIRECT, instead of the proxy's address. The subflow of an
+// AF_INET6 MPTCP socket is IPv4 when its peer is IPv4-mapped.
+static __always_inline int getpeername_common(struct bpf_sock_addr *ctx, bool v6)
 {
 	struct bpf_sock *sk = ctx->sk;
 	if (!sk)
 		return 1;
 	struct orig_dst *o = bpf_sk_storage_get(&sock_orig, sk, 0, 0);
 	if (!o && sk->protocol == IPPROTO_MPTCP) {
-		__u32 peer[4] = {ctx->user_ip6[0], ctx->user_ip6[1], ctx->user_ip6[2], ctx->user_ip6[3]};
-		o = mptcp_orig(ctx, sk, true, is_v4_mapped(peer));
+		__u32 peer[4];
+		copy_addr(peer, ctx->user_ip6);
+		o = mptcp_orig(ctx, sk, v6, !v6 || is_v4_mapped(peer));
 	}
-	if (!o)
-		return 1;
-	// An AF_INET6 socket sees an IPv4 destination IPv4-mapped: addr already is.
-	ctx->user_ip6[0] = o->addr[0];
-	ctx->user_ip6[1] = o->addr[1];
-	ctx->user_ip6[2] = o->addr[2];
-	ctx->user_ip6[3] = o->addr[3];
-	ctx->user_port = o->port;
+	if (o)
+		show_orig(ctx, v6, o);
 	return 1;
+}
+
+SEC("cgroup/getpeername4")
+int mesh_getpeername4(struct bpf_sock_addr *ctx)
+{
+	return getpeername_common(ctx, false);
+}
+
+SEC("cgroup/getpeername6")
+int mesh_getpeername6(struct bpf_sock_addr *ctx)
+{
+	return getpeername_common(ctx, true);
 }

@@ -21,6 +21,29 @@ static __always_inline bool is_v4_mapped(const __u32 *a)
 	return a[0] == 0 && a[1] == 0 && a[2] == bpf_htonl(0x0000ffff);
 }
 
+// addr_family is the family of a (IPv4-mapped for IPv4).
+static __always_inline __u16 addr_family(const __u32 *a)
+{
+	return is_v4_mapped(a) ? AF_INET : AF_INET6;
+}
+
+// copy_addr copies an address word by word, so that an address field of a
+// context or a bpf_sock is read or written with the 4-byte accesses the verifier
+// accepts for each of them.
+static __always_inline void copy_addr(__u32 *dst, const __u32 *src)
+{
+	dst[0] = src[0];
+	dst[1] = src[1];
+	dst[2] = src[2];
+	dst[3] = src[3];
+}
+
+// addr_set reports whether a holds an address: not all zeros.
+static __always_inline bool addr_set(const __u32 *a)
+{
+	return a[0] | a[1] | a[2] | a[3];
+}
+
 // is_loopback_or_any reports 127.0.0.0/8, ::1 and the unspecified addresses (a is
 // IPv4-mapped for IPv4).
 static __always_inline bool is_loopback_or_any(const __u32 *a)
@@ -58,6 +81,23 @@ static __always_inline bool is_pod_addr(const struct pod_net_info *n, const __u3
 static __always_inline bool is_link_local6(const __u32 *a)
 {
 	return (bpf_ntohl(a[0]) & 0xffc00000) == 0xfe800000;
+}
+
+// show_orig makes a sock_addr call report the original destination o instead of
+// the proxy's address (getpeername's peer, recvmsg's source), in the form the
+// socket's family gives it: IPv4-mapped for an IPv4 destination of an AF_INET6
+// socket, as o holds it. An AF_INET socket cannot show an IPv6 one and is left
+// the address it has.
+static __always_inline void show_orig(struct bpf_sock_addr *ctx, bool v6, const struct orig_dst *o)
+{
+	if (!v6) {
+		if (o->family != AF_INET)
+			return;
+		ctx->user_ip4 = o->addr[3];
+	} else {
+		copy_addr(ctx->user_ip6, o->addr);
+	}
+	ctx->user_port = o->port;
 }
 
 #endif // __MESH_LIB_ADDR_H__
