@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
 //
-// The maps more than one program reads or writes, and their accessors.
+// The data path's maps, and their accessors. The two through which the per-pod
+// sk_lookup program hands over to the shared one are in sk_lookup.c.
 
 #ifndef __MESH_LIB_MAPS_H__
 #define __MESH_LIB_MAPS_H__
