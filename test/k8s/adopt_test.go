@@ -11,8 +11,6 @@ import (
 
 	"github.com/containernetworking/cni/libcni"
 	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/util/retry"
 
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
@@ -30,20 +28,11 @@ func (c *cluster) runningPod(t *testing.T, node *harness.Node, primary *libcni.N
 	ctx := apiContext(t)
 	hp := cniPod(t, node, c.pod(t, namespace, name, kubeNode, labels, nil))
 	add(ctx, t, node, primary, hp)
-	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
-		cur, err := c.admin.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
-		if err != nil {
-			return err
-		}
-		cur.Status.Phase = corev1.PodRunning
-		cur.Status.PodIPs = []corev1.PodIP{{IP: hp.IPv4(t).String()}, {IP: hp.IPv6(t).String()}}
-		cur.Status.PodIP = cur.Status.PodIPs[0].IP
-		_, err = c.admin.CoreV1().Pods(namespace).UpdateStatus(ctx, cur, metav1.UpdateOptions{})
-		return err
+	updatePodStatus(ctx, t, c.admin, namespace, name, func(st *corev1.PodStatus) {
+		st.Phase = corev1.PodRunning
+		st.PodIPs = []corev1.PodIP{{IP: hp.IPv4(t).String()}, {IP: hp.IPv6(t).String()}}
+		st.PodIP = st.PodIPs[0].IP
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
 	dir := harness.MkCgroup(t, filepath.Join(pods, "pod"+hp.UID))
 	dir = harness.MkCgroup(t, filepath.Join(dir, container(hp)))
 	sleep, err := exec.LookPath("sleep")
@@ -133,17 +122,7 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 		dir := harness.MkCgroup(t, filepath.Join(harness.MkCgroup(t, filepath.Join(attackerCg, "pod"+victim.UID)), victim.ContainerID))
 		harness.StartProcess(t, harness.ProcessOptions{Path: sleep, Args: []string{"1000"}, Cgroup: dir, NetNSPath: attacker.NetNSPath, Name: "attacker-as-" + victim.Name})
 	}
-	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
-		cur, err := c.admin.CoreV1().Pods(lab).Get(ctx, "lost", metav1.GetOptions{})
-		if err != nil {
-			return err
-		}
-		cur.Status.Phase = corev1.PodRunning
-		_, err = c.admin.CoreV1().Pods(lab).UpdateStatus(ctx, cur, metav1.UpdateOptions{})
-		return err
-	}); err != nil {
-		t.Fatal(err)
-	}
+	updatePodStatus(ctx, t, c.admin, lab, "lost", func(st *corev1.PodStatus) { st.Phase = corev1.PodRunning })
 
 	var app echoServer
 	app.serve(t, server, 8080)
