@@ -641,8 +641,8 @@ func TestIstioAmbient(t *testing.T) {
 			t.Parallel()
 			n := newAmbientNode(t)
 			list := variant.agent(n, t)
-			n.startZtunnel(t)
-			testAmbientNode(t, n, list)
+			zt := n.startZtunnel(t)
+			testAmbientNode(t, n, list, zt)
 		})
 	}
 }
@@ -656,7 +656,7 @@ func spiffeOf(p *ambientPod) string {
 	return ztunnel.Identity(trustDomain, p.api.Namespace, p.api.Spec.ServiceAccountName)
 }
 
-func testAmbientNode(t *testing.T, n *ambientNode, list *libcni.NetworkConfigList) {
+func testAmbientNode(t *testing.T, n *ambientNode, list *libcni.NetworkConfigList, zt *harness.Process) {
 	client := n.addPod(t, list, n.ambient, "client")
 	server := n.addPod(t, list, n.ambient, "server")
 	outsider := n.addPod(t, list, n.plain, "outsider")
@@ -829,4 +829,66 @@ func testAmbientNode(t *testing.T, n *ambientNode, list *libcni.NetworkConfigLis
 	n.waitRecord(t, "the impostor's DNS query refused", func(r ztunnel.Record) bool {
 		return r.Pod == imp.api.Namespace+"/"+impostor && r.Dir == "dns" && strings.Contains(r.Err, ztunnel.ErrUnknownWorkload.Error())
 	})
+
+	// ztunnel gone: a meshed pod's DNS fails closed; it never reaches the
+	// resolver it asked, which answers the pod outside the mesh, but the
+	// closed port of ztunnel's listener (the pod's socket is refused, where
+	// a lost query would time out).
+	resolver := netip.AddrPortFrom(outsider.cni.IPv4(t), 53)
+	serveResolver(t, outsider.cni, resolverAnswer)
+	if got, err := resolve(t, outsider.cni, resolver.String(), istioDNSName); err != nil || !slices.Contains(got, resolverAnswer) {
+		t.Fatalf("the outsider's own resolver: %v (%v), want %s", got, err, resolverAnswer)
+	}
+	stopCtx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := zt.Stop(stopCtx); err != nil {
+		t.Fatalf("stop the ztunnel double: %v", err)
+	}
+	if got, err := resolve(t, client.cni, resolver.String(), istioDNSName); !errors.Is(err, syscall.ECONNREFUSED) {
+		t.Errorf("DNS from the client with ztunnel down: %v (%v), want the query refused (failing closed)", got, err)
+	}
+}
+
+// resolverAnswer is what the resolver of serveResolver answers.
+var resolverAnswer = netip.MustParseAddr("198.51.100.53")
+
+// serveResolver answers every A query sent to port 53 of p, over UDP, with
+// answer.
+func serveResolver(t *testing.T, p *harness.Pod, answer netip.Addr) {
+	t.Helper()
+	var pc net.PacketConn
+	if err := p.Do(func() error {
+		var err error
+		pc, err = net.ListenPacket("udp", "[::]:53")
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pc.Close() })
+	go func() {
+		buf := make([]byte, 1500)
+		for {
+			n, from, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			var parser dnsmessage.Parser
+			h, err := parser.Start(buf[:n])
+			if err != nil {
+				continue
+			}
+			q, err := parser.Question()
+			if err != nil {
+				continue
+			}
+			b := dnsmessage.NewBuilder(nil, dnsmessage.Header{ID: h.ID, Response: true, RecursionDesired: h.RecursionDesired})
+			_ = b.StartQuestions()
+			_ = b.Question(q)
+			_ = b.StartAnswers()
+			_ = b.AResource(dnsmessage.ResourceHeader{Name: q.Name, Class: dnsmessage.ClassINET, TTL: 30}, dnsmessage.AResource{A: answer.As4()})
+			if out, err := b.Finish(); err == nil {
+				_, _ = pc.WriteTo(out, from)
+			}
+		}
+	}()
 }
