@@ -1,6 +1,9 @@
 package k8s
 
 import (
+	"fmt"
+	"io"
+	"net"
 	"net/netip"
 	"os/exec"
 	"path/filepath"
@@ -131,6 +134,15 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 	if err := roundTrip(ctx, client, target); err != nil {
 		t.Fatalf("client -> server before the install: %v", err)
 	}
+	// A connection the client holds open across its adoption.
+	held, err := client.Dial(ctx, "tcp", target.String())
+	if err != nil {
+		t.Fatalf("client -> server, held: %v", err)
+	}
+	defer held.Close()
+	if err := echoOn(held, "before the install"); err != nil {
+		t.Fatalf("held connection: %v", err)
+	}
 
 	a := newAgent(t, c.api, kubeNode, append(installArgs(t, node), "--owned-config=false", "--netns-dir", harness.NetnsDir,
 		"--pod-cgroup-driver=cgroupfs", "--pod-cgroup-root", strings.TrimPrefix(cgroupRoot, mount))...)
@@ -157,9 +169,14 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 		t.Errorf("a pod of an excluded namespace was annotated %q", got)
 	}
 
-	// The adopted client's next connection goes through its proxy.
+	// The connection it opened before keeps its path: it still carries
+	// data, past the proxy, which has seen nothing yet. Its next connection
+	// goes through the proxy.
+	if err := echoOn(held, "after the adoption"); err != nil {
+		t.Errorf("the connection held across the adoption: %v", err)
+	}
 	if n := len(readRecords(t, records)); n != 0 {
-		t.Fatalf("the proxy saw %d connections before the pod was adopted", n)
+		t.Fatalf("the proxy saw %d connections before the adopted pod's first new one", n)
 	}
 	if err := roundTrip(ctx, client, target); err != nil {
 		t.Fatalf("client -> server once adopted: %v", err)
@@ -186,4 +203,22 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 			t.Errorf("pod %s still enrolled after its DEL", p.Name)
 		}
 	}
+}
+
+// echoOn sends msg on c, a connection to an echoServer, and reads it back.
+func echoOn(c net.Conn, msg string) error {
+	if err := c.SetDeadline(time.Now().Add(5 * time.Second)); err != nil {
+		return err
+	}
+	if _, err := io.WriteString(c, msg); err != nil {
+		return fmt.Errorf("write: %w", err)
+	}
+	got := make([]byte, len(msg))
+	if _, err := io.ReadFull(c, got); err != nil {
+		return fmt.Errorf("read: %w", err)
+	}
+	if string(got) != msg {
+		return fmt.Errorf("echo %q, want %q", got, msg)
+	}
+	return nil
 }
