@@ -5,12 +5,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -30,6 +32,7 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
 	"github.com/mesh-cni/mesh-cni/test/ztunnel"
@@ -100,6 +103,17 @@ func newAmbientNode(t *testing.T) *ambientNode {
 		records:  filepath.Join(dir, "ztunnel.jsonl"),
 		kubelet:  harness.NewCgroup(t, "kubelet"),
 		listName: "ambientnet",
+	}
+	// Loopback up, as on a node: the node agents serve their metrics and
+	// health there.
+	if err := n.node.Do(func() error {
+		lo, err := netlinksafe.LinkByName("lo")
+		if err != nil {
+			return err
+		}
+		return netlink.LinkSetUp(lo)
+	}); err != nil {
+		t.Fatalf("loopback of the node: %v", err)
 	}
 	// The API server listens on a link between the test's namespace and the
 	// node's: istiod reaches it from here, the node's agents from there.
@@ -364,6 +378,8 @@ exec chroot "$root" /istio/install-cni
 func (n *ambientNode) startMeshAgent(t *testing.T) *libcni.NetworkConfigList {
 	t.Helper()
 	a := prepareAgent(t)
+	// Metrics and health on their default address, in the node's namespace.
+	a.Args = slices.DeleteFunc(a.Args, func(arg string) bool { return arg == "--metrics-addr=" })
 	a.Kubeconfig = n.api.WriteKubeconfig(t, kubeenv.AgentUser, filepath.Join(a.dir, "kubeconfig"))
 	a.Args = append(a.Args, "--enrollment", "kubernetes", "--kubeconfig", a.Kubeconfig, "--node-name", n.name,
 		"--selector-profile", "istio", "--zds-socket", n.zds, "--proxy-mark", "0", "--probe-cgroups", n.kubelet)
@@ -633,17 +649,88 @@ func TestIstioAmbient(t *testing.T) {
 	for _, variant := range []struct {
 		name  string
 		agent func(*ambientNode, *testing.T) *libcni.NetworkConfigList
+		view  agentView
 	}{
-		{"istio-cni", (*ambientNode).startIstioCNI},
-		{"mesh-cni", (*ambientNode).startMeshAgent},
+		{"istio-cni", (*ambientNode).startIstioCNI, agentView{
+			metrics: "http://127.0.0.1:15014/metrics", ready: "http://127.0.0.1:8000/readyz",
+			zdsConnections: "ztunnel_connected", pluginRequests: "istio_cni_plugin_requests_total", ready1: "istio_cni_install_ready",
+		}},
+		{"mesh-cni", (*ambientNode).startMeshAgent, agentView{
+			metrics: "http://127.0.0.1:15099/metrics", ready: "http://127.0.0.1:15099/readyz",
+			zdsConnections: "meshcni_zds_connections", pluginRequests: "meshcni_gate_requests_total", ready1: "meshcni_ready",
+		}},
 	} {
 		t.Run(variant.name, func(t *testing.T) {
 			t.Parallel()
 			n := newAmbientNode(t)
 			list := variant.agent(n, t)
 			zt := n.startZtunnel(t)
-			testAmbientNode(t, n, list, zt)
+			testAmbientNode(t, n, list, zt, variant.view)
 		})
+	}
+}
+
+// agentView is where an operator finds a node agent, in the node's network
+// namespace: its metrics, its readiness endpoint, and the metrics that say
+// the same things, as docs/istio.md maps them.
+type agentView struct {
+	metrics, ready string // URLs
+	// zdsConnections is a gauge of the node proxies connected (1 here),
+	// pluginRequests a counter of the plugin's calls to the agent (istio-cni's
+	// plugin calls it for ambient pods alone, mesh-cni's for every pod),
+	// ready1 a gauge that is 1 once the agent is ready.
+	zdsConnections, pluginRequests, ready1 string
+}
+
+// check fails t unless the view holds on n's node: readiness answers 200,
+// one node proxy connected, plugin calls counted, ready.
+func (v agentView) check(t *testing.T, n *ambientNode) {
+	t.Helper()
+	get := func(url string) (int, string, error) {
+		ns := &fixtures.Netns{Path: n.node.NetNSPath}
+		client := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{
+			DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+				return ns.Dial(ctx, &net.Dialer{}, network, addr)
+			},
+		}}
+		resp, err := client.Get(url)
+		if err != nil {
+			return 0, "", err
+		}
+		defer resp.Body.Close()
+		body, err := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(body), err
+	}
+	if code, body, err := get(v.ready); err != nil || code != http.StatusOK {
+		t.Errorf("readiness %s: %d %q (%v), want 200", v.ready, code, body, err)
+	}
+	_, body, err := get(v.metrics)
+	if err != nil {
+		t.Fatalf("metrics %s: %v", v.metrics, err)
+	}
+	sum := func(name string) (float64, bool) {
+		var total float64
+		found := false
+		for _, m := range regexp.MustCompile(`(?m)^`+regexp.QuoteMeta(name)+`(?:\{[^}]*\})? (\S+)$`).FindAllStringSubmatch(body, -1) {
+			f, err := strconv.ParseFloat(m[1], 64)
+			if err == nil {
+				total, found = total+f, true
+			}
+		}
+		return total, found
+	}
+	for _, want := range []struct {
+		name string
+		ok   func(float64) bool
+		says string
+	}{
+		{v.zdsConnections, func(f float64) bool { return f == 1 }, "1 (the one ztunnel)"},
+		{v.pluginRequests, func(f float64) bool { return f >= 3 }, "at least one per meshed pod's ADD"},
+		{v.ready1, func(f float64) bool { return f == 1 }, "1"},
+	} {
+		if got, ok := sum(want.name); !ok || !want.ok(got) {
+			t.Errorf("%s at %s: %v (present %v), want %s", want.name, v.metrics, got, ok, want.says)
+		}
 	}
 }
 
@@ -656,7 +743,7 @@ func spiffeOf(p *ambientPod) string {
 	return ztunnel.Identity(trustDomain, p.api.Namespace, p.api.Spec.ServiceAccountName)
 }
 
-func testAmbientNode(t *testing.T, n *ambientNode, list *libcni.NetworkConfigList, zt *harness.Process) {
+func testAmbientNode(t *testing.T, n *ambientNode, list *libcni.NetworkConfigList, zt *harness.Process, view agentView) {
 	client := n.addPod(t, list, n.ambient, "client")
 	server := n.addPod(t, list, n.ambient, "server")
 	outsider := n.addPod(t, list, n.plain, "outsider")
@@ -829,6 +916,9 @@ func testAmbientNode(t *testing.T, n *ambientNode, list *libcni.NetworkConfigLis
 	n.waitRecord(t, "the impostor's DNS query refused", func(r ztunnel.Record) bool {
 		return r.Pod == imp.api.Namespace+"/"+impostor && r.Dir == "dns" && strings.Contains(r.Err, ztunnel.ErrUnknownWorkload.Error())
 	})
+
+	// What an operator reads off the node agent.
+	view.check(t, n)
 
 	// ztunnel gone: a meshed pod's DNS fails closed; it never reaches the
 	// resolver it asked, which answers the pod outside the mesh, but the
