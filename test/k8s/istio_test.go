@@ -920,6 +920,31 @@ func testAmbientNode(t *testing.T, n *ambientNode, list *libcni.NetworkConfigLis
 	// What an operator reads off the node agent.
 	view.check(t, n)
 
+	// A pod whose containers have all exited for good leaves the mesh:
+	// ztunnel is told, istiod is no longer told HBONE.
+	job := n.addPod(t, list, n.ambient, "job")
+	poll(t, 20*time.Second, "the job's "+enroll.IstioAnnotationRedirection, func() bool {
+		got, err := n.admin.CoreV1().Pods(n.ambient).Get(apiContext(t), "job", metav1.GetOptions{})
+		return err == nil && got.Annotations[enroll.IstioAnnotationRedirection] == "enabled"
+	})
+	updatePodStatus(apiContext(t), t, n.admin, n.ambient, "job", func(st *corev1.PodStatus) { st.Phase = corev1.PodSucceeded })
+	poll(t, 10*time.Second, "the completed job's "+enroll.IstioAnnotationRedirection+" removed", func() bool {
+		got, err := n.admin.CoreV1().Pods(n.ambient).Get(apiContext(t), "job", metav1.GetOptions{})
+		if err != nil {
+			return false
+		}
+		_, ok := got.Annotations[enroll.IstioAnnotationRedirection]
+		return !ok
+	})
+	poll(t, 10*time.Second, "ztunnel to stop the completed job's proxy", func() bool {
+		for line := range strings.Lines(zt.Output()) {
+			if strings.Contains(line, "pod proxy stopped") && strings.Contains(line, string(job.api.UID)) {
+				return true
+			}
+		}
+		return false
+	})
+
 	// ztunnel gone: a meshed pod's DNS fails closed; it never reaches the
 	// resolver it asked, which answers the pod outside the mesh, but the
 	// closed port of ztunnel's listener (the pod's socket is refused, where
