@@ -113,7 +113,9 @@ type options struct {
 
 // applyProfileDefaults sets what the istio selector profile changes in the
 // defaults, for flags the command line left alone: DNS capture on (the istio-cni
-// chart's default), and a pod's ADD waiting for the node proxy's ack (istio-cni
+// chart's default) and failing closed, as istio-cni's REDIRECT to 15053 does
+// (a pod's DNS never reaches a resolver past ztunnel, not even while ztunnel
+// restarts), and a pod's ADD waiting for the node proxy's ack (istio-cni
 // fails an ambient pod's ADD while no ztunnel is connected; here it waits at the
 // gate), so ambient.istio.io/redirection is only ever written for a pod ztunnel
 // serves.
@@ -123,6 +125,9 @@ func (o *options) applyProfileDefaults() error {
 	}
 	if !o.explicit["dns-capture"] {
 		o.dnsCapture = true
+	}
+	if !o.explicit["dns-fail-closed"] {
+		o.dnsFailClosed = o.dnsCapture
 	}
 	if !o.explicit["zds-wait"] {
 		o.zdsWait = string(agent.WaitAlways)
@@ -176,7 +181,7 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.Var(&opts.kubeletExes, "kubelet-exe", "with --probe-cgroups=kubelet, the kubelet's executables as comma-separated absolute paths on the host (e.g. /usr/bin/kubelet): a process is taken for the kubelet only when it runs one of these files (default: any executable named kubelet, k3s, k3s-server, k3s-agent or kubelite); its root directory, network namespace and a cgroup outside the pods' are checked either way")
 	fs.BoolVar(&opts.dnsCapture, "dns-capture", false, "send enrolled pods' DNS (UDP and TCP to port 53) to the proxy's DNS listener on loopback (--dns-port); while nothing listens there, queries go to the resolver as sent (default true with --selector-profile=istio)")
 	fs.UintVar(&opts.dnsPort, "dns-port", uint(defaults.DNSPort), "the proxy's DNS listener port inside each pod (127.0.0.1 and ::1, UDP and TCP)")
-	fs.BoolVar(&opts.dnsFailClosed, "dns-fail-closed", false, "with --dns-capture, send DNS to the proxy's listener even when nothing listens there (queries then fail)")
+	fs.BoolVar(&opts.dnsFailClosed, "dns-fail-closed", false, "with --dns-capture, send DNS to the proxy's listener even when nothing listens there (queries then fail) (default true with --selector-profile=istio and DNS capture on)")
 	fs.BoolVar(&opts.denyRawSockets, "deny-raw-sockets", false, "refuse enrolled pods raw IP sockets (socket() fails with EPERM): with CAP_NET_RAW, a default capability, a raw socket sends TCP past the outbound capture; packet sockets are not covered")
 	fs.BoolVar(&opts.denyPacketSockets, "deny-packet-sockets", false, "refuse enrolled pods packet (AF_PACKET) sockets, which send any frame (a TCP handshake as another address after answering ARP for it) with CAP_NET_RAW; needs the BPF LSM on the node (its lsm= list names bpf): the agent refuses to start without it")
 	fs.BoolVar(&opts.failOpen, "fail-open", false, "pass traffic through when no proxy listens (default: refuse outbound connects and drop inbound SYNs)")

@@ -115,3 +115,38 @@ func TestLogFormat(t *testing.T) {
 		}
 	}
 }
+
+// The istio profile's defaults are istio-cni's: DNS captured and failing
+// closed, ADD waiting for ztunnel; each is the operator's to override, and
+// DNS left uncaptured is not made to fail closed.
+func TestIstioProfileDefaults(t *testing.T) {
+	none := func(string) (string, bool) { return "", false }
+	for _, tc := range []struct {
+		args                []string
+		capture, failClosed bool
+		wait                string
+	}{
+		{nil, false, false, "auto"},
+		{[]string{"--selector-profile", "istio"}, true, true, "always"},
+		{[]string{"--selector-profile", "istio", "--dns-fail-closed=false"}, true, false, "always"},
+		{[]string{"--selector-profile", "istio", "--dns-capture=false"}, false, false, "always"},
+		{[]string{"--selector-profile", "istio", "--zds-wait", "never"}, true, true, "never"},
+	} {
+		var opts options
+		fs := flagSet("mesh-agent run", &opts, io.Discard)
+		if err := parseFlags(fs, append([]string{"--zds-socket", "/run/ztunnel/ztunnel.sock"}, tc.args...), none); err != nil {
+			t.Fatalf("%v: %v", tc.args, err)
+		}
+		opts.markExplicit(fs)
+		if err := opts.applyProfileDefaults(); err != nil {
+			t.Fatalf("%v: %v", tc.args, err)
+		}
+		if opts.dnsCapture != tc.capture || opts.dnsFailClosed != tc.failClosed || opts.zdsWait != tc.wait {
+			t.Errorf("%v: dns capture %v, fail closed %v, zds wait %q; want %v, %v, %q", tc.args,
+				opts.dnsCapture, opts.dnsFailClosed, opts.zdsWait, tc.capture, tc.failClosed, tc.wait)
+		}
+		if _, err := opts.redirectSettings(); err != nil {
+			t.Errorf("%v: %v", tc.args, err)
+		}
+	}
+}

@@ -334,9 +334,23 @@ func (k *KubeSource) podUpdated(oldObj, newObj any) {
 	nsLabels := k.cachedNamespaceLabels(n.Namespace)
 	before := k.cfg.Selectors.Decide(o.Namespace, nsLabels, o.Labels, o.Annotations)
 	after := k.cfg.Selectors.Decide(n.Namespace, nsLabels, n.Labels, n.Annotations)
-	if before.Enroll != after.Enroll || o.UID != n.UID || k.captureChanged(o, n) {
+	if before.Enroll != after.Enroll || o.UID != n.UID || k.captureChanged(o, n) || terminated(o) != terminated(n) {
 		k.changed.notify()
 	}
+	if terminated(n) && !terminated(o) && n.DeletionTimestamp == nil && n.Annotations[AnnotationRedirection] == OutcomeEnabled {
+		// Re-deciding releases it if the agent still has it; if its sandbox's
+		// DEL came first there is nothing left to release, and this is what
+		// takes the annotations off at once rather than at the next audit.
+		k.reporter.report(n.Namespace, n.Name, string(n.UID), OutcomeDisabled, nil)
+	}
+}
+
+// terminated reports a pod whose containers have all exited for good (phase
+// Succeeded or Failed): a Job's pod stays in the API that way. It is out of
+// the mesh, as istio-cni takes it out (and off istiod's HBONE workloads): a
+// pod that will never run again has nothing for ztunnel to serve.
+func terminated(p *corev1.Pod) bool {
+	return p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed
 }
 
 // captureChanged: the pod's own capture annotations changed, which the agent
@@ -379,6 +393,11 @@ func (k *KubeSource) Decide(ctx context.Context, pod *gatepb.PodIdentity) (agent
 	k.reporter.observe(ns, name, string(p.UID), p.Annotations)
 	d, ignored := k.cfg.Selectors.decide(ns, nsObj.Labels, p.Labels, p.Annotations)
 	d.ServiceAccount = serviceAccountOf(p)
+	if terminated(p) {
+		d.Enroll = false
+		d.Reason = fmt.Sprintf("the pod has terminated (phase %s)", p.Status.Phase)
+		return d, nil
+	}
 	if k.cfg.Selectors.Profile == ProfileIstio {
 		d.Capture = IstioCapture(p.Annotations)
 		// Leaving inbound uncaptured, or DNS to the node's resolver, opts out
@@ -417,7 +436,8 @@ func (k *KubeSource) Decide(ctx context.Context, pod *gatepb.PodIdentity) (agent
 // captured", and stay); on a captured pod it must be enabled. Under the
 // istio profile ambient.istio.io/redirection must be enabled on a captured
 // pod and absent on any other: istiod sends HBONE to a pod that has it.
-// Pods being deleted are left alone: their records go with their DEL.
+// Pods being deleted are left alone: their records go with their DEL; so are
+// terminated pods the agent still has, which re-deciding releases.
 func (k *KubeSource) AuditOutcomes(_ context.Context, captured func(uid string) bool) {
 	if ok, _ := k.Synced(); !ok {
 		return
@@ -438,6 +458,11 @@ func (k *KubeSource) AuditOutcomes(_ context.Context, captured func(uid string) 
 		if hash := p.Annotations[corev1.MirrorPodAnnotationKey]; hash != "" {
 			// A static pod reaches the gate under its manifest's uid.
 			in = in || captured(hash)
+		}
+		if in && terminated(p) {
+			// Being released (the phase change woke a re-decision), which
+			// reports it; rewriting enabled now would only flap.
+			continue
 		}
 		var want string
 		disagree := false

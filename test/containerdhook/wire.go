@@ -5,6 +5,8 @@ import (
 	"sort"
 
 	"google.golang.org/protobuf/encoding/protowire"
+
+	"github.com/mesh-cni/mesh-cni/test/pbwire"
 )
 
 // Field numbers of networking.proto (package containerd.services.networking.v1).
@@ -32,10 +34,6 @@ func appendString(b []byte, num protowire.Number, s string) []byte {
 	return protowire.AppendString(protowire.AppendTag(b, num, protowire.BytesType), s)
 }
 
-func appendMessage(b []byte, num protowire.Number, m []byte) []byte {
-	return protowire.AppendBytes(protowire.AppendTag(b, num, protowire.BytesType), m)
-}
-
 func appendVarint(b []byte, num protowire.Number, v uint64) []byte {
 	if v == 0 {
 		return b
@@ -51,7 +49,7 @@ func appendMap(b []byte, num protowire.Number, m map[string]string) []byte {
 	sort.Strings(keys)
 	for _, k := range keys {
 		entry := appendString(appendString(nil, 1, k), 2, m[k])
-		b = appendMessage(b, num, entry)
+		b = pbwire.AppendBytes(b, num, entry)
 	}
 	return b
 }
@@ -69,7 +67,7 @@ func encodePod(pod Pod) []byte {
 func encodeSetup(pod Pod, prev *Result) []byte {
 	b := appendString(encodePod(pod), setupCgroupParent, pod.CgroupParent)
 	if prev != nil {
-		b = appendMessage(b, setupPrev, encodeResult(prev))
+		b = pbwire.AppendBytes(b, setupPrev, encodeResult(prev))
 	}
 	return b
 }
@@ -77,7 +75,7 @@ func encodeSetup(pod Pod, prev *Result) []byte {
 func encodeTeardown(pod Pod, prev *Result) []byte {
 	b := appendString(encodePod(pod), teardownCgroupParent, pod.CgroupParent)
 	if prev != nil {
-		b = appendMessage(b, teardownPrev, encodeResult(prev))
+		b = pbwire.AppendBytes(b, teardownPrev, encodeResult(prev))
 	}
 	return b
 }
@@ -95,7 +93,7 @@ func encodeResult(r *Result) []byte {
 		for _, a := range i.Addresses {
 			m = protowire.AppendString(protowire.AppendTag(m, ifAddresses, protowire.BytesType), a)
 		}
-		b = appendMessage(b, resultInterfaces, m)
+		b = pbwire.AppendBytes(b, resultInterfaces, m)
 	}
 	for _, r := range r.Routes {
 		m := appendString(nil, rtDest, r.Destination)
@@ -103,7 +101,7 @@ func encodeResult(r *Result) []byte {
 		m = appendString(m, rtIface, r.InterfaceName)
 		m = appendVarint(m, rtMetric, uint64(r.Metric))
 		m = appendString(m, rtScope, r.Scope)
-		b = appendMessage(b, resultRoutes, m)
+		b = pbwire.AppendBytes(b, resultRoutes, m)
 	}
 	if r.DNS != nil {
 		var m []byte
@@ -115,57 +113,18 @@ func encodeResult(r *Result) []byte {
 				m = protowire.AppendString(protowire.AppendTag(m, f.num, protowire.BytesType), s)
 			}
 		}
-		b = appendMessage(b, resultDNS, m)
+		b = pbwire.AppendBytes(b, resultDNS, m)
 	}
 	return b
 }
 
-// walk calls fn for every field of the message b with its raw value: the bytes
-// of a length-delimited field, the number of a varint.
-func walk(b []byte, fn func(num protowire.Number, typ protowire.Type, v []byte, n uint64) error) error {
-	for len(b) > 0 {
-		num, typ, n := protowire.ConsumeTag(b)
-		if n < 0 {
-			return protowire.ParseError(n)
-		}
-		b = b[n:]
-		switch typ {
-		case protowire.BytesType:
-			v, m := protowire.ConsumeBytes(b)
-			if m < 0 {
-				return protowire.ParseError(m)
-			}
-			b = b[m:]
-			if err := fn(num, typ, v, 0); err != nil {
-				return err
-			}
-		case protowire.VarintType:
-			v, m := protowire.ConsumeVarint(b)
-			if m < 0 {
-				return protowire.ParseError(m)
-			}
-			b = b[m:]
-			if err := fn(num, typ, nil, v); err != nil {
-				return err
-			}
-		default:
-			m := protowire.ConsumeFieldValue(num, typ, b)
-			if m < 0 {
-				return protowire.ParseError(m)
-			}
-			b = b[m:]
-		}
-	}
-	return nil
-}
-
 func decodeResult(b []byte) (*Result, error) {
 	r := &Result{}
-	err := walk(b, func(num protowire.Number, _ protowire.Type, v []byte, _ uint64) error {
+	err := pbwire.Walk(b, func(num protowire.Number, _ protowire.Type, v []byte, _ uint64) error {
 		switch num {
 		case resultInterfaces:
 			var i Interface
-			if err := walk(v, func(num protowire.Number, _ protowire.Type, v []byte, n uint64) error {
+			if err := pbwire.Walk(v, func(num protowire.Number, _ protowire.Type, v []byte, n uint64) error {
 				switch num {
 				case ifName:
 					i.Name = string(v)
@@ -187,7 +146,7 @@ func decodeResult(b []byte) (*Result, error) {
 			r.Interfaces = append(r.Interfaces, i)
 		case resultRoutes:
 			var rt Route
-			if err := walk(v, func(num protowire.Number, _ protowire.Type, v []byte, n uint64) error {
+			if err := pbwire.Walk(v, func(num protowire.Number, _ protowire.Type, v []byte, n uint64) error {
 				switch num {
 				case rtDest:
 					rt.Destination = string(v)
@@ -207,7 +166,7 @@ func decodeResult(b []byte) (*Result, error) {
 			r.Routes = append(r.Routes, rt)
 		case resultDNS:
 			d := &DNS{}
-			if err := walk(v, func(num protowire.Number, _ protowire.Type, v []byte, _ uint64) error {
+			if err := pbwire.Walk(v, func(num protowire.Number, _ protowire.Type, v []byte, _ uint64) error {
 				switch num {
 				case dnsServers:
 					d.Servers = append(d.Servers, string(v))
@@ -231,7 +190,7 @@ func decodeResult(b []byte) (*Result, error) {
 }
 
 func decodeHealth(b []byte) (ready bool, message string, err error) {
-	err = walk(b, func(num protowire.Number, _ protowire.Type, v []byte, n uint64) error {
+	err = pbwire.Walk(b, func(num protowire.Number, _ protowire.Type, v []byte, n uint64) error {
 		switch num {
 		case healthReady:
 			ready = n != 0
@@ -250,7 +209,7 @@ func decodeHealth(b []byte) (ready bool, message string, err error) {
 // TeardownPodNetworkRequest share (1-7), as a plugin serving them would.
 func decodePod(b []byte) (Pod, error) {
 	var p Pod
-	err := walk(b, func(num protowire.Number, _ protowire.Type, v []byte, _ uint64) error {
+	err := pbwire.Walk(b, func(num protowire.Number, _ protowire.Type, v []byte, _ uint64) error {
 		switch num {
 		case setupSandboxID:
 			p.SandboxID = string(v)
@@ -264,7 +223,7 @@ func decodePod(b []byte) (Pod, error) {
 			p.UID = string(v)
 		case setupAnnotations, setupLabels:
 			var k, val string
-			if err := walk(v, func(num protowire.Number, _ protowire.Type, v []byte, _ uint64) error {
+			if err := pbwire.Walk(v, func(num protowire.Number, _ protowire.Type, v []byte, _ uint64) error {
 				switch num {
 				case 1:
 					k = string(v)

@@ -1,6 +1,9 @@
 package k8s
 
 import (
+	"fmt"
+	"io"
+	"net"
 	"net/netip"
 	"os/exec"
 	"path/filepath"
@@ -11,8 +14,6 @@ import (
 
 	"github.com/containernetworking/cni/libcni"
 	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/util/retry"
 
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
@@ -30,20 +31,11 @@ func (c *cluster) runningPod(t *testing.T, node *harness.Node, primary *libcni.N
 	ctx := apiContext(t)
 	hp := cniPod(t, node, c.pod(t, namespace, name, kubeNode, labels, nil))
 	add(ctx, t, node, primary, hp)
-	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
-		cur, err := c.admin.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
-		if err != nil {
-			return err
-		}
-		cur.Status.Phase = corev1.PodRunning
-		cur.Status.PodIPs = []corev1.PodIP{{IP: hp.IPv4(t).String()}, {IP: hp.IPv6(t).String()}}
-		cur.Status.PodIP = cur.Status.PodIPs[0].IP
-		_, err = c.admin.CoreV1().Pods(namespace).UpdateStatus(ctx, cur, metav1.UpdateOptions{})
-		return err
+	updatePodStatus(ctx, t, c.admin, namespace, name, func(st *corev1.PodStatus) {
+		st.Phase = corev1.PodRunning
+		st.PodIPs = []corev1.PodIP{{IP: hp.IPv4(t).String()}, {IP: hp.IPv6(t).String()}}
+		st.PodIP = st.PodIPs[0].IP
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
 	dir := harness.MkCgroup(t, filepath.Join(pods, "pod"+hp.UID))
 	dir = harness.MkCgroup(t, filepath.Join(dir, container(hp)))
 	sleep, err := exec.LookPath("sleep")
@@ -133,17 +125,7 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 		dir := harness.MkCgroup(t, filepath.Join(harness.MkCgroup(t, filepath.Join(attackerCg, "pod"+victim.UID)), victim.ContainerID))
 		harness.StartProcess(t, harness.ProcessOptions{Path: sleep, Args: []string{"1000"}, Cgroup: dir, NetNSPath: attacker.NetNSPath, Name: "attacker-as-" + victim.Name})
 	}
-	if err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
-		cur, err := c.admin.CoreV1().Pods(lab).Get(ctx, "lost", metav1.GetOptions{})
-		if err != nil {
-			return err
-		}
-		cur.Status.Phase = corev1.PodRunning
-		_, err = c.admin.CoreV1().Pods(lab).UpdateStatus(ctx, cur, metav1.UpdateOptions{})
-		return err
-	}); err != nil {
-		t.Fatal(err)
-	}
+	updatePodStatus(ctx, t, c.admin, lab, "lost", func(st *corev1.PodStatus) { st.Phase = corev1.PodRunning })
 
 	var app echoServer
 	app.serve(t, server, 8080)
@@ -151,6 +133,15 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 	records := startProxy(ctx, t, client)
 	if err := roundTrip(ctx, client, target); err != nil {
 		t.Fatalf("client -> server before the install: %v", err)
+	}
+	// A connection the client holds open across its adoption.
+	held, err := client.Dial(ctx, "tcp", target.String())
+	if err != nil {
+		t.Fatalf("client -> server, held: %v", err)
+	}
+	defer held.Close()
+	if err := echoOn(held, "before the install"); err != nil {
+		t.Fatalf("held connection: %v", err)
 	}
 
 	a := newAgent(t, c.api, kubeNode, append(installArgs(t, node), "--owned-config=false", "--netns-dir", harness.NetnsDir,
@@ -178,9 +169,14 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 		t.Errorf("a pod of an excluded namespace was annotated %q", got)
 	}
 
-	// The adopted client's next connection goes through its proxy.
+	// The connection it opened before keeps its path: it still carries
+	// data, past the proxy, which has seen nothing yet. Its next connection
+	// goes through the proxy.
+	if err := echoOn(held, "after the adoption"); err != nil {
+		t.Errorf("the connection held across the adoption: %v", err)
+	}
 	if n := len(readRecords(t, records)); n != 0 {
-		t.Fatalf("the proxy saw %d connections before the pod was adopted", n)
+		t.Fatalf("the proxy saw %d connections before the adopted pod's first new one", n)
 	}
 	if err := roundTrip(ctx, client, target); err != nil {
 		t.Fatalf("client -> server once adopted: %v", err)
@@ -207,4 +203,22 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 			t.Errorf("pod %s still enrolled after its DEL", p.Name)
 		}
 	}
+}
+
+// echoOn sends msg on c, a connection to an echoServer, and reads it back.
+func echoOn(c net.Conn, msg string) error {
+	if err := c.SetDeadline(time.Now().Add(5 * time.Second)); err != nil {
+		return err
+	}
+	if _, err := io.WriteString(c, msg); err != nil {
+		return fmt.Errorf("write: %w", err)
+	}
+	got := make([]byte, len(msg))
+	if _, err := io.ReadFull(c, got); err != nil {
+		return fmt.Errorf("read: %w", err)
+	}
+	if string(got) != msg {
+		return fmt.Errorf("echo %q, want %q", got, msg)
+	}
+	return nil
 }

@@ -312,6 +312,60 @@ func testAgentCorrectsForgedAnnotations(t *testing.T, c *cluster) {
 	}
 }
 
+// testAgentReleasesTerminatedPods: under the istio profile a meshed pod
+// whose containers have all exited for good (phase Succeeded or Failed, a
+// Job's pod, which stays in the API) leaves the mesh as istio-cni takes it
+// out: released from the data path and ambient.istio.io/redirection removed,
+// so istiod stops sending it HBONE; mesh-cni.io/redirection says disabled.
+// Whether the phase reaches the agent before the sandbox's DEL or after it,
+// the annotation goes at once, not at the next audit (the reconcile interval
+// is an hour). A running pod next to them keeps its annotations.
+func testAgentReleasesTerminatedPods(t *testing.T, c *cluster) {
+	ctx := apiContext(t)
+	kubeNode := "node-" + randomHex(t, 4)
+	amb := c.namespace(t, "ambient", map[string]string{enroll.IstioLabelDataplaneMode: enroll.IstioValueAmbient})
+	a := prepareAgent(t)
+	a.Kubeconfig = c.api.WriteKubeconfig(t, kubeenv.AgentUser, filepath.Join(a.dir, "kubeconfig"))
+	// No node proxy runs: ADDs do not wait for its ack.
+	a.Args = append(a.Args, "--enrollment", "kubernetes", "--kubeconfig", a.Kubeconfig, "--node-name", kubeNode, "--api-timeout", "3s",
+		"--selector-profile", enroll.ProfileIstio, "--zds-socket", filepath.Join(a.dir, "zds", "ztunnel.sock"), "--zds-wait", "never",
+		"--reconcile-interval", "1h")
+	a.start(ctx)
+	node := harness.NewNode(t, harness.NodeOptions{Plugins: append(harness.ReferencePluginNames(), "mesh-cni")})
+	list := node.Conflist(t, "meshnet", a.meshEntry())
+	pods := map[string]*harness.Pod{}
+	for _, name := range []string{"running", "completed", "failed-after-del"} {
+		p := cniPod(t, node, c.pod(t, amb, name, kubeNode, nil, nil))
+		add(ctx, t, node, list, p)
+		updatePodStatus(ctx, t, c.admin, amb, name, func(st *corev1.PodStatus) { st.Phase = corev1.PodRunning })
+		c.waitRedirection(t, amb, name, enroll.OutcomeEnabled, true)
+		pods[name] = p
+	}
+
+	// The phase first, as the kubelet usually reports it before it stops
+	// the sandbox.
+	updatePodStatus(ctx, t, c.admin, amb, "completed", func(st *corev1.PodStatus) { st.Phase = corev1.PodSucceeded })
+	c.waitRedirection(t, amb, "completed", enroll.OutcomeDisabled, false)
+	waitEnrolled(t, a, pods["completed"], false, "a completed pod")
+
+	// The sandbox's DEL first: released, but nothing says the pod left
+	// until its phase does.
+	if err := node.Del(ctx, pods["failed-after-del"], list); err != nil {
+		t.Fatalf("DEL: %v", err)
+	}
+	if o, v, ok := c.redirectionOf(t, amb, "failed-after-del"); o != enroll.OutcomeEnabled || v != enroll.OutcomeEnabled || !ok {
+		t.Fatalf("after its DEL the pod carries %s=%q, %s=%q (present %v): want both enabled still, or this case shows nothing",
+			enroll.AnnotationRedirection, o, enroll.IstioAnnotationRedirection, v, ok)
+	}
+	updatePodStatus(ctx, t, c.admin, amb, "failed-after-del", func(st *corev1.PodStatus) { st.Phase = corev1.PodFailed })
+	c.waitRedirection(t, amb, "failed-after-del", enroll.OutcomeDisabled, false)
+
+	if !a.enrolled(pods["running"]) {
+		t.Error("the running pod was released")
+	}
+	c.waitRedirection(t, amb, "running", enroll.OutcomeEnabled, true)
+}
+
 // testAgentEnforcedNamespace: with no admission policy in the way, a pod
 // labelled to opt out in a namespace that enforces the mesh is enrolled by
 // the real agent anyway, and the pod says so (annotation enabled, a Warning

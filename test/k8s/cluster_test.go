@@ -12,6 +12,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/util/retry"
 
 	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
 )
@@ -54,6 +55,7 @@ func TestKubernetes(t *testing.T) {
 		{"AgentZDSEntryPoints", testAgentZDSEntryPoints},
 		{"AgentAdoptsRunningPods", testAgentAdoptsRunningPods},
 		{"AgentCorrectsForgedAnnotations", testAgentCorrectsForgedAnnotations},
+		{"AgentReleasesTerminatedPods", testAgentReleasesTerminatedPods},
 		{"AgentEnforcedNamespace", testAgentEnforcedNamespace},
 		{"AgentPodStartRequests", testAgentPodStartRequests},
 		{"RemovalDecision", testRemovalDecision},
@@ -124,6 +126,26 @@ func createPod(ctx context.Context, client kubernetes.Interface, namespace, name
 			TerminationGracePeriodSeconds: new(int64),
 		},
 	}, metav1.CreateOptions{})
+}
+
+// updatePodStatus changes the pod's status as the kubelet reports it,
+// retrying on a conflict with another writer.
+func updatePodStatus(ctx context.Context, t *testing.T, client kubernetes.Interface, namespace, name string, change func(*corev1.PodStatus)) *corev1.Pod {
+	t.Helper()
+	var p *corev1.Pod
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		cur, err := client.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		change(&cur.Status)
+		p, err = client.CoreV1().Pods(namespace).UpdateStatus(ctx, cur, metav1.UpdateOptions{})
+		return err
+	})
+	if err != nil {
+		t.Fatalf("status of pod %s/%s: %v", namespace, name, err)
+	}
+	return p
 }
 
 // setLabel sets (value != "") or removes (value == "") one label with a merge

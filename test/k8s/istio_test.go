@@ -5,12 +5,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -25,11 +27,12 @@ import (
 	"golang.org/x/net/dns/dnsmessage"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/util/retry"
 
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
 	"github.com/mesh-cni/mesh-cni/test/ztunnel"
@@ -70,6 +73,7 @@ type ambientNode struct {
 	admin    kubernetes.Interface
 	name     string
 	istiod   string // istiod's debug base URL
+	xds      string // istiod's plaintext xDS address
 	kubelet  string // the kubelet's cgroup
 	dir      string // short: sockets live here
 	zds      string // the ZDS socket the node agent serves
@@ -100,6 +104,17 @@ func newAmbientNode(t *testing.T) *ambientNode {
 		kubelet:  harness.NewCgroup(t, "kubelet"),
 		listName: "ambientnet",
 	}
+	// Loopback up, as on a node: the node agents serve their metrics and
+	// health there.
+	if err := n.node.Do(func() error {
+		lo, err := netlinksafe.LinkByName("lo")
+		if err != nil {
+			return err
+		}
+		return netlink.LinkSetUp(lo)
+	}); err != nil {
+		t.Fatalf("loopback of the node: %v", err)
+	}
 	// The API server listens on a link between the test's namespace and the
 	// node's: istiod reaches it from here, the node's agents from there.
 	hostAddr := apiLink(t, n.node)
@@ -124,7 +139,7 @@ func newAmbientNode(t *testing.T) *ambientNode {
 			n.plain = created.Name
 		}
 	}
-	n.istiod = startIstiod(t, n.api)
+	n.istiod, n.xds = startIstiod(t, n.api)
 	return n
 }
 
@@ -173,8 +188,8 @@ func apiLink(t *testing.T, node *harness.Node) netip.Addr {
 
 // startIstiod runs pilot-discovery against the API server with ambient on, as
 // Istio's ambient profile does, every listener on loopback, and returns its debug
-// address once /ready answers.
-func startIstiod(t *testing.T, api *kubeenv.APIServer) string {
+// base URL and its plaintext xDS address once /ready answers.
+func startIstiod(t *testing.T, api *kubeenv.APIServer) (debug, xds string) {
 	t.Helper()
 	cwd := t.TempDir()
 	kubeconfig := api.WriteKubeconfig(t, kubeenv.AdminUser, filepath.Join(cwd, "kubeconfig"))
@@ -211,7 +226,7 @@ func startIstiod(t *testing.T, api *kubeenv.APIServer) string {
 	if err != nil {
 		t.Fatalf("istiod did not become ready: %v", err)
 	}
-	return "http://" + addr("monitoring")
+	return "http://" + addr("monitoring"), addr("grpc")
 }
 
 func freeLoopbackPort(t *testing.T) int {
@@ -224,14 +239,23 @@ func freeLoopbackPort(t *testing.T) int {
 	return ln.Addr().(*net.TCPAddr).Port
 }
 
+// impostor is the pod whose service account the double takes to be
+// misreportedSA, as if the node agent had sent that one over ZDS.
+const (
+	impostor      = "impostor"
+	misreportedSA = "not-" + impostor + "-sa"
+)
+
 // startZtunnel runs the double against the node agent's ZDS socket, in a cgroup
-// of its own (mesh-cni knows the node proxy by it).
-func (n *ambientNode) startZtunnel(t *testing.T) {
+// of its own (mesh-cni knows the node proxy by it), as the ztunnel of the node
+// with istiod's workloads over WDS.
+func (n *ambientNode) startZtunnel(t *testing.T) *harness.Process {
 	t.Helper()
-	harness.StartProcess(t, harness.ProcessOptions{
+	return harness.StartProcess(t, harness.ProcessOptions{
 		Path: harness.Bins(t).Path("ztunnel"), Name: "ztunnel", OwnCgroup: true,
-		Args: []string{"-zds", n.zds, "-istiod", n.istiod, "-record", n.records,
-			"-dns", istioDNSName + "=" + istioDNSAddr.String(), "-require-service-account", "-log-level", "debug"},
+		Args: []string{"-zds", n.zds, "-xds", n.xds, "-node", n.name, "-record", n.records,
+			"-dns", istioDNSName + "=" + istioDNSAddr.String(), "-require-service-account",
+			"-misreport-service-account", n.ambient + "/" + impostor + "=" + misreportedSA, "-log-level", "debug"},
 	})
 }
 
@@ -354,6 +378,8 @@ exec chroot "$root" /istio/install-cni
 func (n *ambientNode) startMeshAgent(t *testing.T) *libcni.NetworkConfigList {
 	t.Helper()
 	a := prepareAgent(t)
+	// Metrics and health on their default address, in the node's namespace.
+	a.Args = slices.DeleteFunc(a.Args, func(arg string) bool { return arg == "--metrics-addr=" })
 	a.Kubeconfig = n.api.WriteKubeconfig(t, kubeenv.AgentUser, filepath.Join(a.dir, "kubeconfig"))
 	a.Args = append(a.Args, "--enrollment", "kubernetes", "--kubeconfig", a.Kubeconfig, "--node-name", n.name,
 		"--selector-profile", "istio", "--zds-socket", n.zds, "--proxy-mark", "0", "--probe-cgroups", n.kubelet)
@@ -382,9 +408,12 @@ func (n *ambientNode) addPod(t *testing.T, list *libcni.NetworkConfigList, names
 	p, err := n.admin.CoreV1().Pods(namespace).Create(ctx, &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: namespace, Labels: map[string]string{"app": name}},
 		Spec: corev1.PodSpec{
-			NodeName:                      n.name,
-			ServiceAccountName:            name + "-sa",
-			Containers:                    []corev1.Container{{Name: "app", Image: "registry.invalid/app:never-pulled"}},
+			NodeName:           n.name,
+			ServiceAccountName: name + "-sa",
+			// The kubelet's probe below connects to 8080: mesh-cni lets the
+			// kubelet past the capture only to the ports the pod's probes name.
+			Containers: []corev1.Container{{Name: "app", Image: "registry.invalid/app:never-pulled",
+				ReadinessProbe: &corev1.Probe{ProbeHandler: corev1.ProbeHandler{TCPSocket: &corev1.TCPSocketAction{Port: intstr.FromInt32(8080)}}}}},
 			TerminationGracePeriodSeconds: new(int64),
 		},
 	}, metav1.CreateOptions{})
@@ -393,24 +422,15 @@ func (n *ambientNode) addPod(t *testing.T, list *libcni.NetworkConfigList, names
 	}
 	hp := cniPod(t, n.node, p)
 	addAsKubelet(ctx, t, n.node, list, hp)
-	err = retry.RetryOnConflict(retry.DefaultRetry, func() error {
-		cur, err := n.admin.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
-		if err != nil {
-			return err
-		}
-		cur.Status.Phase = corev1.PodRunning
-		cur.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}
-		cur.Status.PodIPs = nil
+	p = updatePodStatus(ctx, t, n.admin, namespace, name, func(st *corev1.PodStatus) {
+		st.Phase = corev1.PodRunning
+		st.Conditions = []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}
+		st.PodIPs = nil
 		for _, a := range []netip.Addr{hp.IPv4(t), hp.IPv6(t)} {
-			cur.Status.PodIPs = append(cur.Status.PodIPs, corev1.PodIP{IP: a.String()})
+			st.PodIPs = append(st.PodIPs, corev1.PodIP{IP: a.String()})
 		}
-		cur.Status.PodIP = cur.Status.PodIPs[0].IP
-		p, err = n.admin.CoreV1().Pods(namespace).UpdateStatus(ctx, cur, metav1.UpdateOptions{})
-		return err
+		st.PodIP = st.PodIPs[0].IP
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
 	ap := &ambientPod{api: p, cni: hp, app: &peerServer{}}
 	ap.app.serve(t, hp, 8080)
 	return ap
@@ -475,14 +495,16 @@ func (s *peerServer) count() int {
 // ask connects from p to target and returns the address the server saw.
 func ask(t *testing.T, p *harness.Pod, target netip.AddrPort) (netip.Addr, error) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	// Longer than ztunnel waits for a pod's workload before it refuses.
+	limit := 2 * ztunnel.LocalWorkloadWait
+	ctx, cancel := context.WithTimeout(context.Background(), limit)
 	defer cancel()
 	c, err := p.Dial(ctx, "tcp", target.String())
 	if err != nil {
 		return netip.Addr{}, err
 	}
 	defer c.Close()
-	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	_ = c.SetDeadline(time.Now().Add(limit))
 	line, err := bufio.NewReader(c).ReadString('\n')
 	if err != nil {
 		return netip.Addr{}, fmt.Errorf("read from %s: %w", target, err)
@@ -542,14 +564,14 @@ func TestHelperAsk(t *testing.T) {
 	fmt.Print(line)
 }
 
-// resolve sends an A query for name from p to the resolver address podResolver,
+// resolve sends an A query for name from p to the resolver address server,
 // over UDP, and returns the answers.
-func resolve(t *testing.T, p *harness.Pod, name string) ([]netip.Addr, error) {
+func resolve(t *testing.T, p *harness.Pod, server, name string) ([]netip.Addr, error) {
 	t.Helper()
 	var c net.Conn
 	err := p.Do(func() error {
 		var err error
-		c, err = net.Dial("udp", podResolver)
+		c, err = net.Dial("udp", server)
 		return err
 	})
 	if err != nil {
@@ -563,7 +585,8 @@ func resolve(t *testing.T, p *harness.Pod, name string) ([]netip.Addr, error) {
 	if err != nil {
 		return nil, err
 	}
-	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	// Longer than ztunnel waits for a pod's workload before it answers.
+	_ = c.SetDeadline(time.Now().Add(2 * ztunnel.LocalWorkloadWait))
 	if _, err := c.Write(q); err != nil {
 		return nil, err
 	}
@@ -626,47 +649,142 @@ func TestIstioAmbient(t *testing.T) {
 	for _, variant := range []struct {
 		name  string
 		agent func(*ambientNode, *testing.T) *libcni.NetworkConfigList
+		view  agentView
 	}{
-		{"istio-cni", (*ambientNode).startIstioCNI},
-		{"mesh-cni", (*ambientNode).startMeshAgent},
+		{"istio-cni", (*ambientNode).startIstioCNI, agentView{
+			metrics: "http://127.0.0.1:15014/metrics", ready: "http://127.0.0.1:8000/readyz",
+			zdsConnections: "ztunnel_connected", pluginRequests: "istio_cni_plugin_requests_total", ready1: "istio_cni_install_ready",
+		}},
+		{"mesh-cni", (*ambientNode).startMeshAgent, agentView{
+			metrics: "http://127.0.0.1:15099/metrics", ready: "http://127.0.0.1:15099/readyz",
+			zdsConnections: "meshcni_zds_connections", pluginRequests: "meshcni_gate_requests_total", ready1: "meshcni_ready",
+		}},
 	} {
 		t.Run(variant.name, func(t *testing.T) {
 			t.Parallel()
 			n := newAmbientNode(t)
 			list := variant.agent(n, t)
-			n.startZtunnel(t)
-			testAmbientNode(t, n, list)
+			zt := n.startZtunnel(t)
+			testAmbientNode(t, n, list, zt, variant.view)
 		})
 	}
 }
 
-func testAmbientNode(t *testing.T, n *ambientNode, list *libcni.NetworkConfigList) {
+// agentView is where an operator finds a node agent, in the node's network
+// namespace: its metrics, its readiness endpoint, and the metrics that say
+// the same things, as docs/istio.md maps them.
+type agentView struct {
+	metrics, ready string // URLs
+	// zdsConnections is a gauge of the node proxies connected (1 here),
+	// pluginRequests a counter of the plugin's calls to the agent (istio-cni's
+	// plugin calls it for ambient pods alone, mesh-cni's for every pod),
+	// ready1 a gauge that is 1 once the agent is ready.
+	zdsConnections, pluginRequests, ready1 string
+}
+
+// check fails t unless the view holds on n's node: readiness answers 200,
+// one node proxy connected, plugin calls counted, ready.
+func (v agentView) check(t *testing.T, n *ambientNode) {
+	t.Helper()
+	get := func(url string) (int, string, error) {
+		ns := &fixtures.Netns{Path: n.node.NetNSPath}
+		client := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{
+			DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+				return ns.Dial(ctx, &net.Dialer{}, network, addr)
+			},
+		}}
+		resp, err := client.Get(url)
+		if err != nil {
+			return 0, "", err
+		}
+		defer resp.Body.Close()
+		body, err := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(body), err
+	}
+	if code, body, err := get(v.ready); err != nil || code != http.StatusOK {
+		t.Errorf("readiness %s: %d %q (%v), want 200", v.ready, code, body, err)
+	}
+	_, body, err := get(v.metrics)
+	if err != nil {
+		t.Fatalf("metrics %s: %v", v.metrics, err)
+	}
+	sum := func(name string) (float64, bool) {
+		var total float64
+		found := false
+		for _, m := range regexp.MustCompile(`(?m)^`+regexp.QuoteMeta(name)+`(?:\{[^}]*\})? (\S+)$`).FindAllStringSubmatch(body, -1) {
+			f, err := strconv.ParseFloat(m[1], 64)
+			if err == nil {
+				total, found = total+f, true
+			}
+		}
+		return total, found
+	}
+	for _, want := range []struct {
+		name string
+		ok   func(float64) bool
+		says string
+	}{
+		{v.zdsConnections, func(f float64) bool { return f == 1 }, "1 (the one ztunnel)"},
+		{v.pluginRequests, func(f float64) bool { return f >= 3 }, "at least one per meshed pod's ADD"},
+		{v.ready1, func(f float64) bool { return f == 1 }, "1"},
+	} {
+		if got, ok := sum(want.name); !ok || !want.ok(got) {
+			t.Errorf("%s at %s: %v (present %v), want %s", want.name, v.metrics, got, ok, want.says)
+		}
+	}
+}
+
+// trustDomain is istiod's default: the mesh's identities are
+// spiffe://cluster.local/ns/<namespace>/sa/<service account>.
+const trustDomain = "cluster.local"
+
+// spiffeOf is the identity istiod gives the pod.
+func spiffeOf(p *ambientPod) string {
+	return ztunnel.Identity(trustDomain, p.api.Namespace, p.api.Spec.ServiceAccountName)
+}
+
+func testAmbientNode(t *testing.T, n *ambientNode, list *libcni.NetworkConfigList, zt *harness.Process, view agentView) {
 	client := n.addPod(t, list, n.ambient, "client")
 	server := n.addPod(t, list, n.ambient, "server")
 	outsider := n.addPod(t, list, n.plain, "outsider")
+	// The node agent hands it over as any other meshed pod; the double takes
+	// its service account to be misreportedSA.
+	imp := n.addPod(t, list, n.ambient, impostor)
 
-	// istiod: the meshed pods are HBONE workloads with their service accounts,
-	// the one outside the mesh is not; the node agent said so on the pods.
-	poll(t, 30*time.Second, "istiod's ambient index", func() bool {
-		ws, err := ztunnel.FetchAmbient(context.Background(), n.istiod)
+	// istiod: the meshed pods are HBONE workloads of this node with their
+	// service accounts and both their addresses (the impostor too: istiod
+	// goes by the node agent's annotation), the one outside the mesh is not;
+	// the node agent said so on the pods.
+	ctx, cancel := context.WithTimeout(apiContext(t), 30*time.Second)
+	err := harness.PollUntil(ctx, nil, 200*time.Millisecond, func(ctx context.Context) error {
+		ws, err := ztunnel.FetchAmbient(ctx, n.istiod)
 		if err != nil {
-			return false
+			return err
 		}
 		byName := map[string]ztunnel.Workload{}
 		for _, w := range ws {
 			byName[w.Namespace+"/"+w.Name] = w
 		}
-		for _, p := range []*ambientPod{client, server} {
+		for _, p := range []*ambientPod{client, server, imp, outsider} {
 			w, ok := byName[p.api.Namespace+"/"+p.api.Name]
-			if !ok || !w.HBONE || w.ServiceAccount != p.api.Spec.ServiceAccountName || w.Node != n.name ||
-				!slices.Contains(w.Addresses, p.cni.IPv4(t)) {
-				return false
+			switch {
+			case !ok:
+				return fmt.Errorf("no workload %s/%s", p.api.Namespace, p.api.Name)
+			case w.HBONE != (p != outsider):
+				return fmt.Errorf("%s: HBONE %v", p.api.Name, w.HBONE)
+			case w.ServiceAccount != p.api.Spec.ServiceAccountName || w.Node != n.name:
+				return fmt.Errorf("%s: service account %q on node %q", p.api.Name, w.ServiceAccount, w.Node)
+			case !slices.Contains(w.Addresses, p.cni.IPv4(t)) || !slices.Contains(w.Addresses, p.cni.IPv6(t)):
+				return fmt.Errorf("%s: addresses %v, want %s and %s", p.api.Name, w.Addresses, p.cni.IPv4(t), p.cni.IPv6(t))
 			}
 		}
-		w, ok := byName[outsider.api.Namespace+"/"+outsider.api.Name]
-		return ok && !w.HBONE
+		return nil
 	})
-	for _, p := range []*ambientPod{client, server, outsider} {
+	cancel()
+	if err != nil {
+		t.Fatalf("istiod's ambient index: %v", err)
+	}
+	for _, p := range []*ambientPod{client, server, outsider, imp} {
 		got, err := n.admin.CoreV1().Pods(p.api.Namespace).Get(apiContext(t), p.api.Name, metav1.GetOptions{})
 		if err != nil {
 			t.Fatal(err)
@@ -686,22 +804,26 @@ func testAmbientNode(t *testing.T, n *ambientNode, list *libcni.NetworkConfigLis
 		addr func(*harness.Pod, testing.TB) netip.Addr
 	}{{"ipv4", (*harness.Pod).IPv4}, {"ipv6", (*harness.Pod).IPv6}} {
 		t.Run(fam.name, func(t *testing.T) {
-			clientIP, serverIP, outsiderIP := fam.addr(client.cni, t), fam.addr(server.cni, t), fam.addr(outsider.cni, t)
+			clientIP, serverIP, outsiderIP, impIP := fam.addr(client.cni, t), fam.addr(server.cni, t), fam.addr(outsider.cni, t), fam.addr(imp.cni, t)
 			serverApp := netip.AddrPortFrom(serverIP, 8080)
 
 			// Meshed to meshed: HBONE through the server's 15008; the server's
 			// application sees the client's address, the client's ztunnel the
 			// client's address as the source, with the original destination.
+			// Each ztunnel serves its pod as the identity istiod has for it,
+			// and each end knows the other's.
 			if got, err := ask(t, client.cni, serverApp); err != nil || got != clientIP {
 				t.Errorf("client -> server: the application saw %s (%v), want the client's %s", got, err, clientIP)
 			}
-			n.waitRecord(t, "the client's outbound HBONE", func(r ztunnel.Record) bool {
+			n.waitRecord(t, "the client's outbound HBONE as the client, to the server", func(r ztunnel.Record) bool {
 				return r.Pod == client.api.Namespace+"/client" && r.Dir == "outbound" && r.Proto == "hbone" &&
-					r.Dst == serverApp && r.Src.Addr() == clientIP && r.Err == ""
+					r.Dst == serverApp && r.Src.Addr() == clientIP && r.Err == "" &&
+					r.Identity == spiffeOf(client) && r.Peer == spiffeOf(server)
 			})
-			n.waitRecord(t, "the server's inbound HBONE", func(r ztunnel.Record) bool {
+			n.waitRecord(t, "the server's inbound HBONE as the server, from the client", func(r ztunnel.Record) bool {
 				return r.Pod == server.api.Namespace+"/server" && r.Dir == "inbound" && r.Proto == "hbone" &&
-					r.Dst == serverApp && r.Src.Addr() == clientIP && r.Err == ""
+					r.Dst == serverApp && r.Src.Addr() == clientIP && r.Err == "" &&
+					r.Identity == spiffeOf(server) && r.Peer == spiffeOf(client)
 			})
 
 			// From outside the mesh: plaintext through the server's 15006, the
@@ -711,7 +833,7 @@ func testAmbientNode(t *testing.T, n *ambientNode, list *libcni.NetworkConfigLis
 			}
 			n.waitRecord(t, "the server's inbound plaintext", func(r ztunnel.Record) bool {
 				return r.Pod == server.api.Namespace+"/server" && r.Dir == "inbound" && r.Proto == "tcp" &&
-					r.Dst == serverApp && r.Src.Addr() == outsiderIP && r.Err == ""
+					r.Dst == serverApp && r.Src.Addr() == outsiderIP && r.Err == "" && r.Identity == spiffeOf(server)
 			})
 
 			// To outside the mesh: plain TCP from the client's ztunnel, with the
@@ -722,7 +844,39 @@ func testAmbientNode(t *testing.T, n *ambientNode, list *libcni.NetworkConfigLis
 			}
 			n.waitRecord(t, "the client's outbound plaintext", func(r ztunnel.Record) bool {
 				return r.Pod == client.api.Namespace+"/client" && r.Dir == "outbound" && r.Proto == "tcp" &&
-					r.Dst == outsiderApp && r.Src.Addr() == clientIP && r.Err == ""
+					r.Dst == outsiderApp && r.Src.Addr() == clientIP && r.Err == "" && r.Identity == spiffeOf(client)
+			})
+
+			// A service account istiod does not have for the pod: its ztunnel
+			// finds no workload of its own and refuses its connections both
+			// ways, though istiod sends it HBONE.
+			before := server.app.count()
+			if got, err := ask(t, imp.cni, serverApp); err == nil {
+				t.Errorf("impostor -> server: the application saw %s, want the connection refused", got)
+			}
+			if server.app.count() != before {
+				t.Error("impostor -> server reached the server's application")
+			}
+			n.waitRecord(t, "the impostor's outbound refused", func(r ztunnel.Record) bool {
+				return r.Pod == imp.api.Namespace+"/"+impostor && r.Dir == "outbound" && r.Proto == "refused" &&
+					r.Dst == serverApp && strings.Contains(r.Err, ztunnel.ErrUnknownWorkload.Error()) &&
+					strings.Contains(r.Err, misreportedSA)
+			})
+			impApp := netip.AddrPortFrom(impIP, 8080)
+			before = imp.app.count()
+			if got, err := ask(t, client.cni, impApp); err == nil {
+				t.Errorf("client -> impostor: the application saw %s, want the connection refused", got)
+			}
+			if imp.app.count() != before {
+				t.Error("client -> impostor reached the impostor's application")
+			}
+			n.waitRecord(t, "the impostor's inbound HBONE refused", func(r ztunnel.Record) bool {
+				return r.Pod == imp.api.Namespace+"/"+impostor && r.Dir == "inbound" && r.Proto == "refused" &&
+					r.Src.Addr() == clientIP && strings.Contains(r.Err, ztunnel.ErrUnknownWorkload.Error())
+			})
+			n.waitRecord(t, "the client's outbound HBONE to the impostor failed", func(r ztunnel.Record) bool {
+				return r.Pod == client.api.Namespace+"/client" && r.Dir == "outbound" && r.Proto == "hbone" &&
+					r.Dst == impApp && r.Err != ""
 			})
 
 			// The kubelet's probe: answered by the application, past the server's
@@ -746,12 +900,110 @@ func testAmbientNode(t *testing.T, n *ambientNode, list *libcni.NetworkConfigLis
 		})
 	}
 
-	// DNS through the pod's ztunnel.
-	got, err := resolve(t, client.cni, istioDNSName)
+	// DNS through the pod's ztunnel, as the pod's identity; none for the
+	// impostor.
+	got, err := resolve(t, client.cni, podResolver, istioDNSName)
 	if err != nil || !slices.Contains(got, istioDNSAddr) {
 		t.Errorf("DNS from the client: %v (%v), want the client's ztunnel's answer %s", got, err, istioDNSAddr)
 	}
 	n.waitRecord(t, "the client's DNS query", func(r ztunnel.Record) bool {
-		return r.Pod == client.api.Namespace+"/client" && r.Dir == "dns" && r.Name == istioDNSName && r.Err == ""
+		return r.Pod == client.api.Namespace+"/client" && r.Dir == "dns" && r.Name == istioDNSName && r.Err == "" &&
+			r.Identity == spiffeOf(client)
 	})
+	if got, err := resolve(t, imp.cni, podResolver, istioDNSName); len(got) > 0 {
+		t.Errorf("DNS from the impostor: %v (%v), want no answer", got, err)
+	}
+	n.waitRecord(t, "the impostor's DNS query refused", func(r ztunnel.Record) bool {
+		return r.Pod == imp.api.Namespace+"/"+impostor && r.Dir == "dns" && strings.Contains(r.Err, ztunnel.ErrUnknownWorkload.Error())
+	})
+
+	// What an operator reads off the node agent.
+	view.check(t, n)
+
+	// A pod whose containers have all exited for good leaves the mesh:
+	// ztunnel is told, istiod is no longer told HBONE.
+	job := n.addPod(t, list, n.ambient, "job")
+	poll(t, 20*time.Second, "the job's "+enroll.IstioAnnotationRedirection, func() bool {
+		got, err := n.admin.CoreV1().Pods(n.ambient).Get(apiContext(t), "job", metav1.GetOptions{})
+		return err == nil && got.Annotations[enroll.IstioAnnotationRedirection] == "enabled"
+	})
+	updatePodStatus(apiContext(t), t, n.admin, n.ambient, "job", func(st *corev1.PodStatus) { st.Phase = corev1.PodSucceeded })
+	poll(t, 10*time.Second, "the completed job's "+enroll.IstioAnnotationRedirection+" removed", func() bool {
+		got, err := n.admin.CoreV1().Pods(n.ambient).Get(apiContext(t), "job", metav1.GetOptions{})
+		if err != nil {
+			return false
+		}
+		_, ok := got.Annotations[enroll.IstioAnnotationRedirection]
+		return !ok
+	})
+	poll(t, 10*time.Second, "ztunnel to stop the completed job's proxy", func() bool {
+		for line := range strings.Lines(zt.Output()) {
+			if strings.Contains(line, "pod proxy stopped") && strings.Contains(line, string(job.api.UID)) {
+				return true
+			}
+		}
+		return false
+	})
+
+	// ztunnel gone: a meshed pod's DNS fails closed; it never reaches the
+	// resolver it asked, which answers the pod outside the mesh, but the
+	// closed port of ztunnel's listener (the pod's socket is refused, where
+	// a lost query would time out).
+	resolver := netip.AddrPortFrom(outsider.cni.IPv4(t), 53)
+	serveResolver(t, outsider.cni, resolverAnswer)
+	if got, err := resolve(t, outsider.cni, resolver.String(), istioDNSName); err != nil || !slices.Contains(got, resolverAnswer) {
+		t.Fatalf("the outsider's own resolver: %v (%v), want %s", got, err, resolverAnswer)
+	}
+	stopCtx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := zt.Stop(stopCtx); err != nil {
+		t.Fatalf("stop the ztunnel double: %v", err)
+	}
+	if got, err := resolve(t, client.cni, resolver.String(), istioDNSName); !errors.Is(err, syscall.ECONNREFUSED) {
+		t.Errorf("DNS from the client with ztunnel down: %v (%v), want the query refused (failing closed)", got, err)
+	}
+}
+
+// resolverAnswer is what the resolver of serveResolver answers.
+var resolverAnswer = netip.MustParseAddr("198.51.100.53")
+
+// serveResolver answers every A query sent to port 53 of p, over UDP, with
+// answer.
+func serveResolver(t *testing.T, p *harness.Pod, answer netip.Addr) {
+	t.Helper()
+	var pc net.PacketConn
+	if err := p.Do(func() error {
+		var err error
+		pc, err = net.ListenPacket("udp", "[::]:53")
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pc.Close() })
+	go func() {
+		buf := make([]byte, 1500)
+		for {
+			n, from, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			var parser dnsmessage.Parser
+			h, err := parser.Start(buf[:n])
+			if err != nil {
+				continue
+			}
+			q, err := parser.Question()
+			if err != nil {
+				continue
+			}
+			b := dnsmessage.NewBuilder(nil, dnsmessage.Header{ID: h.ID, Response: true, RecursionDesired: h.RecursionDesired})
+			_ = b.StartQuestions()
+			_ = b.Question(q)
+			_ = b.StartAnswers()
+			_ = b.AResource(dnsmessage.ResourceHeader{Name: q.Name, Class: dnsmessage.ClassINET, TTL: 30}, dnsmessage.AResource{A: answer.As4()})
+			if out, err := b.Finish(); err == nil {
+				_, _ = pc.WriteTo(out, from)
+			}
+		}
+	}()
 }

@@ -21,8 +21,12 @@ import (
 type Config struct {
 	// ZDSPath is the node agent's ZDS socket (zds.DefaultSocketPath when empty).
 	ZDSPath string
-	// Workloads is istiod's view of destinations.
+	// Workloads is istiod's view of the workloads: the destinations, and each
+	// pod's own workload, which it must find there to be served.
 	Workloads Directory
+	// Node is the node the double serves, whose workloads it takes its pods'
+	// to be (ztunnel's NODE_NAME).
+	Node string
 	// DNS are the names the DNS proxy answers (lower case, no final dot).
 	DNS map[string][]netip.Addr
 	// RecordPath, when set, gets one JSON line per connection and DNS query.
@@ -41,7 +45,13 @@ type Record struct {
 	Dst       netip.AddrPort `json:"dst,omitzero"`
 	Forwarded string         `json:"forwarded,omitempty"`
 	Name      string         `json:"name,omitempty"`
-	Err       string         `json:"err,omitempty"`
+	// Identity is the SPIFFE identity the pod's proxy served it under (its
+	// certificate's, for ztunnel): the trust domain of the workload istiod
+	// has for the pod, the namespace and service account ZDS gave. Peer is
+	// the other end's over HBONE.
+	Identity string `json:"identity,omitempty"`
+	Peer     string `json:"peer,omitempty"`
+	Err      string `json:"err,omitempty"`
 }
 
 func (r Record) failed(err error) Record {

@@ -2,6 +2,7 @@ package ztunnel
 
 import (
 	"encoding/binary"
+	"errors"
 	"io"
 	"net"
 	"net/netip"
@@ -17,7 +18,8 @@ import (
 // (ztunnel's come from istiod; the double's from its configuration) and refuses
 // the rest with SERVFAIL, where ztunnel forwards them to the resolvers of its own
 // resolv.conf. The client is the pod the listener belongs to, never the source
-// address.
+// address; a pod whose workload istiod does not have gets SERVFAIL for every
+// query (Store::lookup).
 func (p *pod) serveDNS(addr netip.AddrPort) error {
 	uc, err := podsock.ListenUDP(int(p.ns.Fd()), addr, podsock.ListenOptions{Mark: Mark, ReusePort: true})
 	if err != nil {
@@ -28,15 +30,19 @@ func (p *pod) serveDNS(addr netip.AddrPort) error {
 	}
 	p.track(uc)
 	p.wg.Go(func() {
-		buf := make([]byte, 4096)
 		for {
+			buf := make([]byte, 4096)
 			n, from, err := uc.ReadFromUDPAddrPort(buf)
 			if err != nil {
 				return
 			}
-			if answer := p.answer(buf[:n], from); answer != nil {
-				_, _ = uc.WriteToUDPAddrPort(answer, from)
-			}
+			// Each query on its own: one waiting for the pod's workload
+			// holds up no other.
+			p.wg.Go(func() {
+				if answer := p.answer(buf[:n], from); answer != nil {
+					_, _ = uc.WriteToUDPAddrPort(answer, from)
+				}
+			})
 		}
 	})
 	return p.listenTCP(addr, func(c *net.TCPConn, peer netip.AddrPort) {
@@ -75,7 +81,10 @@ func (p *pod) answer(query []byte, from netip.AddrPort) []byte {
 	name := strings.TrimSuffix(strings.ToLower(q.Name.String()), ".")
 	rcode := dnsmessage.RCodeServerFailure
 	var answers []netip.Addr
-	if addrs, ok := p.dp.cfg.DNS[name]; ok {
+	rec := Record{Dir: "dns", Proto: "dns", Src: from, Name: name}
+	id, err := p.identity()
+	rec.Identity = id
+	if addrs, ok := p.dp.cfg.DNS[name]; ok && err == nil {
 		rcode = dnsmessage.RCodeSuccess
 		for _, a := range addrs {
 			if (q.Type == dnsmessage.TypeA && a.Is4()) || (q.Type == dnsmessage.TypeAAAA && a.Is6()) {
@@ -83,7 +92,14 @@ func (p *pod) answer(query []byte, from netip.AddrPort) []byte {
 			}
 		}
 	}
-	p.record(Record{Dir: "dns", Proto: "dns", Src: from, Name: name, Err: map[bool]string{true: "", false: "not answered"}[rcode == dnsmessage.RCodeSuccess]})
+	switch {
+	case err != nil:
+		p.record(rec.failed(err))
+	case rcode != dnsmessage.RCodeSuccess:
+		p.record(rec.failed(errors.New("not answered")))
+	default:
+		p.record(rec)
+	}
 	b := dnsmessage.NewBuilder(nil, dnsmessage.Header{ID: h.ID, Response: true, RecursionDesired: h.RecursionDesired, RecursionAvailable: true, RCode: rcode})
 	b.EnableCompression()
 	if b.StartQuestions() != nil || b.Question(q) != nil || b.StartAnswers() != nil {

@@ -21,7 +21,19 @@ import (
 // than the one it was reached at, 503 when the application cannot be reached
 // (inbound.rs). ztunnel always wraps it in mTLS with certificates istiod issues;
 // the double carries it in cleartext (h2 with prior knowledge), so a test reads
-// the request as ztunnel writes it but proves nothing about identities.
+// the request as ztunnel writes it. In place of the certificates each side
+// names the identity its certificate would carry in a header (the client in
+// its request, the server in its answer), and each does what ztunnel's TLS
+// does with the other's: the client refuses a server that is not the
+// destination workload istiod named, the server records the client's. A
+// server whose pod istiod has no workload for has no certificate: it hangs up
+// before any request.
+
+// Headers standing in for the certificates.
+const (
+	headerClientIdentity = "Double-Client-Identity"
+	headerServerIdentity = "Double-Server-Identity"
+)
 
 // tunnel is one CONNECT stream: what is written goes in the request body, what is
 // read comes from the response body.
@@ -29,6 +41,7 @@ type tunnel struct {
 	w    *io.PipeWriter
 	body io.ReadCloser
 	cc   *http.ClientConn
+	peer string // the server's identity
 }
 
 func (t *tunnel) Read(b []byte) (int, error)  { return t.body.Read(b) }
@@ -39,8 +52,9 @@ func (t *tunnel) Close() error {
 }
 
 // connectHBONE opens a CONNECT stream to dst over conn (a connection to the
-// destination's HBONE port).
-func connectHBONE(ctx context.Context, conn net.Conn, dst, src netip.AddrPort, from WorkloadInfo) (*tunnel, error) {
+// destination's HBONE port) as the client identity id, to a server that must
+// answer as the identity want.
+func connectHBONE(ctx context.Context, conn net.Conn, dst, src netip.AddrPort, from WorkloadInfo, id, want string) (*tunnel, error) {
 	var protocols http.Protocols
 	protocols.SetUnencryptedHTTP2(true)
 	tr := &http.Transport{
@@ -59,6 +73,8 @@ func connectHBONE(ctx context.Context, conn net.Conn, dst, src netip.AddrPort, f
 		Header: http.Header{
 			"Forwarded": {fmt.Sprintf("for=%q", src.String())},
 			"Baggage":   {fmt.Sprintf("k8s.namespace.name=%s,k8s.pod.name=%s", from.Namespace, from.Name)},
+			// The client certificate's identity.
+			headerClientIdentity: {id},
 		},
 		Body: pr,
 	}).WithContext(ctx)
@@ -68,19 +84,31 @@ func connectHBONE(ctx context.Context, conn net.Conn, dst, src netip.AddrPort, f
 		cc.Close()
 		return nil, fmt.Errorf("hbone CONNECT %s: %w", dst, err)
 	}
-	if resp.StatusCode != http.StatusOK {
+	fail := func(err error) (*tunnel, error) {
 		resp.Body.Close()
 		pw.Close()
 		cc.Close()
-		return nil, fmt.Errorf("hbone CONNECT %s: %s", dst, resp.Status)
+		return nil, err
 	}
-	return &tunnel{w: pw, body: resp.Body, cc: cc}, nil
+	if resp.StatusCode != http.StatusOK {
+		return fail(fmt.Errorf("hbone CONNECT %s: %s", dst, resp.Status))
+	}
+	peer := resp.Header.Get(headerServerIdentity)
+	if peer != want {
+		return fail(fmt.Errorf("hbone CONNECT %s: the server is %q, want %q", dst, peer, want))
+	}
+	return &tunnel{w: pw, body: resp.Body, cc: cc, peer: peer}, nil
 }
 
 // inboundHBONE is the 15008 listener: CONNECT streams from peers' ztunnels, each
 // carried to the application at this address and the :authority's port, from the
-// peer's address when the listener is transparent.
+// peer's address when the listener is transparent, for a pod whose workload
+// istiod has.
 func (p *pod) inboundHBONE(c *net.TCPConn, src netip.AddrPort) {
+	conn := Record{Dir: "inbound", Src: src}
+	if !p.admit(&conn) {
+		return
+	}
 	local, _ := netip.ParseAddrPort(c.LocalAddr().String())
 	local = netip.AddrPortFrom(local.Addr().Unmap(), local.Port())
 	var protocols http.Protocols
@@ -88,7 +116,9 @@ func (p *pod) inboundHBONE(c *net.TCPConn, src netip.AddrPort) {
 	srv := &http.Server{Protocols: &protocols, BaseContext: func(net.Listener) context.Context { return p.ctx }}
 	ln := &oneConn{conn: c, done: make(chan struct{})}
 	srv.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		rec := Record{Dir: "inbound", Proto: "hbone", Src: src, Forwarded: r.Header.Get("Forwarded")}
+		rec := Record{Dir: "inbound", Proto: "hbone", Src: src, Forwarded: r.Header.Get("Forwarded"),
+			Identity: conn.Identity, Peer: r.Header.Get(headerClientIdentity)}
+		w.Header().Set(headerServerIdentity, conn.Identity)
 		if r.Method != http.MethodConnect {
 			w.WriteHeader(http.StatusBadRequest)
 			p.record(rec.failed(fmt.Errorf("method %s", r.Method)))

@@ -133,6 +133,35 @@ func (p *pod) stop() {
 	p.ns.Close()
 }
 
+// identity is the identity the pod is served under, as fetch_certificate
+// builds it: the trust domain of its own workload in istiod's view, waited for
+// as ztunnel waits for it on every connection (proxy.rs get_workload), with
+// ZDS's namespace and service account. Without the workload within
+// LocalWorkloadWait the connection is refused.
+func (p *pod) identity() (string, error) {
+	ctx, cancel := context.WithTimeout(p.ctx, LocalWorkloadWait)
+	defer cancel()
+	w, err := p.dp.cfg.Workloads.Local(ctx, p.dp.cfg.Node, p.info)
+	if err != nil {
+		return "", err
+	}
+	return Identity(w.TrustDomain, p.info.Namespace, p.info.ServiceAccount), nil
+}
+
+// admit fills in the identity rec's connection is served under, or records
+// the connection refused and reports false when the pod has none.
+func (p *pod) admit(rec *Record) bool {
+	id, err := p.identity()
+	if err != nil {
+		refused := *rec
+		refused.Proto = "refused"
+		p.record(refused.failed(err))
+		return false
+	}
+	rec.Identity = id
+	return true
+}
+
 // destination is the original destination of an accepted connection:
 // SO_ORIGINAL_DST, else the accepted socket's local address (src/socket.rs).
 func destination(c *net.TCPConn) netip.AddrPort {
@@ -149,9 +178,11 @@ func (p *pod) dial(dst netip.AddrPort, src netip.Addr) (*net.TCPConn, error) {
 
 // outbound is the 15001 listener: the source is the accepted socket's peer (its
 // address goes into the record, as ztunnel puts it into its logs, metrics,
-// Forwarded header and waypoint checks); a destination istiod calls HBONE gets a
-// CONNECT to its 15008, anything else a plain connection to the original
-// destination (outbound.rs build_request).
+// Forwarded header and waypoint checks); a connection from a pod whose workload
+// istiod does not have is refused; a destination istiod calls HBONE gets a
+// CONNECT to its 15008, which must answer as the destination workload's
+// identity, anything else a plain connection to the original destination
+// (outbound.rs proxy, build_request).
 func (p *pod) outbound(c *net.TCPConn, src netip.AddrPort) {
 	dst := destination(c)
 	if dst.Addr().IsLoopback() && slices.Contains(illegalPorts(), dst.Port()) {
@@ -159,6 +190,9 @@ func (p *pod) outbound(c *net.TCPConn, src netip.AddrPort) {
 		return
 	}
 	rec := Record{Dir: "outbound", Src: src, Dst: dst}
+	if !p.admit(&rec) {
+		return
+	}
 	if w, ok := p.dp.cfg.Workloads.Lookup(dst.Addr()); ok && w.HBONE {
 		rec.Proto = "hbone"
 		up, err := p.dial(netip.AddrPortFrom(dst.Addr(), HBONEPort), netip.Addr{})
@@ -167,12 +201,13 @@ func (p *pod) outbound(c *net.TCPConn, src netip.AddrPort) {
 			return
 		}
 		defer up.Close()
-		tunnel, err := connectHBONE(p.ctx, up, dst, src, p.info)
+		tunnel, err := connectHBONE(p.ctx, up, dst, src, p.info, rec.Identity, w.Identity())
 		if err != nil {
 			p.record(rec.failed(err))
 			return
 		}
 		defer tunnel.Close()
+		rec.Peer = tunnel.peer
 		p.record(rec)
 		pipe(c, tunnel)
 		return
@@ -190,12 +225,16 @@ func (p *pod) outbound(c *net.TCPConn, src netip.AddrPort) {
 
 // inboundPlain is the 15006 listener: plaintext from a peer without HBONE, carried
 // to the original destination with the client's address as source when the
-// listener is transparent (inbound_passthrough.rs).
+// listener is transparent, for a pod whose workload istiod has
+// (inbound_passthrough.rs).
 func (p *pod) inboundPlain(c *net.TCPConn, src netip.AddrPort) {
 	dst := destination(c)
 	rec := Record{Dir: "inbound", Proto: "tcp", Src: src, Dst: dst}
 	if slices.Contains(illegalPorts(), dst.Port()) {
 		p.record(rec.failed(errors.New("illegal port")))
+		return
+	}
+	if !p.admit(&rec) {
 		return
 	}
 	up, err := p.dial(dst, p.sourceFor(src.Addr(), dst.Addr()))

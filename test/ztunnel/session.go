@@ -29,6 +29,10 @@ type Options struct {
 	// OnRequest, when set, sees every request before it is handled (tests
 	// collect what the agent sent). It must not keep req.Netns.
 	OnRequest func(req *Request)
+	// Misreport is a fault for tests of the identity check: the
+	// service account an AddWorkload of the pod "namespace/name" carries is
+	// replaced by this one, as if the agent had sent it.
+	Misreport map[string]string
 }
 
 // Session is the state of one connection, as statemanager.rs keeps it.
@@ -65,6 +69,9 @@ func (s *Session) Serve(ctx context.Context, c *Conn) error {
 				return nil
 			}
 			return err
+		}
+		if sa, ok := s.opts.Misreport[req.Info.Namespace+"/"+req.Info.Name]; ok && req.Kind == Add {
+			req.Info.ServiceAccount = sa
 		}
 		if s.opts.OnRequest != nil {
 			s.opts.OnRequest(req)

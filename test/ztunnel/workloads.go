@@ -7,26 +7,37 @@ import (
 	"fmt"
 	"net/http"
 	"net/netip"
-	"sync"
-	"time"
-
-	"go.uber.org/zap"
 )
 
 // Workload is a workload as istiod's ambient index holds it: what ztunnel learns
-// about a destination over WDS. The double reads it from istiod's
-// /debug/ambientz instead, the same index as JSON.
+// over WDS (WatchWDS), and what istiod's /debug/ambientz shows of the same
+// index (FetchAmbient).
 type Workload struct {
-	UID, Name, Namespace, ServiceAccount, Node string
-	Addresses                                  []netip.Addr
+	UID, Name, Namespace, ServiceAccount, Node, TrustDomain string
+	Addresses                                               []netip.Addr
 	// HBONE: istiod gives the workload tunnel protocol HBONE (its pod is
 	// captured), so peers reach it through its 15008.
 	HBONE bool
 }
 
-// Directory answers which workload holds an address.
+// Identity is the workload's SPIFFE identity, what its certificate names.
+func (w Workload) Identity() string {
+	return Identity(w.TrustDomain, w.Namespace, w.ServiceAccount)
+}
+
+// Identity is the SPIFFE identity of a service account (identity.rs
+// Identity::Spiffe).
+func Identity(trustDomain, namespace, serviceAccount string) string {
+	return "spiffe://" + trustDomain + "/ns/" + namespace + "/sa/" + serviceAccount
+}
+
+// Directory is istiod's view of the workloads, as ztunnel holds it.
 type Directory interface {
+	// Lookup answers which workload holds an address (a destination).
 	Lookup(netip.Addr) (Workload, bool)
+	// Local waits, until ctx ends, for the workload of node that a pod's
+	// ZDS workload_info names; its error wraps ErrUnknownWorkload.
+	Local(ctx context.Context, node string, info WorkloadInfo) (Workload, error)
 }
 
 // ambientWorkload is an entry of /debug/ambientz's workloads: the workload
@@ -38,6 +49,7 @@ type ambientWorkload struct {
 	Namespace      string   `json:"namespace"`
 	ServiceAccount string   `json:"serviceAccount"`
 	Node           string   `json:"node"`
+	TrustDomain    string   `json:"trustDomain"`
 	Addresses      []string `json:"addresses"`
 	TunnelProtocol string   `json:"tunnelProtocol"`
 }
@@ -66,7 +78,7 @@ func FetchAmbient(ctx context.Context, base string) ([]Workload, error) {
 	out := make([]Workload, 0, len(body.Workloads))
 	for _, w := range body.Workloads {
 		wl := Workload{UID: w.UID, Name: w.Name, Namespace: w.Namespace, ServiceAccount: w.ServiceAccount,
-			Node: w.Node, HBONE: w.TunnelProtocol == "HBONE"}
+			Node: w.Node, TrustDomain: w.TrustDomain, HBONE: w.TunnelProtocol == "HBONE"}
 		for _, a := range w.Addresses {
 			text, err := base64.StdEncoding.DecodeString(a)
 			if err != nil {
@@ -79,49 +91,4 @@ func FetchAmbient(ctx context.Context, base string) ([]Workload, error) {
 		out = append(out, wl)
 	}
 	return out, nil
-}
-
-// IstiodDirectory keeps istiod's ambient index, read again every interval.
-type IstiodDirectory struct {
-	mu     sync.Mutex
-	byAddr map[netip.Addr]Workload
-}
-
-// WatchIstiod reads istiod's index at base until ctx ends.
-func WatchIstiod(ctx context.Context, log *zap.Logger, base string, interval time.Duration) *IstiodDirectory {
-	d := &IstiodDirectory{byAddr: map[netip.Addr]Workload{}}
-	go func() {
-		t := time.NewTicker(interval)
-		defer t.Stop()
-		for {
-			ws, err := FetchAmbient(ctx, base)
-			if err != nil {
-				log.Debug("istiod", zap.Error(err))
-			} else {
-				m := map[netip.Addr]Workload{}
-				for _, w := range ws {
-					for _, a := range w.Addresses {
-						m[a] = w
-					}
-				}
-				d.mu.Lock()
-				d.byAddr = m
-				d.mu.Unlock()
-			}
-			select {
-			case <-ctx.Done():
-				return
-			case <-t.C:
-			}
-		}
-	}()
-	return d
-}
-
-// Lookup implements Directory.
-func (d *IstiodDirectory) Lookup(a netip.Addr) (Workload, bool) {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	w, ok := d.byAddr[a.Unmap()]
-	return w, ok
 }

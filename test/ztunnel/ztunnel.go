@@ -19,7 +19,12 @@
 //     SnapshotSent; Keep after the snapshot and a second SnapshotSent are
 //     protocol errors;
 //   - on a request it cannot read or a protocol error it nacks and hangs up;
-//     a pod it cannot start is nacked and the connection stays.
+//     a pod it cannot start is nacked and the connection stays;
+//   - serves a pod only as a workload istiod has on its node (WDS, wds.go)
+//     whose name, namespace and service account are the ones ZDS gave: each
+//     of the pod's connections and DNS queries waits up to 5 s for it and is
+//     refused without it, and the pod is served under that workload's trust
+//     domain with ZDS's namespace and service account as its identity.
 //
 // Beyond ztunnel, as a conformance check: with RequireServiceAccount an
 // AddWorkload whose service_account is empty is a deviation. ztunnel itself
@@ -40,6 +45,8 @@ import (
 
 	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/encoding/protowire"
+
+	"github.com/mesh-cni/mesh-cni/test/pbwire"
 )
 
 // ReadBuffer is the size of ztunnel's read buffer for one request
@@ -310,31 +317,17 @@ func decodeRequest(b []byte) (*Request, error) {
 // fields named in known are all strings or messages in zds.proto: one of them
 // with another wire type is an error, as in prost; unknown fields are skipped.
 func fields(b []byte, what string, known []protowire.Number, fn func(protowire.Number, []byte) error) error {
-	for len(b) > 0 {
-		num, typ, n := protowire.ConsumeTag(b)
-		if n < 0 {
-			return deviationf("decode %s: %v", what, protowire.ParseError(n))
-		}
-		b = b[n:]
+	err := pbwire.Walk(b, func(num protowire.Number, typ protowire.Type, v []byte, _ uint64) error {
 		if typ != protowire.BytesType {
 			if slices.Contains(known, num) {
 				return deviationf("decode %s: field %d has wire type %d, want length-delimited", what, num, typ)
 			}
-			m := protowire.ConsumeFieldValue(num, typ, b)
-			if m < 0 {
-				return deviationf("decode %s: %v", what, protowire.ParseError(m))
-			}
-			b = b[m:]
-			continue
+			return nil
 		}
-		v, m := protowire.ConsumeBytes(b)
-		if m < 0 {
-			return deviationf("decode %s: %v", what, protowire.ParseError(m))
-		}
-		b = b[m:]
-		if err := fn(num, v); err != nil {
-			return err
-		}
+		return fn(num, v)
+	})
+	if err != nil && !errors.Is(err, ErrDeviation) {
+		return deviationf("decode %s: %v", what, err)
 	}
-	return nil
+	return err
 }

@@ -1,9 +1,10 @@
 // Command ztunnel runs the ztunnel double (package test/ztunnel): a node proxy
 // that takes pods from a node agent's ZDS socket, istio-cni's or mesh-agent's,
 // and serves each from inside its network namespace with ztunnel's in-pod socket
-// behaviour, deciding HBONE or plaintext by istiod's ambient index:
+// behaviour, under the identity of the workload istiod has for it on its node
+// and deciding HBONE or plaintext by istiod's workloads (WDS):
 //
-//	ztunnel -zds /var/run/ztunnel/ztunnel.sock -istiod http://127.0.0.1:15014 \
+//	ztunnel -zds /var/run/ztunnel/ztunnel.sock -xds 127.0.0.1:15010 -node node-1 \
 //	  -dns svc.test=10.0.0.1 -record /tmp/ztunnel.jsonl
 //
 // It exits cleanly on SIGTERM or SIGINT.
@@ -20,7 +21,6 @@ import (
 	"os/signal"
 	"strings"
 	"syscall"
-	"time"
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -57,11 +57,30 @@ func (f dnsFlag) Set(s string) error {
 	return nil
 }
 
+// pairsFlag is comma-separated key=value entries.
+type pairsFlag map[string]string
+
+func (f pairsFlag) String() string { return fmt.Sprint(map[string]string(f)) }
+
+func (f pairsFlag) Set(s string) error {
+	for _, entry := range strings.Split(s, ",") {
+		k, v, ok := strings.Cut(strings.TrimSpace(entry), "=")
+		if !ok {
+			return fmt.Errorf("%q: want key=value", entry)
+		}
+		f[k] = v
+	}
+	return nil
+}
+
 func run(ctx context.Context, args []string, stderr io.Writer) int {
 	fs := flag.NewFlagSet("ztunnel", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	zdsPath := fs.String("zds", zds.DefaultSocketPath, "the node agent's ZDS socket")
-	istiod := fs.String("istiod", "", "istiod's debug address (http://host:port), whose ambient index says which destinations are HBONE")
+	xds := fs.String("xds", "", "istiod's plaintext xDS address (host:port), whose workloads (WDS) name each pod's identity and say which destinations are HBONE")
+	node := fs.String("node", "", "the node whose pods the double serves (ztunnel's NODE_NAME): a pod is served only as a workload istiod has on it")
+	misreport := pairsFlag{}
+	fs.Var(misreport, "misreport-service-account", "test fault: namespace/name=sa takes sa as the service account the agent sent for that pod (comma-separated entries)")
 	record := fs.String("record", "", "append a JSON line per connection and DNS query to this file")
 	requireSA := fs.Bool("require-service-account", false, "refuse (and hang up on) a pod handed over without a service account, which ztunnel could not serve")
 	dns := dnsFlag{}
@@ -74,21 +93,27 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 		}
 		return 2
 	}
-	if *istiod == "" {
-		fmt.Fprintln(stderr, "ztunnel: -istiod is required")
+	if *xds == "" || *node == "" {
+		fmt.Fprintln(stderr, "ztunnel: -xds and -node are required")
 		return 2
 	}
 	enc := zap.NewProductionEncoderConfig()
 	enc.EncodeTime = zapcore.ISO8601TimeEncoder
 	log := zap.New(zapcore.NewCore(zapcore.NewJSONEncoder(enc), zapcore.AddSync(stderr), level))
 	defer log.Sync() //nolint:errcheck // stderr may be gone
-	err := ztunnel.Run(ctx, ztunnel.Config{
+	wds, err := ztunnel.WatchWDS(ctx, log.Named("xds"), *xds, *node)
+	if err != nil {
+		log.Error("ztunnel double failed", zap.Error(err))
+		return 1
+	}
+	err = ztunnel.Run(ctx, ztunnel.Config{
 		ZDSPath:    *zdsPath,
-		Workloads:  ztunnel.WatchIstiod(ctx, log.Named("istiod"), *istiod, 200*time.Millisecond),
+		Workloads:  wds,
+		Node:       *node,
 		DNS:        dns,
 		RecordPath: *record,
 		Log:        log,
-		Options:    ztunnel.Options{RequireServiceAccount: *requireSA},
+		Options:    ztunnel.Options{RequireServiceAccount: *requireSA, Misreport: misreport},
 	})
 	if err != nil {
 		log.Error("ztunnel double failed", zap.Error(err))
