@@ -65,7 +65,7 @@ type podNetV1 struct {
 	_             structs.HostLayout
 	ReplyMark     uint32
 	ReplyMarkMask uint32
-	ScopeId       uint32
+	ScopeID       uint32
 	Src4          uint32
 	Src6          [4]uint32
 	NrAddrs       uint32
@@ -76,7 +76,7 @@ type podNetV1 struct {
 // never restricted the kubelet).
 func (v podNetV1) podNet() *redirectPodNetInfo {
 	return &redirectPodNetInfo{
-		ReplyMark: v.ReplyMark, ReplyMarkMask: v.ReplyMarkMask, ScopeId: v.ScopeId,
+		ReplyMark: v.ReplyMark, ReplyMarkMask: v.ReplyMarkMask, ScopeId: v.ScopeID,
 		Src4: v.Src4, Src6: v.Src6, NrAddrs: v.NrAddrs, Addrs: v.Addrs,
 	}
 }

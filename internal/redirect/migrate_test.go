@@ -212,7 +212,7 @@ func releaseSkLookupV3() release {
 			n := podAddrs{all: []netip.Addr{p.addr4, p.addr6}, src4: p.addr4, src6: p.addr6}.toBPF(s)
 			return podSettingsWithNet{
 				redirectPodSettings: s.toBPF(podSets{inPorts: 1}),
-				podNetV1: podNetV1{ReplyMark: n.ReplyMark, ReplyMarkMask: n.ReplyMarkMask, ScopeId: n.ScopeId,
+				podNetV1: podNetV1{ReplyMark: n.ReplyMark, ReplyMarkMask: n.ReplyMarkMask, ScopeID: n.ScopeId,
 					Src4: n.Src4, Src6: n.Src6, NrAddrs: n.NrAddrs, Addrs: n.Addrs},
 			}
 		},
