@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"os"
@@ -78,9 +79,45 @@ func serveDNS(t *testing.T, p *pod, port uint16, addr4, addr6 netip.Addr) (stop 
 		for _, s := range servers {
 			_ = s.Shutdown()
 		}
+		// Shutdown returns before the sockets are released when a read is
+		// in flight: wait until the port is free, so the data path has seen
+		// the listener go.
+		deadline := time.Now().Add(10 * time.Second)
+		for !portFree(p, port) {
+			if time.Now().After(deadline) {
+				t.Errorf("DNS port %d still bound in %s after the server stopped", port, p.name)
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
 	}
 	t.Cleanup(stop)
 	return stop
+}
+
+// portFree reports whether UDP and TCP port can be bound on both wildcards in
+// p's namespace.
+func portFree(p *pod, port uint16) bool {
+	free := true
+	_ = netns.Do(p.path, func() error {
+		for _, nw := range []string{"udp4", "udp6", "tcp4", "tcp6"} {
+			addr := fmt.Sprintf(":%d", port)
+			var c io.Closer
+			var err error
+			if strings.HasPrefix(nw, "udp") {
+				c, err = net.ListenPacket(nw, addr)
+			} else {
+				c, err = net.Listen(nw, addr)
+			}
+			if err != nil {
+				free = false
+				return nil
+			}
+			c.Close()
+		}
+		return nil
+	})
+	return free
 }
 
 // origListener records each accepted connection's SO_ORIGINAL_DST, as a proxy
