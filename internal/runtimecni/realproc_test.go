@@ -33,6 +33,21 @@ func fakeRuntime(t *testing.T, binDir, confDir string) (exe, config string) {
 	return exe, config
 }
 
+// waitExeced waits until pid runs the stand-in containerd with config on its
+// command line. Its name alone is not enough: exec sets the name before the
+// new command line, and a read in between sees a containerd with no flags.
+func waitExeced(t *testing.T, what string, pid int, config string) {
+	t.Helper()
+	harness.WaitFor(t, 10*time.Second, what+" named containerd", func() bool {
+		comm, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "comm"))
+		if err != nil || strings.TrimSpace(string(comm)) != "containerd" {
+			return false
+		}
+		cmdline, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "cmdline"))
+		return err == nil && slices.Contains(strings.Split(string(cmdline), "\x00"), config)
+	})
+}
+
 // On the real kernel: processes named containerd in a pod's network
 // namespace and in a pod's cgroup, their configs naming directories of their
 // choice, are refused; the host's containerd decides, and the agent reaches
@@ -62,10 +77,7 @@ func TestDecideRealProcesses(t *testing.T) {
 		t.Helper()
 		p := harness.StartProcess(t, harness.ProcessOptions{Name: name, Path: path, Args: args,
 			Cgroup: harness.MkCgroup(t, filepath.Join(cgroup, name+".scope")), NetNSPath: netnsPath})
-		harness.WaitFor(t, 10*time.Second, name+" named containerd", func() bool {
-			comm, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(p.Pid()), "comm"))
-			return err == nil && strings.TrimSpace(string(comm)) == "containerd"
-		})
+		waitExeced(t, name, p.Pid(), args[len(args)-1])
 		return p.Pid()
 	}
 	evilBin, evilConf := dirs()
@@ -116,10 +128,7 @@ func TestDecideRealProcesses(t *testing.T) {
 	private := harness.StartProcess(t, harness.ProcessOptions{Name: "private-mounts", Path: "unshare",
 		Args:   []string{"--mount", "--propagation", "private", "--", "sh", "-ec", fmt.Sprintf("mount -t tmpfs tmpfs %s\nexec %s -c %s", conf, exe, config)},
 		Cgroup: harness.MkCgroup(t, filepath.Join(service, "private.scope"))})
-	harness.WaitFor(t, 10*time.Second, "the private containerd", func() bool {
-		comm, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(private.Pid()), "comm"))
-		return err == nil && strings.TrimSpace(string(comm)) == "containerd"
-	})
+	waitExeced(t, "the private containerd", private.Pid(), config)
 	proc = hostproc.Procfs{Root: harness.ProcView(t, os.Getpid(), private.Pid())}
 	if p, err := Decide(proc, Want{BinDirs: []string{"/nonexistent/bin"}, ConfDir: "/nonexistent/net.d"}); err == nil || !strings.Contains(err.Error(), "mount namespace of its own") {
 		t.Errorf("Decide with the runtime's conf dir another directory than the host's: %s, %v", p, err)
