@@ -64,10 +64,22 @@ func testAgentPodStartRequests(t *testing.T, c *cluster) {
 		c.waitAnnotation(t, lab, name, enroll.OutcomeEnabled)
 	}
 
-	events, err := c.api.Audit()
-	if err != nil {
-		t.Fatal(err)
-	}
+	// A miss is counted before its read is sent, and the agent may re-decide
+	// a pod it already admitted (on any watch change) at any time, so the
+	// counter is read first and the audit log until it holds that many reads
+	// from the watch cache: a miss that never asked would keep it short.
+	var (
+		misses float64
+		events []kubeenv.AuditEvent
+	)
+	harness.WaitFor(t, 30*time.Second, "a watch-cache read in the audit log for every counted cache miss", func() bool {
+		misses = cacheMisses(t, addr, enroll.ResourcePod)
+		var err error
+		if events, err = c.api.Audit(); err != nil {
+			t.Fatal(err)
+		}
+		return float64(agentCacheReads(t, events, "mesh-agent/"+kubeNode)) >= misses
+	})
 	agentUA := "mesh-agent/" + kubeNode
 	writes := map[string]int{}
 	var gets []kubeenv.AuditEvent
@@ -138,11 +150,23 @@ func testAgentPodStartRequests(t *testing.T, c *cluster) {
 		t.Error("the agent decided a pod its watch does not hold without asking the API server")
 	}
 	// Each decision that asked counts once, however many tries it took.
-	misses := cacheMisses(t, addr, enroll.ResourcePod)
 	if misses < 1 || misses > float64(fromCache) {
 		t.Errorf("meshcni_enrollment_cache_misses_total{resource=pod} = %v; want between 1 and the %d reads from the watch cache", misses, fromCache)
 	}
 	t.Logf("agent requests for %d pod starts: writes %v, %d GETs (%d from the watch cache), %v cache misses", len(plainPods)+len(meshedPods)+2, writes, len(gets), fromCache, misses)
+}
+
+// agentCacheReads counts the pod GETs by userAgent that asked the API
+// server's watch cache.
+func agentCacheReads(t *testing.T, events []kubeenv.AuditEvent, userAgent string) int {
+	t.Helper()
+	n := 0
+	for _, e := range events {
+		if e.UserAgent == userAgent && e.Verb == "get" && e.ObjectRef.Resource == "pods" && watchCacheRead(t, e.RequestURI) {
+			n++
+		}
+	}
+	return n
 }
 
 // watchCacheRead reports whether a GET's request URI asks for
