@@ -54,6 +54,13 @@ const (
 
 var istioDNSAddr = netip.MustParseAddr("192.0.2.53")
 
+// The cluster's resolver as ztunnel's own resolv.conf names it, on the node,
+// and a name only it answers: the double forwards a pod's query for that name
+// there from the pod's namespace, as ztunnel does.
+var upstreamResolver = netip.MustParseAddrPort("198.51.100.10:53")
+
+const upstreamDNSName = "upstream.istio.test"
+
 // istioBins is the directory of pilot-discovery, install-cni and istio-cni.
 func istioBins(t *testing.T) string {
 	t.Helper()
@@ -72,14 +79,15 @@ type ambientNode struct {
 	api      *kubeenv.APIServer
 	admin    kubernetes.Interface
 	name     string
-	istiod   string // istiod's debug base URL
-	xds      string // istiod's plaintext xDS address
-	kubelet  string // the kubelet's cgroup
-	dir      string // short: sockets live here
-	zds      string // the ZDS socket the node agent serves
-	records  string // the ztunnel double's records
-	ambient  string // a namespace labelled istio.io/dataplane-mode=ambient
-	plain    string // a namespace outside the mesh
+	istiod   string       // istiod's debug base URL
+	xds      string       // istiod's plaintext xDS address
+	kubelet  string       // the kubelet's cgroup
+	dir      string       // short: sockets live here
+	zds      string       // the ZDS socket the node agent serves
+	records  string       // the ztunnel double's records
+	upstream *resolverLog // the resolver at upstreamResolver
+	ambient  string       // a namespace labelled istio.io/dataplane-mode=ambient
+	plain    string       // a namespace outside the mesh
 	listName string
 }
 
@@ -115,6 +123,7 @@ func newAmbientNode(t *testing.T) *ambientNode {
 	}); err != nil {
 		t.Fatalf("loopback of the node: %v", err)
 	}
+	n.upstream = serveResolver(t, n.node.Do, upstreamResolver, resolverAnswer)
 	// The API server listens on a link between the test's namespace and the
 	// node's: istiod reaches it from here, the node's agents from there.
 	hostAddr := apiLink(t, n.node)
@@ -254,7 +263,7 @@ func (n *ambientNode) startZtunnel(t *testing.T) *harness.Process {
 	return harness.StartProcess(t, harness.ProcessOptions{
 		Path: harness.Bins(t).Path("ztunnel"), Name: "ztunnel", OwnCgroup: true,
 		Args: []string{"-zds", n.zds, "-xds", n.xds, "-node", n.name, "-record", n.records,
-			"-dns", istioDNSName + "=" + istioDNSAddr.String(), "-require-service-account",
+			"-dns", istioDNSName + "=" + istioDNSAddr.String(), "-dns-forward", upstreamResolver.String(), "-require-service-account",
 			"-misreport-service-account", n.ambient + "/" + impostor + "=" + misreportedSA, "-log-level", "debug"},
 	})
 }
@@ -910,6 +919,20 @@ func testAmbientNode(t *testing.T, n *ambientNode, list *libcni.NetworkConfigLis
 		return r.Pod == client.api.Namespace+"/client" && r.Dir == "dns" && r.Name == istioDNSName && r.Err == "" &&
 			r.Identity == spiffeOf(client)
 	})
+	// A name ztunnel does not know: forwarded from the client's own namespace
+	// on ztunnel's marked socket, which the capture lets through to the
+	// resolver (sent back to ztunnel, it would never be answered).
+	got, err = resolve(t, client.cni, podResolver, upstreamDNSName)
+	if err != nil || !slices.Contains(got, resolverAnswer) {
+		t.Errorf("DNS from the client for %s: %v (%v), want the resolver's answer %s through ztunnel", upstreamDNSName, got, err, resolverAnswer)
+	}
+	n.waitRecord(t, "the client's query forwarded", func(r ztunnel.Record) bool {
+		return r.Pod == client.api.Namespace+"/client" && r.Dir == "dns" && r.Name == upstreamDNSName &&
+			r.Forwarded == upstreamResolver.String() && r.Err == ""
+	})
+	if from := n.upstream.sources(); !slices.Contains(from, client.cni.IPv4(t)) {
+		t.Errorf("the resolver was asked from %v, want the client's own address %s (ztunnel's socket in its namespace)", from, client.cni.IPv4(t))
+	}
 	if got, err := resolve(t, imp.cni, podResolver, istioDNSName); len(got) > 0 {
 		t.Errorf("DNS from the impostor: %v (%v), want no answer", got, err)
 	}
@@ -950,7 +973,7 @@ func testAmbientNode(t *testing.T, n *ambientNode, list *libcni.NetworkConfigLis
 	// closed port of ztunnel's listener (the pod's socket is refused, where
 	// a lost query would time out).
 	resolver := netip.AddrPortFrom(outsider.cni.IPv4(t), 53)
-	serveResolver(t, outsider.cni, resolverAnswer)
+	serveResolver(t, outsider.cni.Do, netip.AddrPortFrom(netip.IPv6Unspecified(), 53), resolverAnswer)
 	if got, err := resolve(t, outsider.cni, resolver.String(), istioDNSName); err != nil || !slices.Contains(got, resolverAnswer) {
 		t.Fatalf("the outsider's own resolver: %v (%v), want %s", got, err, resolverAnswer)
 	}
@@ -967,26 +990,52 @@ func testAmbientNode(t *testing.T, n *ambientNode, list *libcni.NetworkConfigLis
 // resolverAnswer is what the resolver of serveResolver answers.
 var resolverAnswer = netip.MustParseAddr("198.51.100.53")
 
-// serveResolver answers every A query sent to port 53 of p, over UDP, with
-// answer.
-func serveResolver(t *testing.T, p *harness.Pod, answer netip.Addr) {
+// resolverLog is the source addresses a resolver was asked from.
+type resolverLog struct {
+	mu   sync.Mutex
+	from []netip.Addr
+}
+
+func (l *resolverLog) sources() []netip.Addr {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.from)
+}
+
+// serveResolver answers every A query sent to addr over UDP with answer, in
+// the network namespace do runs in; an unspecified addr listens on every
+// address, any other is first added to the namespace's loopback (up).
+func serveResolver(t *testing.T, do func(func() error) error, addr netip.AddrPort, answer netip.Addr) *resolverLog {
 	t.Helper()
-	var pc net.PacketConn
-	if err := p.Do(func() error {
+	var pc *net.UDPConn
+	if err := do(func() error {
+		if !addr.Addr().IsUnspecified() {
+			lo, err := netlinksafe.LinkByName("lo")
+			if err != nil {
+				return err
+			}
+			if err := netlink.AddrAdd(lo, &netlink.Addr{IPNet: netlink.NewIPNet(addr.Addr().AsSlice())}); err != nil {
+				return fmt.Errorf("the resolver's address on lo: %w", err)
+			}
+		}
 		var err error
-		pc, err = net.ListenPacket("udp", "[::]:53")
+		pc, err = net.ListenUDP("udp", net.UDPAddrFromAddrPort(addr))
 		return err
 	}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { pc.Close() })
+	log := &resolverLog{}
 	go func() {
 		buf := make([]byte, 1500)
 		for {
-			n, from, err := pc.ReadFrom(buf)
+			n, from, err := pc.ReadFromUDPAddrPort(buf)
 			if err != nil {
 				return
 			}
+			log.mu.Lock()
+			log.from = append(log.from, from.Addr().Unmap())
+			log.mu.Unlock()
 			var parser dnsmessage.Parser
 			h, err := parser.Start(buf[:n])
 			if err != nil {
@@ -1002,8 +1051,9 @@ func serveResolver(t *testing.T, p *harness.Pod, answer netip.Addr) {
 			_ = b.StartAnswers()
 			_ = b.AResource(dnsmessage.ResourceHeader{Name: q.Name, Class: dnsmessage.ClassINET, TTL: 30}, dnsmessage.AResource{A: answer.As4()})
 			if out, err := b.Finish(); err == nil {
-				_, _ = pc.WriteTo(out, from)
+				_, _ = pc.WriteToUDPAddrPort(out, from)
 			}
 		}
 	}()
+	return log
 }

@@ -29,6 +29,11 @@ type Config struct {
 	Node string
 	// DNS are the names the DNS proxy answers (lower case, no final dot).
 	DNS map[string][]netip.Addr
+	// DNSForward, when valid, is the resolver a query for any other name is
+	// forwarded to (ztunnel's: the nameserver of its own resolv.conf), from
+	// the pod's network namespace on a socket marked Mark; otherwise such a
+	// query gets SERVFAIL.
+	DNSForward netip.AddrPort
 	// RecordPath, when set, gets one JSON line per connection and DNS query.
 	RecordPath string
 	Log        *zap.Logger

@@ -3,10 +3,12 @@ package ztunnel
 import (
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/netip"
 	"strings"
+	"time"
 
 	"golang.org/x/net/dns/dnsmessage"
 
@@ -15,11 +17,12 @@ import (
 
 // serveDNS is ztunnel's DNS proxy on one localhost address of the pod, UDP and
 // TCP (dns/server.rs): it answers A and AAAA queries for the names it knows
-// (ztunnel's come from istiod; the double's from its configuration) and refuses
-// the rest with SERVFAIL, where ztunnel forwards them to the resolvers of its own
-// resolv.conf. The client is the pod the listener belongs to, never the source
-// address; a pod whose workload istiod does not have gets SERVFAIL for every
-// query (Store::lookup).
+// (ztunnel's come from istiod; the double's from its configuration) and
+// forwards the rest, as ztunnel does to the resolvers of its own resolv.conf
+// (dns/forwarder.rs), from a socket of the pod's own namespace marked as its
+// in-pod sockets are (Config.DNSForward; SERVFAIL without one). The client is
+// the pod the listener belongs to, never the source address; a pod whose
+// workload istiod does not have gets SERVFAIL for every query (Store::lookup).
 func (p *pod) serveDNS(addr netip.AddrPort) error {
 	uc, err := podsock.ListenUDP(int(p.ns.Fd()), addr, podsock.ListenOptions{Mark: Mark, ReusePort: true})
 	if err != nil {
@@ -92,9 +95,18 @@ func (p *pod) answer(query []byte, from netip.AddrPort) []byte {
 			}
 		}
 	}
+	fwd := p.dp.cfg.DNSForward
 	switch {
 	case err != nil:
 		p.record(rec.failed(err))
+	case rcode != dnsmessage.RCodeSuccess && fwd.IsValid():
+		rec.Dst, rec.Forwarded = fwd, fwd.String()
+		reply, ferr := p.forwardDNS(query, h.ID, fwd)
+		if ferr == nil {
+			p.record(rec)
+			return reply
+		}
+		p.record(rec.failed(ferr))
 	case rcode != dnsmessage.RCodeSuccess:
 		p.record(rec.failed(errors.New("not answered")))
 	default:
@@ -118,4 +130,42 @@ func (p *pod) answer(query []byte, from netip.AddrPort) []byte {
 		return nil
 	}
 	return out
+}
+
+// forwardTimeout bounds a forwarded query's wait for the upstream's answer.
+const forwardTimeout = 3 * time.Second
+
+// forwardDNS sends query to upstream over UDP from the pod's network namespace,
+// on a socket marked Mark (the node agent's capture must let it through to the
+// resolver, not back to this proxy), and returns the upstream's answer to the
+// same id.
+func (p *pod) forwardDNS(query []byte, id uint16, upstream netip.AddrPort) ([]byte, error) {
+	unspec := netip.IPv4Unspecified()
+	if upstream.Addr().Is6() {
+		unspec = netip.IPv6Unspecified()
+	}
+	c, err := podsock.ListenUDP(int(p.ns.Fd()), netip.AddrPortFrom(unspec, 0), podsock.ListenOptions{Mark: Mark})
+	if err != nil {
+		return nil, fmt.Errorf("forward to %s: %w", upstream, err)
+	}
+	defer c.Close()
+	if err := c.SetDeadline(time.Now().Add(forwardTimeout)); err != nil {
+		return nil, err
+	}
+	if _, err := c.WriteToUDPAddrPort(query, upstream); err != nil {
+		return nil, fmt.Errorf("forward to %s: %w", upstream, err)
+	}
+	buf := make([]byte, 4096)
+	for {
+		n, from, err := c.ReadFromUDPAddrPort(buf)
+		if err != nil {
+			return nil, fmt.Errorf("forward to %s: %w", upstream, err)
+		}
+		var parser dnsmessage.Parser
+		h, err := parser.Start(buf[:n])
+		if from != upstream || err != nil || h.ID != id || !h.Response {
+			continue // not the answer to this query
+		}
+		return buf[:n], nil
+	}
 }

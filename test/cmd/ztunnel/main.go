@@ -85,6 +85,12 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 	requireSA := fs.Bool("require-service-account", false, "refuse (and hang up on) a pod handed over without a service account, which ztunnel could not serve")
 	dns := dnsFlag{}
 	fs.Var(dns, "dns", "names the DNS proxy answers: comma-separated name=address")
+	var forward netip.AddrPort
+	fs.Func("dns-forward", "the resolver (address:port) queries for other names are forwarded to, as ztunnel forwards to its resolv.conf's; without it they get SERVFAIL", func(s string) error {
+		var err error
+		forward, err = netip.ParseAddrPort(s)
+		return err
+	})
 	level := zapcore.InfoLevel
 	fs.Var(&level, "log-level", "log level (debug, info, warn, error)")
 	if err := fs.Parse(args); err != nil {
@@ -111,6 +117,7 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 		Workloads:  wds,
 		Node:       *node,
 		DNS:        dns,
+		DNSForward: forward,
 		RecordPath: *record,
 		Log:        log,
 		Options:    ztunnel.Options{RequireServiceAccount: *requireSA, Misreport: misreport},
