@@ -968,6 +968,22 @@ func testAmbientNode(t *testing.T, n *ambientNode, list *libcni.NetworkConfigLis
 		return false
 	})
 
+	// ztunnel restarted while a port of the server's proxy is taken in its
+	// namespace: the pod is refused in the new connection's snapshot, stays
+	// pending, and is served once the port is free, by ztunnel's own retry:
+	// the node agent neither drops the connection nor the pod.
+	zt = n.restartZtunnelWithPortTaken(t, zt, server, ztunnel.HBONEPort)
+	before := n.recordCount(t)
+	if got, err := ask(t, client.cni, netip.AddrPortFrom(server.cni.IPv4(t), 8080)); err != nil || got != client.cni.IPv4(t) {
+		t.Errorf("client -> server once its proxy started late: the application saw %s (%v), want the client's %s", got, err, client.cni.IPv4(t))
+	}
+	poll(t, 20*time.Second, "the server's inbound HBONE through its late proxy", func() bool {
+		recs, _ := ztunnel.ReadRecords(n.records)
+		return len(recs) > before && slices.ContainsFunc(recs[before:], func(r ztunnel.Record) bool {
+			return r.Pod == server.api.Namespace+"/server" && r.Dir == "inbound" && r.Proto == "hbone" && r.Err == ""
+		})
+	})
+
 	// ztunnel gone: a meshed pod's DNS fails closed; it never reaches the
 	// resolver it asked, which answers the pod outside the mesh, but the
 	// closed port of ztunnel's listener (the pod's socket is refused, where
@@ -985,6 +1001,48 @@ func testAmbientNode(t *testing.T, n *ambientNode, list *libcni.NetworkConfigLis
 	if got, err := resolve(t, client.cni, resolver.String(), istioDNSName); !errors.Is(err, syscall.ECONNREFUSED) {
 		t.Errorf("DNS from the client with ztunnel down: %v (%v), want the query refused (failing closed)", got, err)
 	}
+}
+
+// restartZtunnelWithPortTaken stops the double, takes port in p's namespace
+// (a listener without SO_REUSEPORT, which the proxy's cannot share), starts
+// a new double, waits until p's proxy failed to start in its snapshot, frees
+// the port and waits until the double's retry started it. It returns the new
+// double.
+func (n *ambientNode) restartZtunnelWithPortTaken(t *testing.T, zt *harness.Process, p *ambientPod, port uint16) *harness.Process {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := zt.Stop(ctx); err != nil {
+		t.Fatalf("stop the ztunnel double: %v", err)
+	}
+	var taken net.Listener
+	if err := p.cni.Do(func() error {
+		var err error
+		taken, err = net.Listen("tcp", netip.AddrPortFrom(netip.IPv6Unspecified(), port).String())
+		return err
+	}); err != nil {
+		t.Fatalf("take port %d in %s: %v", port, p.api.Name, err)
+	}
+	defer taken.Close()
+	zt = n.startZtunnel(t)
+	uid := string(p.api.UID)
+	logged := func(msg string) func() bool {
+		return func() bool {
+			for line := range strings.Lines(zt.Output()) {
+				if strings.Contains(line, msg) && strings.Contains(line, uid) {
+					return true
+				}
+			}
+			return false
+		}
+	}
+	poll(t, 30*time.Second, p.api.Name+"'s proxy refused in the snapshot", logged("pod proxy failed to start"))
+	if logged("pod proxy started")() {
+		t.Fatalf("%s's proxy started with port %d taken", p.api.Name, port)
+	}
+	taken.Close()
+	poll(t, 3*ztunnel.RetryInterval, p.api.Name+"'s proxy started by the retry", logged("pod proxy started"))
+	return zt
 }
 
 // resolverAnswer is what the resolver of serveResolver answers.

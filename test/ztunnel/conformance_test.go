@@ -6,11 +6,13 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"runtime"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -74,15 +76,18 @@ func (p *pods) set(list ...zds.Pod) {
 }
 
 // workloads is a Handler that records what the client started and stopped.
+// A uid in failing fails to start that many more times.
 type workloads struct {
 	mu      sync.Mutex
 	running map[string]ztunnel.WorkloadInfo
 	synced  int
+	failing map[string]int
+	tries   map[string]int
 	changed chan struct{}
 }
 
 func newWorkloads() *workloads {
-	return &workloads{running: map[string]ztunnel.WorkloadInfo{}, changed: make(chan struct{})}
+	return &workloads{running: map[string]ztunnel.WorkloadInfo{}, failing: map[string]int{}, tries: map[string]int{}, changed: make(chan struct{})}
 }
 
 func (w *workloads) notifyLocked() {
@@ -97,9 +102,20 @@ func (w *workloads) Start(uid string, info ztunnel.WorkloadInfo, ns *os.File) er
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	w.running[uid] = info
+	w.tries[uid]++
 	w.notifyLocked()
+	if w.failing[uid] > 0 {
+		w.failing[uid]--
+		return errors.New("address in use")
+	}
+	w.running[uid] = info
 	return nil
+}
+
+func (w *workloads) triesOf(uid string) int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.tries[uid]
 }
 
 func (w *workloads) Stop(uid string) {
@@ -410,5 +426,116 @@ func TestZtunnelAsIstioRunsItConnects(t *testing.T) {
 				t.Fatalf("a process with file system uid 1337 connecting: %v, want EACCES", err)
 			}
 		})
+	}
+}
+
+// TestPendingRetry (workloadmanager.rs, statemanager.rs): a pod whose proxy
+// fails to start is nacked, the connection stays, and ztunnel tries it again
+// every retry interval until it starts; a pod deleted while pending is not
+// tried again, and none is pending once every one started.
+func TestPendingRetry(t *testing.T) {
+	fixtures.RequireRoot(t, rootReason)
+	ctx := testCtx(t)
+	late, gone := zdsPod(t, "late"), zdsPod(t, "gone")
+	snap := &pods{}
+	snap.set(late, gone)
+	path := filepath.Join(t.TempDir(), "ztunnel.sock")
+	srv := startServer(t, snap, path)
+	w := newWorkloads()
+	w.failing[late.UID] = 2
+	w.failing[gone.UID] = 1 << 30
+	c, err := ztunnel.Dial(ctx, path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sctx, cancel := context.WithCancel(ctx)
+	session := ztunnel.NewSession(w, ztunnel.Options{RequireServiceAccount: true, RetryInterval: 20 * time.Millisecond})
+	done := make(chan error, 1)
+	go func() { done <- session.Serve(sctx, c) }()
+	t.Cleanup(func() {
+		cancel()
+		c.Close()
+		<-done
+	})
+
+	w.wait(t, ctx, "the snapshot", func(_ map[string]ztunnel.WorkloadInfo, synced int) bool { return synced == 1 })
+	w.wait(t, ctx, "late started on its third try", func(r map[string]ztunnel.WorkloadInfo, _ int) bool {
+		_, ok := r[late.UID]
+		return ok
+	})
+	if n := w.triesOf(late.UID); n != 3 {
+		t.Errorf("late started after %d tries, want 3 (two failures, then the retry that worked)", n)
+	}
+	w.wait(t, ctx, "gone tried again", func(map[string]ztunnel.WorkloadInfo, int) bool { return w.tries[gone.UID] >= 3 })
+	if got := session.Pending(); len(got) != 1 || got[0] != gone.UID {
+		t.Errorf("pending %v, want only %s", got, gone.UID)
+	}
+
+	snap.set(late)
+	if err := srv.DelPod(ctx, gone.UID); err != nil {
+		t.Fatalf("delete gone: %v", err)
+	}
+	if got := session.Pending(); len(got) != 0 {
+		t.Errorf("pending %v after the delete, want none", got)
+	}
+	before := w.triesOf(gone.UID)
+	// What is asserted is that nothing happens: ten retry intervals, in which
+	// a pod still pending would have been tried again.
+	time.Sleep(10 * 20 * time.Millisecond)
+	if after := w.triesOf(gone.UID); after != before {
+		t.Errorf("gone tried %d more times after it was deleted", after-before)
+	}
+	select {
+	case err := <-done:
+		t.Fatalf("the connection ended: %v; a pod that fails to start must not end it", err)
+	default:
+	}
+}
+
+// TestProtocolErrorStops (workloadmanager.rs run_internal): on a protocol
+// error, here a second SnapshotSent, ztunnel nacks and stops its workload
+// manager for good instead of connecting again.
+func TestProtocolErrorStops(t *testing.T) {
+	fixtures.RequireRoot(t, rootReason)
+	ctx := testCtx(t)
+	path := filepath.Join(t.TempDir(), "ztunnel.sock")
+	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	var accepted atomic.Int32
+	go func() {
+		snapshotSent := protowire.AppendBytes(protowire.AppendTag(nil, 3, protowire.BytesType), nil)
+		for {
+			c, err := ln.AcceptUnix()
+			if err != nil {
+				return
+			}
+			accepted.Add(1)
+			go func() {
+				defer c.Close()
+				buf := make([]byte, 1024)
+				if _, err := c.Read(buf); err != nil { // hello
+					return
+				}
+				for range 2 {
+					if _, err := c.Write(snapshotSent); err != nil {
+						return
+					}
+					if _, err := c.Read(buf); err != nil { // ack
+						return
+					}
+				}
+				_, _ = c.Read(buf) // until the client hangs up
+			}()
+		}
+	}()
+	err = ztunnel.Run(ctx, ztunnel.Config{ZDSPath: path, Log: zaptest.NewLogger(t)})
+	if !errors.Is(err, ztunnel.ErrProtocol) {
+		t.Fatalf("Run = %v, want it stopped on the protocol error", err)
+	}
+	if n := accepted.Load(); n != 1 {
+		t.Errorf("the client connected %d times, want once: a protocol error ends it for good", n)
 	}
 }

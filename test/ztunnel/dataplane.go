@@ -130,6 +130,7 @@ func (d *Dataplane) Start(uid string, info WorkloadInfo, ns *os.File) error {
 	p := &pod{uid: uid, info: info, ns: ns, id: id, dp: d, ctx: ctx, cancel: cancel,
 		conns: map[io.Closer]struct{}{}, log: d.cfg.Log.With(zap.String("pod", info.Namespace+"/"+info.Name))}
 	if err := p.start(); err != nil {
+		p.log.Warn("pod proxy failed to start", zap.String("uid", uid), zap.Error(err))
 		return err
 	}
 	d.mu.Lock()
@@ -168,7 +169,8 @@ func (d *Dataplane) Reconcile(keep map[string]bool) {
 
 // Run connects to the node agent's ZDS socket and serves the pods it hands over,
 // reconnecting with ztunnel's back-off (10 ms doubling to 15 s) whenever the
-// connection ends, until ctx ends; then every pod's proxy stops.
+// connection ends, until ctx ends or the agent makes a protocol error (returned,
+// wrapping ErrProtocol); then every pod's proxy stops.
 func Run(ctx context.Context, cfg Config) error {
 	if cfg.ZDSPath == "" {
 		cfg.ZDSPath = zds.DefaultSocketPath
@@ -191,6 +193,11 @@ func Run(ctx context.Context, cfg Config) error {
 		synced, err := d.connectOnce(ctx)
 		if ctx.Err() != nil {
 			return nil
+		}
+		if errors.Is(err, ErrProtocol) {
+			// ztunnel stops its workload manager (and its pods' proxies)
+			// rather than connect again to an agent it cannot speak to.
+			return fmt.Errorf("stopped: %w", err)
 		}
 		if synced {
 			backoff = 10 * time.Millisecond

@@ -18,8 +18,12 @@
 //     are kept, a Del before it un-names a pod, everything else is dropped at
 //     SnapshotSent; Keep after the snapshot and a second SnapshotSent are
 //     protocol errors;
-//   - on a request it cannot read or a protocol error it nacks and hangs up;
-//     a pod it cannot start is nacked and the connection stays;
+//   - on a request it cannot read it nacks, hangs up and connects again; on a
+//     protocol error (no workload_info, Keep after the snapshot, a second
+//     SnapshotSent) it nacks, hangs up and stops for good (Run returns it);
+//   - a pod it cannot start is nacked, the connection stays, and the pod is
+//     kept pending and tried again every 5 s until it starts, is deleted or
+//     the connection ends (workloadmanager.rs RETRY_DURATION);
 //   - serves a pod only as a workload istiod has on its node (WDS, wds.go)
 //     whose name, namespace and service account are the ones ZDS gave: each
 //     of the pod's connections and DNS queries waits up to 5 s for it and is
@@ -59,6 +63,16 @@ var ErrDeviation = errors.New("agent deviates from what ztunnel accepts")
 
 func deviationf(format string, args ...any) error {
 	return fmt.Errorf("%w: %s", ErrDeviation, fmt.Sprintf(format, args...))
+}
+
+// ErrProtocol is wrapped by the deviations ztunnel takes for a protocol
+// mismatch (statemanager.rs Error::ProtocolError): it stops its workload
+// manager instead of connecting again, since an agent that speaks another
+// protocol would only be sent more of what it cannot read.
+var ErrProtocol = fmt.Errorf("%w: protocol error", ErrDeviation)
+
+func protocolErrorf(format string, args ...any) error {
+	return fmt.Errorf("%w: %s", ErrProtocol, fmt.Sprintf(format, args...))
 }
 
 // Field numbers of proto/zds.proto.
