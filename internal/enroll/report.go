@@ -412,7 +412,11 @@ func (r *reporter) annotate(ctx context.Context, key podKey, uid, outcome string
 	}
 	ctx, cancel := context.WithTimeout(ctx, reportTimeout)
 	defer cancel()
-	p, err := r.client.CoreV1().Pods(key.namespace).Patch(ctx, key.name, types.MergePatchType, body, metav1.PatchOptions{FieldManager: "mesh-agent"})
+	// Through pods/status, as istio-cni writes its annotation: that
+	// subresource may change the metadata but never the spec, so the agent's
+	// credential needs no patch of the pod object (which could change its
+	// containers' images) even where the admission policy is not installed.
+	p, err := r.client.CoreV1().Pods(key.namespace).Patch(ctx, key.name, types.MergePatchType, body, metav1.PatchOptions{FieldManager: "mesh-agent"}, "status")
 	if err != nil {
 		return "", err
 	}
