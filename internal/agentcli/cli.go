@@ -490,7 +490,15 @@ func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {
 				return nil, nil, err
 			}
 			rd := agent.RedirectDatapath{DP: dp, Settings: settings, ProxyCgroups: opts.proxyCgroups}
-			if err := rd.SetProxyProcesses(nil); err != nil {
+			// With ZDS, the node proxy's cgroup pinned by the agent before
+			// this one stays until the proxy connects here (which replaces
+			// the list): its own connections in the pods must not loop back
+			// to it meanwhile.
+			set := rd.SetProxyProcesses
+			if opts.zdsSocket != "" {
+				set = func([]int32) error { return dp.KeepProxyCgroups(opts.proxyCgroups) }
+			}
+			if err := set(nil); err != nil {
 				dp.Close()
 				return nil, nil, fmt.Errorf("--proxy-cgroups: %w", err)
 			}

@@ -46,6 +46,45 @@ func (d *Datapath) SetProxyCgroups(paths []string) error {
 	return nil
 }
 
+// KeepProxyCgroups is SetProxyCgroups for an agent's start: after the cgroups
+// of paths it keeps those the pinned settings already name, the node proxy's
+// that the agent before this one learned from its connection, up to
+// MaxProxyCgroups. The proxy's own connections then stay exempt while no
+// agent runs and until it connects to this one, whose SetProxyCgroups
+// replaces the list. A kept id whose cgroup is gone exempts nothing: cgroup
+// ids are not reused.
+func (d *Datapath) KeepProxyCgroups(paths []string) error {
+	var cfg redirectNodeConfig
+	names, n, err := d.cgroupList(paths, cfg.ProxyCgroups[:])
+	if err != nil {
+		return fmt.Errorf("proxy cgroups: %w", err)
+	}
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	if d.closed {
+		return ErrClosed
+	}
+	var pinned redirectNodeConfig
+	if err := d.objs.Node.Lookup(uint32(0), &pinned); err != nil {
+		return fmt.Errorf("read proxy cgroups: %w", err)
+	}
+	kept := 0
+	for _, c := range pinned.ProxyCgroups[:min(int(pinned.NrProxyCgroups), len(pinned.ProxyCgroups))] {
+		if int(n) == len(cfg.ProxyCgroups) || c.Id == 0 || slices.Contains(cfg.ProxyCgroups[:n], c) {
+			continue
+		}
+		cfg.ProxyCgroups[n] = c
+		n++
+		kept++
+	}
+	cfg.NrProxyCgroups = n
+	if err := d.objs.Node.Put(uint32(0), cfg); err != nil {
+		return fmt.Errorf("write proxy cgroups: %w", err)
+	}
+	d.log.Info("proxy cgroups", zap.Strings("cgroups", names), zap.Int("keptFromBefore", kept))
+	return nil
+}
+
 // SetProbeCgroups names the cgroups whose processes probe pods: the kubelet's.
 // Their TCP connects in the network namespace with cookie netns (the kubelet's;
 // 0: this process's) are recorded before the SYN leaves, and a pod's inbound capture lets those exact

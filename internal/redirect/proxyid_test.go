@@ -295,3 +295,63 @@ func TestCgroupIDMadeAgain(t *testing.T) {
 		t.Errorf("made again: id %d, %v; want a new id (was %d)", again, err, first)
 	}
 }
+
+// An agent that starts keeps the node proxy's cgroup the agent before it
+// pinned, after its own configured ones, until the proxy connects to it and
+// the list is replaced: the proxy's connections stay exempt meanwhile.
+func TestKeepProxyCgroups(t *testing.T) {
+	t.Parallel()
+	requireRoot(t)
+	d, cfg := testDatapath(t)
+	learned := newCgroup(t, d.cgroup, fmt.Sprintf("mesh-test-learned-%d", os.Getpid()))
+	configured := newCgroup(t, d.cgroup, fmt.Sprintf("mesh-test-configured-%d", os.Getpid()))
+	if err := d.SetProxyCgroups([]string{configured, learned}); err != nil {
+		t.Fatal(err)
+	}
+	ids := func(d *Datapath) []uint64 {
+		t.Helper()
+		var c redirectNodeConfig
+		if err := d.objs.Node.Lookup(uint32(0), &c); err != nil {
+			t.Fatal(err)
+		}
+		var out []uint64
+		for _, p := range c.ProxyCgroups[:c.NrProxyCgroups] {
+			out = append(out, p.Id)
+		}
+		return out
+	}
+	id := func(path string) uint64 {
+		t.Helper()
+		id, err := d.CgroupID(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	// The next agent, on the same pins.
+	next, err := Open(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer next.Close()
+	if err := next.KeepProxyCgroups([]string{configured}); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := ids(next), []uint64{id(configured), id(learned)}; !slices.Equal(got, want) {
+		t.Errorf("proxy cgroups after the start %v, want the configured one, then the learned one kept %v", got, want)
+	}
+	// Kept once only, however often the agent starts.
+	if err := next.KeepProxyCgroups([]string{configured}); err != nil {
+		t.Fatal(err)
+	}
+	if got := ids(next); len(got) != 2 {
+		t.Errorf("proxy cgroups after a second start %v, want two", got)
+	}
+	// The proxy connected: its report replaces the list.
+	if err := next.SetProxyCgroups([]string{configured}); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := ids(next), []uint64{id(configured)}; !slices.Equal(got, want) {
+		t.Errorf("proxy cgroups after the proxy's report %v, want %v", got, want)
+	}
+}

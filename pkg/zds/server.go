@@ -512,7 +512,14 @@ func (s *Server) unregister(c *conn) {
 	s.mu.Lock()
 	s.conns = slices.DeleteFunc(s.conns, func(x *conn) bool { return x == c })
 	s.notifyLocked()
+	closed := s.closed || s.ctx.Err() != nil
 	s.mu.Unlock()
+	if closed {
+		// The agent is stopping, not the proxy: the proxy keeps serving its
+		// pods, so its identity stays where it was last reported until the
+		// next agent learns it again.
+		return
+	}
 	if err := s.proxiesChanged(); err != nil {
 		s.log.Warn("update the proxies after a disconnect", zap.Error(err))
 	}

@@ -9,6 +9,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -847,5 +848,59 @@ func TestAddPodUsesCallersNamespace(t *testing.T) {
 	other.NetnsCookie++
 	if err := srv.AddPod(ctx, other); !errors.Is(err, zds.ErrNetnsReplaced) {
 		t.Errorf("AddPod of a held namespace with another cookie = %v, want ErrNetnsReplaced", err)
+	}
+}
+
+// TestProxiesKeptWhenServerCloses: a proxy that disconnects is reported gone,
+// but the server closing (the agent stopping) reports nothing: the proxy still
+// serves its pods, and its identity must stay in the data path until the next
+// agent learns it.
+func TestProxiesKeptWhenServerCloses(t *testing.T) {
+	fixtures.RequireRoot(t, rootReason)
+	ctx := testCtx(t)
+	var (
+		mu      sync.Mutex
+		reports [][]int32
+	)
+	last := func() ([]int32, int) {
+		mu.Lock()
+		defer mu.Unlock()
+		if len(reports) == 0 {
+			return nil, 0
+		}
+		return reports[len(reports)-1], len(reports)
+	}
+	srv, path := startServer(t, &store{}, zds.Config{ProxiesChanged: func(pids []int32) error {
+		mu.Lock()
+		defer mu.Unlock()
+		reports = append(reports, slices.Clone(pids))
+		return nil
+	}})
+	connect := func() *zds.ProxyConn {
+		pc := dialProxy(t, ctx, path, zdspb.Version_V1)
+		takeSnapshot(t, ctx, pc)
+		if err := srv.WaitForProxy(ctx); err != nil {
+			t.Fatal(err)
+		}
+		return pc
+	}
+	self := []int32{int32(os.Getpid())}
+	first := connect()
+	if got, _ := last(); !slices.Equal(got, self) {
+		t.Fatalf("after the proxy connected: reported %v, want %v", got, self)
+	}
+	first.Close()
+	harness.WaitFor(t, 10*time.Second, "the disconnect reported", func() bool {
+		got, _ := last()
+		return len(got) == 0
+	})
+
+	connect()
+	_, n := last()
+	if err := srv.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if got, m := last(); m != n || !slices.Equal(got, self) {
+		t.Errorf("after the server closed: %d more reports, last %v; want none, the proxy kept as %v", m-n, got, self)
 	}
 }

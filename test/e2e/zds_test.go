@@ -342,7 +342,8 @@ func TestZDSRefusedWithoutServiceAccounts(t *testing.T) {
 // proxy is known by the cgroup of the process that connected to the ZDS socket. A
 // pod's root that marks its connects with ztunnel's mark 0x539 (CAP_NET_RAW, a
 // default capability) still goes through the node proxy, both ways, while the node
-// proxy's own connections, marked the same, are not redirected again.
+// proxy's own connections, marked the same, are not redirected again, also
+// while the agent is stopped and once it runs again.
 func TestProxyKnownByCgroup(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
@@ -370,4 +371,13 @@ func TestProxyKnownByCgroup(t *testing.T) {
 			t.Fatalf("the server saw the client %s directly: a marked connect bypassed the node proxy", c)
 		}
 	}
+
+	// The agent stopped (an upgrade, a crash) and started again: the node
+	// proxy stays known by its cgroup throughout, so its own connects in the
+	// pods are never sent back to it, and the pods keep their path.
+	a.stop(ctx)
+	target := netip.AddrPortFrom(srv.IPv4(t), 8080)
+	np.checkPath(ctx, t, client.Pod, srv.Pod, target)
+	a.start(ctx)
+	np.checkPath(ctx, t, client.Pod, srv.Pod, target)
 }
