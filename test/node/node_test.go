@@ -24,6 +24,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/mesh-cni/mesh-cni/install/kubernetes"
+	"github.com/mesh-cni/mesh-cni/internal/agentcli"
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/test/node/nodeenv"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
@@ -86,6 +87,7 @@ func TestNode(t *testing.T) {
 		{"4c-rollout-to-this-build", s.rolloutOwnBuild},
 		{"4d-nodeport-captured-probes-pass", s.nodePortAndProbes},
 		{"4e-probe-aimed-elsewhere-captured", s.probeAimedElsewhere},
+		{"4f-completed-pod-leaves-mesh", s.completedPodLeavesMesh},
 		{"2-pod-waits-for-agent", s.podWaitsForAgent},
 		{"4a-containerd-restart", s.containerdRestart},
 		{"4b-agent-pod-replaced", s.agentPodReplaced},
@@ -666,6 +668,36 @@ func (s *scenario) probeAimedElsewhere(t *testing.T, ctx context.Context) {
 		if err := s.n.Admin.CoreV1().Pods(p[0]).Delete(ctx, p[1], metav1.DeleteOptions{}); err != nil {
 			t.Errorf("delete pod %s/%s: %v", p[0], p[1], err)
 		}
+	}
+}
+
+// completedPodLeavesMesh: a meshed pod whose containers have all exited for
+// good (a Job's: restartPolicy Never, its work done through its proxy) leaves
+// the mesh, whichever of the kubelet's phase and its sandbox's DEL reaches the
+// agent first: the agent holds it enrolled no longer and its annotation says
+// disabled, so istiod would no longer send it HBONE.
+func (s *scenario) completedPodLeavesMesh(t *testing.T, ctx context.Context) {
+	const trips = 3
+	job := s.client("shop", "job", net.JoinHostPort(s.serverIP, strconv.Itoa(serverPort)), true)
+	args := job.Spec.Containers[0].Args
+	args[slices.Index(args, "-n")+1] = strconv.Itoa(trips)
+	job.Spec.RestartPolicy = corev1.RestartPolicyNever
+	s.create(ctx, job)
+	s.until(ctx, "shop", "job", "phase Succeeded", func(p *corev1.Pod) bool { return p.Status.Phase == corev1.PodSucceeded })
+	s.until(ctx, "shop", "job", redirectionAnn+"=disabled", func(p *corev1.Pod) bool { return p.Annotations[redirectionAnn] == "disabled" })
+	if ok, failed := s.connections(t, "job"); ok != trips || failed != 0 {
+		t.Errorf("the job made %d round trips and %d failed, want %d and none", ok, failed, trips)
+	}
+	if n := len(s.proxied(t, "job", proxy.Outbound)); n < trips {
+		t.Errorf("the job's proxy forwarded %d of its %d connections", n, trips)
+	}
+	for _, p := range s.status(t, ctx).Pods {
+		if p.Namespace == "shop" && p.Name == "job" && p.State == agentcli.StateRedirected {
+			t.Errorf("the agent still holds the completed job enrolled: %+v", p)
+		}
+	}
+	if err := s.n.Admin.CoreV1().Pods("shop").Delete(ctx, "job", metav1.DeleteOptions{}); err != nil {
+		t.Errorf("delete pod shop/job: %v", err)
 	}
 }
 
