@@ -80,7 +80,7 @@ func startKubeletNamed(t *testing.T, netnsPath string) int {
 		t.Fatal(err)
 	}
 	p := harness.StartProcess(t, harness.ProcessOptions{Path: link, Args: []string{"1000"}, NetNSPath: netnsPath})
-	harness.WaitFor(t, 10*time.Second, "a process named kubelet", func() bool {
+	fixtures.WaitFor(t, 10*time.Second, "a process named kubelet", func() bool {
 		comm, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(p.Pid()), "comm"))
 		return err == nil && strings.TrimSpace(string(comm)) == "kubelet"
 	})
@@ -119,7 +119,7 @@ func TestProbeWatch(t *testing.T) {
 
 	waitCalls := func(n int, what string) []probeCall {
 		t.Helper()
-		harness.WaitFor(t, 10*time.Second, what, func() bool { return len(dp.callList()) >= n })
+		fixtures.WaitFor(t, 10*time.Second, what, func() bool { return len(dp.callList()) >= n })
 		return dp.callList()
 	}
 	calls := waitCalls(1, "the kubelet's probe cgroups")
@@ -138,7 +138,7 @@ func TestProbeWatch(t *testing.T) {
 	// The data path reads the kubelet's cgroup as a pod's: refused.
 	pod := "/sys/fs/cgroup/unified/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod0f1e2d3c_aaaa_bbbb_cccc_123456789abc.slice/cri-containerd-x.scope"
 	dp.set(pod, 200)
-	harness.WaitFor(t, 10*time.Second, "the pod cgroup refused", func() bool {
+	fixtures.WaitFor(t, 10*time.Second, "the pod cgroup refused", func() bool {
 		return logs.FilterMessageSnippet("is a pod's").Len() > 0
 	})
 	// Nothing is set for it, however many passes the watch makes.

@@ -259,7 +259,7 @@ func TestKubeletFinderRealProcesses(t *testing.T) {
 		t.Helper()
 		p := harness.StartProcess(t, harness.ProcessOptions{Name: name, Path: path, Args: args,
 			Cgroup: harness.MkCgroup(t, filepath.Join(cgroup, name+".scope")), NetNSPath: netnsPath})
-		harness.WaitFor(t, 10*time.Second, name+" named kubelet", func() bool {
+		fixtures.WaitFor(t, 10*time.Second, name+" named kubelet", func() bool {
 			comm, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(p.Pid()), "comm"))
 			return err == nil && strings.TrimSpace(string(comm)) == "kubelet"
 		})

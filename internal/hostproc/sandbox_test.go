@@ -119,7 +119,7 @@ func uid(n int) string { return fmt.Sprintf("%08x-0000-4000-8000-%012x", n, n) }
 // or unshare has exec'd it, so they are where they will stay).
 func waitProcesses(t *testing.T, cgroup string, count int) {
 	t.Helper()
-	harness.WaitFor(t, 10*time.Second, "processes in "+cgroup, func() bool {
+	fixtures.WaitFor(t, 10*time.Second, "processes in "+cgroup, func() bool {
 		b, err := os.ReadFile(filepath.Join(cgroup, "cgroup.procs"))
 		if err != nil || len(strings.Fields(string(b))) < count {
 			return false

@@ -21,7 +21,6 @@ import (
 	"github.com/mesh-cni/mesh-cni/pkg/zds"
 	"github.com/mesh-cni/mesh-cni/pkg/zds/zdspb"
 	"github.com/mesh-cni/mesh-cni/test/fixtures"
-	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
 // rootReason is why these tests need root.
@@ -294,7 +293,7 @@ func TestAddToNewestDeleteToAll(t *testing.T) {
 	checkAdd(t, takeSnapshot(t, ctx, old)[0], p1)
 	newer := dialProxy(t, ctx, path, zdspb.Version_V1)
 	checkAdd(t, takeSnapshot(t, ctx, newer)[0], p1)
-	harness.WaitFor(t, time.Minute, "two proxies", func() bool { return srv.Connected() == 2 })
+	fixtures.WaitFor(t, time.Minute, "two proxies", func() bool { return srv.Connected() == 2 })
 
 	// Already acked with the same namespace: returns without a request (one
 	// would never be acked here and time out).
@@ -334,7 +333,7 @@ func TestAddToNewestDeleteToAll(t *testing.T) {
 	// The newer proxy goes away: the old one is the newest again, and its next
 	// request is p3's add (no delete of p2 came before it).
 	newer.Close()
-	harness.WaitFor(t, time.Minute, "the closed proxy to be dropped", func() bool { return srv.Connected() == 1 })
+	fixtures.WaitFor(t, time.Minute, "the closed proxy to be dropped", func() bool { return srv.Connected() == 1 })
 	st.add(p3)
 	done = async(func() error { return srv.AddPod(ctx, p3) })
 	checkAdd(t, recv(t, ctx, old), p3)
@@ -357,7 +356,7 @@ func TestAckDeadline(t *testing.T) {
 	srv, path := startServer(t, st, zds.Config{AckTimeout: 300 * time.Millisecond})
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
 	takeSnapshot(t, ctx, pc)
-	harness.WaitFor(t, time.Minute, "the proxy", func() bool { return srv.Connected() == 1 })
+	fixtures.WaitFor(t, time.Minute, "the proxy", func() bool { return srv.Connected() == 1 })
 
 	st.add(p)
 	done := async(func() error { return srv.AddPod(ctx, p) })
@@ -368,7 +367,7 @@ func TestAckDeadline(t *testing.T) {
 		t.Fatalf("add without ack: %v, want a deadline error and ErrNoProxy", err)
 	}
 	expectEOF(t, ctx, pc)
-	harness.WaitFor(t, time.Minute, "the proxy to be dropped", func() bool { return srv.Connected() == 0 })
+	fixtures.WaitFor(t, time.Minute, "the proxy to be dropped", func() bool { return srv.Connected() == 0 })
 	if err := srv.AddPod(ctx, p); !errors.Is(err, zds.ErrNoProxy) {
 		t.Errorf("add with no proxy: %v, want ErrNoProxy", err)
 	}
@@ -463,7 +462,7 @@ func TestMisbehavingProxies(t *testing.T) {
 			}
 			expectEOF(t, ctx, pc)
 			// The server's copy of the fd must be closed too.
-			harness.WaitFor(t, time.Minute, "the server to close the fd it was sent", func() bool { return openFdsTo(t, ino) == 0 })
+			fixtures.WaitFor(t, time.Minute, "the server to close the fd it was sent", func() bool { return openFdsTo(t, ino) == 0 })
 		}},
 		{"close without hello", func(t *testing.T) {
 			pc, err := zds.Dial(ctx, path)
@@ -500,7 +499,7 @@ func TestMisbehavingProxies(t *testing.T) {
 				t.Fatal(err)
 			}
 			expectEOF(t, ctx, pc)
-			harness.WaitFor(t, time.Minute, "the server to close the fd it was sent", func() bool { return openFdsTo(t, ino) == 0 })
+			fixtures.WaitFor(t, time.Minute, "the server to close the fd it was sent", func() bool { return openFdsTo(t, ino) == 0 })
 		}},
 		{"speaks out of turn", func(t *testing.T) {
 			pc := dialProxy(t, ctx, path, zdspb.Version_V1)
@@ -514,7 +513,7 @@ func TestMisbehavingProxies(t *testing.T) {
 	}
 
 	// Every bad connection is gone; the good proxy is the only one and works.
-	harness.WaitFor(t, time.Minute, "only the good proxy left", func() bool { return srv.Connected() == 1 })
+	fixtures.WaitFor(t, time.Minute, "only the good proxy left", func() bool { return srv.Connected() == 1 })
 	p2 := pod(t, "p2")
 	st.add(p2)
 	done := async(func() error { return srv.AddPod(ctx, p2) })
@@ -559,9 +558,9 @@ func TestLiveness(t *testing.T) {
 	srv, path := startServer(t, &store{}, zds.Config{})
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
 	takeSnapshot(t, ctx, pc)
-	harness.WaitFor(t, time.Minute, "the proxy", func() bool { return srv.Connected() == 1 })
+	fixtures.WaitFor(t, time.Minute, "the proxy", func() bool { return srv.Connected() == 1 })
 	pc.Close()
-	harness.WaitFor(t, time.Minute, "the proxy to be dropped", func() bool { return srv.Connected() == 0 })
+	fixtures.WaitFor(t, time.Minute, "the proxy to be dropped", func() bool { return srv.Connected() == 0 })
 	if !srv.EverConnected() {
 		t.Error("EverConnected forgot the proxy")
 	}

@@ -24,6 +24,7 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -168,7 +169,7 @@ func waitMeshState(ctx context.Context, t *testing.T, a *agent, want map[string]
 	var st meshState
 	var d string
 	// Each look asks the agent for its status: every 100 ms, not WaitInterval.
-	if !harness.Eventually(ctx, limit, 100*time.Millisecond, func() bool {
+	if !fixtures.Eventually(ctx, limit, 100*time.Millisecond, func() bool {
 		st = readMeshState(ctx, t, a)
 		d = st.diff(want)
 		return d == ""

@@ -19,6 +19,7 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/internal/cniplugin"
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -62,7 +63,7 @@ func TestAddWaitsForAgent(t *testing.T) {
 
 	// The bridge plugin has run once eth0 exists in the pod; from then on only
 	// the gate holds the ADD.
-	harness.WaitFor(t, 30*time.Second, "bridge plugin to create eth0 in the pod", func() bool {
+	fixtures.WaitFor(t, 30*time.Second, "bridge plugin to create eth0 in the pod", func() bool {
 		return netns.Do(pod.NetNSPath, func() error { _, err := net.InterfaceByName("eth0"); return err }) == nil
 	})
 	select {

@@ -26,6 +26,7 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -243,7 +244,7 @@ func waitEntry(path string, gen int, start time.Time, limit time.Duration) (time
 // from then on only mesh-cni holds its ADD.
 func waitPodInterface(t testing.TB, pod *harness.Pod) {
 	t.Helper()
-	harness.WaitFor(t, 30*time.Second, "the primary plugin to create eth0 in pod "+pod.Name, func() bool {
+	fixtures.WaitFor(t, 30*time.Second, "the primary plugin to create eth0 in pod "+pod.Name, func() bool {
 		return netns.Do(pod.NetNSPath, func() error { _, err := net.InterfaceByName("eth0"); return err }) == nil
 	})
 }
@@ -431,7 +432,7 @@ func (w *healthWatch) since(n int) ([]healthpb.HealthCheckResponse_ServingStatus
 // waitServing waits until the latest status received is SERVING.
 func (w *healthWatch) waitServing(t testing.TB) {
 	t.Helper()
-	harness.WaitFor(t, 30*time.Second, "the agent to report SERVING again", func() bool {
+	fixtures.WaitFor(t, 30*time.Second, "the agent to report SERVING again", func() bool {
 		w.mu.Lock()
 		defer w.mu.Unlock()
 		if w.err != nil {

@@ -22,6 +22,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
@@ -380,13 +381,13 @@ func TestAgentRestartKeepsDataPath(t *testing.T) {
 			}
 		}
 	}()
-	harness.WaitFor(t, 30*time.Second, "connections before the kill", func() bool { return ok.Load() >= 20 })
+	fixtures.WaitFor(t, 30*time.Second, "connections before the kill", func() bool { return ok.Load() >= 20 })
 	a.kill()
 	atKill := ok.Load()
-	harness.WaitFor(t, 30*time.Second, "connections while the agent is down", func() bool { return ok.Load() >= atKill+50 })
+	fixtures.WaitFor(t, 30*time.Second, "connections while the agent is down", func() bool { return ok.Load() >= atKill+50 })
 	a.start(ctx)
 	afterStart := ok.Load()
-	harness.WaitFor(t, 30*time.Second, "connections after the restart", func() bool { return ok.Load() >= afterStart+20 })
+	fixtures.WaitFor(t, 30*time.Second, "connections after the restart", func() bool { return ok.Load() >= afterStart+20 })
 	close(stop)
 	<-done
 

@@ -18,6 +18,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -148,7 +149,7 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 		"--pod-cgroup-driver=cgroupfs", "--pod-cgroup-root", strings.TrimPrefix(cgroupRoot, mount))...)
 	a.start(ctx)
 
-	harness.WaitFor(t, 30*time.Second, "the running pods of the labelled namespace adopted", func() bool {
+	fixtures.WaitFor(t, 30*time.Second, "the running pods of the labelled namespace adopted", func() bool {
 		return a.enrolledUID(client.UID) && a.enrolledUID(worker.UID)
 	})
 	c.waitAnnotation(t, lab, "client", enroll.OutcomeEnabled)
@@ -189,7 +190,7 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 	// Labelling the unselected pod's namespace enrolls it like any pod the
 	// agent knows.
 	c.setLabel(t, plain, "late", "mesh-cni.io/dataplane-mode", "enabled")
-	harness.WaitFor(t, 30*time.Second, "the labelled running pod enrolled", func() bool { return a.enrolledUID(late.UID) })
+	fixtures.WaitFor(t, 30*time.Second, "the labelled running pod enrolled", func() bool { return a.enrolledUID(late.UID) })
 
 	// The runtime's DEL, through the chain the agent installed, releases
 	// adopted pods: the one whose attachment the agent read as the runtime

@@ -26,6 +26,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
 	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
@@ -153,7 +154,7 @@ func installArgs(t *testing.T, node *harness.Node) []string {
 func waitChainEntry(t *testing.T, node *harness.Node, present bool) *libcni.NetworkConfigList {
 	t.Helper()
 	var list *libcni.NetworkConfigList
-	harness.WaitFor(t, 30*time.Second, fmt.Sprintf("the chain entry present=%v", present), func() bool {
+	fixtures.WaitFor(t, 30*time.Second, fmt.Sprintf("the chain entry present=%v", present), func() bool {
 		l, _, err := node.LoadConflist()
 		if err != nil || len(l.Plugins) == 0 {
 			return false
@@ -199,7 +200,7 @@ func (c *cluster) annotation(t *testing.T, namespace, name string) string {
 
 func (c *cluster) waitAnnotation(t *testing.T, namespace, name, want string) {
 	t.Helper()
-	harness.WaitFor(t, 30*time.Second, fmt.Sprintf("%s=%s on %s/%s", enroll.AnnotationRedirection, want, namespace, name), func() bool {
+	fixtures.WaitFor(t, 30*time.Second, fmt.Sprintf("%s=%s on %s/%s", enroll.AnnotationRedirection, want, namespace, name), func() bool {
 		return c.annotation(t, namespace, name) == want
 	})
 }
@@ -219,9 +220,9 @@ func waitEnrolled(t *testing.T, a *agent, p *harness.Pod, want bool, what string
 	t.Helper()
 	start := time.Now()
 	cond := func() bool { return a.enrolled(p) == want }
-	if !harness.Eventually(t.Context(), changeLimit, harness.WaitInterval, cond) {
+	if !fixtures.Eventually(t.Context(), changeLimit, fixtures.WaitInterval, cond) {
 		t.Errorf("%s: pod %s/%s enrolled=%v not reached within %s", what, p.Namespace, p.Name, want, changeLimit)
-		harness.WaitFor(t, 30*time.Second, what, cond)
+		fixtures.WaitFor(t, 30*time.Second, what, cond)
 	}
 	t.Logf("%s: %s/%s enrolled=%v after %s", what, p.Namespace, p.Name, want, time.Since(start).Round(time.Millisecond))
 }
@@ -470,7 +471,7 @@ func testAgentAddWithAPIServerDown(t *testing.T, c *cluster) {
 	own.waitAnnotation(t, ns, "unseen", enroll.OutcomeEnabled)
 	// The failed attempt was queued while the API server was down and is
 	// written once it is back (the reporter backs off up to 30 s).
-	harness.WaitFor(t, 2*time.Minute, "the Warning Event for the failed ADD", func() bool {
+	fixtures.WaitFor(t, 2*time.Minute, "the Warning Event for the failed ADD", func() bool {
 		evs, err := own.admin.CoreV1().Events(ns).List(ctx, metav1.ListOptions{
 			FieldSelector: fields.OneTermEqualSelector("involvedObject.name", "unseen").String(),
 		})

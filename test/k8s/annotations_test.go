@@ -15,6 +15,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
 )
@@ -244,7 +245,7 @@ func (c *cluster) waitRedirection(t *testing.T, namespace, name, outcome string,
 	} else {
 		what += " absent"
 	}
-	harness.WaitFor(t, 30*time.Second, what, func() bool {
+	fixtures.WaitFor(t, 30*time.Second, what, func() bool {
 		o, v, ok := c.redirectionOf(t, namespace, name)
 		return o == outcome && ok == istio && (!istio || v == enroll.OutcomeEnabled)
 	})
@@ -296,7 +297,7 @@ func testAgentCorrectsForgedAnnotations(t *testing.T, c *cluster) {
 	c.waitRedirection(t, plain, "plain", enroll.OutcomeDisabled, false)
 	c.waitRedirection(t, amb, "meshed", enroll.OutcomeEnabled, true)
 	// Each correction is logged before it is written.
-	harness.WaitFor(t, 10*time.Second, "the agent's log line of each correction", func() bool {
+	fixtures.WaitFor(t, 10*time.Second, "the agent's log line of each correction", func() bool {
 		var corrected []string
 		for line := range strings.Lines(a.Proc.Output()) {
 			for _, pod := range []string{"meshed", "never-added", "plain"} {
@@ -412,7 +413,7 @@ func testAgentEnforcedNamespace(t *testing.T, c *cluster) {
 func (c *cluster) waitOptOutEvent(t *testing.T, p *corev1.Pod) {
 	t.Helper()
 	want := `"mesh-cni.io/dataplane-mode=disabled" (profile mesh-cni), ignored: namespace ` + p.Namespace + " enforces the mesh (mesh-cni.io/enforce=true)"
-	harness.WaitFor(t, 30*time.Second, "the Warning Event "+enroll.EventReasonOptOutIgnored+" on "+p.Namespace+"/"+p.Name, func() bool {
+	fixtures.WaitFor(t, 30*time.Second, "the Warning Event "+enroll.EventReasonOptOutIgnored+" on "+p.Namespace+"/"+p.Name, func() bool {
 		evs, err := c.admin.CoreV1().Events(p.Namespace).List(apiContext(t), metav1.ListOptions{
 			FieldSelector: fields.OneTermEqualSelector("involvedObject.name", p.Name).String(),
 		})

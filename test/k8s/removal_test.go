@@ -29,6 +29,7 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/internal/agentcli"
 	"github.com/mesh-cni/mesh-cni/internal/removal"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
 )
@@ -282,7 +283,7 @@ func testRemovalWatch(t *testing.T, c *cluster) {
 		t.Fatal("the watcher never opened a watch of its DaemonSet")
 	}
 	c.deleteDaemonSet(t, d2.ds, metav1.DeletePropagationBackground)
-	if !harness.Eventually(ctx, 10*time.Second, harness.WaitInterval, func() bool { return w2.Removed() != "" }) {
+	if !fixtures.Eventually(ctx, 10*time.Second, fixtures.WaitInterval, func() bool { return w2.Removed() != "" }) {
 		t.Fatal("the watch never saw the DaemonSet deleted")
 	}
 	again := d2.ds.DeepCopy()
@@ -290,7 +291,7 @@ func testRemovalWatch(t *testing.T, c *cluster) {
 	if _, err := c.admin.AppsV1().DaemonSets(ns2).Create(apiContext(t), again, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if !harness.Eventually(ctx, 10*time.Second, harness.WaitInterval, func() bool { return w2.Removed() == "" }) {
+	if !fixtures.Eventually(ctx, 10*time.Second, fixtures.WaitInterval, func() bool { return w2.Removed() == "" }) {
 		t.Errorf("the watch still counts the DaemonSet removed after it was made again: %s", w2.Removed())
 	}
 	cctx2, ccancel2 := context.WithTimeout(context.Background(), 3*time.Second)

@@ -13,6 +13,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
 )
@@ -50,7 +51,7 @@ func testAgentPodStartRequests(t *testing.T, c *cluster) {
 	// to ask the API server. It is in the API server's watch cache by the time
 	// the ADD comes (an admin's resourceVersion=0 read finds it).
 	elsewhere := c.pod(t, plain, "elsewhere", "other-"+kubeNode, nil, nil)
-	harness.WaitFor(t, 30*time.Second, "the pod in the API server's watch cache", func() bool {
+	fixtures.WaitFor(t, 30*time.Second, "the pod in the API server's watch cache", func() bool {
 		_, err := c.admin.CoreV1().Pods(plain).Get(ctx, "elsewhere", metav1.GetOptions{ResourceVersion: "0"})
 		return err == nil
 	})
@@ -72,7 +73,7 @@ func testAgentPodStartRequests(t *testing.T, c *cluster) {
 		misses float64
 		events []kubeenv.AuditEvent
 	)
-	harness.WaitFor(t, 30*time.Second, "a watch-cache read in the audit log for every counted cache miss", func() bool {
+	fixtures.WaitFor(t, 30*time.Second, "a watch-cache read in the audit log for every counted cache miss", func() bool {
 		misses = cacheMisses(t, addr, enroll.ResourcePod)
 		var err error
 		if events, err = c.api.Audit(); err != nil {

@@ -18,6 +18,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/kni/knipb"
 	"github.com/mesh-cni/mesh-cni/internal/nethook"
 	"github.com/mesh-cni/mesh-cni/test/containerdhook"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
 	"github.com/mesh-cni/mesh-cni/test/kniruntime"
@@ -252,7 +253,7 @@ func testAgentZDSEntryPoints(t *testing.T, c *cluster) {
 		t.Fatalf("stop the agent: %v", err)
 	}
 	a.start(ctx)
-	harness.WaitFor(t, 30*time.Second, "the node proxy's snapshot from the restarted agent", func() bool { return snapshots() > before })
+	fixtures.WaitFor(t, 30*time.Second, "the node proxy's snapshot from the restarted agent", func() bool { return snapshots() > before })
 	if out := np.Output(); strings.Contains(out, "deviates") {
 		t.Fatalf("the ztunnel-behaving client saw a deviation:\n%s", out)
 	}

@@ -19,6 +19,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/mesh-cni/mesh-cni/install/kubernetes"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/node/nodeenv"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
@@ -342,7 +343,7 @@ scrape_configs:
 		return r.Data.Result[0].Metric, v, err == nil
 	}
 	var last map[string]string
-	harness.WaitFor(t, 2*time.Minute, "Prometheus on the host to scrape the agent at "+want, func() bool {
+	fixtures.WaitFor(t, 2*time.Minute, "Prometheus on the host to scrape the agent at "+want, func() bool {
 		m, v, ok := query(`up{job="mesh-agent"}`)
 		last = m
 		return ok && v == 1 && m["instance"] == want
@@ -405,7 +406,7 @@ scrape_configs:
 	}
 	for _, q := range queries {
 		var n int
-		if !harness.Eventually(ctx, time.Minute, time.Second, func() bool {
+		if !fixtures.Eventually(ctx, time.Minute, time.Second, func() bool {
 			n = seriesCount(addr, q)
 			return n > 0
 		}) {

@@ -25,7 +25,7 @@ import (
 	watchtools "k8s.io/client-go/tools/watch"
 	"k8s.io/utils/ptr"
 
-	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/node/nodeenv"
 )
 
@@ -62,7 +62,7 @@ func (c *cluster) namespace(ctx context.Context, name string, meshed bool) {
 	}
 	// The API server refuses pods until the controller-manager has made the
 	// namespace's default service account.
-	harness.WaitFor(c.t, time.Minute, "the default service account of namespace "+name, func() bool {
+	fixtures.WaitFor(c.t, time.Minute, "the default service account of namespace "+name, func() bool {
 		_, err := c.n.Admin.CoreV1().ServiceAccounts(name).Get(ctx, "default", metav1.GetOptions{})
 		return err == nil
 	})
