@@ -171,8 +171,8 @@ func TestDemo(t *testing.T) {
 		t.Fatal(err)
 	}
 	say.say("client sent \"hello\" to %s and got %q", target, reply)
-	outRecs := waitRecords(ctx, t, clientRecords, 1)
-	inRecs := waitRecords(ctx, t, serverRecords, 1)
+	outRecs := proxy.AwaitRecords(ctx, t, clientRecords, 1)
+	inRecs := proxy.AwaitRecords(ctx, t, serverRecords, 1)
 	say.say("client's proxy (outbound): from %s, original destination %s (recovered with %s)", outRecs[0].Client, outRecs[0].OriginalDst, outRecs[0].DstSource)
 	say.say("server's proxy (inbound):  from %s, original destination %s (recovered with %s)", inRecs[0].Client, inRecs[0].OriginalDst, inRecs[0].DstSource)
 	say.say("the server application saw the connection coming from %s: its own proxy, not the client", seen()[0])
@@ -189,8 +189,8 @@ func TestDemo(t *testing.T) {
 	if _, err := request(ctx, outsider, target); err != nil {
 		t.Fatal(err)
 	}
-	outAfter := readRecords(t, clientRecords)
-	inAfter := waitRecords(ctx, t, serverRecords, 2)
+	outAfter := proxy.MustReadRecords(t, clientRecords)
+	inAfter := proxy.AwaitRecords(ctx, t, serverRecords, 2)
 	say.say("outsider -> server:8080: the outsider has no redirection (client proxy still has %d record), the server's inbound proxy took it (%d records)", len(outAfter), len(inAfter))
 	if len(outAfter) != 1 {
 		t.Fatalf("the outsider's connection went through the client's proxy")
@@ -222,24 +222,6 @@ func startProxy(ctx context.Context, t *testing.T, p *harness.Pod) string {
 		t.Fatal(err)
 	}
 	return records
-}
-
-func readRecords(t *testing.T, path string) []proxy.Record {
-	recs, err := proxy.ReadRecords(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return recs
-}
-
-func waitRecords(ctx context.Context, t *testing.T, path string, n int) []proxy.Record {
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	recs, err := proxy.WaitForRecords(ctx, path, func(r []proxy.Record) bool { return len(r) >= n })
-	if err != nil {
-		t.Fatalf("waiting for %d proxy records in %s: %v", n, path, err)
-	}
-	return recs
 }
 
 func serveGreeting(t *testing.T, p *harness.Pod) func() []string { return serveGreetingOn(t, p, 8080) }

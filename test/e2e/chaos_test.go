@@ -26,6 +26,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
 // Chaos run size. 200 pods through the chain with 8 workers and at least 5
@@ -564,7 +565,7 @@ func TestChaos(t *testing.T) {
 	}
 	for i, c := range clients {
 		n := int(perClientOK[i].Load())
-		if recs := c.waitRecords(ctx, t, n); len(recs) != n {
+		if recs := proxy.AwaitRecords(ctx, t, c.records, n); len(recs) != n {
 			t.Errorf("client %d's proxy handled %d connections, the client completed %d", i, len(recs), n)
 		}
 	}

@@ -22,6 +22,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/kniruntime"
+	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
 // agentPath is a path next to the agent's gate socket directory, in the agent's
@@ -71,11 +72,11 @@ func checkThroughSidecars(ctx context.Context, t *testing.T, a, b *meshPod, aAdd
 		if err := roundTrip(ctx, a.Pod, target, payload); err != nil {
 			t.Fatalf("%s -> %s: %v", a.Name, target, err)
 		}
-		out := a.waitRecords(ctx, t, i+1)[i]
+		out := proxy.AwaitRecords(ctx, t, a.records, i+1)[i]
 		if out.Direction != "outbound" || !sameAddrPort(out.OriginalDst, target) || out.DstSource != "getsockopt" || out.Error != "" {
 			t.Fatalf("%s's proxy recorded %+v, want outbound to %s via getsockopt", a.Name, out, target)
 		}
-		in := b.waitRecords(ctx, t, i+1)[i]
+		in := proxy.AwaitRecords(ctx, t, b.records, i+1)[i]
 		if in.Direction != "inbound" || !sameAddrPort(in.OriginalDst, target) || in.DstSource != "getsockopt" || in.Error != "" {
 			t.Fatalf("%s's proxy recorded %+v, want inbound to %s via getsockopt", b.Name, in, target)
 		}

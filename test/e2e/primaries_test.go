@@ -132,8 +132,8 @@ func runPrimaryCase(t *testing.T, c primaryCase) {
 		}
 		outbound++
 		inbound++
-		assertRecord(t, cm.waitRecords(ctx, t, outbound)[outbound-1], proxy.Outbound, target)
-		in := sm.waitRecords(ctx, t, inbound)[inbound-1]
+		assertRecord(t, proxy.AwaitRecords(ctx, t, cm.records, outbound)[outbound-1], proxy.Outbound, target)
+		in := proxy.AwaitRecords(ctx, t, sm.records, inbound)[inbound-1]
 		assertRecord(t, in, proxy.Inbound, target)
 		if int(in.BytesToDst) != len(payload) {
 			t.Fatalf("server proxy forwarded %d bytes to the application, want %d", in.BytesToDst, len(payload))
@@ -155,17 +155,17 @@ func runPrimaryCase(t *testing.T, c primaryCase) {
 		t.Fatalf("excluded pod -> %s: %v", target, err)
 	}
 	inbound++
-	assertRecord(t, sm.waitRecords(ctx, t, inbound)[inbound-1], proxy.Inbound, target)
+	assertRecord(t, proxy.AwaitRecords(ctx, t, sm.records, inbound)[inbound-1], proxy.Inbound, target)
 	target = netip.AddrPortFrom(outsider.Addrs()[0], 8080)
 	if err := roundTrip(ctx, client, target, payload); err != nil {
 		t.Fatalf("client -> excluded pod %s: %v", target, err)
 	}
 	outbound++
-	assertRecord(t, cm.waitRecords(ctx, t, outbound)[outbound-1], proxy.Outbound, target)
+	assertRecord(t, proxy.AwaitRecords(ctx, t, cm.records, outbound)[outbound-1], proxy.Outbound, target)
 	if seen := outsiderApp.seen(); len(seen) != 1 || !slices.Contains(client.Addrs(), seen[0]) {
 		t.Fatalf("excluded pod's application saw clients %v, want one connection from the client pod %v", seen, client.Addrs())
 	}
-	if n := len(cm.proxyRecords(t)); n != outbound {
+	if n := len(proxy.MustReadRecords(t, cm.records)); n != outbound {
 		t.Fatalf("client proxy has %d records, want %d (one per connection the client made)", n, outbound)
 	}
 
@@ -387,8 +387,8 @@ func runChainAfterMesh(t *testing.T, primary harness.Primary) {
 		}
 		outbound++
 		inbound++
-		assertRecord(t, cm.waitRecords(ctx, t, outbound)[outbound-1], proxy.Outbound, target)
-		assertRecord(t, sm.waitRecords(ctx, t, inbound)[inbound-1], proxy.Inbound, target)
+		assertRecord(t, proxy.AwaitRecords(ctx, t, cm.records, outbound)[outbound-1], proxy.Outbound, target)
+		assertRecord(t, proxy.AwaitRecords(ctx, t, sm.records, inbound)[inbound-1], proxy.Inbound, target)
 	}
 	// The host port, from the node, on an address of the node's own in each
 	// family (on its loopback, so it outlives every pod): portmap's DNAT took
@@ -402,7 +402,7 @@ func runChainAfterMesh(t *testing.T, primary harness.Primary) {
 			t.Fatalf("node -> host port %s: %v", hp, err)
 		}
 		inbound++
-		assertRecord(t, sm.waitRecords(ctx, t, inbound)[inbound-1], proxy.Inbound, netip.AddrPortFrom(dst, podPort))
+		assertRecord(t, proxy.AwaitRecords(ctx, t, sm.records, inbound)[inbound-1], proxy.Inbound, netip.AddrPortFrom(dst, podPort))
 	}
 
 	for _, p := range []*harness.Pod{client, srv} {

@@ -21,6 +21,7 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
 // TestKubeletProbesBypassProxy: a readiness-style check by the kubelet (a process
@@ -50,12 +51,12 @@ func TestKubeletProbesBypassProxy(t *testing.T) {
 	for _, dst := range []netip.Addr{srv.IPv4(t), srv.IPv6(t)} {
 		target := netip.AddrPortFrom(dst, 8080)
 		// The probe: the kubelet's cgroup, from the node.
-		before := len(srv.proxyRecords(t))
+		before := len(proxy.MustReadRecords(t, srv.records))
 		if err := probeFromCgroup(ctx, t, node, kubelet, target); err != nil {
 			t.Fatalf("kubelet probe to %s: %v", target, err)
 		}
 		seen := app.seen()
-		if got := len(srv.proxyRecords(t)); got != before || len(seen) == 0 || !isNodeAddress(t, node, seen[len(seen)-1].WithZone("")) {
+		if got := len(proxy.MustReadRecords(t, srv.records)); got != before || len(seen) == 0 || !isNodeAddress(t, node, seen[len(seen)-1].WithZone("")) {
 			t.Fatalf("kubelet probe to %s: the application saw %v, the inbound proxy %d new records: want it straight from a node address", target, seen, got-before)
 		}
 		// The same node address, another process: through the inbound proxy.
@@ -63,7 +64,7 @@ func TestKubeletProbesBypassProxy(t *testing.T) {
 			t.Fatalf("node process -> %s: %v", target, err)
 		}
 		records++
-		if in := srv.waitRecords(ctx, t, records)[records-1]; in.Direction != "inbound" || !sameAddrPort(in.OriginalDst, target) {
+		if in := proxy.AwaitRecords(ctx, t, srv.records, records)[records-1]; in.Direction != "inbound" || !sameAddrPort(in.OriginalDst, target) {
 			t.Fatalf("server proxy record %+v, want the node process's connection to %s", in, target)
 		}
 		// A pod's connection: through both proxies.
@@ -71,7 +72,7 @@ func TestKubeletProbesBypassProxy(t *testing.T) {
 			t.Fatalf("pod -> %s: %v", target, err)
 		}
 		records++
-		if in := srv.waitRecords(ctx, t, records)[records-1]; in.Direction != "inbound" || !sameAddrPort(in.OriginalDst, target) {
+		if in := proxy.AwaitRecords(ctx, t, srv.records, records)[records-1]; in.Direction != "inbound" || !sameAddrPort(in.OriginalDst, target) {
 			t.Fatalf("server proxy record %+v, want the pod's connection to %s", in, target)
 		}
 	}

@@ -64,27 +64,6 @@ func (p *meshPod) startProxy(ctx context.Context, t *testing.T, args ...string) 
 	}
 }
 
-func (p *meshPod) proxyRecords(t *testing.T) []proxy.Record {
-	t.Helper()
-	recs, err := proxy.ReadRecords(p.records)
-	if err != nil && !errors.Is(err, os.ErrNotExist) {
-		t.Fatal(err)
-	}
-	return recs
-}
-
-// waitRecords waits until the proxy recorded n connections.
-func (p *meshPod) waitRecords(ctx context.Context, t *testing.T, n int) []proxy.Record {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	recs, err := proxy.WaitForRecords(ctx, p.records, func(r []proxy.Record) bool { return len(r) >= n })
-	if err != nil {
-		t.Fatalf("proxy in %s: want %d records, have %d: %v", p.Name, n, len(recs), err)
-	}
-	return recs
-}
-
 // server is a TCP echo server inside a pod that remembers who connected.
 type server struct {
 	mu      sync.Mutex
@@ -196,11 +175,11 @@ func TestRedirectThroughChain(t *testing.T) {
 		if err := roundTrip(ctx, ca.Pod, target, payload); err != nil {
 			t.Fatalf("A -> %s: %v", target, err)
 		}
-		out := ca.waitRecords(ctx, t, i+1)[i]
+		out := proxy.AwaitRecords(ctx, t, ca.records, i+1)[i]
 		if out.Direction != "outbound" || !sameAddrPort(out.OriginalDst, target) || out.DstSource != "getsockopt" || out.Error != "" {
 			t.Fatalf("client proxy record %+v, want outbound to %s via getsockopt", out, target)
 		}
-		in := sb.waitRecords(ctx, t, i+1)[i]
+		in := proxy.AwaitRecords(ctx, t, sb.records, i+1)[i]
 		if in.Direction != "inbound" || !sameAddrPort(in.OriginalDst, target) || in.DstSource != "getsockopt" || in.Error != "" {
 			t.Fatalf("server proxy record %+v, want inbound to %s via getsockopt", in, target)
 		}
@@ -216,7 +195,7 @@ func TestRedirectThroughChain(t *testing.T) {
 	}
 
 	// An excluded port goes direct both ways: no new proxy records.
-	before := len(ca.proxyRecords(t)) + len(sb.proxyRecords(t))
+	before := len(proxy.MustReadRecords(t, ca.records)) + len(proxy.MustReadRecords(t, sb.records))
 	if err := roundTrip(ctx, ca.Pod, netip.AddrPortFrom(sb.IPv4(t), 9090), payload); err != nil {
 		t.Fatalf("A -> B:9090 (excluded): %v", err)
 	}
@@ -227,12 +206,12 @@ func TestRedirectThroughChain(t *testing.T) {
 	if err := roundTrip(ctx, other.Pod, netip.AddrPortFrom(sb.IPv4(t), 9090), payload); err != nil {
 		t.Fatalf("outsider -> B:9090: %v", err)
 	}
-	if after := len(ca.proxyRecords(t)) + len(sb.proxyRecords(t)); after != before {
+	if after := len(proxy.MustReadRecords(t, ca.records)) + len(proxy.MustReadRecords(t, sb.records)); after != before {
 		t.Fatalf("proxies recorded %d new connections for traffic that must not be redirected", after-before)
 	}
 	// The proxy's own marked connections were never looped: one record each way
 	// per connection made.
-	if n := len(ca.proxyRecords(t)); n != 2 {
+	if n := len(proxy.MustReadRecords(t, ca.records)); n != 2 {
 		t.Fatalf("client proxy has %d records, want 2", n)
 	}
 }
@@ -401,7 +380,7 @@ func TestAgentRestartKeepsDataPath(t *testing.T) {
 			t.Fatal("a connection reached the server directly, bypassing the proxies")
 		}
 	}
-	outRecs := ca.waitRecords(ctx, t, total)
+	outRecs := proxy.AwaitRecords(ctx, t, ca.records, total)
 	if len(outRecs) != total {
 		t.Fatalf("client proxy handled %d connections, the client made %d", len(outRecs), total)
 	}

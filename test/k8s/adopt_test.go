@@ -20,6 +20,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
 // runningPod is a pod that started before the agent was installed: set up by
@@ -176,13 +177,13 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 	if err := echoOn(held, "after the adoption"); err != nil {
 		t.Errorf("the connection held across the adoption: %v", err)
 	}
-	if n := len(readRecords(t, records)); n != 0 {
+	if n := len(proxy.MustReadRecords(t, records)); n != 0 {
 		t.Fatalf("the proxy saw %d connections before the adopted pod's first new one", n)
 	}
 	if err := roundTrip(ctx, client, target); err != nil {
 		t.Fatalf("client -> server once adopted: %v", err)
 	}
-	recs := waitRecords(ctx, t, records, 1)
+	recs := proxy.AwaitRecords(ctx, t, records, 1)
 	if r := recs[0]; r.Direction != "outbound" || r.OriginalDst.Addr().Unmap() != target.Addr() || r.OriginalDst.Port() != target.Port() || r.Error != "" {
 		t.Fatalf("proxy record %+v, want outbound to %s", r, target)
 	}

@@ -272,7 +272,7 @@ func testAgentEnrollmentFollowsLabels(t *testing.T, c *cluster) {
 	if err := roundTrip(ctx, late, target); err != nil {
 		t.Fatalf("late -> server before enrollment: %v", err)
 	}
-	if n := len(readRecords(t, records)); n != 0 {
+	if n := len(proxy.MustReadRecords(t, records)); n != 0 {
 		t.Fatalf("the proxy of a pod not yet enrolled saw %d connections", n)
 	}
 
@@ -285,7 +285,7 @@ func testAgentEnrollmentFollowsLabels(t *testing.T, c *cluster) {
 	if err := roundTrip(ctx, late, target); err != nil {
 		t.Fatalf("late -> server after enrollment: %v", err)
 	}
-	recs := waitRecords(ctx, t, records, 1)
+	recs := proxy.AwaitRecords(ctx, t, records, 1)
 	if r := recs[0]; r.Direction != "outbound" || r.OriginalDst.Addr().Unmap() != target.Addr() || r.OriginalDst.Port() != target.Port() || r.Error != "" {
 		t.Fatalf("proxy record %+v, want outbound to %s", r, target)
 	}
@@ -297,7 +297,7 @@ func testAgentEnrollmentFollowsLabels(t *testing.T, c *cluster) {
 	if err := roundTrip(ctx, late, target); err != nil {
 		t.Fatalf("late -> server after release: %v", err)
 	}
-	if n := len(readRecords(t, records)); n != 1 {
+	if n := len(proxy.MustReadRecords(t, records)); n != 1 {
 		t.Fatalf("the proxy saw %d connections, want only the one made while enrolled", n)
 	}
 	c.waitAnnotation(t, plain, "late", enroll.OutcomeDisabled)
@@ -554,24 +554,4 @@ func startProxy(ctx context.Context, t *testing.T, p *harness.Pod, args ...strin
 		t.Fatalf("proxy in %s: %v", p.Name, err)
 	}
 	return records
-}
-
-func readRecords(t *testing.T, path string) []proxy.Record {
-	t.Helper()
-	recs, err := proxy.ReadRecords(path)
-	if err != nil && !os.IsNotExist(err) {
-		t.Fatal(err)
-	}
-	return recs
-}
-
-func waitRecords(ctx context.Context, t *testing.T, path string, n int) []proxy.Record {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	recs, err := proxy.WaitForRecords(ctx, path, func(r []proxy.Record) bool { return len(r) >= n })
-	if err != nil {
-		t.Fatalf("proxy: want %d records, have %d: %v", n, len(recs), err)
-	}
-	return recs
 }

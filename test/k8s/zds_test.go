@@ -229,11 +229,11 @@ func testAgentZDSEntryPoints(t *testing.T, c *cluster) {
 		if line.Msg != "proxy listening" || line.ServiceAccount != x.sa || line.Workload != x.p.Namespace+"/"+x.p.Name || len(line.Addrs) == 0 {
 			t.Fatalf("node proxy about %s: %+v; want its listeners, workload %s/%s, service account %s", x.p.Name, line, x.p.Namespace, x.p.Name, x.sa)
 		}
-		before := len(readRecords(t, records))
+		before := len(proxy.MustReadRecords(t, records))
 		if err := roundTrip(ctx, x.p, target); err != nil {
 			t.Fatalf("%s -> server: %v", x.p.Name, err)
 		}
-		recs := waitRecords(ctx, t, records, before+1)
+		recs := proxy.AwaitRecords(ctx, t, records, before+1)
 		found := false
 		for _, r := range recs[before:] {
 			if r.Pod == x.p.UID && r.Direction == proxy.Outbound && r.Error == "" && r.OriginalDst.Addr().Unmap() == target.Addr() && r.OriginalDst.Port() == target.Port() {

@@ -246,7 +246,7 @@ func platformLayout(t *testing.T, platform kubernetes.Platform, current nodeenv.
 	released := time.Now()
 	s.waitConnections(t, ctx, "client", 5)
 	direct := 0
-	for _, r := range readLines[accepted](t, filepath.Join(s.records(), "server.jsonl")) {
+	for _, r := range fixtures.MustReadJSONL[accepted](t, filepath.Join(s.records(), "server.jsonl")) {
 		if host, _, _ := net.SplitHostPort(r.Client); host == clientIP && r.Time.After(released) {
 			direct++
 		}

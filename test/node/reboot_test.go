@@ -14,6 +14,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/node/nodeenv"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
@@ -106,7 +107,7 @@ func TestReboot(t *testing.T) {
 	// Inbound: the server, before and after, accepted only from its own
 	// address (the one it had, the one it has), its proxy's onward connection.
 	var bypassed []string
-	accepts := readLines[accepted](t, filepath.Join(s.records(), "server.jsonl"))
+	accepts := fixtures.MustReadJSONL[accepted](t, filepath.Join(s.records(), "server.jsonl"))
 	for _, r := range accepts {
 		if host, _, err := net.SplitHostPort(r.Client); err != nil || (host != serverIP && host != before["server"].ip) {
 			bypassed = append(bypassed, r.Client+" at "+r.Time.Format("15:04:05.000"))
@@ -123,7 +124,7 @@ func TestReboot(t *testing.T) {
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		trips = 0
-		for _, c := range readLines[connection](t, filepath.Join(s.records(), "client.jsonl")) {
+		for _, c := range fixtures.MustReadJSONL[connection](t, filepath.Join(s.records(), "client.jsonl")) {
 			if c.Error == "" && c.Time.After(down) && c.Time.Before(cut) {
 				trips++
 			}

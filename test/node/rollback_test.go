@@ -15,6 +15,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/mesh-cni/mesh-cni/install/kubernetes"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/node/nodeenv"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
@@ -82,7 +83,7 @@ func TestRollback(t *testing.T) {
 
 	// The kept connection lasted through both: every round trip on it, one
 	// connection, which its proxy took (recorded when it closes, with the pod).
-	trips := readLines[connection](t, filepath.Join(s.records(), "held.jsonl"))
+	trips := fixtures.MustReadJSONL[connection](t, filepath.Join(s.records(), "held.jsonl"))
 	var locals []string
 	for _, c := range trips {
 		if c.Error != "" {

@@ -75,13 +75,10 @@ func families(t *testing.T, fn func(t *testing.T, v6 bool)) {
 }
 
 // waitRecords waits until the proxy has recorded n connections (records are added
-// when a connection ends, a moment after the client sees it end).
+// when a connection ends, a moment after the client sees it end), and no more.
 func waitRecords(t *testing.T, ctx context.Context, path string, n int) []proxy.Record {
 	t.Helper()
-	got, err := proxy.WaitForRecords(ctx, path, func(rs []proxy.Record) bool { return len(rs) >= n })
-	if err != nil {
-		t.Fatalf("records: %v", err)
-	}
+	got := proxy.AwaitRecords(ctx, t, path, n)
 	if len(got) != n {
 		t.Fatalf("want %d records, got %+v", n, got)
 	}

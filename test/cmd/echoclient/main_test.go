@@ -1,16 +1,15 @@
 package main
 
 import (
-	"bufio"
 	"bytes"
 	"context"
-	"encoding/json"
 	"io"
 	"net"
-	"os"
 	"path/filepath"
 	"testing"
 	"time"
+
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 func echoListener(t *testing.T) string {
@@ -35,25 +34,6 @@ func echoListener(t *testing.T) string {
 	return ln.Addr().String()
 }
 
-func readRecords(t *testing.T, path string) []Connection {
-	t.Helper()
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	var out []Connection
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		var c Connection
-		if err := json.Unmarshal(sc.Bytes(), &c); err != nil {
-			t.Fatalf("record line %q: %v", sc.Text(), err)
-		}
-		out = append(out, c)
-	}
-	return out
-}
-
 func TestRecordsEachConnection(t *testing.T) {
 	addr := echoListener(t)
 	rec := filepath.Join(t.TempDir(), "client.jsonl")
@@ -61,7 +41,7 @@ func TestRecordsEachConnection(t *testing.T) {
 	if code := run(context.Background(), []string{"-connect", addr, "-n", "3", "-record", rec}, &stdout, &stderr); code != 0 {
 		t.Fatalf("exit %d: %s%s", code, stdout.String(), stderr.String())
 	}
-	recs := readRecords(t, rec)
+	recs := fixtures.MustReadJSONL[Connection](t, rec)
 	if len(recs) != 3 {
 		t.Fatalf("%d records, want 3:\n%s", len(recs), stdout.String())
 	}
@@ -82,7 +62,7 @@ func TestUntilStopped(t *testing.T) {
 	if code := run(ctx, []string{"-connect", addr, "-n", "0", "-interval", "10ms", "-record", rec}, &stdout, &stderr); code != 0 {
 		t.Fatalf("exit %d: %s%s", code, stdout.String(), stderr.String())
 	}
-	recs := readRecords(t, rec)
+	recs := fixtures.MustReadJSONL[Connection](t, rec)
 	if len(recs) < 2 {
 		t.Fatalf("%d records in 300ms at 10ms intervals", len(recs))
 	}
@@ -120,7 +100,7 @@ func TestHoldKeepsOneConnection(t *testing.T) {
 	if code := run(context.Background(), []string{"-connect", ln.Addr().String(), "-n", "3", "-hold", "-record", rec}, &stdout, &stderr); code != 0 {
 		t.Fatalf("exit %d: %s%s", code, stdout.String(), stderr.String())
 	}
-	recs := readRecords(t, rec)
+	recs := fixtures.MustReadJSONL[Connection](t, rec)
 	if len(recs) != 3 || len(accepted) != 1 {
 		t.Fatalf("%d records over %d connections, want 3 over 1", len(recs), len(accepted))
 	}
@@ -150,7 +130,7 @@ func TestHoldKeepsOneConnection(t *testing.T) {
 	<-done
 	var locals []string
 	failed := 0
-	for _, c := range readRecords(t, rec) {
+	for _, c := range fixtures.MustReadJSONL[Connection](t, rec) {
 		if c.Error != "" {
 			failed++
 		} else if len(locals) == 0 || locals[len(locals)-1] != c.Local {
