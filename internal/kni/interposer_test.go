@@ -29,6 +29,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/kni/knipb"
 	"github.com/mesh-cni/mesh-cni/internal/podstore"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/kniruntime"
 )
@@ -203,8 +204,7 @@ func TestAttachEnrollsAndDetachReleases(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{})
 	pod := e.node.NewPod(t, "shop", "web")
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	ctx = metadata.AppendToOutgoingContext(ctx, "x-request-id", "attach-1")
 
 	var header metadata.MD
@@ -285,8 +285,7 @@ func TestAttachEnrollsAndDetachReleases(t *testing.T) {
 func TestOtherMethodsAreForwarded(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{})
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 
 	nets, err := e.client.QueryNodeNetworks(ctx, &knipb.QueryNodeNetworksRequest{})
 	if err != nil || len(nets.GetNetworks()) != 1 || nets.GetNetworks()[0].GetName() != e.network || !nets.GetNetworks()[0].GetReady() {
@@ -316,8 +315,7 @@ func TestUpstreamErrorPassesThroughUnchanged(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{})
 	pod := e.node.NewPod(t, "shop", "web")
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 
 	injected, err := status.New(codes.ResourceExhausted, "no addresses left in 10.0.0.0/24").
 		WithDetails(&errdetails.ErrorInfo{Reason: "POOL_EXHAUSTED", Domain: "kniruntime.test"})
@@ -348,8 +346,7 @@ func TestAttachNetworkOldNames(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{})
 	pod := e.node.NewPod(t, "shop", "legacy")
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 
 	// The netns in extradata instead of isolation, as some runtimes send it.
 	req := attachRequest(pod)
@@ -388,8 +385,7 @@ func TestLibkniUpstream(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{libkni: true})
 	pod := e.node.NewPod(t, "shop", "kubelet-fork")
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 
 	// The runtime really knows only the new names.
 	up, err := grpc.NewClient("unix://"+e.runtime.Socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
@@ -431,8 +427,7 @@ func TestLibkniUpstreamUndo(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{libkni: true, notReady: true, cfg: kni.Config{EntryConfig: gaterpc.EntryConfig{EnrollTimeout: time.Second}}})
 	pod := e.node.NewPod(t, "shop", "undo")
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	if _, err := e.client.AttachNetwork(ctx, attachRequest(pod)); status.Code(err) != codes.Unavailable {
 		t.Fatalf("AttachNetwork with the agent never ready = %v, want Unavailable", err)
 	}
@@ -448,8 +443,7 @@ func TestAttachWaitsForReadiness(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{notReady: true})
 	pod := e.node.NewPod(t, "shop", "web")
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 
 	type result struct {
 		resp *knipb.AttachInterfaceResponse
@@ -494,8 +488,7 @@ func TestAttachUndoneWhenNotEnrolled(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{notReady: true, cfg: kni.Config{EntryConfig: gaterpc.EntryConfig{EnrollTimeout: time.Second}}})
 	pod := e.node.NewPod(t, "shop", "web")
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 
 	_, err := e.client.AttachInterface(ctx, attachRequest(pod))
 	st := status.Convert(err)
@@ -521,8 +514,7 @@ func TestCallerDeadlineBoundsTheWait(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{notReady: true})
 	pod := e.node.NewPod(t, "shop", "web")
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 
 	// EnrollTimeout is 30 s by default; kubelet's own deadline is shorter.
 	callCtx, callCancel := context.WithTimeout(ctx, 2*time.Second)
@@ -544,8 +536,7 @@ func TestExcludedNamespacePassesThrough(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{notReady: true})
 	pod := e.node.NewPod(t, "kube-system", "coredns")
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 
 	if _, err := e.client.AttachInterface(ctx, attachRequest(pod)); err != nil {
 		t.Fatalf("attach of a kube-system pod with the agent not ready: %v", err)
@@ -562,8 +553,7 @@ func TestUnenrollablePodIsRefusedBeforeTheRuntime(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{})
 	pod := e.node.NewPod(t, "shop", "web")
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 
 	req := attachRequest(pod)
 	req.Name = "Not_A_Pod_Name"
@@ -580,8 +570,7 @@ func TestUnenrollablePodIsRefusedBeforeTheRuntime(t *testing.T) {
 func TestPeerNotAllowed(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{allowedUIDs: []int{64000}})
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	_, err := e.client.QueryNodeNetworks(ctx, &knipb.QueryNodeNetworksRequest{})
 	if status.Code(err) != codes.PermissionDenied {
 		t.Fatalf("call from uid 0 with only uid 64000 allowed = %v, want PermissionDenied", err)

@@ -27,6 +27,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/nethook/nethookpb"
 	"github.com/mesh-cni/mesh-cni/internal/podstore"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -226,8 +227,7 @@ func (e *env) enrollments(t *testing.T) []*gatepb.Enrollment {
 func TestSetupEnrollsAndAnswersEmpty(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, false, nethook.Config{})
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	pod := e.node.NewPod(t, "shop", "web")
 	res := e.primaryAdd(t, ctx, pod)
 	prev := prevResult(t, res)
@@ -295,8 +295,7 @@ func TestSetupEnrollsAndAnswersEmpty(t *testing.T) {
 func TestCheckHealthReadyWhileAgentStarts(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, true, nethook.Config{})
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 
 	h, err := e.client.CheckHealth(ctx, &nethookpb.CheckHealthRequest{})
 	if err != nil || !h.GetReady() || !strings.Contains(h.GetMessage(), condTest) {
@@ -317,8 +316,7 @@ func TestCheckHealthReadyWhileAgentStarts(t *testing.T) {
 func TestSetupWaitsForReadiness(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, true, nethook.Config{})
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	pod := e.node.NewPod(t, "shop", "web")
 	prev := prevResult(t, e.primaryAdd(t, ctx, pod))
 
@@ -354,8 +352,7 @@ func TestSetupWaitsForReadiness(t *testing.T) {
 func TestSetupFailsWhenNotEnrolled(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, true, nethook.Config{EntryConfig: gaterpc.EntryConfig{EnrollTimeout: time.Second}})
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	pod := e.node.NewPod(t, "shop", "web")
 	prev := prevResult(t, e.primaryAdd(t, ctx, pod))
 
@@ -377,8 +374,7 @@ func TestSetupFailsWhenNotEnrolled(t *testing.T) {
 func TestExcludedNamespacePassesThrough(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, true, nethook.Config{})
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	pod := e.node.NewPod(t, "kube-system", "coredns")
 
 	resp, err := e.client.SetupPodNetwork(ctx, setupRequest(pod, nil))
@@ -393,8 +389,7 @@ func TestExcludedNamespacePassesThrough(t *testing.T) {
 func TestPeerNotAllowed(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, false, nethook.Config{EntryConfig: gaterpc.EntryConfig{AllowedUIDs: []int{64000}}})
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	if _, err := e.client.CheckHealth(ctx, &nethookpb.CheckHealthRequest{}); status.Code(err) != codes.PermissionDenied {
 		t.Fatalf("CheckHealth from uid 0 with only uid 64000 allowed = %v, want PermissionDenied", err)
 	}

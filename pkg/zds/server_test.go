@@ -26,12 +26,6 @@ import (
 // rootReason is why these tests need root.
 const rootReason = "creates network namespaces"
 
-func testCtx(t *testing.T) context.Context {
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	t.Cleanup(cancel)
-	return ctx
-}
-
 func randomSuffix(t *testing.T) string {
 	var b [4]byte
 	if _, err := rand.Read(b[:]); err != nil {
@@ -105,7 +99,7 @@ func startServer(t *testing.T, snap zds.Snapshotter, cfg zds.Config) (*zds.Serve
 	if cfg.LivenessInterval == 0 {
 		cfg.LivenessInterval = 50 * time.Millisecond
 	}
-	s, err := zds.NewServer(testCtx(t), cfg)
+	s, err := zds.NewServer(fixtures.Context(t, time.Minute), cfg)
 	if err != nil {
 		t.Fatalf("new server: %v", err)
 	}
@@ -250,7 +244,7 @@ func checkDel(t *testing.T, req *zds.Request, uid string) {
 // nothing for an invalid entry, and SnapshotSent; then it counts as connected.
 func TestSnapshot(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	a, b := pod(t, "a"), pod(t, "b")
 	gone := zds.Pod{UID: "gone-uid", Name: "gone", Namespace: "ns", NetnsPath: "/run/netns/zds-no-such-netns"}
 	st := &store{pods: []zds.Pod{a, {Name: "no-uid", NetnsPath: a.NetnsPath}, gone, b}}
@@ -284,7 +278,7 @@ func TestSnapshot(t *testing.T) {
 // not sent again.
 func TestAddToNewestDeleteToAll(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	p1, p2, p3 := pod(t, "p1"), pod(t, "p2"), pod(t, "p3")
 	st := &store{pods: []zds.Pod{p1}}
 	srv, path := startServer(t, st, zds.Config{})
@@ -350,7 +344,7 @@ func TestAddToNewestDeleteToAll(t *testing.T) {
 // and loses its connection; nothing is left to add to.
 func TestAckDeadline(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	p := pod(t, "slow")
 	st := &store{}
 	srv, path := startServer(t, st, zds.Config{AckTimeout: 300 * time.Millisecond})
@@ -380,7 +374,7 @@ func TestAckDeadline(t *testing.T) {
 // stays, and the same pod can be added again.
 func TestAckError(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	p := pod(t, "refused")
 	srv, path := startServer(t, &store{}, zds.Config{})
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
@@ -415,7 +409,7 @@ func TestAckError(t *testing.T) {
 // is closed, and the good proxy keeps working.
 func TestMisbehavingProxies(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	p1 := pod(t, "p1")
 	st := &store{pods: []zds.Pod{p1}}
 	srv, path := startServer(t, st, zds.Config{AckTimeout: 2 * time.Second})
@@ -554,7 +548,7 @@ func openFdsTo(t *testing.T, ino uint64) int {
 // TestLiveness: an idle proxy that goes away is noticed without any request.
 func TestLiveness(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	srv, path := startServer(t, &store{}, zds.Config{})
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
 	takeSnapshot(t, ctx, pc)
@@ -570,7 +564,7 @@ func TestLiveness(t *testing.T) {
 // proxy; the pod comes in that proxy's snapshot and is not sent twice.
 func TestAddPodWait(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	p := pod(t, "early")
 	st := &store{}
 	srv, path := startServer(t, st, zds.Config{})
@@ -606,7 +600,7 @@ func TestAddPodWait(t *testing.T) {
 // TestAddPodErrors: pods that cannot be handed off fail before any proxy sees them.
 func TestAddPodErrors(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	srv, path := startServer(t, &store{}, zds.Config{})
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
 	takeSnapshot(t, ctx, pc)
@@ -643,7 +637,7 @@ func TestAddPodErrors(t *testing.T) {
 // is ever replaced.
 func TestSocket(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	dir := filepath.Join(t.TempDir(), "ztunnel")
 	path := filepath.Join(dir, "zds.sock")
 	cfg := zds.Config{SocketPath: path, Snapshot: &store{}, Logger: zaptest.NewLogger(t)}
@@ -739,7 +733,7 @@ func leaveStaleSocket(path string) error {
 // as Istio's node agent serves it (it logs the version and goes on).
 func TestAnyHelloVersion(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	p1 := pod(t, "p1")
 	_, path := startServer(t, &store{pods: []zds.Pod{p1}}, zds.Config{})
 	pc := dialProxy(t, ctx, path, zdspb.Version(2))
@@ -757,7 +751,7 @@ func TestAnyHelloVersion(t *testing.T) {
 // path still names its namespace goes through.
 func TestNetnsSwappedBehindPath(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	swapped, intact := pod(t, "swapped"), pod(t, "intact")
 	for _, p := range []*zds.Pod{&swapped, &intact} {
 		c, err := netns.Cookie(p.NetnsPath)
@@ -801,7 +795,7 @@ func TestNetnsSwappedBehindPath(t *testing.T) {
 // never the one the proxy gets. The cookie check applies to the descriptor.
 func TestAddPodUsesCallersNamespace(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	held := pod(t, "held")
 	f, err := netns.Open(held.NetnsPath)
 	if err != nil {

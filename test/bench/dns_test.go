@@ -18,6 +18,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/test/bench/results"
 	"github.com/mesh-cni/mesh-cni/test/capture"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -197,7 +198,7 @@ func serveDNSProxy(tb testing.TB, pod *harness.Pod, upstream netip.AddrPort) *at
 // iptables REDIRECT, or addressed explicitly (no capture).
 func BenchmarkDNS(b *testing.B) {
 	requireRoot(b)
-	ctx := benchContext(b, 20*time.Minute)
+	ctx := fixtures.Context(b, 20*time.Minute)
 	setups := newDNSEnv(ctx, b)
 	res := newResult(b, "dns", "DNS capture: query latency through the pod's DNS proxy", "BenchmarkDNS", dnsDescription())
 	rounds := size(20, 3)

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
@@ -23,8 +24,7 @@ import (
 // role) runs in the node's own namespace and takes the pods from the agent's
 // ZDS socket, opening its listeners inside each pod's network namespace.
 func TestDemoAmbient(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, 5*time.Minute)
 	say := &narrator{t: t, start: time.Now()}
 	if os.Getenv("MESH_DEMO") != "" {
 		say.out = os.Stdout

@@ -17,6 +17,7 @@ import (
 
 	"github.com/containernetworking/cni/libcni"
 
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
@@ -53,8 +54,7 @@ func (n *narrator) step(title string) {
 }
 
 func TestDemo(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, 5*time.Minute)
 	say := &narrator{t: t, start: time.Now()}
 	if os.Getenv("MESH_DEMO") != "" {
 		say.out = os.Stdout

@@ -1,7 +1,6 @@
 package node
 
 import (
-	"context"
 	"net"
 	"os"
 	"path/filepath"
@@ -35,8 +34,7 @@ func TestReboot(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 12*time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, 12*time.Minute)
 	n := nodeenv.Start(t, nodeenv.Options{})
 	importTestImages(t, ctx, n, current)
 	op := newOperator(t, n)

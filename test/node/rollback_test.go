@@ -36,8 +36,7 @@ func TestRollback(t *testing.T) {
 		t.Skip("a whole node: skipped with -short")
 	}
 	current, release := readImages(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, 15*time.Minute)
 	n := nodeenv.Start(t, nodeenv.Options{})
 	importTestImages(t, ctx, n, current)
 	op := newOperator(t, n)

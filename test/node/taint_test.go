@@ -1,7 +1,6 @@
 package node
 
 import (
-	"context"
 	"net"
 	"os"
 	"path/filepath"
@@ -14,6 +13,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/mesh-cni/mesh-cni/internal/agentcli"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/node/nodeenv"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
@@ -32,8 +32,7 @@ func TestStartupTaint(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, 10*time.Minute)
 	taint := agentcli.DefaultStartupTaint + "=true:NoSchedule"
 	n := nodeenv.Start(t, nodeenv.Options{RegisterWithTaints: []string{taint}})
 	importTestImages(t, ctx, n, current)

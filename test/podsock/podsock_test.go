@@ -67,8 +67,7 @@ func podListener(tb testing.TB, pod *fixtures.Pod) (netip.AddrPort, *os.File) {
 // carries the mark, and that failures come back as errors.
 func TestDial(t *testing.T) {
 	fixtures.RequireRoot(t, "creates network namespaces")
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	pod, _ := fixtures.NewPodPair(t)
 	dst, ns := podListener(t, pod)
 	// The listener is only reachable inside the pod: a dial from the host

@@ -199,7 +199,7 @@ func refused(t *testing.T, ctx context.Context, in *fixtures.Pod, dst netip.Addr
 func TestNodeForwards(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	families(t, func(t *testing.T, v6 bool) {
-		ctx := testCtx(t)
+		ctx := fixtures.Context(t, time.Minute)
 		a, b := fixtures.NewPodPair(t)
 		const appPort = 9000
 		b.ServeEcho(t, appPort)
@@ -271,7 +271,7 @@ func TestNodeForwards(t *testing.T) {
 // makes it drop B.
 func TestNodeAgentRestart(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	a, b := fixtures.NewPodPair(t)
 	const appPort = 9000
 	b.ServeEcho(t, appPort)
@@ -314,8 +314,7 @@ func TestNodeAgentRestart(t *testing.T) {
 // traffic resumes.
 func TestNodeProcessRestart(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, 5*time.Minute)
 	bin, err := proxy.Binary(ctx, t.TempDir())
 	if err != nil {
 		t.Fatal(err)
@@ -524,7 +523,7 @@ func openFd(t *testing.T, path string) int {
 // workload_info, two fds, garbage.
 func TestNodeRequests(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	a, b := fixtures.NewPodPair(t)
 	path := zdsPath(t)
 	agent := newFakeAgent(t, path)
@@ -616,7 +615,7 @@ func TestNodeRequests(t *testing.T) {
 
 // TestStartNodeErrors checks the configurations StartNode refuses.
 func TestStartNodeErrors(t *testing.T) {
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	for name, cfg := range map[string]proxy.NodeConfig{
 		"netns":      {Proxy: proxy.Config{NetNS: "/run/netns/x"}},
 		"same ports": {Proxy: proxy.Config{OutboundPort: 16000, InboundPort: 16000}},

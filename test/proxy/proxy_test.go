@@ -22,12 +22,6 @@ import (
 // rootReason is why these tests need root.
 const rootReason = "creates network namespaces"
 
-func testCtx(t *testing.T) context.Context {
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	t.Cleanup(cancel)
-	return ctx
-}
-
 // startProxy runs the proxy in-process, listening and dialing in pod's namespace.
 func startProxy(t *testing.T, ctx context.Context, pod *fixtures.Pod, cfg proxy.Config) *proxy.Proxy {
 	t.Helper()
@@ -91,7 +85,7 @@ func waitRecords(t *testing.T, ctx context.Context, path string, n int) []proxy.
 func TestEchoDirect(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	families(t, func(t *testing.T, v6 bool) {
-		ctx := testCtx(t)
+		ctx := fixtures.Context(t, time.Minute)
 		pod, _ := fixtures.NewPodPair(t)
 		records := filepath.Join(t.TempDir(), "records.jsonl")
 		p := startProxy(t, ctx, pod, proxy.Config{Echo: true, RecordPath: records})
@@ -133,7 +127,7 @@ func TestEchoDirect(t *testing.T) {
 func TestDirectDialRefused(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	families(t, func(t *testing.T, v6 bool) {
-		ctx := testCtx(t)
+		ctx := fixtures.Context(t, time.Minute)
 		pod, _ := fixtures.NewPodPair(t)
 		records := filepath.Join(t.TempDir(), "records.jsonl")
 		startProxy(t, ctx, pod, proxy.Config{RecordPath: records})
@@ -176,7 +170,7 @@ func isReset(err error) bool {
 func TestForwardThroughIPTables(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	families(t, func(t *testing.T, v6 bool) {
-		ctx := testCtx(t)
+		ctx := fixtures.Context(t, time.Minute)
 		a, b := fixtures.NewPodPair(t)
 		b.ServeEcho(t, 9000)
 		records := filepath.Join(t.TempDir(), "records.jsonl")
@@ -222,7 +216,7 @@ func TestForwardThroughIPTables(t *testing.T) {
 // connection coming back instead of dialing in circles.
 func TestLoopDetected(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	a, b := fixtures.NewPodPair(t)
 	b.ServeEcho(t, 9000)
 	records := filepath.Join(t.TempDir(), "records.jsonl")
@@ -262,7 +256,7 @@ func TestLoopDetected(t *testing.T) {
 // Close returns, the client sees its connection end, and the connection is recorded.
 func TestCloseEndsConnections(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	pod, _ := fixtures.NewPodPair(t)
 	p, err := proxy.Start(ctx, proxy.Config{Echo: true, NetNS: pod.Path, Logger: zaptest.NewLogger(t)})
 	if err != nil {
@@ -300,7 +294,7 @@ func TestCloseEndsConnections(t *testing.T) {
 
 func TestStartErrors(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	pod, _ := fixtures.NewPodPair(t)
 	if _, err := proxy.Start(ctx, proxy.Config{NetNS: pod.Path, OutboundPort: 16000, InboundPort: 16000}); err == nil {
 		t.Error("same outbound and inbound port accepted")

@@ -56,8 +56,7 @@ func TestRecordsEachConnection(t *testing.T) {
 func TestUntilStopped(t *testing.T) {
 	addr := echoListener(t)
 	rec := filepath.Join(t.TempDir(), "client.jsonl")
-	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
-	defer cancel()
+	ctx := fixtures.Context(t, 300*time.Millisecond)
 	var stdout, stderr bytes.Buffer
 	if code := run(ctx, []string{"-connect", addr, "-n", "0", "-interval", "10ms", "-record", rec}, &stdout, &stderr); code != 0 {
 		t.Fatalf("exit %d: %s%s", code, stdout.String(), stderr.String())

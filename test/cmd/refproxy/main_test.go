@@ -44,8 +44,7 @@ func TestRunBadFlags(t *testing.T) {
 // context ends, as on SIGTERM.
 func TestRunServesUntilCancelled(t *testing.T) {
 	fixtures.RequireRoot(t, "creates network namespaces")
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	pod, _ := fixtures.NewPodPair(t)
 	records := filepath.Join(t.TempDir(), "records.jsonl")
 
@@ -98,8 +97,7 @@ func TestRunServesUntilCancelled(t *testing.T) {
 // pod it was handed has its (echo) listener inside the pod's namespace.
 func TestRunNodeMode(t *testing.T) {
 	fixtures.RequireRoot(t, "creates network namespaces")
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	pod, _ := fixtures.NewPodPair(t)
 	path := filepath.Join(t.TempDir(), "ztunnel.sock")
 	uid := "refproxy-test-pod"
@@ -157,8 +155,7 @@ func TestRunNodeMode(t *testing.T) {
 // TestRunNodeModeNoAgent: with no agent there is no snapshot and no "ready", and
 // SIGTERM still ends the command cleanly.
 func TestRunNodeModeNoAgent(t *testing.T) {
-	ctx, cancel := context.WithTimeout(t.Context(), 100*time.Millisecond)
-	defer cancel()
+	ctx := fixtures.Context(t, 100*time.Millisecond)
 	var stdout, stderr bytes.Buffer
 	if code := run(ctx, []string{"-zds", filepath.Join(t.TempDir(), "none.sock")}, &stdout, &stderr); code != 0 {
 		t.Fatalf("run = %d; stderr:\n%s", code, stderr.String())
