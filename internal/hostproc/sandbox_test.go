@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
 	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
@@ -89,12 +88,7 @@ func (p *fakePod) container(id string) string {
 // runtimeNetns makes a network namespace in the runtime's directory.
 func (p *fakePod) runtimeNetns(name string) string {
 	p.t.Helper()
-	path := filepath.Join(p.node.netnsDir, name)
-	if err := netns.Create(path); err != nil {
-		p.t.Fatal(err)
-	}
-	p.t.Cleanup(func() { netns.Remove(path) })
-	return path
+	return fixtures.NewNetns(p.t, filepath.Join(p.node.netnsDir, name)).Path
 }
 
 // sleepIn runs a process in cgroup and the network namespace at netnsPath

@@ -34,21 +34,6 @@ func randomSuffix(t *testing.T) string {
 	return hex.EncodeToString(b[:])
 }
 
-// newNetns creates a pod network namespace, removed in cleanup.
-func newNetns(t *testing.T) string {
-	t.Helper()
-	path := filepath.Join("/run/netns", fmt.Sprintf("zds-%d-%s", os.Getpid(), randomSuffix(t)))
-	if err := netns.Create(path); err != nil {
-		t.Fatalf("create netns: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := netns.Remove(path); err != nil {
-			t.Errorf("remove netns: %v", err)
-		}
-	})
-	return path
-}
-
 // store is the agent's list of enrolled pods, in order.
 type store struct {
 	mu   sync.Mutex
@@ -84,7 +69,7 @@ func pod(t *testing.T, name string) zds.Pod {
 		Name:           name,
 		Namespace:      "ns-" + name,
 		ServiceAccount: "sa-" + name,
-		NetnsPath:      newNetns(t),
+		NetnsPath:      fixtures.NewNetns(t, filepath.Join(t.TempDir(), name)).Path,
 	}
 }
 
@@ -416,7 +401,7 @@ func TestMisbehavingProxies(t *testing.T) {
 	good := dialProxy(t, ctx, path, zdspb.Version_V1)
 	takeSnapshot(t, ctx, good)
 
-	spare := newNetns(t)
+	spare := fixtures.NewNetns(t, filepath.Join(t.TempDir(), "spare")).Path
 	for _, tc := range []struct {
 		name string
 		run  func(t *testing.T)

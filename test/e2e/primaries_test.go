@@ -14,9 +14,6 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	types100 "github.com/containernetworking/cni/pkg/types/100"
 
-	"github.com/containernetworking/plugins/pkg/netlinksafe"
-	"github.com/vishvananda/netlink"
-
 	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
@@ -431,22 +428,15 @@ func runChainAfterMesh(t *testing.T, primary harness.Primary) {
 }
 
 // addNodeAddrs gives the node an IPv4 and an IPv6 address of its own, from the
-// documentation ranges, on its loopback (brought up; no DAD there), and returns
-// them.
+// documentation ranges, on its loopback (up, as on every node; no DAD there),
+// and returns them.
 func addNodeAddrs(t *testing.T, node *harness.Node) [2]netip.Addr {
 	t.Helper()
 	addrs := [2]netip.Addr{netip.MustParseAddr("192.0.2.1"), netip.MustParseAddr("2001:db8::1")}
 	err := node.Do(func() error {
-		lo, err := netlinksafe.LinkByName("lo")
-		if err != nil {
-			return err
-		}
-		if err := netlink.LinkSetUp(lo); err != nil {
-			return err
-		}
 		for _, a := range addrs {
-			if err := netlink.AddrAdd(lo, &netlink.Addr{IPNet: netipx(netip.PrefixFrom(a, a.BitLen()))}); err != nil {
-				return fmt.Errorf("add %s: %w", a, err)
+			if err := fixtures.AddAddr("lo", netip.PrefixFrom(a, a.BitLen())); err != nil {
+				return err
 			}
 		}
 		return nil
@@ -455,10 +445,6 @@ func addNodeAddrs(t *testing.T, node *harness.Node) [2]netip.Addr {
 		t.Fatalf("node addresses: %v", err)
 	}
 	return addrs
-}
-
-func netipx(p netip.Prefix) *net.IPNet {
-	return &net.IPNet{IP: p.Addr().AsSlice(), Mask: net.CIDRMask(p.Bits(), p.Addr().BitLen())}
 }
 
 func pluginTypes(list *libcni.NetworkConfigList) []string {

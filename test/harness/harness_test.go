@@ -16,7 +16,6 @@ import (
 
 	"github.com/containernetworking/cni/pkg/types"
 
-	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
@@ -375,10 +374,7 @@ func requireNoCachedResults(t *testing.T, node *harness.Node) {
 func TestCheckLeaks(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	path := filepath.Join(harness.NetnsDir, harness.NetnsPrefix()+"planted")
-	if err := netns.Create(path); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = netns.Remove(path) })
+	fixtures.NewNetns(t, path)
 	leaked, err := harness.LeakedNetns()
 	if err != nil || !slices.Contains(leaked, path) {
 		t.Fatalf("LeakedNetns = %v, %v; want it to list %s", leaked, err, path)
