@@ -159,8 +159,8 @@ func TestDemo(t *testing.T) {
 	}
 	say.say("shop/client %s, shop/server %s: enrolled; kube-system/outsider %s: out of the mesh (excluded namespace)",
 		client.IPv4(t), server.IPv4(t), outsider.IPv4(t))
-	clientRecords := startProxy(ctx, t, client)
-	serverRecords := startProxy(ctx, t, server)
+	_, clientRecords := client.StartRefproxy(ctx, t)
+	_, serverRecords := server.StartRefproxy(ctx, t)
 	say.say("the reference proxy listens inside each meshed pod on 127.0.0.1:15001 (outbound) and :15006 (inbound)")
 	seen := serveGreeting(t, server)
 	target := netip.AddrPortFrom(server.IPv4(t), 8080)
@@ -211,17 +211,6 @@ func pluginTypes(l *libcni.NetworkConfigList) string {
 		types[i] = p.Network.Type
 	}
 	return "[" + strings.Join(types, ", ") + "]"
-}
-
-func startProxy(ctx context.Context, t *testing.T, p *harness.Pod) string {
-	records := filepath.Join(t.TempDir(), p.Name+".jsonl")
-	proc := p.Start(t, harness.ProcessOptions{Path: harness.Bins(t).Path("refproxy"), Args: []string{"-record", records}, Name: "refproxy-" + p.Name})
-	readyCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	if _, err := proc.WaitForLine(readyCtx, "ready"); err != nil {
-		t.Fatal(err)
-	}
-	return records
 }
 
 func serveGreeting(t *testing.T, p *harness.Pod) func() []string { return serveGreetingOn(t, p, 8080) }

@@ -63,11 +63,10 @@ func TestAgentWithLeastCapabilities(t *testing.T) {
 		t.Fatalf("the agent runs with capabilities %#x, want exactly %#x", got, want)
 	}
 
-	var app server
-	app.serve(t, srv.Pod, 8080)
+	srv.ServeEcho(t, 8080)
 	for i, dst := range []netip.Addr{srv.IPv4(t), srv.IPv6(t)} {
 		target := netip.AddrPortFrom(dst, 8080)
-		if err := roundTrip(ctx, client.Pod, target, []byte("least privilege")); err != nil {
+		if err := client.EchoRoundTrip(ctx, target, []byte("least privilege")); err != nil {
 			t.Fatalf("client -> %s: %v", target, err)
 		}
 		if in := proxy.AwaitRecords(ctx, t, srv.records, i+1)[i]; in.Direction != "inbound" || !sameAddrPort(in.OriginalDst, target) {

@@ -444,8 +444,7 @@ func TestChaos(t *testing.T) {
 	// Long-lived enrolled pods with sidecars: clients and a server.
 	srv := addMeshPod(ctx, t, node, list, "shop", "server")
 	srv.startProxy(ctx, t)
-	var app server
-	app.serve(t, srv.Pod, 8080)
+	app := srv.ServeEcho(t, 8080)
 	clients := make([]*meshPod, chaosClients)
 	for i := range clients {
 		clients[i] = addMeshPod(ctx, t, node, list, "shop", fmt.Sprintf("client-%d", i))
@@ -482,7 +481,7 @@ func TestChaos(t *testing.T) {
 				if run.stopped() {
 					return
 				}
-				if err := roundTrip(ctx, c.Pod, target, []byte("chaos")); err != nil {
+				if err := c.EchoRoundTrip(ctx, target, []byte("chaos")); err != nil {
 					connFailed.Add(1)
 				} else {
 					connOK.Add(1)
@@ -555,7 +554,7 @@ func TestChaos(t *testing.T) {
 	// which dials from the server pod itself; every success went through the
 	// client's outbound proxy.
 	srvAddrs := []netip.Addr{srv.IPv4(t), srv.IPv6(t)}
-	seen := app.seen()
+	seen := app.Clients()
 	bypassed := 0
 	for _, c := range seen {
 		if !slices.Contains(srvAddrs, c) {

@@ -61,15 +61,14 @@ func checkThroughSidecars(ctx context.Context, t *testing.T, a, b *meshPod, aAdd
 	t.Helper()
 	a.startProxy(ctx, t)
 	b.startProxy(ctx, t)
-	var app server
-	app.serve(t, b.Pod, 8080)
+	app := b.ServeEcho(t, 8080)
 	payload := bytes.Repeat([]byte("entry point "), 4<<10)
 	if len(bAddrs) == 0 {
 		t.Fatalf("pod %s has no addresses", b.Name)
 	}
 	for i, dst := range bAddrs {
 		target := netip.AddrPortFrom(dst, 8080)
-		if err := roundTrip(ctx, a.Pod, target, payload); err != nil {
+		if err := a.EchoRoundTrip(ctx, target, payload); err != nil {
 			t.Fatalf("%s -> %s: %v", a.Name, target, err)
 		}
 		out := proxy.AwaitRecords(ctx, t, a.records, i+1)[i]
@@ -84,7 +83,7 @@ func checkThroughSidecars(ctx context.Context, t *testing.T, a, b *meshPod, aAdd
 			t.Fatalf("%s's proxy forwarded %d bytes, want %d", b.Name, in.BytesToDst, len(payload))
 		}
 	}
-	for _, c := range app.seen() {
+	for _, c := range app.Clients() {
 		if slices.Contains(aAddrs, c) {
 			t.Fatalf("%s's application saw %s directly: its inbound proxy was bypassed", b.Name, c)
 		}

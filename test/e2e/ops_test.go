@@ -123,11 +123,10 @@ func TestMetricsFollowTraffic(t *testing.T) {
 	srv := addMeshPod(ctx, t, node, list, "shop", "server")
 	client.startProxy(ctx, t)
 	srv.startProxy(ctx, t)
-	var app server
-	app.serve(t, srv.Pod, 8080)
+	srv.ServeEcho(t, 8080)
 	const conns = 7
 	for i := 0; i < conns; i++ {
-		if err := roundTrip(ctx, client.Pod, netip.AddrPortFrom(srv.IPv4(t), 8080), []byte("ping")); err != nil {
+		if err := client.EchoRoundTrip(ctx, netip.AddrPortFrom(srv.IPv4(t), 8080), []byte("ping")); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -117,14 +117,13 @@ func runPrimaryCase(t *testing.T, c primaryCase) {
 	cm, sm := &meshPod{Pod: client}, &meshPod{Pod: srv}
 	cm.startProxy(ctx, t)
 	sm.startProxy(ctx, t)
-	var app, outsiderApp server
-	app.serve(t, srv, 8080)
-	outsiderApp.serve(t, outsider, 8080)
+	app := srv.ServeEcho(t, 8080)
+	outsiderApp := outsider.ServeEcho(t, 8080)
 	payload := bytes.Repeat([]byte("mesh-cni "), 4<<10)
 	var outbound, inbound int
 	for _, dst := range srv.Addrs() {
 		target := netip.AddrPortFrom(dst, 8080)
-		if err := roundTrip(ctx, client, target, payload); err != nil {
+		if err := client.EchoRoundTrip(ctx, target, payload); err != nil {
 			t.Fatalf("client -> %s: %v", target, err)
 		}
 		outbound++
@@ -136,7 +135,7 @@ func runPrimaryCase(t *testing.T, c primaryCase) {
 			t.Fatalf("server proxy forwarded %d bytes to the application, want %d", in.BytesToDst, len(payload))
 		}
 	}
-	for _, seen := range app.seen() {
+	for _, seen := range app.Clients() {
 		if slices.Contains(client.Addrs(), seen) {
 			t.Fatalf("the server's application saw the client %s directly: the inbound proxy was bypassed", seen)
 		}
@@ -148,18 +147,18 @@ func runPrimaryCase(t *testing.T, c primaryCase) {
 	// through the client's proxy and arrives unintercepted (a captured SYN
 	// would be dropped for want of a proxy).
 	target := netip.AddrPortFrom(srv.Addrs()[0], 8080)
-	if err := roundTrip(ctx, outsider, target, payload); err != nil {
+	if err := outsider.EchoRoundTrip(ctx, target, payload); err != nil {
 		t.Fatalf("excluded pod -> %s: %v", target, err)
 	}
 	inbound++
 	assertRecord(t, proxy.AwaitRecords(ctx, t, sm.records, inbound)[inbound-1], proxy.Inbound, target)
 	target = netip.AddrPortFrom(outsider.Addrs()[0], 8080)
-	if err := roundTrip(ctx, client, target, payload); err != nil {
+	if err := client.EchoRoundTrip(ctx, target, payload); err != nil {
 		t.Fatalf("client -> excluded pod %s: %v", target, err)
 	}
 	outbound++
 	assertRecord(t, proxy.AwaitRecords(ctx, t, cm.records, outbound)[outbound-1], proxy.Outbound, target)
-	if seen := outsiderApp.seen(); len(seen) != 1 || !slices.Contains(client.Addrs(), seen[0]) {
+	if seen := outsiderApp.Clients(); len(seen) != 1 || !slices.Contains(client.Addrs(), seen[0]) {
 		t.Fatalf("excluded pod's application saw clients %v, want one connection from the client pod %v", seen, client.Addrs())
 	}
 	if n := len(proxy.MustReadRecords(t, cm.records)); n != outbound {
@@ -373,13 +372,12 @@ func runChainAfterMesh(t *testing.T, primary harness.Primary) {
 	cm, sm := &meshPod{Pod: client}, &meshPod{Pod: srv}
 	cm.startProxy(ctx, t)
 	sm.startProxy(ctx, t)
-	var app server
-	app.serve(t, srv, podPort)
+	srv.ServeEcho(t, podPort)
 	payload := bytes.Repeat([]byte("mesh-cni "), 4<<10)
 	var outbound, inbound int
 	for _, dst := range srv.Addrs() {
 		target := netip.AddrPortFrom(dst, podPort)
-		if err := roundTrip(ctx, client, target, payload); err != nil {
+		if err := client.EchoRoundTrip(ctx, target, payload); err != nil {
 			t.Fatalf("client -> %s: %v", target, err)
 		}
 		outbound++

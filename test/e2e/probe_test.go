@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/netip"
 	"os"
@@ -20,6 +19,7 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
@@ -43,8 +43,7 @@ func TestKubeletProbesBypassProxy(t *testing.T) {
 	srv := addMeshPod(ctx, t, node, list, "shop", "probe-server")
 	client.startProxy(ctx, t)
 	srv.startProxy(ctx, t)
-	var app server
-	app.serve(t, srv.Pod, 8080)
+	app := srv.ServeEcho(t, 8080)
 
 	node.WaitAddressesUsable(ctx, t)
 	records := 0
@@ -55,7 +54,7 @@ func TestKubeletProbesBypassProxy(t *testing.T) {
 		if err := probeFromCgroup(ctx, t, node, kubelet, target); err != nil {
 			t.Fatalf("kubelet probe to %s: %v", target, err)
 		}
-		seen := app.seen()
+		seen := app.Clients()
 		if got := len(proxy.MustReadRecords(t, srv.records)); got != before || len(seen) == 0 || !isNodeAddress(t, node, seen[len(seen)-1].WithZone("")) {
 			t.Fatalf("kubelet probe to %s: the application saw %v, the inbound proxy %d new records: want it straight from a node address", target, seen, got-before)
 		}
@@ -68,7 +67,7 @@ func TestKubeletProbesBypassProxy(t *testing.T) {
 			t.Fatalf("server proxy record %+v, want the node process's connection to %s", in, target)
 		}
 		// A pod's connection: through both proxies.
-		if err := roundTrip(ctx, client.Pod, target, []byte("pod to pod")); err != nil {
+		if err := client.EchoRoundTrip(ctx, target, []byte("pod to pod")); err != nil {
 			t.Fatalf("pod -> %s: %v", target, err)
 		}
 		records++
@@ -150,20 +149,7 @@ func echoLine(ctx context.Context, target string) error {
 		}
 		break
 	}
-	defer c.Close()
-	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
-	if _, err := c.Write(payload); err != nil {
-		return err
-	}
-	_ = c.(*net.TCPConn).CloseWrite()
-	got, err := io.ReadAll(c)
-	if err != nil {
-		return err
-	}
-	if !bytes.Equal(got, payload) {
-		return fmt.Errorf("echo mismatch: %q", got)
-	}
-	return nil
+	return fixtures.EchoRoundTrip(ctx, c, payload)
 }
 
 // isNodeAddress reports whether a is an address of the node's namespace.

@@ -167,12 +167,11 @@ func TestZDSNodeProxy(t *testing.T) {
 		}
 		np.listening(ctx, t, p.Pod)
 	}
-	var app server
-	app.serve(t, srv.Pod, 8080)
+	app := srv.ServeEcho(t, 8080)
 	for _, dst := range []netip.Addr{srv.IPv4(t), srv.IPv6(t)} {
 		np.checkPath(ctx, t, client.Pod, srv.Pod, netip.AddrPortFrom(dst, 8080))
 	}
-	for _, c := range app.seen() {
+	for _, c := range app.Clients() {
 		if c == client.IPv4(t) || c == client.IPv6(t) {
 			t.Fatalf("the server saw the client %s directly: the node proxy's inbound listener was bypassed", c)
 		}
@@ -201,7 +200,7 @@ func TestZDSNodeProxy(t *testing.T) {
 	if err := np.proc.Stop(ctx); err != nil {
 		t.Fatalf("stop node proxy: %v", err)
 	}
-	if err := roundTrip(ctx, client.Pod, netip.AddrPortFrom(srv.IPv4(t), 8080), []byte("x")); !errors.Is(err, syscall.ECONNREFUSED) {
+	if err := client.EchoRoundTrip(ctx, netip.AddrPortFrom(srv.IPv4(t), 8080), []byte("x")); !errors.Is(err, syscall.ECONNREFUSED) {
 		t.Fatalf("client -> server with the node proxy stopped: %v, want connection refused", err)
 	}
 	np = startNodeProxy(ctx, t, zdsSocket, "node-proxy-2")
@@ -358,14 +357,13 @@ func TestProxyKnownByCgroup(t *testing.T) {
 	for _, p := range []*meshPod{client, srv} {
 		np.listening(ctx, t, p.Pod)
 	}
-	var app server
-	app.serve(t, srv.Pod, 8080)
+	app := srv.ServeEcho(t, 8080)
 	for _, dst := range []netip.Addr{srv.IPv4(t), srv.IPv6(t)} {
 		target := netip.AddrPortFrom(dst, 8080)
 		np.checkPath(ctx, t, client.Pod, srv.Pod, target)
 		np.checkPathMarked(ctx, t, client.Pod, srv.Pod, target, 0x539)
 	}
-	for _, c := range app.seen() {
+	for _, c := range app.Clients() {
 		if c == client.IPv4(t) || c == client.IPv6(t) {
 			t.Fatalf("the server saw the client %s directly: a marked connect bypassed the node proxy", c)
 		}

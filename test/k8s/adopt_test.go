@@ -129,11 +129,10 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 	}
 	updatePodStatus(ctx, t, c.admin, lab, "lost", func(st *corev1.PodStatus) { st.Phase = corev1.PodRunning })
 
-	var app echoServer
-	app.serve(t, server, 8080)
+	server.ServeEcho(t, 8080)
 	target := netip.AddrPortFrom(server.IPv4(t), 8080)
-	records := startProxy(ctx, t, client)
-	if err := roundTrip(ctx, client, target); err != nil {
+	_, records := client.StartRefproxy(ctx, t)
+	if err := client.EchoRoundTrip(ctx, target, []byte("mesh-cni k8s")); err != nil {
 		t.Fatalf("client -> server before the install: %v", err)
 	}
 	// A connection the client holds open across its adoption.
@@ -180,7 +179,7 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 	if n := len(proxy.MustReadRecords(t, records)); n != 0 {
 		t.Fatalf("the proxy saw %d connections before the adopted pod's first new one", n)
 	}
-	if err := roundTrip(ctx, client, target); err != nil {
+	if err := client.EchoRoundTrip(ctx, target, []byte("mesh-cni k8s")); err != nil {
 		t.Fatalf("client -> server once adopted: %v", err)
 	}
 	recs := proxy.AwaitRecords(ctx, t, records, 1)

@@ -6,14 +6,11 @@ import (
 	"debug/buildinfo"
 	"encoding/json"
 	"fmt"
-	"io"
-	"net"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -265,11 +262,10 @@ func testAgentEnrollmentFollowsLabels(t *testing.T, c *cluster) {
 	c.noRedirection(t, lab, "opt-out")
 	c.noRedirection(t, plain, "late")
 
-	var app echoServer
-	app.serve(t, srv, 8080)
-	records := startProxy(ctx, t, late)
+	srv.ServeEcho(t, 8080)
+	_, records := late.StartRefproxy(ctx, t)
 	target := netip.AddrPortFrom(srv.IPv4(t), 8080)
-	if err := roundTrip(ctx, late, target); err != nil {
+	if err := late.EchoRoundTrip(ctx, target, []byte("mesh-cni k8s")); err != nil {
 		t.Fatalf("late -> server before enrollment: %v", err)
 	}
 	if n := len(proxy.MustReadRecords(t, records)); n != 0 {
@@ -282,7 +278,7 @@ func testAgentEnrollmentFollowsLabels(t *testing.T, c *cluster) {
 	if a.enrolled(srv) {
 		t.Error("the opted-out server pod was enrolled with its namespace")
 	}
-	if err := roundTrip(ctx, late, target); err != nil {
+	if err := late.EchoRoundTrip(ctx, target, []byte("mesh-cni k8s")); err != nil {
 		t.Fatalf("late -> server after enrollment: %v", err)
 	}
 	recs := proxy.AwaitRecords(ctx, t, records, 1)
@@ -294,7 +290,7 @@ func testAgentEnrollmentFollowsLabels(t *testing.T, c *cluster) {
 	// Unlabel it: released, traffic direct again.
 	c.setLabel(t, plain, "", "mesh-cni.io/dataplane-mode", "")
 	waitEnrolled(t, a, late, false, "namespace unlabelled")
-	if err := roundTrip(ctx, late, target); err != nil {
+	if err := late.EchoRoundTrip(ctx, target, []byte("mesh-cni k8s")); err != nil {
 		t.Fatalf("late -> server after release: %v", err)
 	}
 	if n := len(proxy.MustReadRecords(t, records)); n != 1 {
@@ -485,73 +481,4 @@ func testAgentAddWithAPIServerDown(t *testing.T, c *cluster) {
 		}
 		return false
 	})
-}
-
-// echoServer is a TCP echo server inside a pod.
-type echoServer struct {
-	mu      sync.Mutex
-	clients []netip.Addr
-}
-
-func (s *echoServer) serve(t *testing.T, p *harness.Pod, port int) {
-	t.Helper()
-	ln := p.Listen(t, "tcp", fmt.Sprintf("[::]:%d", port))
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			s.mu.Lock()
-			s.clients = append(s.clients, netip.MustParseAddrPort(c.RemoteAddr().String()).Addr().Unmap())
-			s.mu.Unlock()
-			go func() {
-				defer c.Close()
-				_, _ = io.Copy(c, c)
-			}()
-		}
-	}()
-}
-
-// roundTrip connects from p to addr and checks an echo.
-func roundTrip(ctx context.Context, p *harness.Pod, addr netip.AddrPort) error {
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	c, err := p.Dial(ctx, "tcp", addr.String())
-	if err != nil {
-		return err
-	}
-	defer c.Close()
-	if err := c.SetDeadline(time.Now().Add(5 * time.Second)); err != nil {
-		return err
-	}
-	payload := []byte("mesh-cni k8s")
-	if _, err := c.Write(payload); err != nil {
-		return fmt.Errorf("write: %w", err)
-	}
-	if err := c.(*net.TCPConn).CloseWrite(); err != nil {
-		return err
-	}
-	got, err := io.ReadAll(c)
-	if err != nil {
-		return fmt.Errorf("read: %w", err)
-	}
-	if !bytes.Equal(got, payload) {
-		return fmt.Errorf("echo mismatch: %q", got)
-	}
-	return nil
-}
-
-// startProxy runs the reference proxy inside p, as a sidecar would, with
-// args added to its own, and returns its record file.
-func startProxy(ctx context.Context, t *testing.T, p *harness.Pod, args ...string) string {
-	t.Helper()
-	records := filepath.Join(t.TempDir(), p.Name+"-records.jsonl")
-	proc := p.Start(t, harness.ProcessOptions{Path: harness.Bins(t).Path("refproxy"), Args: append([]string{"-record", records}, args...), Name: "refproxy-" + p.Name})
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	if _, err := proc.WaitForLine(ctx, "ready"); err != nil {
-		t.Fatalf("proxy in %s: %v", p.Name, err)
-	}
-	return records
 }

@@ -384,10 +384,9 @@ func testAgentStopOnRemoval(t *testing.T, c *cluster) {
 			if !a.enrolled(client) {
 				t.Fatal("the client in a labelled namespace is not enrolled")
 			}
-			var app echoServer
-			app.serve(t, srv, 8080)
+			srv.ServeEcho(t, 8080)
 			target := netip.AddrPortFrom(srv.IPv4(t), 8080)
-			if err := roundTrip(ctx, client, target); err == nil {
+			if err := client.EchoRoundTrip(ctx, target, []byte("mesh-cni k8s")); err == nil {
 				t.Fatal("the enrolled client reached the server with no proxy listening: its connects are not redirected")
 			}
 
@@ -410,7 +409,7 @@ func testAgentStopOnRemoval(t *testing.T, c *cluster) {
 
 			after := waitChainEntry(t, node, !tc.uninstalled)
 			_, binErr := os.Stat(filepath.Join(node.BinDir, "mesh-cni"))
-			reached := roundTrip(ctx, client, target)
+			reached := client.EchoRoundTrip(ctx, target, []byte("mesh-cni k8s"))
 			if !tc.uninstalled {
 				if binErr != nil {
 					t.Errorf("the plugin binary is gone: %v", binErr)

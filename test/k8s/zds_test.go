@@ -116,8 +116,7 @@ func testAgentZDSEntryPoints(t *testing.T, c *cluster) {
 	if a.enrolled(srv) {
 		t.Fatal("the server in an unlabelled namespace was enrolled")
 	}
-	var app echoServer
-	app.serve(t, srv, 8080)
+	srv.ServeEcho(t, 8080)
 	target := netip.AddrPortFrom(srv.IPv4(t), 8080)
 
 	// CNI: the chain's ADD returns once the node proxy acked the pod.
@@ -230,7 +229,7 @@ func testAgentZDSEntryPoints(t *testing.T, c *cluster) {
 			t.Fatalf("node proxy about %s: %+v; want its listeners, workload %s/%s, service account %s", x.p.Name, line, x.p.Namespace, x.p.Name, x.sa)
 		}
 		before := len(proxy.MustReadRecords(t, records))
-		if err := roundTrip(ctx, x.p, target); err != nil {
+		if err := x.p.EchoRoundTrip(ctx, target, []byte("mesh-cni k8s")); err != nil {
 			t.Fatalf("%s -> server: %v", x.p.Name, err)
 		}
 		recs := proxy.AwaitRecords(ctx, t, records, before+1)
@@ -258,7 +257,7 @@ func testAgentZDSEntryPoints(t *testing.T, c *cluster) {
 		t.Fatalf("the ztunnel-behaving client saw a deviation:\n%s", out)
 	}
 	for _, p := range []*harness.Pod{cniP, kniP, hookP} {
-		if err := roundTrip(ctx, p, target); err != nil {
+		if err := p.EchoRoundTrip(ctx, target, []byte("mesh-cni k8s")); err != nil {
 			t.Fatalf("%s -> server after the agent restarted: %v", p.Name, err)
 		}
 	}

@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"path/filepath"
+	"slices"
 	"testing"
 	"time"
 
@@ -18,19 +19,7 @@ func echoListener(t *testing.T) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				_, _ = io.Copy(c, c)
-			}()
-		}
-	}()
+	fixtures.ServeEcho(t, ln)
 	return ln.Addr().String()
 }
 
@@ -120,11 +109,20 @@ func TestHoldKeepsOneConnection(t *testing.T) {
 		done <- run(ctx, []string{"-connect", ln.Addr().String(), "-n", "0", "-interval", "20ms", "-hold", "-record", rec}, io.Discard, io.Discard)
 	}()
 	first := <-accepted
-	time.Sleep(100 * time.Millisecond)
+	waitCtx := fixtures.Context(t, 30*time.Second)
+	if _, err := fixtures.WaitJSONL(waitCtx, rec, func(cs []Connection) bool { return len(cs) > 0 }); err != nil {
+		t.Fatalf("a round trip before the drop: %v", err)
+	}
 	first.(*net.TCPConn).SetLinger(0)
 	first.Close()
 	<-accepted
-	time.Sleep(100 * time.Millisecond)
+	// A round trip on the new connection: the last record is a success, after
+	// the failure.
+	if _, err := fixtures.WaitJSONL(waitCtx, rec, func(cs []Connection) bool {
+		return len(cs) > 0 && cs[len(cs)-1].Error == "" && slices.ContainsFunc(cs, func(c Connection) bool { return c.Error != "" })
+	}); err != nil {
+		t.Fatalf("a round trip after the drop: %v", err)
+	}
 	cancel()
 	<-done
 	var locals []string
