@@ -9,7 +9,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -24,10 +23,10 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/mesh-cni/mesh-cni/internal/agent"
+	"github.com/mesh-cni/mesh-cni/internal/agent/agenttest"
 	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/internal/kni"
 	"github.com/mesh-cni/mesh-cni/internal/kni/knipb"
-	"github.com/mesh-cni/mesh-cni/internal/podstore"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
@@ -41,17 +40,12 @@ func TestMain(m *testing.M) {
 // env is a node with a KNI network runtime running its [bridge] conflist, an
 // in-process agent, and the interposer in front of the runtime.
 type env struct {
-	node      *harness.Node
-	network   string // the conflist's name (host-local keeps its allocations under it)
-	runtime   *kniruntime.Started
-	svc       *agent.Service
-	policy    *recordingPolicy
-	readiness *agent.Readiness
-	// readyAsked receives a value each time the interposer asks for readiness
-	// and hears "not ready": the attach is then about to wait.
-	readyAsked chan struct{}
-	client     knipb.KNIClient
-	conn       *grpc.ClientConn
+	*agenttest.Gate
+	node    *harness.Node
+	network string // the conflist's name (host-local keeps its allocations under it)
+	runtime *kniruntime.Started
+	client  knipb.KNIClient
+	conn    *grpc.ClientConn
 }
 
 type envOptions struct {
@@ -60,8 +54,6 @@ type envOptions struct {
 	cfg         kni.Config
 	allowedUIDs []int
 }
-
-const condTest = "test-condition"
 
 func newEnv(t *testing.T, opts envOptions) *env {
 	t.Helper()
@@ -72,19 +64,7 @@ func newEnv(t *testing.T, opts envOptions) *env {
 	if opts.libkni {
 		startRuntime = kniruntime.StartLibkni
 	}
-	e := &env{node: node, network: list.Name, runtime: startRuntime(t, node, list), readyAsked: make(chan struct{}, 16)}
-
-	if opts.notReady {
-		e.readiness = agent.NewReadiness(condTest)
-	} else {
-		e.readiness = agent.NewReadiness()
-	}
-	store, problems, err := podstore.Open(filepath.Join(t.TempDir(), "pods"))
-	if err != nil || len(problems) > 0 {
-		t.Fatalf("pod store: %v %v", err, problems)
-	}
-	e.policy = &recordingPolicy{}
-	e.svc = agent.NewService(log.Named("agent"), e.readiness, e.policy, agent.RecordOnly{}, store)
+	e := &env{Gate: agenttest.NewGate(t, log, opts.notReady), node: node, network: list.Name, runtime: startRuntime(t, node, list)}
 
 	dir, err := os.MkdirTemp("", "kni-")
 	if err != nil {
@@ -95,17 +75,8 @@ func newEnv(t *testing.T, opts envOptions) *env {
 	cfg.SocketPath = filepath.Join(dir, "run", "kni.sock")
 	cfg.UpstreamSocket = e.runtime.Socket
 	cfg.AllowedUIDs = opts.allowedUIDs
-	cfg.Gate = e.svc
-	cfg.Ready = func() (bool, string) {
-		ready, why := e.readiness.Ready()
-		if !ready {
-			select {
-			case e.readyAsked <- struct{}{}:
-			default:
-			}
-		}
-		return ready, why
-	}
+	cfg.Gate = e.Service
+	cfg.Ready = e.Ready
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	srv, err := kni.New(ctx, log.Named("kni"), cfg)
@@ -168,15 +139,6 @@ func detachRequest(pod *harness.Pod) *knipb.DetachInterfaceRequest {
 	}
 }
 
-func (e *env) enrollments(t *testing.T) []*gatepb.Enrollment {
-	t.Helper()
-	list, err := e.svc.List(context.Background(), &gatepb.ListRequest{})
-	if err != nil {
-		t.Fatalf("gate List: %v", err)
-	}
-	return list.GetEnrollments()
-}
-
 func (e *env) allocations(t *testing.T) []harness.Allocation {
 	t.Helper()
 	allocs, err := e.node.Allocations(e.network)
@@ -234,7 +196,7 @@ func TestAttachEnrollsAndDetachReleases(t *testing.T) {
 
 	// The pod is enrolled, from the KNI entry point, in its own netns, with the
 	// runtime's interfaces.
-	enr := e.enrollments(t)
+	enr := e.Enrollments(t)
 	if len(enr) != 1 {
 		t.Fatalf("enrollments = %v, want the pod", enr)
 	}
@@ -252,7 +214,7 @@ func TestAttachEnrollsAndDetachReleases(t *testing.T) {
 	}
 
 	// Labels and annotations reach the agent's policy as kubelet sent them.
-	asked := e.policy.asked()
+	asked := e.Policy.Asked()
 	sent := attachRequest(pod)
 	if len(asked) != 1 || !maps.Equal(asked[0].GetLabels(), sent.GetLabels()) || !maps.Equal(asked[0].GetAnnotations(), sent.GetAnnotations()) {
 		t.Fatalf("policy was asked about %v, want labels %v and annotations %v", asked, sent.GetLabels(), sent.GetAnnotations())
@@ -267,7 +229,7 @@ func TestAttachEnrollsAndDetachReleases(t *testing.T) {
 	if _, err := e.client.DetachInterface(ctx, detachRequest(pod)); err != nil {
 		t.Fatalf("detach: %v", err)
 	}
-	if enr := e.enrollments(t); len(enr) != 0 {
+	if enr := e.Enrollments(t); len(enr) != 0 {
 		t.Fatalf("enrollments after detach = %v, want none", enr)
 	}
 	if n := len(e.runtime.CallsOf("DetachInterface")); n != 1 {
@@ -327,7 +289,7 @@ func TestUpstreamErrorPassesThroughUnchanged(t *testing.T) {
 	if got := status.Convert(err); !proto.Equal(got.Proto(), injected.Proto()) {
 		t.Fatalf("attach error = %v, want the runtime's %v unchanged (code, message, details)", got.Proto(), injected.Proto())
 	}
-	if enr := e.enrollments(t); len(enr) != 0 {
+	if enr := e.Enrollments(t); len(enr) != 0 {
 		t.Fatalf("a failed attach enrolled %v", enr)
 	}
 	if n := len(e.runtime.CallsOf("DetachInterface")); n != 0 {
@@ -359,7 +321,7 @@ func TestAttachNetworkOldNames(t *testing.T) {
 	if n := len(e.runtime.CallsOf("AttachNetwork")); n != 1 {
 		t.Fatalf("runtime got %d AttachNetwork calls, want 1", n)
 	}
-	enr := e.enrollments(t)
+	enr := e.Enrollments(t)
 	if len(enr) != 1 || enr[0].GetNetnsPath() != pod.NetNSPath || enr[0].GetSource() != gatepb.Source_SOURCE_KNI {
 		t.Fatalf("enrollments = %v, want the pod from KNI in %s", enr, pod.NetNSPath)
 	}
@@ -369,7 +331,7 @@ func TestAttachNetworkOldNames(t *testing.T) {
 	if n := len(e.runtime.CallsOf("DetachNetwork")); n != 1 {
 		t.Fatalf("runtime got %d DetachNetwork calls, want 1", n)
 	}
-	if enr := e.enrollments(t); len(enr) != 0 {
+	if enr := e.Enrollments(t); len(enr) != 0 {
 		t.Fatalf("enrollments after DetachNetwork = %v", enr)
 	}
 }
@@ -404,7 +366,7 @@ func TestLibkniUpstream(t *testing.T) {
 	if n := len(e.runtime.CallsOf("AttachInterface")); n != 1 {
 		t.Fatalf("runtime got %d AttachInterface calls, want 1", n)
 	}
-	if enr := e.enrollments(t); len(enr) != 1 || enr[0].GetNetnsPath() != pod.NetNSPath {
+	if enr := e.Enrollments(t); len(enr) != 1 || enr[0].GetNetnsPath() != pod.NetNSPath {
 		t.Fatalf("enrollments = %v, want the pod", enr)
 	}
 	if _, err := e.client.DetachNetwork(ctx, detachRequest(pod)); err != nil {
@@ -413,7 +375,7 @@ func TestLibkniUpstream(t *testing.T) {
 	if n := len(e.runtime.CallsOf("DetachInterface")); n != 1 {
 		t.Fatalf("runtime got %d DetachInterface calls, want 1", n)
 	}
-	if enr := e.enrollments(t); len(enr) != 0 {
+	if enr := e.Enrollments(t); len(enr) != 0 {
 		t.Fatalf("enrollments after DetachNetwork = %v", enr)
 	}
 	if a := e.runtime.Attached(); len(a) != 0 {
@@ -455,7 +417,7 @@ func TestAttachWaitsForReadiness(t *testing.T) {
 		done <- result{resp, err}
 	}()
 	select {
-	case <-e.readyAsked:
+	case <-e.ReadyAsked:
 	case r := <-done:
 		t.Fatalf("attach returned (%v, %v) while the agent was not ready", r.resp, r.err)
 	case <-ctx.Done():
@@ -470,16 +432,16 @@ func TestAttachWaitsForReadiness(t *testing.T) {
 		t.Fatalf("attach returned (%v, %v) before the agent was ready", r.resp, r.err)
 	default:
 	}
-	if enr := e.enrollments(t); len(enr) != 0 {
+	if enr := e.Enrollments(t); len(enr) != 0 {
 		t.Fatalf("enrolled before ready: %v", enr)
 	}
 
-	e.readiness.Set(condTest, true, "")
+	e.Readiness.Set(agenttest.CondTest, true, "")
 	r := <-done
 	if r.err != nil {
 		t.Fatalf("attach after readiness: %v", r.err)
 	}
-	if enr := e.enrollments(t); len(enr) != 1 || enr[0].GetAttachment().GetContainerId() != pod.ContainerID {
+	if enr := e.Enrollments(t); len(enr) != 1 || enr[0].GetAttachment().GetContainerId() != pod.ContainerID {
 		t.Fatalf("enrollments = %v, want the pod", enr)
 	}
 }
@@ -505,7 +467,7 @@ func TestAttachUndoneWhenNotEnrolled(t *testing.T) {
 	if a := e.allocations(t); len(a) != 0 {
 		t.Fatalf("host-local allocations after the undo = %v, want none", a)
 	}
-	if enr := e.enrollments(t); len(enr) != 0 {
+	if enr := e.Enrollments(t); len(enr) != 0 {
 		t.Fatalf("enrollments = %v", enr)
 	}
 }
@@ -541,7 +503,7 @@ func TestExcludedNamespacePassesThrough(t *testing.T) {
 	if _, err := e.client.AttachInterface(ctx, attachRequest(pod)); err != nil {
 		t.Fatalf("attach of a kube-system pod with the agent not ready: %v", err)
 	}
-	if enr := e.enrollments(t); len(enr) != 0 {
+	if enr := e.Enrollments(t); len(enr) != 0 {
 		t.Fatalf("excluded pod enrolled: %v", enr)
 	}
 	if _, err := e.client.DetachInterface(ctx, detachRequest(pod)); err != nil {
@@ -600,25 +562,4 @@ func TestNewRejectsBadConfig(t *testing.T) {
 			t.Errorf("%s: %v", name, err)
 		}
 	}
-}
-
-// recordingPolicy enrolls every pod, like agent.EnrollAll, and keeps the pod
-// identities it was asked about: the gate's records do not keep labels and
-// annotations, the policy is what uses them.
-type recordingPolicy struct {
-	mu   sync.Mutex
-	pods []*gatepb.PodIdentity
-}
-
-func (p *recordingPolicy) Decide(ctx context.Context, pod *gatepb.PodIdentity) (agent.Decision, error) {
-	p.mu.Lock()
-	p.pods = append(p.pods, proto.Clone(pod).(*gatepb.PodIdentity))
-	p.mu.Unlock()
-	return agent.EnrollAll{}.Decide(ctx, pod)
-}
-
-func (p *recordingPolicy) asked() []*gatepb.PodIdentity {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return slices.Clone(p.pods)
 }
