@@ -13,14 +13,13 @@ import (
 	"slices"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/miekg/dns"
-	"golang.org/x/sys/unix"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 const dnsName = "answer.test."
@@ -167,14 +166,7 @@ func queryFrom(p *pod, server netip.AddrPort, network string, qtype uint16, mark
 			r   *dns.Msg
 			err error
 		)
-		control := func(_, _ string, c syscall.RawConn) error {
-			if mark == 0 {
-				return nil
-			}
-			var serr error
-			err := c.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, int(mark)) })
-			return errors.Join(err, serr)
-		}
+		control := fixtures.MarkControl(int(mark))
 		switch network {
 		case "udp-unconnected":
 			lc := net.ListenConfig{Control: control}

@@ -12,7 +12,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 	"unsafe"
@@ -90,19 +89,8 @@ func (p *pod) dial(addr string, o dialOpts) (net.Conn, error) {
 		timeout = 5 * time.Second
 	}
 	err := netns.Do(p.path, func() error {
-		d := net.Dialer{Timeout: timeout}
+		d := net.Dialer{Timeout: timeout, Control: fixtures.MarkControl(int(o.mark))}
 		d.SetMultipathTCP(o.mptcp)
-		if o.mark != 0 {
-			d.Control = func(_, _ string, c syscall.RawConn) error {
-				var serr error
-				if err := c.Control(func(fd uintptr) {
-					serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, int(o.mark))
-				}); err != nil {
-					return err
-				}
-				return serr
-			}
-		}
 		var err error
 		conn, err = d.Dial("tcp", addr)
 		return err

@@ -192,12 +192,7 @@ func TestProxyConnectionIntoPod(t *testing.T) {
 		}
 		var up net.Conn
 		err = netns.Do(b.path, func() error {
-			dl := net.Dialer{LocalAddr: &net.TCPAddr{IP: src.AsSlice()}, Timeout: 5 * time.Second}
-			dl.Control = func(_, _ string, c syscall.RawConn) error {
-				var serr error
-				err := c.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, testMark) })
-				return errors.Join(err, serr)
-			}
+			dl := net.Dialer{LocalAddr: &net.TCPAddr{IP: src.AsSlice()}, Timeout: 5 * time.Second, Control: fixtures.MarkControl(testMark)}
 			var err error
 			up, err = dl.Dial("tcp", orig.String())
 			return err

@@ -7,13 +7,11 @@ import (
 	"net"
 	"net/netip"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
 	"github.com/miekg/dns"
-	"golang.org/x/sys/unix"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/test/bench/results"
@@ -143,15 +141,7 @@ func serveDNSProxy(tb testing.TB, pod *harness.Pod, upstream netip.AddrPort) *at
 		if pc, err = net.ListenPacket("udp4", fmt.Sprintf("127.0.0.1:%d", dnsProxyPort)); err != nil {
 			return err
 		}
-		d := net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
-			var serr error
-			if err := c.Control(func(fd uintptr) {
-				serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, capture.DefaultMark)
-			}); err != nil {
-				return err
-			}
-			return serr
-		}}
+		d := net.Dialer{Control: fixtures.MarkControl(capture.DefaultMark)}
 		up, err = d.Dial("udp4", upstream.String())
 		return err
 	}); err != nil {
