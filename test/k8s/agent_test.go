@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -43,33 +42,13 @@ type agent struct {
 }
 
 // prepareAgent prepares (but does not start) a mesh-agent with its own socket,
-// state and bpffs directories. The data path is removed after the test with
-// the product's uninstall, as test/e2e does.
+// state and bpffs directories (harness.NewAgentDirs). Its sidecar proxies are
+// known by ztunnel's mark, the node proxy of the ZDS tests by its own cgroup.
 func prepareAgent(t testing.TB, extraArgs ...string) *agent {
 	t.Helper()
-	// Short: a Unix socket path is limited to 107 bytes.
-	dir, err := os.MkdirTemp("", "mesh-k8s-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	a := &agent{t: t, dir: dir, Socket: filepath.Join(dir, "run", "gate.sock"), BPFFS: filepath.Join(dir, "bpf")}
-	a.Args = append([]string{"run", "--socket", a.Socket, "--state-dir", filepath.Join(dir, "pods"), "--bpffs-root", a.BPFFS,
-		"--cni-install=false", "--metrics-addr=", "--zds-socket=", "--log-level", "debug",
-		// The sidecar proxies run in the test's cgroup and are known by ztunnel's
-		// mark (an opt-in); the node proxy of the ZDS tests by its own cgroup.
-		"--proxy-mark", "0x539"}, extraArgs...)
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		out, err := exec.CommandContext(ctx, harness.Bins(t).Path("mesh-agent"), "uninstall",
-			"--bpffs-root", a.BPFFS, "--cni-install=false", "--log-level", "warn").CombinedOutput()
-		if err != nil {
-			t.Errorf("mesh-agent uninstall: %v\n%s", err, out)
-		}
-		if err := os.RemoveAll(dir); err != nil {
-			t.Errorf("remove agent dir: %v", err)
-		}
-	})
+	d := harness.NewAgentDirs(t, "mesh-k8s-")
+	a := &agent{t: t, dir: d.Dir, Socket: d.Socket, BPFFS: d.BPFFS}
+	a.Args = append(d.RunArgs(), extraArgs...)
 	return a
 }
 
