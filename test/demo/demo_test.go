@@ -53,53 +53,79 @@ func (n *narrator) step(title string) {
 	n.t.Log("== " + title)
 }
 
-func TestDemo(t *testing.T) {
-	ctx := fixtures.Context(t, 5*time.Minute)
-	say := &narrator{t: t, start: time.Now()}
+// demo is where both demos start: the narrator, and a simulated node whose
+// primary CNI config is [bridge + host-local], with a directory for the
+// agent's socket, pod state, bpffs and install state.
+type demo struct {
+	say    *narrator
+	node   *harness.Node
+	bins   *harness.Binaries
+	socket string
+	dir    string
+}
+
+// newDemo tells and makes the node. The directory is short-named (a Unix
+// socket's path is limited to 107 bytes); in cleanup the agent's uninstall
+// restores the node's CNI config and removes the data path, then it goes.
+func newDemo(t *testing.T) *demo {
+	t.Helper()
+	d := &demo{say: &narrator{t: t, start: time.Now()}, bins: harness.Bins(t)}
 	if os.Getenv("MESH_DEMO") != "" {
-		say.out = os.Stdout
+		d.say.out = os.Stdout
 	}
-	bins := harness.Bins(t)
-
-	say.step("A simulated node")
-	node := harness.NewNode(t, harness.NodeOptions{})
-	primary, err := node.ConflistJSON("podnet")
+	d.say.step("A simulated node")
+	d.node = harness.NewNode(t, harness.NodeOptions{})
+	primary, err := d.node.ConflistJSON("podnet")
 	if err != nil {
 		t.Fatal(err)
 	}
-	primaryFile := node.WriteConf(t, "10-bridge.conflist", primary)
-	say.say("node network namespace %s with bridge %s; pods get %s and %s",
-		filepath.Base(node.NetNSPath), node.BridgeName, node.IPv4Range, node.IPv6Range)
-	say.say("the primary CNI config is %s: [bridge + host-local]", filepath.Base(primaryFile))
+	primaryFile := d.node.WriteConf(t, "10-bridge.conflist", primary)
+	d.say.say("node network namespace %s with bridge %s; pods get %s and %s",
+		filepath.Base(d.node.NetNSPath), d.node.BridgeName, d.node.IPv4Range, d.node.IPv6Range)
+	d.say.say("the primary CNI config is %s: [bridge + host-local]", filepath.Base(primaryFile))
 
-	dir, err := os.MkdirTemp("", "mesh-demo-")
-	if err != nil {
+	if d.dir, err = os.MkdirTemp("", "mesh-demo-"); err != nil {
 		t.Fatal(err)
 	}
-	socket := filepath.Join(dir, "run", "gate.sock")
-	bpffs := filepath.Join(dir, "bpf")
-	agentArgs := []string{"run", "--socket", socket, "--state-dir", filepath.Join(dir, "pods"),
-		"--bpffs-root", bpffs, "--cni-conf-dir", node.ConfDir, "--cni-bin-dir", node.BinDir,
-		"--install-state-dir", filepath.Join(dir, "install"), "--plugin-binary", bins.Path("mesh-cni"),
-		"--gate-timeout", "2m", "--metrics-addr=", "--zds-socket=", "--log-level", "warn",
-		// The demo's proxies run in each pod, beside the application, and are known
-		// by ztunnel's mark (an opt-in; the ambient demo's node proxy is known by
-		// its cgroup instead).
-		"--proxy-mark", "0x539"}
+	d.socket = filepath.Join(d.dir, "run", "gate.sock")
 	t.Cleanup(func() {
-		out, err := exec.Command(bins.Path("mesh-agent"), "uninstall", "--bpffs-root", bpffs,
-			"--cni-conf-dir", node.ConfDir, "--cni-bin-dir", node.BinDir,
-			"--install-state-dir", filepath.Join(dir, "install"), "--log-level", "warn").CombinedOutput()
+		out, err := exec.Command(d.bins.Path("mesh-agent"), append(append([]string{"uninstall"}, d.paths()...), "--log-level", "warn")...).CombinedOutput()
 		if err != nil {
 			t.Errorf("uninstall: %v\n%s", err, out)
 		}
-		os.RemoveAll(dir)
+		os.RemoveAll(d.dir)
 	})
+	return d
+}
+
+// paths are the flags naming the agent's data path and what it installs,
+// which run and uninstall take alike.
+func (d *demo) paths() []string {
+	return []string{"--bpffs-root", filepath.Join(d.dir, "bpf"), "--cni-conf-dir", d.node.ConfDir, "--cni-bin-dir", d.node.BinDir,
+		"--install-state-dir", filepath.Join(d.dir, "install")}
+}
+
+// agentArgs runs the agent on the demo's paths, installing itself into the
+// node's chain, quiet but for warnings, with no metrics listener.
+func (d *demo) agentArgs() []string {
+	return append(append([]string{"run", "--socket", d.socket, "--state-dir", filepath.Join(d.dir, "pods")}, d.paths()...),
+		"--plugin-binary", d.bins.Path("mesh-cni"), "--metrics-addr=", "--log-level", "warn")
+}
+
+func TestDemo(t *testing.T) {
+	ctx := fixtures.Context(t, 5*time.Minute)
+	d := newDemo(t)
+	say, node, bins := d.say, d.node, d.bins
+	agentArgs := append(d.agentArgs(), "--gate-timeout", "2m", "--zds-socket=",
+		// The demo's proxies run in each pod, beside the application, and are known
+		// by ztunnel's mark (an opt-in; the ambient demo's node proxy is known by
+		// its cgroup instead).
+		"--proxy-mark", "0x539")
 	startAgent := func() *harness.Process {
 		p := harness.StartProcess(t, harness.ProcessOptions{Path: bins.Path("mesh-agent"), Args: agentArgs, Name: "mesh-agent"})
 		readyCtx, cancel := context.WithTimeout(ctx, time.Minute)
 		defer cancel()
-		if err := harness.WaitForHealthy(readyCtx, socket); err != nil {
+		if err := harness.WaitForHealthy(readyCtx, d.socket); err != nil {
 			t.Fatalf("agent not ready: %v", err)
 		}
 		return p
