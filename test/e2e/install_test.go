@@ -461,16 +461,8 @@ const rewriteCount = 100
 // and is never without the entry: no pod may ever start unmeshed.
 func TestChainEntryRewriteLoop(t *testing.T) {
 	t.Parallel()
-	for _, owned := range []bool{false, true} {
-		name := "chain"
-		if owned {
-			name = "owned"
-		}
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			rewriteLoop(t, owned)
-		})
-	}
+	// The entry in the primary's file (chain) and in a merged file of its own.
+	fixtures.Both(t, "chain", "owned", rewriteLoop)
 }
 
 func rewriteLoop(t *testing.T, owned bool) {
@@ -585,16 +577,7 @@ func rewriteLoop(t *testing.T, owned bool) {
 // a truncated or unparsable file.
 func TestChainEntryConcurrentReader(t *testing.T) {
 	t.Parallel()
-	for _, owned := range []bool{false, true} {
-		name := "chain"
-		if owned {
-			name = "owned"
-		}
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			concurrentReader(t, owned)
-		})
-	}
+	fixtures.Both(t, "chain", "owned", concurrentReader)
 }
 
 func concurrentReader(t *testing.T, owned bool) {

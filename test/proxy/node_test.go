@@ -198,7 +198,7 @@ func refused(t *testing.T, ctx context.Context, in *fixtures.Pod, dst netip.Addr
 // listeners.
 func TestNodeForwards(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	families(t, func(t *testing.T, v6 bool) {
+	fixtures.Both(t, "ipv4", "ipv6", func(t *testing.T, v6 bool) {
 		ctx := fixtures.Context(t, time.Minute)
 		a, b := fixtures.NewPodPair(t)
 		const appPort = 9000

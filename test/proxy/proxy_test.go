@@ -55,19 +55,6 @@ func loopback(v6 bool) netip.Addr {
 	return netip.MustParseAddr("127.0.0.1")
 }
 
-func families(t *testing.T, fn func(t *testing.T, v6 bool)) {
-	for _, v6 := range []bool{false, true} {
-		name := "ipv4"
-		if v6 {
-			name = "ipv6"
-		}
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			fn(t, v6)
-		})
-	}
-}
-
 // waitRecords waits until the proxy has recorded n connections (records are added
 // when a connection ends, a moment after the client sees it end), and no more.
 func waitRecords(t *testing.T, ctx context.Context, path string, n int) []proxy.Record {
@@ -84,7 +71,7 @@ func waitRecords(t *testing.T, ctx context.Context, path string, n int) []proxy.
 // back to its local address.
 func TestEchoDirect(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	families(t, func(t *testing.T, v6 bool) {
+	fixtures.Both(t, "ipv4", "ipv6", func(t *testing.T, v6 bool) {
 		ctx := fixtures.Context(t, time.Minute)
 		pod, _ := fixtures.NewPodPair(t)
 		records := filepath.Join(t.TempDir(), "records.jsonl")
@@ -126,7 +113,7 @@ func TestEchoDirect(t *testing.T) {
 // back to the proxy, so both are closed and recorded with their error.
 func TestDirectDialRefused(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	families(t, func(t *testing.T, v6 bool) {
+	fixtures.Both(t, "ipv4", "ipv6", func(t *testing.T, v6 bool) {
 		ctx := fixtures.Context(t, time.Minute)
 		pod, _ := fixtures.NewPodPair(t)
 		records := filepath.Join(t.TempDir(), "records.jsonl")
@@ -169,7 +156,7 @@ func isReset(err error) bool {
 // namespace) without being captured again.
 func TestForwardThroughIPTables(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	families(t, func(t *testing.T, v6 bool) {
+	fixtures.Both(t, "ipv4", "ipv6", func(t *testing.T, v6 bool) {
 		ctx := fixtures.Context(t, time.Minute)
 		a, b := fixtures.NewPodPair(t)
 		b.ServeEcho(t, 9000)
