@@ -131,6 +131,16 @@ func chain(t testing.TB, node *harness.Node, a *agent, gateTimeout string) *libc
 	return node.Conflist(t, "meshnet", a.meshEntry(gateTimeout))
 }
 
+// meshedNode starts an agent with extraArgs and makes a node whose chain
+// reaches it with gateTimeout.
+func meshedNode(ctx context.Context, t *testing.T, gateTimeout string, extraArgs ...string) (*agent, *harness.Node, *libcni.NetworkConfigList) {
+	t.Helper()
+	a := newAgent(t, extraArgs...)
+	a.start(ctx)
+	node := meshNode(t)
+	return a, node, chain(t, node, a, gateTimeout)
+}
+
 func testContext(t testing.TB) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	t.Cleanup(cancel)

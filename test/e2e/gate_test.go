@@ -448,10 +448,7 @@ func TestBadInput(t *testing.T) {
 func TestConcurrentPods(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
-	a := newAgent(t, "--datapath=none")
-	a.start(ctx)
-	node := meshNode(t)
-	list := chain(t, node, a, "60s")
+	a, node, list := meshedNode(ctx, t, "60s", "--datapath=none")
 	const n = 50
 	pods := make([]*harness.Pod, n)
 	for i := range pods {

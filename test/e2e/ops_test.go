@@ -187,10 +187,7 @@ func runAgentCommand(ctx context.Context, t *testing.T, args ...string) (string,
 func TestStatusJSON(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
-	a := newAgent(t)
-	a.start(ctx)
-	node := meshNode(t)
-	list := chain(t, node, a, "30s")
+	a, node, list := meshedNode(ctx, t, "30s")
 	pods := []*meshPod{
 		addMeshPod(ctx, t, node, list, "shop", "one"),
 		addMeshPod(ctx, t, node, list, "shop", "two"),
