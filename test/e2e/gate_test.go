@@ -143,22 +143,7 @@ func assertResultMatchesPod(t *testing.T, res *types100.Result, pod *harness.Pod
 	if sandboxIf == nil || sandboxIf.Name != "eth0" {
 		t.Fatalf("result has no eth0 in the pod's sandbox: %+v", res.Interfaces)
 	}
-	var mac string
-	var addrs []string
-	if err := netns.Do(pod.NetNSPath, func() error {
-		iface, err := net.InterfaceByName("eth0")
-		if err != nil {
-			return err
-		}
-		mac = iface.HardwareAddr.String()
-		as, err := iface.Addrs()
-		for _, a := range as {
-			addrs = append(addrs, a.String())
-		}
-		return err
-	}); err != nil {
-		t.Fatal(err)
-	}
+	mac, addrs := interfaceState(t, pod, "eth0")
 	if sandboxIf.Mac != mac {
 		t.Fatalf("result MAC %s, pod's eth0 has %s", sandboxIf.Mac, mac)
 	}

@@ -9,10 +9,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"regexp"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/cilium/ebpf/link"
 	dto "github.com/prometheus/client_model/go"
@@ -23,22 +21,6 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
-
-// metricsAddr waits for the agent to log where it serves metrics.
-func (a *agent) metricsAddr(ctx context.Context, t *testing.T) string {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	line, err := a.Proc.WaitForLine(ctx, "metrics and health serving")
-	if err != nil {
-		t.Fatal(err)
-	}
-	m := regexp.MustCompile(`"addr":"([^"]+)"`).FindStringSubmatch(line)
-	if m == nil {
-		t.Fatalf("no address in %q", line)
-	}
-	return m[1]
-}
 
 func scrape(t *testing.T, addr string) map[string]*dto.MetricFamily {
 	t.Helper()
@@ -105,7 +87,7 @@ func TestMetricsFollowTraffic(t *testing.T) {
 	ctx := testContext(t)
 	a := newAgent(t, "--metrics-addr", "127.0.0.1:0")
 	a.start(ctx)
-	addr := a.metricsAddr(ctx, t)
+	addr := harness.AgentMetricsAddr(ctx, t, a.Proc)
 	if code := httpStatus(t, "http://"+addr+"/healthz"); code != http.StatusOK {
 		t.Fatalf("/healthz = %d", code)
 	}

@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"testing"
 	"time"
 )
@@ -54,4 +55,24 @@ func NewAgentDirs(tb testing.TB, prefix string) AgentDirs {
 func (d AgentDirs) RunArgs() []string {
 	return []string{"run", "--socket", d.Socket, "--state-dir", d.StateDir, "--bpffs-root", d.BPFFS,
 		"--cni-install=false", "--metrics-addr=", "--zds-socket=", "--log-level", "debug", "--proxy-mark", "0x539"}
+}
+
+// metricsLineTimeout bounds how long AgentMetricsAddr waits for the line.
+const metricsLineTimeout = time.Minute
+
+// AgentMetricsAddr waits for a started agent to log where it serves metrics
+// and health, and returns that address.
+func AgentMetricsAddr(ctx context.Context, tb testing.TB, agent *Process) string {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(ctx, metricsLineTimeout)
+	defer cancel()
+	line, err := agent.WaitForLine(ctx, "metrics and health serving")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	m := regexp.MustCompile(`"addr":"([^"]+)"`).FindStringSubmatch(line)
+	if m == nil {
+		tb.Fatalf("no address in %q", line)
+	}
+	return m[1]
 }

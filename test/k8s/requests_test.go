@@ -1,7 +1,6 @@
 package k8s
 
 import (
-	"context"
 	"fmt"
 	"net/url"
 	"regexp"
@@ -32,7 +31,7 @@ func testAgentPodStartRequests(t *testing.T, c *cluster) {
 	plain := c.namespace(t, "plain", nil)
 	a := newAgent(t, c.api, kubeNode, "--metrics-addr", "127.0.0.1:0")
 	a.start(ctx)
-	addr := metricsAddr(ctx, t, a)
+	addr := harness.AgentMetricsAddr(ctx, t, a.Proc)
 	node := harness.NewNode(t, harness.NodeOptions{Plugins: append(harness.ReferencePluginNames(), "mesh-cni")})
 	list := node.Conflist(t, "meshnet", a.meshEntry())
 
@@ -179,22 +178,6 @@ func watchCacheRead(t *testing.T, requestURI string) bool {
 		t.Fatalf("audit log request URI %q: %v", requestURI, err)
 	}
 	return u.Query().Get("resourceVersion") == "0"
-}
-
-// metricsAddr waits for the agent's metrics line and returns its address.
-func metricsAddr(ctx context.Context, t *testing.T, a *agent) string {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(ctx, time.Minute)
-	defer cancel()
-	line, err := a.Proc.WaitForLine(ctx, "metrics and health serving")
-	if err != nil {
-		t.Fatal(err)
-	}
-	m := regexp.MustCompile(`"addr":"([^"]+)"`).FindStringSubmatch(line)
-	if m == nil {
-		t.Fatalf("no address in %q", line)
-	}
-	return m[1]
 }
 
 // cacheMisses reads meshcni_enrollment_cache_misses_total{resource} from the

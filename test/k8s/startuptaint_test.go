@@ -261,7 +261,7 @@ func testStartupTaintRealAgent(t *testing.T, pc *policyCluster, arg string) {
 	a.Proc = harness.StartProcess(t, harness.ProcessOptions{Path: harness.Bins(t).Path("mesh-agent"), Args: a.Args, Name: "mesh-agent"})
 	waitCtx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
-	addr := metricsAddr(waitCtx, t, a)
+	addr := harness.AgentMetricsAddr(waitCtx, t, a.Proc)
 	if _, err := a.Proc.WaitForLine(waitCtx, "the node carries the startup taint"); err != nil {
 		t.Fatalf("the agent did not read its node's startup taint: %v", err)
 	}
