@@ -127,34 +127,42 @@ func readLines(conn net.Conn) ([]string, error) {
 func startOutboundProxy(t testing.TB, p *pod, port uint16) {
 	ln := p.listen(t, fmt.Sprintf("[::]:%d", port))
 	fixtures.Serve(t, ln, func(conn net.Conn) {
-		orig, err := originalDst(conn)
-		if err != nil {
-			fmt.Fprintf(conn, "OUT ERR %v\n", err)
-			return
+		if orig, ok := announce(conn, "OUT"); ok {
+			up, err := p.dial(orig.String(), dialOpts{mark: testMark})
+			relay(conn, up, err)
 		}
-		fmt.Fprintf(conn, "OUT %s\n", orig)
-		up, err := p.dial(orig.String(), dialOpts{mark: testMark})
-		if err != nil {
-			fmt.Fprintf(conn, "UPSTREAM ERR %v\n", err)
-			return
-		}
-		defer up.Close()
-		_ = up.SetDeadline(time.Now().Add(10 * time.Second))
-		_, _ = io.Copy(conn, up)
 	})
 }
 
 // startInboundProxy listens on the pod's inbound port and answers "IN <orig>".
 func startInboundProxy(t testing.TB, p *pod, port uint16) {
 	ln := p.listen(t, fmt.Sprintf("[::]:%d", port))
-	fixtures.Serve(t, ln, func(conn net.Conn) {
-		orig, err := originalDst(conn)
-		if err != nil {
-			fmt.Fprintf(conn, "IN ERR %v\n", err)
-			return
-		}
-		fmt.Fprintf(conn, "IN %s\n", orig)
-	})
+	fixtures.Serve(t, ln, func(conn net.Conn) { announce(conn, "IN") })
+}
+
+// announce writes what a test proxy says first: "<tag> <original
+// destination>", or "<tag> ERR <why>" when there is none (ok false).
+func announce(conn net.Conn, tag string) (orig netip.AddrPort, ok bool) {
+	orig, err := originalDst(conn)
+	if err != nil {
+		fmt.Fprintf(conn, "%s ERR %v\n", tag, err)
+		return orig, false
+	}
+	fmt.Fprintf(conn, "%s %s\n", tag, orig)
+	return orig, true
+}
+
+// relay passes on to conn what up, a test proxy's upstream connection, sends,
+// for ten seconds at most; when err, up's dial's, is set it says "UPSTREAM
+// ERR <why>" instead.
+func relay(conn, up net.Conn, err error) {
+	if err != nil {
+		fmt.Fprintf(conn, "UPSTREAM ERR %v\n", err)
+		return
+	}
+	defer up.Close()
+	_ = up.SetDeadline(time.Now().Add(10 * time.Second))
+	_, _ = io.Copy(conn, up)
 }
 
 // startApp listens on a pod port and answers "APP <local address>".

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/netip"
 	"os"
@@ -82,15 +81,13 @@ func startTransparentInbound(t testing.TB, p *pod, port uint16) {
 	})
 	t.Cleanup(func() { ln.Close() })
 	fixtures.Serve(t, ln, func(conn net.Conn) {
-		orig, err := originalDst(conn)
-		if err != nil {
-			fmt.Fprintf(conn, "IN ERR %v\n", err)
+		orig, ok := announce(conn, "IN")
+		if !ok {
 			return
 		}
-		fmt.Fprintf(conn, "IN %s\n", orig)
 		client := unmapAddrPort(conn.RemoteAddr()).Addr()
 		var up net.Conn
-		err = netns.Do(p.path, func() error {
+		err := netns.Do(p.path, func() error {
 			d := net.Dialer{
 				Timeout:   2 * time.Second,
 				LocalAddr: &net.TCPAddr{IP: client.AsSlice()},
@@ -100,13 +97,7 @@ func startTransparentInbound(t testing.TB, p *pod, port uint16) {
 			up, err = d.Dial("tcp", orig.String())
 			return err
 		})
-		if err != nil {
-			fmt.Fprintf(conn, "UPSTREAM ERR %v\n", err)
-			return
-		}
-		defer up.Close()
-		_ = up.SetDeadline(time.Now().Add(10 * time.Second))
-		_, _ = io.Copy(conn, up)
+		relay(conn, up, err)
 	})
 }
 
@@ -294,12 +285,7 @@ func TestLinkLocalOriginalDstScope(t *testing.T) {
 		dst := netip.AddrPortFrom(netip.AddrFrom16(sa.Addr).WithZone(strconv.Itoa(int(sa.ZoneId))), uint16(sa.Port))
 		fmt.Fprintf(conn, "OUT %s\n", dst)
 		up, err := a.dial(dst.String(), dialOpts{mark: testMark})
-		if err != nil {
-			fmt.Fprintf(conn, "UPSTREAM ERR %v\n", err)
-			return
-		}
-		defer up.Close()
-		_, _ = io.Copy(conn, up)
+		relay(conn, up, err)
 	})
 	enroll(t, d, a, testSettings())
 	var index int

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/netip"
 	"os"
@@ -38,14 +37,7 @@ func listenReusePort(t *testing.T, p *pod, port uint16, n int) net.Listener {
 		return err
 	})
 	t.Cleanup(func() { ln.Close() })
-	fixtures.Serve(t, ln, func(conn net.Conn) {
-		orig, err := originalDst(conn)
-		if err != nil {
-			fmt.Fprintf(conn, "IN%d ERR %v\n", n, err)
-			return
-		}
-		fmt.Fprintf(conn, "IN%d %s\n", n, orig)
-	})
+	fixtures.Serve(t, ln, func(conn net.Conn) { announce(conn, fmt.Sprintf("IN%d", n)) })
 	return ln
 }
 
@@ -180,29 +172,22 @@ func TestProxyConnectionIntoPod(t *testing.T) {
 	startApp(t, b, appPort)
 	ln := b.listen(t, "[::]:15006")
 	fixtures.Serve(t, ln, func(conn net.Conn) {
-		orig, err := originalDst(conn)
-		if err != nil {
-			fmt.Fprintf(conn, "IN ERR %v\n", err)
+		orig, ok := announce(conn, "IN")
+		if !ok {
 			return
 		}
-		fmt.Fprintf(conn, "IN %s\n", orig)
 		src := netip.MustParseAddr("127.0.0.6")
 		if orig.Addr().Is6() {
 			src = netip.MustParseAddr("::1")
 		}
 		var up net.Conn
-		err = netns.Do(b.path, func() error {
+		err := netns.Do(b.path, func() error {
 			dl := net.Dialer{LocalAddr: &net.TCPAddr{IP: src.AsSlice()}, Timeout: 5 * time.Second, Control: fixtures.MarkControl(testMark)}
 			var err error
 			up, err = dl.Dial("tcp", orig.String())
 			return err
 		})
-		if err != nil {
-			fmt.Fprintf(conn, "UPSTREAM ERR %v\n", err)
-			return
-		}
-		defer up.Close()
-		_, _ = io.Copy(conn, up)
+		relay(conn, up, err)
 	})
 	enroll(t, d, b, testSettings())
 	for _, dst := range []netip.Addr{b.addr4, b.addr6} {
