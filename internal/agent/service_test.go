@@ -16,6 +16,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/internal/podstore"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // The tests' pods live in the test's own network namespace: the one a test
@@ -396,9 +397,5 @@ func TestFollowPolicyDecidesOnceSynced(t *testing.T) {
 		}
 	}
 	syncer.synced.Store(true)
-	for end := time.Now().Add(10 * time.Second); !updated(); time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(end) {
-			t.Fatal("the record's capture was not updated once the source was synced")
-		}
-	}
+	fixtures.WaitFor(t, 10*time.Second, "the record's capture updated once the source was synced", updated)
 }

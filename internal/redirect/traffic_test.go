@@ -385,17 +385,9 @@ func TestCheckAndReleaseGoneNetns(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The namespace is freed asynchronously: wait for its link to notice.
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		err := d.Check(ctx, a.cookie)
-		if errors.Is(err, ErrLinkBroken) {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("check after the netns is gone: %v, want ErrLinkBroken", err)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	fixtures.WaitFor(t, 10*time.Second, "check to say ErrLinkBroken after the netns is gone", func() bool {
+		return errors.Is(d.Check(ctx, a.cookie), ErrLinkBroken)
+	})
 	if err := d.Release(ctx, a.cookie); err != nil {
 		t.Fatalf("release after the netns is gone: %v", err)
 	}
