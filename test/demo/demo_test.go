@@ -5,7 +5,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"maps"
 	"net"
 	"net/netip"
 	"os"
@@ -23,9 +22,7 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	pkgs := harness.ReferencePlugins()
-	maps.Copy(pkgs, harness.ProductBinaries())
-	harness.Main(m, harness.Options{Packages: pkgs})
+	harness.Main(m, harness.Options{Packages: harness.AllBinaries()})
 }
 
 // narrator prints the demo's story: to the terminal under `make demo`
