@@ -45,6 +45,8 @@ func TestMap(t *testing.T) {
 			if n > most.Load() {
 				most.Store(n)
 			}
+			// Hold the key a while, so a second holder, if the lock let
+			// one in, would be counted here too.
 			time.Sleep(time.Millisecond)
 			inside.Add(-1)
 		}()
