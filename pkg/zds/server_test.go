@@ -10,7 +10,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -20,6 +19,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/pkg/zds"
 	"github.com/mesh-cni/mesh-cni/pkg/zds/zdspb"
+	"github.com/mesh-cni/mesh-cni/pkg/zds/zdstest"
 	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
@@ -32,35 +32,6 @@ func randomSuffix(t *testing.T) string {
 		t.Fatal(err)
 	}
 	return hex.EncodeToString(b[:])
-}
-
-// store is the agent's list of enrolled pods, in order.
-type store struct {
-	mu   sync.Mutex
-	pods []zds.Pod
-}
-
-func (s *store) EnrolledPods(context.Context) ([]zds.Pod, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return append([]zds.Pod(nil), s.pods...), nil
-}
-
-func (s *store) add(p zds.Pod) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.pods = append(s.pods, p)
-}
-
-func (s *store) del(uid string) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for i, p := range s.pods {
-		if p.UID == uid {
-			s.pods = append(s.pods[:i], s.pods[i+1:]...)
-			return
-		}
-	}
 }
 
 func pod(t *testing.T, name string) zds.Pod {
@@ -232,7 +203,7 @@ func TestSnapshot(t *testing.T) {
 	ctx := fixtures.Context(t, time.Minute)
 	a, b := pod(t, "a"), pod(t, "b")
 	gone := zds.Pod{UID: "gone-uid", Name: "gone", Namespace: "ns", NetnsPath: "/run/netns/zds-no-such-netns"}
-	st := &store{pods: []zds.Pod{a, {Name: "no-uid", NetnsPath: a.NetnsPath}, gone, b}}
+	st := zdstest.NewPods(a, zds.Pod{Name: "no-uid", NetnsPath: a.NetnsPath}, gone, b)
 	srv, path := startServer(t, st, zds.Config{})
 	if srv.EverConnected() || srv.Connected() != 0 {
 		t.Fatal("connected before any proxy")
@@ -265,7 +236,7 @@ func TestAddToNewestDeleteToAll(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	ctx := fixtures.Context(t, time.Minute)
 	p1, p2, p3 := pod(t, "p1"), pod(t, "p2"), pod(t, "p3")
-	st := &store{pods: []zds.Pod{p1}}
+	st := zdstest.NewPods(p1)
 	srv, path := startServer(t, st, zds.Config{})
 
 	old := dialProxy(t, ctx, path, zdspb.Version_V1)
@@ -280,7 +251,7 @@ func TestAddToNewestDeleteToAll(t *testing.T) {
 		t.Fatalf("re-add p1: %v", err)
 	}
 
-	st.add(p2)
+	st.Add(p2)
 	done := async(func() error { return srv.AddPod(ctx, p2) })
 	checkAdd(t, recv(t, ctx, newer), p2)
 	ack(t, newer, "")
@@ -290,7 +261,7 @@ func TestAddToNewestDeleteToAll(t *testing.T) {
 
 	// p1 goes from both. The old proxy's next request is this delete, so it was
 	// never sent p2.
-	st.del(p1.UID)
+	st.Del(p1.UID)
 	done = async(func() error { return srv.DelPod(ctx, p1.UID) })
 	for _, pc := range []*zds.ProxyConn{old, newer} {
 		checkDel(t, recv(t, ctx, pc), p1.UID)
@@ -301,7 +272,7 @@ func TestAddToNewestDeleteToAll(t *testing.T) {
 	}
 
 	// p2 only went to the newer proxy, so only it hears of the delete.
-	st.del(p2.UID)
+	st.Del(p2.UID)
 	done = async(func() error { return srv.DelPod(ctx, p2.UID) })
 	checkDel(t, recv(t, ctx, newer), p2.UID)
 	ack(t, newer, "")
@@ -313,7 +284,7 @@ func TestAddToNewestDeleteToAll(t *testing.T) {
 	// request is p3's add (no delete of p2 came before it).
 	newer.Close()
 	fixtures.WaitFor(t, time.Minute, "the closed proxy to be dropped", func() bool { return srv.Connected() == 1 })
-	st.add(p3)
+	st.Add(p3)
 	done = async(func() error { return srv.AddPod(ctx, p3) })
 	checkAdd(t, recv(t, ctx, old), p3)
 	ack(t, old, "")
@@ -331,13 +302,13 @@ func TestAckDeadline(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	ctx := fixtures.Context(t, time.Minute)
 	p := pod(t, "slow")
-	st := &store{}
+	st := zdstest.NewPods()
 	srv, path := startServer(t, st, zds.Config{AckTimeout: 300 * time.Millisecond})
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
 	takeSnapshot(t, ctx, pc)
 	fixtures.WaitFor(t, time.Minute, "the proxy", func() bool { return srv.Connected() == 1 })
 
-	st.add(p)
+	st.Add(p)
 	done := async(func() error { return srv.AddPod(ctx, p) })
 	checkAdd(t, recv(t, ctx, pc), p)
 	// No ack.
@@ -361,7 +332,7 @@ func TestAckError(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	ctx := fixtures.Context(t, time.Minute)
 	p := pod(t, "refused")
-	srv, path := startServer(t, &store{}, zds.Config{})
+	srv, path := startServer(t, zdstest.NewPods(), zds.Config{})
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
 	takeSnapshot(t, ctx, pc)
 
@@ -396,7 +367,7 @@ func TestMisbehavingProxies(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	ctx := fixtures.Context(t, time.Minute)
 	p1 := pod(t, "p1")
-	st := &store{pods: []zds.Pod{p1}}
+	st := zdstest.NewPods(p1)
 	srv, path := startServer(t, st, zds.Config{AckTimeout: 2 * time.Second})
 	good := dialProxy(t, ctx, path, zdspb.Version_V1)
 	takeSnapshot(t, ctx, good)
@@ -494,7 +465,7 @@ func TestMisbehavingProxies(t *testing.T) {
 	// Every bad connection is gone; the good proxy is the only one and works.
 	fixtures.WaitFor(t, time.Minute, "only the good proxy left", func() bool { return srv.Connected() == 1 })
 	p2 := pod(t, "p2")
-	st.add(p2)
+	st.Add(p2)
 	done := async(func() error { return srv.AddPod(ctx, p2) })
 	checkAdd(t, recv(t, ctx, good), p2)
 	ack(t, good, "")
@@ -534,7 +505,7 @@ func openFdsTo(t *testing.T, ino uint64) int {
 func TestLiveness(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	ctx := fixtures.Context(t, time.Minute)
-	srv, path := startServer(t, &store{}, zds.Config{})
+	srv, path := startServer(t, zdstest.NewPods(), zds.Config{})
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
 	takeSnapshot(t, ctx, pc)
 	fixtures.WaitFor(t, time.Minute, "the proxy", func() bool { return srv.Connected() == 1 })
@@ -551,9 +522,9 @@ func TestAddPodWait(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	ctx := fixtures.Context(t, time.Minute)
 	p := pod(t, "early")
-	st := &store{}
+	st := zdstest.NewPods()
 	srv, path := startServer(t, st, zds.Config{})
-	st.add(p)
+	st.Add(p)
 	if err := srv.AddPod(ctx, p); !errors.Is(err, zds.ErrNoProxy) {
 		t.Fatalf("AddPod with no proxy: %v, want ErrNoProxy", err)
 	}
@@ -573,7 +544,7 @@ func TestAddPodWait(t *testing.T) {
 		t.Fatalf("AddPodWait: %v", err)
 	}
 	// The next request is the delete, not a second add.
-	st.del(p.UID)
+	st.Del(p.UID)
 	done = async(func() error { return srv.DelPod(ctx, p.UID) })
 	checkDel(t, recv(t, ctx, pc), p.UID)
 	ack(t, pc, "")
@@ -586,7 +557,7 @@ func TestAddPodWait(t *testing.T) {
 func TestAddPodErrors(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	ctx := fixtures.Context(t, time.Minute)
-	srv, path := startServer(t, &store{}, zds.Config{})
+	srv, path := startServer(t, zdstest.NewPods(), zds.Config{})
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
 	takeSnapshot(t, ctx, pc)
 	regular := filepath.Join(t.TempDir(), "file")
@@ -625,7 +596,7 @@ func TestSocket(t *testing.T) {
 	ctx := fixtures.Context(t, time.Minute)
 	dir := filepath.Join(t.TempDir(), "ztunnel")
 	path := filepath.Join(dir, "zds.sock")
-	cfg := zds.Config{SocketPath: path, Snapshot: &store{}, Logger: zaptest.NewLogger(t)}
+	cfg := zds.Config{SocketPath: path, Snapshot: zdstest.NewPods(), Logger: zaptest.NewLogger(t)}
 
 	srv, err := zds.NewServer(ctx, cfg)
 	if err != nil {
@@ -720,7 +691,7 @@ func TestAnyHelloVersion(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	ctx := fixtures.Context(t, time.Minute)
 	p1 := pod(t, "p1")
-	_, path := startServer(t, &store{pods: []zds.Pod{p1}}, zds.Config{})
+	_, path := startServer(t, zdstest.NewPods(p1), zds.Config{})
 	pc := dialProxy(t, ctx, path, zdspb.Version(2))
 	got := takeSnapshot(t, ctx, pc)
 	if len(got) != 1 {
@@ -753,7 +724,7 @@ func TestNetnsSwappedBehindPath(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	srv, path := startServer(t, &store{pods: []zds.Pod{swapped, intact}}, zds.Config{})
+	srv, path := startServer(t, zdstest.NewPods(swapped, intact), zds.Config{})
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
 	got := takeSnapshot(t, ctx, pc)
 	if len(got) != 2 || got[0].GetKeep().GetUid() != swapped.UID || got[0].Netns != nil {
@@ -802,7 +773,7 @@ func TestAddPodUsesCallersNamespace(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	srv, path := startServer(t, &store{}, zds.Config{})
+	srv, path := startServer(t, zdstest.NewPods(), zds.Config{})
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
 	if got := takeSnapshot(t, ctx, pc); len(got) != 0 {
 		t.Fatalf("snapshot %v, want none", got)
