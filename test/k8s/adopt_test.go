@@ -206,7 +206,8 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 	}
 }
 
-// echoOn sends msg on c, a connection to an echoServer, and reads it back.
+// echoOn sends msg on c, a connection to an echo server, and reads it back,
+// leaving c open.
 func echoOn(c net.Conn, msg string) error {
 	if err := c.SetDeadline(time.Now().Add(5 * time.Second)); err != nil {
 		return err
