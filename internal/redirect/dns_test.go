@@ -80,14 +80,10 @@ func serveDNS(t *testing.T, p *pod, port uint16, addr4, addr6 netip.Addr) (stop 
 		}
 		// Shutdown returns before the sockets are released when a read is
 		// in flight: wait until the port is free, so the data path has seen
-		// the listener go.
-		deadline := time.Now().Add(10 * time.Second)
-		for !portFree(p, port) {
-			if time.Now().After(deadline) {
-				t.Errorf("DNS port %d still bound in %s after the server stopped", port, p.name)
-				return
-			}
-			time.Sleep(10 * time.Millisecond)
+		// the listener go. stop may run as a cleanup, after t's context
+		// ended, so the wait has a context of its own.
+		if !fixtures.Eventually(context.Background(), 10*time.Second, fixtures.WaitInterval, func() bool { return portFree(p, port) }) {
+			t.Errorf("DNS port %d still bound in %s after the server stopped", port, p.name)
 		}
 	}
 	t.Cleanup(stop)
