@@ -39,16 +39,10 @@ import (
 // no cluster and no platform value (the default layout's directories
 // mounted), where the agent finds the runtime's directories itself.
 func TestPlatformLayouts(t *testing.T) {
-	if testing.Short() {
-		t.Skip("whole nodes: skipped with -short")
-	}
+	current := currentImages(t)
 	prometheus, err := exec.LookPath("prometheus")
 	if err != nil {
 		t.Fatalf("Prometheus scrapes the agent here (apt-get install prometheus): %v", err)
-	}
-	current, err := nodeenv.ReadImages(os.Getenv(nodeenv.EnvImageDir))
-	if err != nil {
-		t.Fatal(err)
 	}
 	for _, name := range []string{"gke", "k3s"} {
 		var platform kubernetes.Platform
@@ -142,12 +136,9 @@ func platformLayout(t *testing.T, platform kubernetes.Platform, current nodeenv.
 	li := how(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 12*time.Minute)
 	defer cancel()
-	n := nodeenv.Start(t, nodeenv.Options{CNIBinDir: platform.CNIBinDir, CNIConfDir: platform.CNIConfDir})
-	importTestImages(t, ctx, n, current)
-	op := newOperator(t, n)
+	s := startScenario(t, ctx, nodeenv.Options{CNIBinDir: platform.CNIBinDir, CNIConfDir: platform.CNIConfDir}, current, nil)
+	n, op, dir := s.n, s.op, s.currentDir
 	op.env = append(op.env, "PLATFORM="+platform.Name)
-	dir := checkout(t, filepath.Dir(current["mesh-agent"].Tar))
-	s := &scenario{cluster: &cluster{t: t, n: n, im: current}, op: op, currentDir: dir}
 	before := snapshotNode(t, n)
 
 	// Pods that run before the install, in a namespace the mesh selects.

@@ -60,22 +60,13 @@ type connection struct {
 // node staying Ready, uninstall. Each uninstall leaves the node's CNI config as it was
 // and no pins.
 func TestNode(t *testing.T) {
-	if testing.Short() {
-		t.Skip("a whole node: skipped with -short")
-	}
 	current, release := readImages(t)
 	ctx, cancel := context.WithTimeout(context.Background(), scenarioTimeout)
 	defer cancel()
 
-	n := nodeenv.Start(t, nodeenv.Options{PrimaryCNIVersion: "1.0.0"})
-	c := &cluster{t: t, n: n, im: current}
-	importTestImages(t, ctx, n, current)
-	op := newOperator(t, n)
-	releaseDir := checkout(t, filepath.Dir(release["mesh-agent"].Tar))
-	currentDir := checkout(t, filepath.Dir(current["mesh-agent"].Tar))
-	bench := newNodeBench()
-
-	s := &scenario{cluster: c, op: op, releaseDir: releaseDir, currentDir: currentDir, bench: bench}
+	s := startScenario(t, ctx, nodeenv.Options{PrimaryCNIVersion: "1.0.0"}, current, release)
+	n, op, bench := s.n, s.op, newNodeBench()
+	s.bench = bench
 	before := snapshotNode(t, n)
 	steps := []struct {
 		name string

@@ -2,7 +2,6 @@ package node
 
 import (
 	"net"
-	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -27,19 +26,9 @@ import (
 // client goes through its proxy), and no pod's sandbox fails while the agent
 // starts: each waits at the gate, for no longer than the agent takes.
 func TestReboot(t *testing.T) {
-	if testing.Short() {
-		t.Skip("a whole node: skipped with -short")
-	}
-	current, err := nodeenv.ReadImages(os.Getenv(nodeenv.EnvImageDir))
-	if err != nil {
-		t.Fatal(err)
-	}
 	ctx := fixtures.Context(t, 12*time.Minute)
-	n := nodeenv.Start(t, nodeenv.Options{})
-	importTestImages(t, ctx, n, current)
-	op := newOperator(t, n)
-	dir := checkout(t, filepath.Dir(current["mesh-agent"].Tar))
-	s := &scenario{cluster: &cluster{t: t, n: n, im: current}, op: op, currentDir: dir}
+	s := startScenario(t, ctx, nodeenv.Options{}, currentImages(t), nil)
+	n, op, dir := s.n, s.op, s.currentDir
 	op.run(ctx, dir, "startup-taint")
 
 	// A client that reaches the server by its Service, so that it finds the

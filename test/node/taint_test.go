@@ -2,8 +2,6 @@ package node
 
 import (
 	"net"
-	"os"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"testing"
@@ -25,20 +23,10 @@ import (
 // the agent then removes the taint, and the pods' first connections go
 // through their proxies (the server never sees another client).
 func TestStartupTaint(t *testing.T) {
-	if testing.Short() {
-		t.Skip("a whole node: skipped with -short")
-	}
-	current, err := nodeenv.ReadImages(os.Getenv(nodeenv.EnvImageDir))
-	if err != nil {
-		t.Fatal(err)
-	}
 	ctx := fixtures.Context(t, 10*time.Minute)
 	taint := agentcli.DefaultStartupTaint + "=true:NoSchedule"
-	n := nodeenv.Start(t, nodeenv.Options{RegisterWithTaints: []string{taint}})
-	importTestImages(t, ctx, n, current)
-	op := newOperator(t, n)
-	dir := checkout(t, filepath.Dir(current["mesh-agent"].Tar))
-	s := &scenario{cluster: &cluster{t: t, n: n, im: current}, op: op, currentDir: dir}
+	s := startScenario(t, ctx, nodeenv.Options{RegisterWithTaints: []string{taint}}, currentImages(t), nil)
+	n, op, dir := s.n, s.op, s.currentDir
 	before := snapshotNode(t, n)
 
 	node, err := n.Admin.CoreV1().Nodes().Get(ctx, n.Name, metav1.GetOptions{})
