@@ -226,10 +226,7 @@ func queryFrom(p *pod, server netip.AddrPort, network string, qtype uint16, mark
 // queries reach the resolver; with the proxy's listener down queries reach the
 // resolver (fail open) unless the pod is DNS fail-closed.
 func TestDNSCapture(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	resolverAnswer4, resolverAnswer6 := netip.MustParseAddr("10.53.0.1"), netip.MustParseAddr("fd53::1")
 	proxyAnswer4, proxyAnswer6 := netip.MustParseAddr("10.53.0.2"), netip.MustParseAddr("fd53::2")
 	serveDNS(t, b, 53, resolverAnswer4, resolverAnswer6)

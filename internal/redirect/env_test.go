@@ -234,6 +234,17 @@ func getsockopt(fd, level, name int, buf []byte, n *uint32) error {
 	return nil
 }
 
+// parallelRig runs t in parallel with a data path of its own and a pod pair:
+// how most tests here start.
+func parallelRig(t *testing.T) (d *Datapath, a, b *pod) {
+	t.Helper()
+	t.Parallel()
+	requireRoot(t)
+	d, _ = testDatapath(t)
+	a, b = newPodPair(t)
+	return d, a, b
+}
+
 // testDatapath opens a Datapath on its own bpffs in a temporary directory and
 // uninstalls it (unmounting the bpffs) when the test ends.
 func testDatapath(t testing.TB) (*Datapath, Config) {

@@ -109,10 +109,7 @@ func startTransparentInbound(t testing.TB, p *pod, port uint16) {
 // sees the client's address. Without the reply mark the same proxy gets nothing
 // through.
 func TestTransparentInboundReplies(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	startTransparentInbound(t, b, 15006)
 	startPeerApp(t, b, appPort)
 	enroll(t, d, b, testSettings())
@@ -182,10 +179,7 @@ func TestReplyRouteReleased(t *testing.T) {
 // as after iptables REDIRECT, not loopback: for IPv4, IPv6 and an IPv4-mapped
 // destination of a dual-stack socket.
 func TestOutboundSourceIsPodAddress(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	startPeerProxy(t, a, 15001)
 	enroll(t, d, a, testSettings())
 	for _, c := range []struct {
@@ -246,10 +240,7 @@ func TestBoundToDeviceRedirected(t *testing.T) {
 // A link-local destination's original destination carries the pod's interface as
 // its scope, so the proxy can dial it.
 func TestLinkLocalOriginalDstScope(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	var bLL netip.Addr
 	b.do(t, func() error {
 		addrs, err := netlinksafe.AddrList(nil, netlink.FAMILY_V6)

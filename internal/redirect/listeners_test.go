@@ -44,10 +44,7 @@ func listenReusePort(t *testing.T, p *pod, port uint16, n int) net.Listener {
 // An SO_REUSEPORT proxy: connections are captured while any listener of the group
 // is open, and the kernel spreads them over the whole group.
 func TestReusePortListeners(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	enroll(t, d, b, testSettings())
 	var lns []net.Listener
 	for n := range 4 {
@@ -104,10 +101,7 @@ func TestListenerBeforeEnroll(t *testing.T) {
 // the data path reports the listener it could not capture, and the pod fails
 // closed.
 func TestMPTCPListenerRefused(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	e := enroll(t, d, b, testSettings())
 	var ln net.Listener
 	b.do(t, func() error {
@@ -165,10 +159,7 @@ func isMPTCP(t *testing.T, ln net.Listener) bool {
 // address (Envoy's inbound passthrough binds 127.0.0.6): that connection is the
 // proxy's own and must reach the application, not come back to the proxy.
 func TestProxyConnectionIntoPod(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	startApp(t, b, appPort)
 	ln := b.listen(t, "[::]:15006")
 	fixtures.Serve(t, ln, func(conn net.Conn) {

@@ -243,10 +243,7 @@ func TestProbeSources(t *testing.T) {
 
 // No proxy listening: fail closed unless the pod is fail-open.
 func TestNoProxyListening(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	startApp(t, b, appPort)
 	s := testSettings()
 	enroll(t, d, a, s)
