@@ -48,6 +48,23 @@ type env struct {
 	conn    *grpc.ClientConn
 }
 
+// wantCalls fails t unless the runtime got want calls of method.
+func (e *env) wantCalls(t *testing.T, method string, want int) {
+	t.Helper()
+	if n := len(e.runtime.CallsOf(method)); n != want {
+		t.Fatalf("runtime got %d %s calls, want %d", n, method, want)
+	}
+}
+
+// wantNoEnrollments fails t, with format (taking the enrollments), if the
+// agent holds any.
+func (e *env) wantNoEnrollments(t *testing.T, format string) {
+	t.Helper()
+	if enr := e.Enrollments(t); len(enr) != 0 {
+		t.Fatalf(format, enr)
+	}
+}
+
 type envOptions struct {
 	notReady    bool // start with an unmet readiness condition
 	libkni      bool // the runtime serves only libkni's method names
@@ -229,12 +246,8 @@ func TestAttachEnrollsAndDetachReleases(t *testing.T) {
 	if _, err := e.client.DetachInterface(ctx, detachRequest(pod)); err != nil {
 		t.Fatalf("detach: %v", err)
 	}
-	if enr := e.Enrollments(t); len(enr) != 0 {
-		t.Fatalf("enrollments after detach = %v, want none", enr)
-	}
-	if n := len(e.runtime.CallsOf("DetachInterface")); n != 1 {
-		t.Fatalf("runtime got %d detach calls, want 1", n)
-	}
+	e.wantNoEnrollments(t, "enrollments after detach = %v, want none")
+	e.wantCalls(t, "DetachInterface", 1)
 	if a := e.allocations(t); len(a) != 0 {
 		t.Fatalf("host-local allocations after detach = %v, want none", a)
 	}
@@ -289,12 +302,8 @@ func TestUpstreamErrorPassesThroughUnchanged(t *testing.T) {
 	if got := status.Convert(err); !proto.Equal(got.Proto(), injected.Proto()) {
 		t.Fatalf("attach error = %v, want the runtime's %v unchanged (code, message, details)", got.Proto(), injected.Proto())
 	}
-	if enr := e.Enrollments(t); len(enr) != 0 {
-		t.Fatalf("a failed attach enrolled %v", enr)
-	}
-	if n := len(e.runtime.CallsOf("DetachInterface")); n != 0 {
-		t.Fatalf("runtime got %d detach calls for an attach it failed, want 0", n)
-	}
+	e.wantNoEnrollments(t, "a failed attach enrolled %v")
+	e.wantCalls(t, "DetachInterface", 0)
 
 	// Detach errors pass through too, after the release.
 	e.runtime.Fail("DetachInterface", status.Error(codes.Unavailable, "runtime busy"))
@@ -318,9 +327,7 @@ func TestAttachNetworkOldNames(t *testing.T) {
 	if err != nil || len(resp.GetIpconfigs()["eth0"].GetIp()) != 2 {
 		t.Fatalf("AttachNetwork = %v, %v", resp, err)
 	}
-	if n := len(e.runtime.CallsOf("AttachNetwork")); n != 1 {
-		t.Fatalf("runtime got %d AttachNetwork calls, want 1", n)
-	}
+	e.wantCalls(t, "AttachNetwork", 1)
 	enr := e.Enrollments(t)
 	if len(enr) != 1 || enr[0].GetNetnsPath() != pod.NetNSPath || enr[0].GetSource() != gatepb.Source_SOURCE_KNI {
 		t.Fatalf("enrollments = %v, want the pod from KNI in %s", enr, pod.NetNSPath)
@@ -328,12 +335,8 @@ func TestAttachNetworkOldNames(t *testing.T) {
 	if _, err := e.client.DetachNetwork(ctx, detachRequest(pod)); err != nil {
 		t.Fatalf("DetachNetwork: %v", err)
 	}
-	if n := len(e.runtime.CallsOf("DetachNetwork")); n != 1 {
-		t.Fatalf("runtime got %d DetachNetwork calls, want 1", n)
-	}
-	if enr := e.Enrollments(t); len(enr) != 0 {
-		t.Fatalf("enrollments after DetachNetwork = %v", enr)
-	}
+	e.wantCalls(t, "DetachNetwork", 1)
+	e.wantNoEnrollments(t, "enrollments after DetachNetwork = %v")
 }
 
 // TestLibkniUpstream: in front of a runtime that serves only libkni's names
@@ -363,21 +366,15 @@ func TestLibkniUpstream(t *testing.T) {
 	if err != nil || len(resp.GetIpconfigs()["eth0"].GetIp()) != 2 {
 		t.Fatalf("AttachNetwork through the interposer = %v, %v", resp, err)
 	}
-	if n := len(e.runtime.CallsOf("AttachInterface")); n != 1 {
-		t.Fatalf("runtime got %d AttachInterface calls, want 1", n)
-	}
+	e.wantCalls(t, "AttachInterface", 1)
 	if enr := e.Enrollments(t); len(enr) != 1 || enr[0].GetNetnsPath() != pod.NetNSPath {
 		t.Fatalf("enrollments = %v, want the pod", enr)
 	}
 	if _, err := e.client.DetachNetwork(ctx, detachRequest(pod)); err != nil {
 		t.Fatalf("DetachNetwork through the interposer: %v", err)
 	}
-	if n := len(e.runtime.CallsOf("DetachInterface")); n != 1 {
-		t.Fatalf("runtime got %d DetachInterface calls, want 1", n)
-	}
-	if enr := e.Enrollments(t); len(enr) != 0 {
-		t.Fatalf("enrollments after DetachNetwork = %v", enr)
-	}
+	e.wantCalls(t, "DetachInterface", 1)
+	e.wantNoEnrollments(t, "enrollments after DetachNetwork = %v")
 	if a := e.runtime.Attached(); len(a) != 0 {
 		t.Fatalf("runtime still holds %v", a)
 	}
@@ -393,9 +390,7 @@ func TestLibkniUpstreamUndo(t *testing.T) {
 	if _, err := e.client.AttachNetwork(ctx, attachRequest(pod)); status.Code(err) != codes.Unavailable {
 		t.Fatalf("AttachNetwork with the agent never ready = %v, want Unavailable", err)
 	}
-	if n := len(e.runtime.CallsOf("DetachInterface")); n != 1 {
-		t.Fatalf("runtime got %d DetachInterface calls, want 1 (the undo)", n)
-	}
+	e.wantCalls(t, "DetachInterface", 1)
 	if a := e.runtime.Attached(); len(a) != 0 {
 		t.Fatalf("runtime still holds %v", a)
 	}
@@ -432,9 +427,7 @@ func TestAttachWaitsForReadiness(t *testing.T) {
 		t.Fatalf("attach returned (%v, %v) before the agent was ready", r.resp, r.err)
 	default:
 	}
-	if enr := e.Enrollments(t); len(enr) != 0 {
-		t.Fatalf("enrolled before ready: %v", enr)
-	}
+	e.wantNoEnrollments(t, "enrolled before ready: %v")
 
 	e.Readiness.Set(agenttest.CondTest, true, "")
 	r := <-done
@@ -458,18 +451,14 @@ func TestAttachUndoneWhenNotEnrolled(t *testing.T) {
 		t.Fatalf("attach with the agent never ready = %v, want Unavailable", err)
 	}
 	t.Logf("caller sees: %v", err)
-	if n := len(e.runtime.CallsOf("DetachInterface")); n != 1 {
-		t.Fatalf("runtime got %d detach calls, want 1 (the undo)", n)
-	}
+	e.wantCalls(t, "DetachInterface", 1)
 	if a := e.runtime.Attached(); len(a) != 0 {
 		t.Fatalf("runtime still holds %v", a)
 	}
 	if a := e.allocations(t); len(a) != 0 {
 		t.Fatalf("host-local allocations after the undo = %v, want none", a)
 	}
-	if enr := e.Enrollments(t); len(enr) != 0 {
-		t.Fatalf("enrollments = %v", enr)
-	}
+	e.wantNoEnrollments(t, "enrollments = %v")
 }
 
 func TestCallerDeadlineBoundsTheWait(t *testing.T) {
@@ -503,9 +492,7 @@ func TestExcludedNamespacePassesThrough(t *testing.T) {
 	if _, err := e.client.AttachInterface(ctx, attachRequest(pod)); err != nil {
 		t.Fatalf("attach of a kube-system pod with the agent not ready: %v", err)
 	}
-	if enr := e.Enrollments(t); len(enr) != 0 {
-		t.Fatalf("excluded pod enrolled: %v", enr)
-	}
+	e.wantNoEnrollments(t, "excluded pod enrolled: %v")
 	if _, err := e.client.DetachInterface(ctx, detachRequest(pod)); err != nil {
 		t.Fatalf("detach: %v", err)
 	}
@@ -524,9 +511,7 @@ func TestUnenrollablePodIsRefusedBeforeTheRuntime(t *testing.T) {
 	if status.Code(err) != codes.InvalidArgument {
 		t.Fatalf("attach = %v, want InvalidArgument", err)
 	}
-	if n := len(e.runtime.CallsOf("AttachInterface")); n != 0 {
-		t.Fatalf("runtime got %d attach calls, want none", n)
-	}
+	e.wantCalls(t, "AttachInterface", 0)
 }
 
 func TestPeerNotAllowed(t *testing.T) {
