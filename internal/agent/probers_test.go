@@ -27,6 +27,7 @@ type fakeProbeDatapath struct {
 	cgroup string
 	ids    map[string]uint64
 	calls  []probeCall
+	reads  int // of the kubelet's cgroup: one a pass of the watch
 }
 
 type probeCall struct {
@@ -45,6 +46,7 @@ func (d *fakeProbeDatapath) SetProbeCgroups(netns uint64, cgroups []string) erro
 func (d *fakeProbeDatapath) ProcessCgroup(int) (string, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	d.reads++
 	return d.cgroup, nil
 }
 
@@ -59,6 +61,12 @@ func (d *fakeProbeDatapath) set(cgroup string, id uint64) {
 	defer d.mu.Unlock()
 	d.cgroup = cgroup
 	d.ids[cgroup] = id
+}
+
+func (d *fakeProbeDatapath) readCount() int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.reads
 }
 
 func (d *fakeProbeDatapath) callList() []probeCall {
@@ -142,7 +150,8 @@ func TestProbeWatch(t *testing.T) {
 		return logs.FilterMessageSnippet("is a pod's").Len() > 0
 	})
 	// Nothing is set for it, however many passes the watch makes.
-	time.Sleep(20 * 10 * time.Millisecond)
+	passes := dp.readCount() + 20
+	fixtures.WaitFor(t, 10*time.Second, "twenty more passes of the watch", func() bool { return dp.readCount() >= passes })
 	for _, c := range dp.callList() {
 		if c.netns != hostCookie || c.cgroups[0] == pod {
 			t.Errorf("set %+v: the pod's namespace or cgroup", c)

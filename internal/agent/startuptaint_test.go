@@ -20,6 +20,7 @@ type fakeTaint struct {
 	mu        sync.Mutex
 	readiness *Readiness
 	present   int
+	reads     int
 	failNext  int // removals that fail after the read
 	removes   int
 	fresh     int // removals asking past the cache
@@ -29,6 +30,7 @@ type fakeTaint struct {
 func (f *fakeTaint) Present(context.Context) (int, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.reads++
 	return f.present, nil
 }
 
@@ -97,8 +99,13 @@ func TestStartupTaintRemovedOnlyWhenReady(t *testing.T) {
 
 	// Not ready: the data path is in place, the chain entry is not.
 	readiness.Set(CondDatapath, true, "")
-	// A bounded look for what must not happen: ten of the remover's checks.
-	time.Sleep(200 * time.Millisecond)
+	// The remover has read the node, and waits for readiness. (A removal
+	// made while not ready, now or later, is counted in unready.)
+	fixtures.WaitFor(t, 10*time.Second, "the remover's first read of the node", func() bool {
+		taint.mu.Lock()
+		defer taint.mu.Unlock()
+		return taint.reads > 0
+	})
 	if present, removes, _, _ := taint.state(); present != 1 || removes != 0 {
 		t.Fatalf("not ready: taint present %d after %d removals, want it kept and none tried", present, removes)
 	}
@@ -133,7 +140,9 @@ func TestStartupTaintRemovedOnlyWhenReady(t *testing.T) {
 	time.Sleep(50 * time.Millisecond)
 	taint.set(1, 0)
 	_, before, _, _ = taint.state()
-	// A bounded look for what must not happen, as above.
+	// A bounded look for what must not happen: nothing shows the remover
+	// has come round but time, so ten of its 20 ms intervals; a removal
+	// made while not ready, now or later, is also counted in unready.
 	time.Sleep(200 * time.Millisecond)
 	if present, removes, _, unready := taint.state(); present != 1 || removes != before || unready != 0 {
 		t.Errorf("not ready again: taint present %d, %d removals since, %d removals ever made while not ready; want it kept", present, removes-before, unready)
