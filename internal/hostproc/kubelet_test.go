@@ -263,9 +263,8 @@ func TestKubeletFinderRealProcesses(t *testing.T) {
 			comm, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(p.Pid()), "comm"))
 			return err == nil && strings.TrimSpace(string(comm)) == "kubelet"
 		})
-		// Start times count in clock ticks: the host's kubelet, last, is
-		// the youngest.
-		time.Sleep(20 * time.Millisecond)
+		// The host's kubelet, started last, is the youngest.
+		waitNextTick(t, p.Pid())
 		return p.Pid()
 	}
 	attackers := map[int]Check{
