@@ -301,6 +301,7 @@ func (r *chaosRun) add(ctx context.Context, p *chaosPod) {
 		if !r.del(ctx, p) {
 			return
 		}
+		// Part of the chaos, not a wait: pods come and go at random spacing.
 		time.Sleep(time.Duration(50+rand.IntN(200)) * time.Millisecond)
 	}
 }
@@ -318,6 +319,7 @@ func (r *chaosRun) del(ctx context.Context, p *chaosPod) bool {
 		if ctx.Err() != nil || attempt == 5 {
 			return false
 		}
+		// The spacing of kubelet's retries of a failed DEL, not a wait.
 		time.Sleep(100 * time.Millisecond)
 	}
 }
@@ -487,6 +489,7 @@ func TestChaos(t *testing.T) {
 					connOK.Add(1)
 					perClientOK[i].Add(1)
 				}
+				// A client's pace, not a wait: a round trip every 20 ms.
 				time.Sleep(20 * time.Millisecond)
 			}
 		})
@@ -513,6 +516,7 @@ func TestChaos(t *testing.T) {
 		}
 		a.kill()
 		kills++
+		// Part of the chaos, not a wait: the agent stays down a random while.
 		time.Sleep(time.Duration(rand.IntN(800)) * time.Millisecond)
 		if rand.IntN(3) == 0 {
 			a.Proc = harness.StartProcess(t, harness.ProcessOptions{Path: harness.Bins(t).Path("mesh-agent"), Args: a.Args, Name: "mesh-agent"})
