@@ -432,10 +432,12 @@ func TestInboundSYNOnTimeWaitTuple(t *testing.T) {
 // inbound side redirects). It retries while the previous connection from the same
 // port is still closing on this side.
 func fetchFrom(p *pod, local *net.TCPAddr, addr string, timeout time.Duration) ([]string, error) {
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		var conn net.Conn
-		err := netns.Do(p.path, func() error {
+	var (
+		conn net.Conn
+		err  error
+	)
+	fixtures.Eventually(context.Background(), 10*time.Second, fixtures.WaitInterval, func() bool {
+		err = netns.Do(p.path, func() error {
 			d := net.Dialer{LocalAddr: local, Timeout: timeout}
 			d.Control = func(_, _ string, c syscall.RawConn) error {
 				var serr error
@@ -450,16 +452,13 @@ func fetchFrom(p *pod, local *net.TCPAddr, addr string, timeout time.Duration) (
 			conn, err = d.Dial("tcp", addr)
 			return err
 		})
-		if (errors.Is(err, unix.EADDRINUSE) || errors.Is(err, unix.EADDRNOTAVAIL)) && time.Now().Before(deadline) {
-			time.Sleep(10 * time.Millisecond)
-			continue
-		}
-		if err != nil {
-			return nil, err
-		}
-		defer conn.Close()
-		return readLines(conn)
+		return !errors.Is(err, unix.EADDRINUSE) && !errors.Is(err, unix.EADDRNOTAVAIL)
+	})
+	if err != nil {
+		return nil, err
 	}
+	defer conn.Close()
+	return readLines(conn)
 }
 
 // Only the proxy's HBONE port is excluded inbound, and only inbound: a pod

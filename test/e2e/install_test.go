@@ -226,18 +226,17 @@ func listHasMesh(list *libcni.NetworkConfigList) bool {
 
 // waitEntry polls path until it carries the mesh-cni entry last and derives
 // from generation gen, for at most limit; it returns how long that took.
+// It looks every millisecond, as the time it returns is a measure.
 func waitEntry(path string, gen int, start time.Time, limit time.Duration) (time.Duration, error) {
-	for {
-		st, _ := readConf(path)
-		if st.meshLast() && st.gen == gen {
-			return time.Since(start), nil
-		}
-		if time.Since(start) > limit {
-			return time.Since(start), fmt.Errorf("%s does not carry the mesh-cni entry for generation %d after %v (plugins %v, generation %d, %v)",
-				filepath.Base(path), gen, limit, st.plugins, st.gen, st.err)
-		}
-		time.Sleep(time.Millisecond)
+	var st confState
+	if fixtures.Eventually(context.Background(), limit-time.Since(start), time.Millisecond, func() bool {
+		st, _ = readConf(path)
+		return st.meshLast() && st.gen == gen
+	}) {
+		return time.Since(start), nil
 	}
+	return time.Since(start), fmt.Errorf("%s does not carry the mesh-cni entry for generation %d after %v (plugins %v, generation %d, %v)",
+		filepath.Base(path), gen, limit, st.plugins, st.gen, st.err)
 }
 
 // waitPodInterface waits until the primary plugin has created eth0 in the pod:
