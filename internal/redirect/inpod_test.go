@@ -134,10 +134,7 @@ func TestTransparentInboundReplies(t *testing.T) {
 // The pod's reply route is in its namespace while it is enrolled and gone once it
 // is released with its namespace: rules, routes and tcp_fwmark_accept.
 func TestReplyRouteReleased(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, _ := newPodPair(t)
+	d, a, _ := parallelRig(t)
 	state := func() (rules, routes int, accept string) {
 		a.do(t, func() error {
 			for _, fam := range []int{netlink.FAMILY_V4, netlink.FAMILY_V6} {

@@ -79,11 +79,8 @@ func TestReusePortListeners(t *testing.T) {
 // A proxy listening before its pod is enrolled (or before the data path was
 // installed) was not seen by sockops when it started listening: Enroll finds it.
 func TestListenerBeforeEnroll(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
 	// The data path does not know port 15106 before the pod's enrollment names it.
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	s := testSettings()
 	s.InboundPort = 15106
 	startInboundProxy(t, b, s.InboundPort)

@@ -369,10 +369,7 @@ func TestCloseAndAdopt(t *testing.T) {
 
 // Check notices the namespace going away; Release still cleans up after it is gone.
 func TestCheckAndReleaseGoneNetns(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, _ := newPodPair(t)
+	d, a, _ := parallelRig(t)
 	ctx := context.Background()
 	enroll(t, d, a, testSettings())
 	if err := d.Check(ctx, a.cookie); err != nil {
