@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap/zaptest"
 	"k8s.io/apimachinery/pkg/util/wait"
 
@@ -66,15 +65,6 @@ func (f *fakeTaint) set(present, failNext int) {
 	f.present, f.failNext = present, failNext
 }
 
-func startupTaintGauge(t *testing.T, m *Metrics) float64 {
-	t.Helper()
-	var out dto.Metric
-	if err := m.startupTaint.Write(&out); err != nil {
-		t.Fatal(err)
-	}
-	return out.GetGauge().GetValue()
-}
-
 // The startup taint is removed only while the agent is ready: never before,
 // at once when it becomes ready, again when a check finds it re-added, after
 // a few failed attempts (each past the cache), and not while the agent is
@@ -109,13 +99,13 @@ func TestStartupTaintRemovedOnlyWhenReady(t *testing.T) {
 	if present, removes, _, _ := taint.state(); present != 1 || removes != 0 {
 		t.Fatalf("not ready: taint present %d after %d removals, want it kept and none tried", present, removes)
 	}
-	if g := startupTaintGauge(t, m); g != 1 {
+	if g := gaugeValue(t, m.startupTaint); g != 1 {
 		t.Errorf("meshcni_startup_taint %v while the taint is on the node, want 1", g)
 	}
 
 	readiness.Set(CondCNIConfig, true, "")
 	fixtures.WaitFor(t, 10*time.Second, "the taint removed once ready", func() bool { p, _, _, _ := taint.state(); return p == 0 })
-	fixtures.WaitFor(t, 10*time.Second, "the gauge at 0", func() bool { return startupTaintGauge(t, m) == 0 })
+	fixtures.WaitFor(t, 10*time.Second, "the gauge at 0", func() bool { return gaugeValue(t, m.startupTaint) == 0 })
 
 	// Re-added while ready, and the first two attempts fail.
 	taint.set(1, 2)
@@ -128,7 +118,7 @@ func TestStartupTaintRemovedOnlyWhenReady(t *testing.T) {
 	// Failing every time: each round gives up after its bounded attempts, and
 	// the gauge says the taint is there.
 	taint.set(1, 1000)
-	fixtures.WaitFor(t, 10*time.Second, "the gauge at 1 while removal fails", func() bool { return startupTaintGauge(t, m) == 1 })
+	fixtures.WaitFor(t, 10*time.Second, "the gauge at 1 while removal fails", func() bool { return gaugeValue(t, m.startupTaint) == 1 })
 	taint.set(0, 0)
 
 	// Not ready again: a re-added taint stays.
@@ -167,7 +157,7 @@ func TestStartupTaintAbsent(t *testing.T) {
 		defer close(done)
 		r.run(ctx)
 	}()
-	fixtures.WaitFor(t, 10*time.Second, "the gauge at 0", func() bool { return startupTaintGauge(t, m) == 0 })
+	fixtures.WaitFor(t, 10*time.Second, "the gauge at 0", func() bool { return gaugeValue(t, m.startupTaint) == 0 })
 	cancel()
 	<-done
 	if _, removes, _, _ := taint.state(); removes != 0 {
