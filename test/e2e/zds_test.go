@@ -137,6 +137,18 @@ func (n *nodeProxy) checkPathMarked(ctx context.Context, t *testing.T, from, to 
 	}
 }
 
+// startZDSAgent starts an agent with extraArgs serving ZDS on a socket of its
+// own, which it returns. The reference node proxy does not use service
+// accounts, which enrollment=all cannot know: the agent serves without them.
+func startZDSAgent(ctx context.Context, t *testing.T, extraArgs ...string) (*agent, string) {
+	t.Helper()
+	a := newAgent(t, extraArgs...)
+	zdsSocket := a.agentPath("zds", "ztunnel.sock")
+	a.Args = append(a.Args, "--zds-socket", zdsSocket, "--zds-without-service-accounts")
+	a.start(ctx)
+	return a, zdsSocket
+}
+
 // TestZDSNodeProxy: with the agent's ZDS server on and one node proxy process
 // on the host, pods added through the CNI chain are handed to the proxy, which
 // opens listeners inside them, and their traffic is redirected through those
@@ -146,12 +158,7 @@ func (n *nodeProxy) checkPathMarked(ctx context.Context, t *testing.T, from, to 
 func TestZDSNodeProxy(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
-	a := newAgent(t)
-	zdsSocket := a.agentPath("zds", "ztunnel.sock")
-	// The reference node proxy does not use service accounts; enrollment=all
-	// cannot know them.
-	a.Args = append(a.Args, "--zds-socket", zdsSocket, "--zds-without-service-accounts")
-	a.start(ctx)
+	a, zdsSocket := startZDSAgent(ctx, t)
 	np := startNodeProxy(ctx, t, zdsSocket, "node-proxy-1")
 
 	node := meshNode(t)
@@ -244,12 +251,7 @@ func TestZDSNodeProxy(t *testing.T) {
 func TestZDSProxyNeverAcks(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
-	a := newAgent(t, "--zds-wait=always")
-	zdsSocket := a.agentPath("zds", "ztunnel.sock")
-	// The reference node proxy does not use service accounts; enrollment=all
-	// cannot know them.
-	a.Args = append(a.Args, "--zds-socket", zdsSocket, "--zds-without-service-accounts")
-	a.start(ctx)
+	a, zdsSocket := startZDSAgent(ctx, t, "--zds-wait=always")
 
 	pc, err := zds.Dial(ctx, zdsSocket)
 	if err != nil {
@@ -345,10 +347,7 @@ func TestZDSRefusedWithoutServiceAccounts(t *testing.T) {
 func TestProxyKnownByCgroup(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
-	a := newAgent(t, "--proxy-mark", "0")
-	zdsSocket := a.agentPath("zds", "ztunnel.sock")
-	a.Args = append(a.Args, "--zds-socket", zdsSocket, "--zds-without-service-accounts")
-	a.start(ctx)
+	a, zdsSocket := startZDSAgent(ctx, t, "--proxy-mark", "0")
 	np := startNodeProxy(ctx, t, zdsSocket, "node-proxy")
 	node := meshNode(t)
 	list := chain(t, node, a, "30s")
