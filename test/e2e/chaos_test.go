@@ -521,6 +521,7 @@ func TestChaos(t *testing.T) {
 		if rand.IntN(3) == 0 {
 			a.Proc = harness.StartProcess(t, harness.ProcessOptions{Path: harness.Bins(t).Path("mesh-agent"), Args: a.Args, Name: "mesh-agent"})
 			procs = append(procs, a.Proc)
+			// Killed at a random point of its start: chaos, not a wait.
 			time.Sleep(time.Duration(rand.IntN(150)) * time.Millisecond)
 			a.kill()
 			kills++
