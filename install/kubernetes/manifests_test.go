@@ -37,6 +37,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/agentcli"
 	"github.com/mesh-cni/mesh-cni/internal/cniplugin"
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
 )
 
@@ -1013,10 +1014,7 @@ func withoutPolicyOverlay(base string) string {
 
 // TestInstallDocOverlay: docs/install.md shows the overlay the tests build.
 func TestInstallDocOverlay(t *testing.T) {
-	doc, err := os.ReadFile("../../docs/install.md")
-	if err != nil {
-		t.Fatal(err)
-	}
+	doc := fixtures.ReadDoc(t, "docs/install.md")
 	want := "```yaml\n" + withoutPolicyOverlay("../install/kubernetes") + "```\n"
 	if !strings.Contains(string(doc), want) {
 		t.Errorf("docs/install.md does not show the overlay for clusters older than 1.30:\n%s", want)

@@ -2,7 +2,6 @@ package agent
 
 import (
 	"fmt"
-	"os"
 	"reflect"
 	"regexp"
 	"slices"
@@ -12,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // descRecorder is a Registerer that keeps the fully qualified name of every
@@ -62,10 +62,7 @@ var docMetric = regexp.MustCompile("`(meshcni_[a-z_]+)(?:\\{([a-z_,]*)\\})?`")
 // documentedMetrics reads docs/monitoring.md's metric table.
 func documentedMetrics(t *testing.T) map[string]monitoringRow {
 	t.Helper()
-	data, err := os.ReadFile("../../docs/monitoring.md")
-	if err != nil {
-		t.Fatal(err)
-	}
+	data := fixtures.ReadDoc(t, "docs/monitoring.md")
 	rows := map[string]monitoringRow{}
 	for _, line := range strings.Split(string(data), "\n") {
 		if !strings.HasPrefix(line, "| `meshcni_") {

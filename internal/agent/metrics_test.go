@@ -5,16 +5,18 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 	"google.golang.org/grpc"
 
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 )
 
-func gaugeValue(t *testing.T, m *Metrics) float64 {
+// gaugeValue is what gauge g of Metrics reads now.
+func gaugeValue(t *testing.T, g prometheus.Metric) float64 {
 	t.Helper()
 	var out dto.Metric
-	if err := m.gateWaiting.Write(&out); err != nil {
+	if err := g.Write(&out); err != nil {
 		t.Fatal(err)
 	}
 	return out.GetGauge().GetValue()
@@ -37,12 +39,12 @@ func TestGatePodsWaiting(t *testing.T) {
 		done <- err
 	}()
 	<-held
-	if got := gaugeValue(t, m); got != 1 {
+	if got := gaugeValue(t, m.gateWaiting); got != 1 {
 		t.Errorf("meshcni_gate_pods_waiting = %v while an Add is held, want 1", got)
 	}
 	del := &grpc.UnaryServerInfo{FullMethod: gatepb.Gate_Del_FullMethodName}
 	if _, err := m.UnaryInterceptor(context.Background(), nil, del, func(context.Context, any) (any, error) {
-		if got := gaugeValue(t, m); got != 1 {
+		if got := gaugeValue(t, m.gateWaiting); got != 1 {
 			t.Errorf("meshcni_gate_pods_waiting = %v during a Del, want still 1", got)
 		}
 		return nil, nil
@@ -55,7 +57,7 @@ func TestGatePodsWaiting(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the held Add never returned")
 	}
-	if got := gaugeValue(t, m); got != 0 {
+	if got := gaugeValue(t, m.gateWaiting); got != 0 {
 		t.Errorf("meshcni_gate_pods_waiting = %v after the Add failed, want 0", got)
 	}
 }

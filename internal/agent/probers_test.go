@@ -27,6 +27,7 @@ type fakeProbeDatapath struct {
 	cgroup string
 	ids    map[string]uint64
 	calls  []probeCall
+	reads  int // of the kubelet's cgroup: one a pass of the watch
 }
 
 type probeCall struct {
@@ -45,6 +46,7 @@ func (d *fakeProbeDatapath) SetProbeCgroups(netns uint64, cgroups []string) erro
 func (d *fakeProbeDatapath) ProcessCgroup(int) (string, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	d.reads++
 	return d.cgroup, nil
 }
 
@@ -59,6 +61,12 @@ func (d *fakeProbeDatapath) set(cgroup string, id uint64) {
 	defer d.mu.Unlock()
 	d.cgroup = cgroup
 	d.ids[cgroup] = id
+}
+
+func (d *fakeProbeDatapath) readCount() int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.reads
 }
 
 func (d *fakeProbeDatapath) callList() []probeCall {
@@ -80,7 +88,7 @@ func startKubeletNamed(t *testing.T, netnsPath string) int {
 		t.Fatal(err)
 	}
 	p := harness.StartProcess(t, harness.ProcessOptions{Path: link, Args: []string{"1000"}, NetNSPath: netnsPath})
-	harness.WaitFor(t, 10*time.Second, "a process named kubelet", func() bool {
+	fixtures.WaitFor(t, 10*time.Second, "a process named kubelet", func() bool {
 		comm, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(p.Pid()), "comm"))
 		return err == nil && strings.TrimSpace(string(comm)) == "kubelet"
 	})
@@ -119,7 +127,7 @@ func TestProbeWatch(t *testing.T) {
 
 	waitCalls := func(n int, what string) []probeCall {
 		t.Helper()
-		harness.WaitFor(t, 10*time.Second, what, func() bool { return len(dp.callList()) >= n })
+		fixtures.WaitFor(t, 10*time.Second, what, func() bool { return len(dp.callList()) >= n })
 		return dp.callList()
 	}
 	calls := waitCalls(1, "the kubelet's probe cgroups")
@@ -138,11 +146,12 @@ func TestProbeWatch(t *testing.T) {
 	// The data path reads the kubelet's cgroup as a pod's: refused.
 	pod := "/sys/fs/cgroup/unified/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod0f1e2d3c_aaaa_bbbb_cccc_123456789abc.slice/cri-containerd-x.scope"
 	dp.set(pod, 200)
-	harness.WaitFor(t, 10*time.Second, "the pod cgroup refused", func() bool {
+	fixtures.WaitFor(t, 10*time.Second, "the pod cgroup refused", func() bool {
 		return logs.FilterMessageSnippet("is a pod's").Len() > 0
 	})
 	// Nothing is set for it, however many passes the watch makes.
-	time.Sleep(20 * 10 * time.Millisecond)
+	passes := dp.readCount() + 20
+	fixtures.WaitFor(t, 10*time.Second, "twenty more passes of the watch", func() bool { return dp.readCount() >= passes })
 	for _, c := range dp.callList() {
 		if c.netns != hostCookie || c.cgroups[0] == pod {
 			t.Errorf("set %+v: the pod's namespace or cgroup", c)

@@ -16,6 +16,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/internal/podstore"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // The tests' pods live in the test's own network namespace: the one a test
@@ -353,9 +354,15 @@ func TestServiceReconcile(t *testing.T) {
 	}
 }
 
-type fakeSyncer struct{ synced atomic.Bool }
+type fakeSyncer struct {
+	synced atomic.Bool
+	asked  atomic.Int32 // how often Synced was called
+}
 
-func (s *fakeSyncer) Synced() (bool, string) { return s.synced.Load(), "test" }
+func (s *fakeSyncer) Synced() (bool, string) {
+	s.asked.Add(1)
+	return s.synced.Load(), "test"
+}
 
 // neverChanged is a policy watcher whose policy never changes.
 type neverChanged struct{}
@@ -389,16 +396,11 @@ func TestFollowPolicyDecidesOnceSynced(t *testing.T) {
 	}()
 	defer func() { cancel(); <-done }()
 
-	// A bounded look for something that must not happen.
-	for end := time.Now().Add(300 * time.Millisecond); time.Now().Before(end); time.Sleep(10 * time.Millisecond) {
-		if updated() {
-			t.Fatal("re-decided before the source was synced")
-		}
+	// Told three times that the source is not synced: nothing re-decided.
+	fixtures.WaitFor(t, 10*time.Second, "three answers of not synced", func() bool { return syncer.asked.Load() >= 3 })
+	if updated() {
+		t.Fatal("re-decided before the source was synced")
 	}
 	syncer.synced.Store(true)
-	for end := time.Now().Add(10 * time.Second); !updated(); time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(end) {
-			t.Fatal("the record's capture was not updated once the source was synced")
-		}
-	}
+	fixtures.WaitFor(t, 10*time.Second, "the record's capture updated once the source was synced", updated)
 }

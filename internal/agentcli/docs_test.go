@@ -3,23 +3,17 @@ package agentcli
 import (
 	"flag"
 	"io"
-	"os"
 	"regexp"
 	"slices"
 	"testing"
+
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // TestEveryFlagDocumented keeps docs/configuration.md and the
 // flag sets of `mesh-agent run` and `mesh-agent hook` equal, both ways.
 func TestEveryFlagDocumented(t *testing.T) {
-	readme, err := os.ReadFile("../../docs/configuration.md")
-	if err != nil {
-		t.Fatal(err)
-	}
-	documented := map[string]bool{}
-	for _, m := range regexp.MustCompile("(?m)^\\| `--([a-z0-9-]+)` \\|").FindAllSubmatch(readme, -1) {
-		documented[string(m[1])] = true
-	}
+	documented := fixtures.DocNames(t, "docs/configuration.md", regexp.MustCompile("(?m)^\\| `--([a-z0-9-]+)` \\|"))
 	var opts options
 	fs := flagSet("mesh-agent run", &opts, io.Discard)
 	var declared []string

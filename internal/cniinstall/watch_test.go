@@ -16,6 +16,8 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // The primary rewrites its file without the entry 100 times; each time the
@@ -171,8 +173,7 @@ func TestRunWaitsForPrimary(t *testing.T) {
 
 	path := filepath.Join(dir, "10-bridge.conflist")
 	writeAtomic(t, path, []byte(`{"cniVersion":"1.0.0","name":"late","plugins":[{"type":"bridge"}]}`))
-	wctx, wcancel := context.WithTimeout(context.Background(), waitBound)
-	defer wcancel()
+	wctx := fixtures.Context(t, waitBound)
 	if err := in.WaitReady(wctx); err != nil {
 		t.Fatal(err)
 	}

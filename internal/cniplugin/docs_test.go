@@ -1,24 +1,18 @@
 package cniplugin
 
 import (
-	"os"
 	"reflect"
 	"regexp"
 	"strings"
 	"testing"
+
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // TestEveryConfigFieldDocumented keeps the plugin configuration table of docs/configuration.md
 // and the plugin's own config fields equal.
 func TestEveryConfigFieldDocumented(t *testing.T) {
-	readme, err := os.ReadFile("../../docs/configuration.md")
-	if err != nil {
-		t.Fatal(err)
-	}
-	documented := map[string]bool{}
-	for _, m := range regexp.MustCompile("(?m)^\\| `([a-zA-Z./-]+)` \\|").FindAllSubmatch(readme, -1) {
-		documented[string(m[1])] = true
-	}
+	documented := fixtures.DocNames(t, "docs/configuration.md", regexp.MustCompile("(?m)^\\| `([a-zA-Z./-]+)` \\|"))
 	typ := reflect.TypeFor[NetConf]()
 	for i := range typ.NumField() {
 		f := typ.Field(i)

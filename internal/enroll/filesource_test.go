@@ -12,7 +12,7 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
-	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // waitLimit bounds every wait in these tests; a change is normally seen within
@@ -89,7 +89,7 @@ func TestFileSourceReloadRejectKeep(t *testing.T) {
 	// An invalid edit is rejected with a clear log; the last good policy stays.
 	ch = f.Changed()
 	writeFile(t, path, "namespaces: [shop\n")
-	harness.WaitFor(t, waitLimit, "the invalid edit to be rejected", func() bool { return f.Err() != nil })
+	fixtures.WaitFor(t, waitLimit, "the invalid edit to be rejected", func() bool { return f.Err() != nil })
 	select {
 	case <-ch:
 		t.Fatal("Changed fired for a rejected edit")
@@ -112,7 +112,7 @@ func TestFileSourceReloadRejectKeep(t *testing.T) {
 	// Semantically invalid (unknown field), and an empty file: rejected too.
 	for _, bad := range []string{"namespace: [shop]\n", ""} {
 		writeFile(t, path, bad)
-		harness.WaitFor(t, waitLimit, "the edit to be rejected", func() bool { return f.Err() != nil && !strings.Contains(f.Err().Error(), "[shop\n") })
+		fixtures.WaitFor(t, waitLimit, "the edit to be rejected", func() bool { return f.Err() != nil && !strings.Contains(f.Err().Error(), "[shop\n") })
 		if !decideEnroll(t, f, "pay", "api") {
 			t.Fatalf("last good policy lost after writing %q", bad)
 		}
@@ -130,7 +130,7 @@ func TestFileSourceReloadRejectKeep(t *testing.T) {
 	if err := os.Remove(path); err != nil {
 		t.Fatal(err)
 	}
-	harness.WaitFor(t, waitLimit, "the removal to be noticed", func() bool { return f.Err() != nil })
+	fixtures.WaitFor(t, waitLimit, "the removal to be noticed", func() bool { return f.Err() != nil })
 	if !decideEnroll(t, f, "shop", "web") {
 		t.Fatal("last good policy lost when the file was removed")
 	}

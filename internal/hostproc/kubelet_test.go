@@ -259,13 +259,12 @@ func TestKubeletFinderRealProcesses(t *testing.T) {
 		t.Helper()
 		p := harness.StartProcess(t, harness.ProcessOptions{Name: name, Path: path, Args: args,
 			Cgroup: harness.MkCgroup(t, filepath.Join(cgroup, name+".scope")), NetNSPath: netnsPath})
-		harness.WaitFor(t, 10*time.Second, name+" named kubelet", func() bool {
+		fixtures.WaitFor(t, 10*time.Second, name+" named kubelet", func() bool {
 			comm, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(p.Pid()), "comm"))
 			return err == nil && strings.TrimSpace(string(comm)) == "kubelet"
 		})
-		// Start times count in clock ticks: the host's kubelet, last, is
-		// the youngest.
-		time.Sleep(20 * time.Millisecond)
+		// The host's kubelet, started last, is the youngest.
+		waitNextTick(t, p.Pid())
 		return p.Pid()
 	}
 	attackers := map[int]Check{

@@ -7,11 +7,11 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
 	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
@@ -89,12 +89,7 @@ func (p *fakePod) container(id string) string {
 // runtimeNetns makes a network namespace in the runtime's directory.
 func (p *fakePod) runtimeNetns(name string) string {
 	p.t.Helper()
-	path := filepath.Join(p.node.netnsDir, name)
-	if err := netns.Create(path); err != nil {
-		p.t.Fatal(err)
-	}
-	p.t.Cleanup(func() { netns.Remove(path) })
-	return path
+	return fixtures.NewNetns(p.t, filepath.Join(p.node.netnsDir, name)).Path
 }
 
 // sleepIn runs a process in cgroup and the network namespace at netnsPath
@@ -111,6 +106,26 @@ func sleepIn(t *testing.T, cgroup, netnsPath string, argv ...string) {
 	harness.StartProcess(t, harness.ProcessOptions{Path: path, Args: argv[1:], Cgroup: cgroup, NetNSPath: netnsPath})
 }
 
+// waitNextTick waits until a process started now would have a later start
+// time than pid: start times count in clock ticks (USER_HZ, 100 a second, as
+// /proc/uptime's hundredths), so two processes started within one tick are as
+// old as each other.
+func waitNextTick(t *testing.T, pid int) {
+	t.Helper()
+	st, err := Procfs{Root: "/proc"}.Stat(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fixtures.WaitFor(t, 10*time.Second, fmt.Sprintf("a clock tick after process %d started", pid), func() bool {
+		b, err := os.ReadFile("/proc/uptime")
+		if err != nil {
+			return false
+		}
+		ticks, err := strconv.ParseUint(strings.Replace(strings.Fields(string(b))[0], ".", "", 1), 10, 64)
+		return err == nil && ticks > st.StartTime
+	})
+}
+
 func hexID(n int) string { return fmt.Sprintf("%064x", n) }
 
 func uid(n int) string { return fmt.Sprintf("%08x-0000-4000-8000-%012x", n, n) }
@@ -119,7 +134,7 @@ func uid(n int) string { return fmt.Sprintf("%08x-0000-4000-8000-%012x", n, n) }
 // or unshare has exec'd it, so they are where they will stay).
 func waitProcesses(t *testing.T, cgroup string, count int) {
 	t.Helper()
-	harness.WaitFor(t, 10*time.Second, "processes in "+cgroup, func() bool {
+	fixtures.WaitFor(t, 10*time.Second, "processes in "+cgroup, func() bool {
 		b, err := os.ReadFile(filepath.Join(cgroup, "cgroup.procs"))
 		if err != nil || len(strings.Fields(string(b))) < count {
 			return false
@@ -178,7 +193,15 @@ func testSandboxes(t *testing.T, n *fakeNode) {
 	bFirst := b.container(hexID(3))
 	sleepIn(t, bFirst, bNetns)
 	waitProcesses(t, bFirst, 1)
-	time.Sleep(50 * time.Millisecond) // start times count in clock ticks
+	procs, err := os.ReadFile(filepath.Join(bFirst, "cgroup.procs"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, err := strconv.Atoi(strings.Fields(string(procs))[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitNextTick(t, first)
 	bLater := b.container(hexID(4))
 	sleepIn(t, bLater, bNetns)
 	waitProcesses(t, bLater, 1)

@@ -45,6 +45,16 @@ func (m *Map[K]) Lock(key K) (unlock func()) {
 	}
 }
 
+// refs is how many callers hold key or wait for it, for tests.
+func (m *Map[K]) refs(key K) int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if e := m.locks[key]; e != nil {
+		return e.refs
+	}
+	return 0
+}
+
 // held is how many keys are locked or waited for, for tests.
 func (m *Map[K]) held() int {
 	m.mu.Lock()

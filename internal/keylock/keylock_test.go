@@ -1,58 +1,70 @@
 package keylock
 
 import (
+	"context"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
-// One key is held by one caller at a time; another key is not held up by it;
-// nothing is left once every lock is released.
-func TestMap(t *testing.T) {
+// A key held does not hold up another: key b is locked and unlocked while
+// key a is held.
+func TestKeysIndependent(t *testing.T) {
 	var m Map[string]
 	unlockA := m.Lock("a")
-	got := make(chan string, 2)
+	defer unlockA()
+	gotB := make(chan struct{})
 	go func() {
-		defer m.Lock("b")()
-		got <- "b"
-	}()
-	if v := <-got; v != "b" {
-		t.Fatal(v)
-	}
-	go func() {
-		defer m.Lock("a")()
-		got <- "a"
+		m.Lock("b")()
+		close(gotB)
 	}()
 	select {
-	case <-got:
-		t.Fatal("a second caller got key a while it was held")
-	case <-time.After(50 * time.Millisecond):
+	case <-gotB:
+	case <-time.After(10 * time.Second):
+		t.Fatal("locking key b waited for key a")
 	}
-	unlockA()
-	if v := <-got; v != "a" {
-		t.Fatal(v)
-	}
+}
 
-	var inside, most atomic.Int32
-	var wg sync.WaitGroup
-	for range 50 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			defer m.Lock("c")()
-			n := inside.Add(1)
-			if n > most.Load() {
-				most.Store(n)
-			}
-			time.Sleep(time.Millisecond)
-			inside.Add(-1)
-		}()
+// One key is held by one caller at a time, while each key's callers run
+// alongside the other keys'; nothing is left once every lock is released.
+// Every holder counts itself in its key's counter on entry and stays until
+// every other caller of its key waits for the key (has called Lock), so a
+// lock that let a second caller in would have it counted while the first
+// is still there.
+func TestOneHolderPerKey(t *testing.T) {
+	const keys, callers = 4, 8
+	var (
+		m      Map[int]
+		inside [keys]atomic.Int32 // callers holding the key now
+		done   [keys]atomic.Int32 // callers finished with the key
+		wg     sync.WaitGroup
+	)
+	for k := range keys {
+		for range callers {
+			wg.Go(func() {
+				defer m.Lock(k)()
+				defer done[k].Add(1)
+				if n := inside[k].Add(1); n != 1 {
+					t.Errorf("%d callers hold key %d at once", n, k)
+				}
+				defer inside[k].Add(-1)
+				// The callers still to come are waiting for the key once
+				// they and this one are all it counts.
+				if !fixtures.Eventually(context.Background(), 10*time.Second, time.Millisecond, func() bool {
+					return m.refs(k) == callers-int(done[k].Load()) || inside[k].Load() != 1
+				}) {
+					t.Errorf("key %d: %d callers hold or wait for it, want the %d not done", k, m.refs(k), callers-int(done[k].Load()))
+				}
+				if n := inside[k].Load(); n != 1 {
+					t.Errorf("%d callers hold key %d at once", n, k)
+				}
+			})
+		}
 	}
 	wg.Wait()
-	if most.Load() != 1 {
-		t.Errorf("%d callers held key c at once", most.Load())
-	}
 	if n := m.held(); n != 0 {
 		t.Errorf("%d keys left after every unlock", n)
 	}

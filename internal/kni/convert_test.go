@@ -70,6 +70,15 @@ func TestAttachToGate(t *testing.T) {
 	}
 }
 
+// netnsIs checks that the request names want as the pod's netns.
+func netnsIs(want string) func(*testing.T, *gatepb.AddRequest) {
+	return func(t *testing.T, a *gatepb.AddRequest) {
+		if a.GetNetnsPath() != want {
+			t.Errorf("netns = %q, want %q", a.GetNetnsPath(), want)
+		}
+	}
+}
+
 func TestAttachToGateSources(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
@@ -81,32 +90,20 @@ func TestAttachToGateSources(t *testing.T) {
 			req.Isolation = nil
 			req.Extradata = map[string]string{kni.ExtradataNetns: "/proc/1234/ns/net"}
 		},
-		check: func(t *testing.T, a *gatepb.AddRequest) {
-			if a.GetNetnsPath() != "/proc/1234/ns/net" {
-				t.Errorf("netns = %q", a.GetNetnsPath())
-			}
-		},
+		check: netnsIs("/proc/1234/ns/net"),
 	}, {
 		name: "netns from response extradata",
 		change: func(req *knipb.AttachInterfaceRequest, resp *knipb.AttachInterfaceResponse) {
 			req.Isolation = &knipb.Isolation{Type: "namespace"}
 			resp.Extradata = map[string]string{kni.ExtradataNetns: "/run/netns/from-runtime"}
 		},
-		check: func(t *testing.T, a *gatepb.AddRequest) {
-			if a.GetNetnsPath() != "/run/netns/from-runtime" {
-				t.Errorf("netns = %q", a.GetNetnsPath())
-			}
-		},
+		check: netnsIs("/run/netns/from-runtime"),
 	}, {
 		name: "isolation wins over extradata",
 		change: func(req *knipb.AttachInterfaceRequest, _ *knipb.AttachInterfaceResponse) {
 			req.Extradata = map[string]string{kni.ExtradataNetns: "/run/netns/other"}
 		},
-		check: func(t *testing.T, a *gatepb.AddRequest) {
-			if a.GetNetnsPath() != netnsPath {
-				t.Errorf("netns = %q", a.GetNetnsPath())
-			}
-		},
+		check: netnsIs(netnsPath),
 	}, {
 		name: "name and namespace from sandbox labels",
 		change: func(req *knipb.AttachInterfaceRequest, _ *knipb.AttachInterfaceResponse) {

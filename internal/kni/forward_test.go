@@ -1,7 +1,6 @@
 package kni
 
 import (
-	"context"
 	"errors"
 	"io"
 	"net"
@@ -17,6 +16,8 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // chatDesc is a bidirectional streaming method neither the interposer nor
@@ -65,8 +66,7 @@ func serveUnix(t *testing.T, srv *grpc.Server, path string) {
 // forwardUnknown: every message both ways in order, the caller's metadata up,
 // the runtime's header, trailer and status back, unchanged.
 func TestForwardUnknownStreams(t *testing.T) {
-	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
-	defer cancel()
+	ctx := fixtures.Context(t, 30*time.Second)
 	dir := t.TempDir()
 
 	upstream := grpc.NewServer(grpc.UnknownServiceHandler(echoServer))

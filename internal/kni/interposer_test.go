@@ -9,7 +9,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -24,11 +23,12 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/mesh-cni/mesh-cni/internal/agent"
+	"github.com/mesh-cni/mesh-cni/internal/agent/agenttest"
 	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/internal/kni"
 	"github.com/mesh-cni/mesh-cni/internal/kni/knipb"
-	"github.com/mesh-cni/mesh-cni/internal/podstore"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/kniruntime"
 )
@@ -40,17 +40,29 @@ func TestMain(m *testing.M) {
 // env is a node with a KNI network runtime running its [bridge] conflist, an
 // in-process agent, and the interposer in front of the runtime.
 type env struct {
-	node      *harness.Node
-	network   string // the conflist's name (host-local keeps its allocations under it)
-	runtime   *kniruntime.Started
-	svc       *agent.Service
-	policy    *recordingPolicy
-	readiness *agent.Readiness
-	// readyAsked receives a value each time the interposer asks for readiness
-	// and hears "not ready": the attach is then about to wait.
-	readyAsked chan struct{}
-	client     knipb.KNIClient
-	conn       *grpc.ClientConn
+	*agenttest.Gate
+	node    *harness.Node
+	network string // the conflist's name (host-local keeps its allocations under it)
+	runtime *kniruntime.Started
+	client  knipb.KNIClient
+	conn    *grpc.ClientConn
+}
+
+// wantCalls fails t unless the runtime got want calls of method.
+func (e *env) wantCalls(t *testing.T, method string, want int) {
+	t.Helper()
+	if n := len(e.runtime.CallsOf(method)); n != want {
+		t.Fatalf("runtime got %d %s calls, want %d", n, method, want)
+	}
+}
+
+// wantNoEnrollments fails t, with format (taking the enrollments), if the
+// agent holds any.
+func (e *env) wantNoEnrollments(t *testing.T, format string) {
+	t.Helper()
+	if enr := e.Enrollments(t); len(enr) != 0 {
+		t.Fatalf(format, enr)
+	}
 }
 
 type envOptions struct {
@@ -59,8 +71,6 @@ type envOptions struct {
 	cfg         kni.Config
 	allowedUIDs []int
 }
-
-const condTest = "test-condition"
 
 func newEnv(t *testing.T, opts envOptions) *env {
 	t.Helper()
@@ -71,19 +81,7 @@ func newEnv(t *testing.T, opts envOptions) *env {
 	if opts.libkni {
 		startRuntime = kniruntime.StartLibkni
 	}
-	e := &env{node: node, network: list.Name, runtime: startRuntime(t, node, list), readyAsked: make(chan struct{}, 16)}
-
-	if opts.notReady {
-		e.readiness = agent.NewReadiness(condTest)
-	} else {
-		e.readiness = agent.NewReadiness()
-	}
-	store, problems, err := podstore.Open(filepath.Join(t.TempDir(), "pods"))
-	if err != nil || len(problems) > 0 {
-		t.Fatalf("pod store: %v %v", err, problems)
-	}
-	e.policy = &recordingPolicy{}
-	e.svc = agent.NewService(log.Named("agent"), e.readiness, e.policy, agent.RecordOnly{}, store)
+	e := &env{Gate: agenttest.NewGate(t, log, opts.notReady), node: node, network: list.Name, runtime: startRuntime(t, node, list)}
 
 	dir, err := os.MkdirTemp("", "kni-")
 	if err != nil {
@@ -94,17 +92,8 @@ func newEnv(t *testing.T, opts envOptions) *env {
 	cfg.SocketPath = filepath.Join(dir, "run", "kni.sock")
 	cfg.UpstreamSocket = e.runtime.Socket
 	cfg.AllowedUIDs = opts.allowedUIDs
-	cfg.Gate = e.svc
-	cfg.Ready = func() (bool, string) {
-		ready, why := e.readiness.Ready()
-		if !ready {
-			select {
-			case e.readyAsked <- struct{}{}:
-			default:
-			}
-		}
-		return ready, why
-	}
+	cfg.Gate = e.Service
+	cfg.Ready = e.Ready
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	srv, err := kni.New(ctx, log.Named("kni"), cfg)
@@ -167,15 +156,6 @@ func detachRequest(pod *harness.Pod) *knipb.DetachInterfaceRequest {
 	}
 }
 
-func (e *env) enrollments(t *testing.T) []*gatepb.Enrollment {
-	t.Helper()
-	list, err := e.svc.List(context.Background(), &gatepb.ListRequest{})
-	if err != nil {
-		t.Fatalf("gate List: %v", err)
-	}
-	return list.GetEnrollments()
-}
-
 func (e *env) allocations(t *testing.T) []harness.Allocation {
 	t.Helper()
 	allocs, err := e.node.Allocations(e.network)
@@ -203,8 +183,7 @@ func TestAttachEnrollsAndDetachReleases(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{})
 	pod := e.node.NewPod(t, "shop", "web")
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	ctx = metadata.AppendToOutgoingContext(ctx, "x-request-id", "attach-1")
 
 	var header metadata.MD
@@ -234,7 +213,7 @@ func TestAttachEnrollsAndDetachReleases(t *testing.T) {
 
 	// The pod is enrolled, from the KNI entry point, in its own netns, with the
 	// runtime's interfaces.
-	enr := e.enrollments(t)
+	enr := e.Enrollments(t)
 	if len(enr) != 1 {
 		t.Fatalf("enrollments = %v, want the pod", enr)
 	}
@@ -252,7 +231,7 @@ func TestAttachEnrollsAndDetachReleases(t *testing.T) {
 	}
 
 	// Labels and annotations reach the agent's policy as kubelet sent them.
-	asked := e.policy.asked()
+	asked := e.Policy.Asked()
 	sent := attachRequest(pod)
 	if len(asked) != 1 || !maps.Equal(asked[0].GetLabels(), sent.GetLabels()) || !maps.Equal(asked[0].GetAnnotations(), sent.GetAnnotations()) {
 		t.Fatalf("policy was asked about %v, want labels %v and annotations %v", asked, sent.GetLabels(), sent.GetAnnotations())
@@ -267,12 +246,8 @@ func TestAttachEnrollsAndDetachReleases(t *testing.T) {
 	if _, err := e.client.DetachInterface(ctx, detachRequest(pod)); err != nil {
 		t.Fatalf("detach: %v", err)
 	}
-	if enr := e.enrollments(t); len(enr) != 0 {
-		t.Fatalf("enrollments after detach = %v, want none", enr)
-	}
-	if n := len(e.runtime.CallsOf("DetachInterface")); n != 1 {
-		t.Fatalf("runtime got %d detach calls, want 1", n)
-	}
+	e.wantNoEnrollments(t, "enrollments after detach = %v, want none")
+	e.wantCalls(t, "DetachInterface", 1)
 	if a := e.allocations(t); len(a) != 0 {
 		t.Fatalf("host-local allocations after detach = %v, want none", a)
 	}
@@ -285,8 +260,7 @@ func TestAttachEnrollsAndDetachReleases(t *testing.T) {
 func TestOtherMethodsAreForwarded(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{})
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 
 	nets, err := e.client.QueryNodeNetworks(ctx, &knipb.QueryNodeNetworksRequest{})
 	if err != nil || len(nets.GetNetworks()) != 1 || nets.GetNetworks()[0].GetName() != e.network || !nets.GetNetworks()[0].GetReady() {
@@ -316,8 +290,7 @@ func TestUpstreamErrorPassesThroughUnchanged(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{})
 	pod := e.node.NewPod(t, "shop", "web")
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 
 	injected, err := status.New(codes.ResourceExhausted, "no addresses left in 10.0.0.0/24").
 		WithDetails(&errdetails.ErrorInfo{Reason: "POOL_EXHAUSTED", Domain: "kniruntime.test"})
@@ -329,12 +302,8 @@ func TestUpstreamErrorPassesThroughUnchanged(t *testing.T) {
 	if got := status.Convert(err); !proto.Equal(got.Proto(), injected.Proto()) {
 		t.Fatalf("attach error = %v, want the runtime's %v unchanged (code, message, details)", got.Proto(), injected.Proto())
 	}
-	if enr := e.enrollments(t); len(enr) != 0 {
-		t.Fatalf("a failed attach enrolled %v", enr)
-	}
-	if n := len(e.runtime.CallsOf("DetachInterface")); n != 0 {
-		t.Fatalf("runtime got %d detach calls for an attach it failed, want 0", n)
-	}
+	e.wantNoEnrollments(t, "a failed attach enrolled %v")
+	e.wantCalls(t, "DetachInterface", 0)
 
 	// Detach errors pass through too, after the release.
 	e.runtime.Fail("DetachInterface", status.Error(codes.Unavailable, "runtime busy"))
@@ -348,8 +317,7 @@ func TestAttachNetworkOldNames(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{})
 	pod := e.node.NewPod(t, "shop", "legacy")
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 
 	// The netns in extradata instead of isolation, as some runtimes send it.
 	req := attachRequest(pod)
@@ -359,22 +327,16 @@ func TestAttachNetworkOldNames(t *testing.T) {
 	if err != nil || len(resp.GetIpconfigs()["eth0"].GetIp()) != 2 {
 		t.Fatalf("AttachNetwork = %v, %v", resp, err)
 	}
-	if n := len(e.runtime.CallsOf("AttachNetwork")); n != 1 {
-		t.Fatalf("runtime got %d AttachNetwork calls, want 1", n)
-	}
-	enr := e.enrollments(t)
+	e.wantCalls(t, "AttachNetwork", 1)
+	enr := e.Enrollments(t)
 	if len(enr) != 1 || enr[0].GetNetnsPath() != pod.NetNSPath || enr[0].GetSource() != gatepb.Source_SOURCE_KNI {
 		t.Fatalf("enrollments = %v, want the pod from KNI in %s", enr, pod.NetNSPath)
 	}
 	if _, err := e.client.DetachNetwork(ctx, detachRequest(pod)); err != nil {
 		t.Fatalf("DetachNetwork: %v", err)
 	}
-	if n := len(e.runtime.CallsOf("DetachNetwork")); n != 1 {
-		t.Fatalf("runtime got %d DetachNetwork calls, want 1", n)
-	}
-	if enr := e.enrollments(t); len(enr) != 0 {
-		t.Fatalf("enrollments after DetachNetwork = %v", enr)
-	}
+	e.wantCalls(t, "DetachNetwork", 1)
+	e.wantNoEnrollments(t, "enrollments after DetachNetwork = %v")
 }
 
 // TestLibkniUpstream: in front of a runtime that serves only libkni's names
@@ -388,8 +350,7 @@ func TestLibkniUpstream(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{libkni: true})
 	pod := e.node.NewPod(t, "shop", "kubelet-fork")
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 
 	// The runtime really knows only the new names.
 	up, err := grpc.NewClient("unix://"+e.runtime.Socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
@@ -405,21 +366,15 @@ func TestLibkniUpstream(t *testing.T) {
 	if err != nil || len(resp.GetIpconfigs()["eth0"].GetIp()) != 2 {
 		t.Fatalf("AttachNetwork through the interposer = %v, %v", resp, err)
 	}
-	if n := len(e.runtime.CallsOf("AttachInterface")); n != 1 {
-		t.Fatalf("runtime got %d AttachInterface calls, want 1", n)
-	}
-	if enr := e.enrollments(t); len(enr) != 1 || enr[0].GetNetnsPath() != pod.NetNSPath {
+	e.wantCalls(t, "AttachInterface", 1)
+	if enr := e.Enrollments(t); len(enr) != 1 || enr[0].GetNetnsPath() != pod.NetNSPath {
 		t.Fatalf("enrollments = %v, want the pod", enr)
 	}
 	if _, err := e.client.DetachNetwork(ctx, detachRequest(pod)); err != nil {
 		t.Fatalf("DetachNetwork through the interposer: %v", err)
 	}
-	if n := len(e.runtime.CallsOf("DetachInterface")); n != 1 {
-		t.Fatalf("runtime got %d DetachInterface calls, want 1", n)
-	}
-	if enr := e.enrollments(t); len(enr) != 0 {
-		t.Fatalf("enrollments after DetachNetwork = %v", enr)
-	}
+	e.wantCalls(t, "DetachInterface", 1)
+	e.wantNoEnrollments(t, "enrollments after DetachNetwork = %v")
 	if a := e.runtime.Attached(); len(a) != 0 {
 		t.Fatalf("runtime still holds %v", a)
 	}
@@ -431,14 +386,11 @@ func TestLibkniUpstreamUndo(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{libkni: true, notReady: true, cfg: kni.Config{EntryConfig: gaterpc.EntryConfig{EnrollTimeout: time.Second}}})
 	pod := e.node.NewPod(t, "shop", "undo")
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	if _, err := e.client.AttachNetwork(ctx, attachRequest(pod)); status.Code(err) != codes.Unavailable {
 		t.Fatalf("AttachNetwork with the agent never ready = %v, want Unavailable", err)
 	}
-	if n := len(e.runtime.CallsOf("DetachInterface")); n != 1 {
-		t.Fatalf("runtime got %d DetachInterface calls, want 1 (the undo)", n)
-	}
+	e.wantCalls(t, "DetachInterface", 1)
 	if a := e.runtime.Attached(); len(a) != 0 {
 		t.Fatalf("runtime still holds %v", a)
 	}
@@ -448,8 +400,7 @@ func TestAttachWaitsForReadiness(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{notReady: true})
 	pod := e.node.NewPod(t, "shop", "web")
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 
 	type result struct {
 		resp *knipb.AttachInterfaceResponse
@@ -461,7 +412,7 @@ func TestAttachWaitsForReadiness(t *testing.T) {
 		done <- result{resp, err}
 	}()
 	select {
-	case <-e.readyAsked:
+	case <-e.ReadyAsked:
 	case r := <-done:
 		t.Fatalf("attach returned (%v, %v) while the agent was not ready", r.resp, r.err)
 	case <-ctx.Done():
@@ -476,16 +427,14 @@ func TestAttachWaitsForReadiness(t *testing.T) {
 		t.Fatalf("attach returned (%v, %v) before the agent was ready", r.resp, r.err)
 	default:
 	}
-	if enr := e.enrollments(t); len(enr) != 0 {
-		t.Fatalf("enrolled before ready: %v", enr)
-	}
+	e.wantNoEnrollments(t, "enrolled before ready: %v")
 
-	e.readiness.Set(condTest, true, "")
+	e.Readiness.Set(agenttest.CondTest, true, "")
 	r := <-done
 	if r.err != nil {
 		t.Fatalf("attach after readiness: %v", r.err)
 	}
-	if enr := e.enrollments(t); len(enr) != 1 || enr[0].GetAttachment().GetContainerId() != pod.ContainerID {
+	if enr := e.Enrollments(t); len(enr) != 1 || enr[0].GetAttachment().GetContainerId() != pod.ContainerID {
 		t.Fatalf("enrollments = %v, want the pod", enr)
 	}
 }
@@ -494,8 +443,7 @@ func TestAttachUndoneWhenNotEnrolled(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{notReady: true, cfg: kni.Config{EntryConfig: gaterpc.EntryConfig{EnrollTimeout: time.Second}}})
 	pod := e.node.NewPod(t, "shop", "web")
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 
 	_, err := e.client.AttachInterface(ctx, attachRequest(pod))
 	st := status.Convert(err)
@@ -503,26 +451,21 @@ func TestAttachUndoneWhenNotEnrolled(t *testing.T) {
 		t.Fatalf("attach with the agent never ready = %v, want Unavailable", err)
 	}
 	t.Logf("caller sees: %v", err)
-	if n := len(e.runtime.CallsOf("DetachInterface")); n != 1 {
-		t.Fatalf("runtime got %d detach calls, want 1 (the undo)", n)
-	}
+	e.wantCalls(t, "DetachInterface", 1)
 	if a := e.runtime.Attached(); len(a) != 0 {
 		t.Fatalf("runtime still holds %v", a)
 	}
 	if a := e.allocations(t); len(a) != 0 {
 		t.Fatalf("host-local allocations after the undo = %v, want none", a)
 	}
-	if enr := e.enrollments(t); len(enr) != 0 {
-		t.Fatalf("enrollments = %v", enr)
-	}
+	e.wantNoEnrollments(t, "enrollments = %v")
 }
 
 func TestCallerDeadlineBoundsTheWait(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{notReady: true})
 	pod := e.node.NewPod(t, "shop", "web")
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 
 	// EnrollTimeout is 30 s by default; kubelet's own deadline is shorter.
 	callCtx, callCancel := context.WithTimeout(ctx, 2*time.Second)
@@ -544,15 +487,12 @@ func TestExcludedNamespacePassesThrough(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{notReady: true})
 	pod := e.node.NewPod(t, "kube-system", "coredns")
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 
 	if _, err := e.client.AttachInterface(ctx, attachRequest(pod)); err != nil {
 		t.Fatalf("attach of a kube-system pod with the agent not ready: %v", err)
 	}
-	if enr := e.enrollments(t); len(enr) != 0 {
-		t.Fatalf("excluded pod enrolled: %v", enr)
-	}
+	e.wantNoEnrollments(t, "excluded pod enrolled: %v")
 	if _, err := e.client.DetachInterface(ctx, detachRequest(pod)); err != nil {
 		t.Fatalf("detach: %v", err)
 	}
@@ -562,8 +502,7 @@ func TestUnenrollablePodIsRefusedBeforeTheRuntime(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{})
 	pod := e.node.NewPod(t, "shop", "web")
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 
 	req := attachRequest(pod)
 	req.Name = "Not_A_Pod_Name"
@@ -572,16 +511,13 @@ func TestUnenrollablePodIsRefusedBeforeTheRuntime(t *testing.T) {
 	if status.Code(err) != codes.InvalidArgument {
 		t.Fatalf("attach = %v, want InvalidArgument", err)
 	}
-	if n := len(e.runtime.CallsOf("AttachInterface")); n != 0 {
-		t.Fatalf("runtime got %d attach calls, want none", n)
-	}
+	e.wantCalls(t, "AttachInterface", 0)
 }
 
 func TestPeerNotAllowed(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envOptions{allowedUIDs: []int{64000}})
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	_, err := e.client.QueryNodeNetworks(ctx, &knipb.QueryNodeNetworksRequest{})
 	if status.Code(err) != codes.PermissionDenied {
 		t.Fatalf("call from uid 0 with only uid 64000 allowed = %v, want PermissionDenied", err)
@@ -611,25 +547,4 @@ func TestNewRejectsBadConfig(t *testing.T) {
 			t.Errorf("%s: %v", name, err)
 		}
 	}
-}
-
-// recordingPolicy enrolls every pod, like agent.EnrollAll, and keeps the pod
-// identities it was asked about: the gate's records do not keep labels and
-// annotations, the policy is what uses them.
-type recordingPolicy struct {
-	mu   sync.Mutex
-	pods []*gatepb.PodIdentity
-}
-
-func (p *recordingPolicy) Decide(ctx context.Context, pod *gatepb.PodIdentity) (agent.Decision, error) {
-	p.mu.Lock()
-	p.pods = append(p.pods, proto.Clone(pod).(*gatepb.PodIdentity))
-	p.mu.Unlock()
-	return agent.EnrollAll{}.Decide(ctx, pod)
-}
-
-func (p *recordingPolicy) asked() []*gatepb.PodIdentity {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return slices.Clone(p.pods)
 }

@@ -6,9 +6,7 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
-	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -21,12 +19,12 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
-	"github.com/mesh-cni/mesh-cni/internal/agent"
+	"github.com/mesh-cni/mesh-cni/internal/agent/agenttest"
 	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/internal/nethook"
 	"github.com/mesh-cni/mesh-cni/internal/nethook/nethookpb"
-	"github.com/mesh-cni/mesh-cni/internal/podstore"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -34,55 +32,27 @@ func TestMain(m *testing.M) {
 	harness.Main(m, harness.Options{Packages: harness.ReferencePlugins()})
 }
 
-const condTest = "test-condition"
-
 // env is a node whose primary network is the [bridge] conflist, an in-process
 // agent, and the hook registered in a plugin directory.
 type env struct {
+	*agenttest.Gate
 	node      *harness.Node
-	svc       *agent.Service
-	policy    *recordingPolicy
-	readiness *agent.Readiness
 	pluginDir string
 	client    nethookpb.PodNetworkLifecycleClient
-	// readyAsked receives a value each time the hook asks for readiness and
-	// hears "not ready".
-	readyAsked chan struct{}
 }
 
 func newEnv(t *testing.T, notReady bool, cfg nethook.Config) *env {
 	t.Helper()
 	log := zaptest.NewLogger(t)
-	e := &env{node: harness.NewNode(t, harness.NodeOptions{}), readyAsked: make(chan struct{}, 16)}
-	if notReady {
-		e.readiness = agent.NewReadiness(condTest)
-	} else {
-		e.readiness = agent.NewReadiness()
-	}
-	store, problems, err := podstore.Open(filepath.Join(t.TempDir(), "pods"))
-	if err != nil || len(problems) > 0 {
-		t.Fatalf("pod store: %v %v", err, problems)
-	}
-	e.policy = &recordingPolicy{}
-	e.svc = agent.NewService(log.Named("agent"), e.readiness, e.policy, agent.RecordOnly{}, store)
-
+	e := &env{Gate: agenttest.NewGate(t, log, notReady), node: harness.NewNode(t, harness.NodeOptions{})}
 	dir, err := os.MkdirTemp("", "nethook-")
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	cfg.SocketPath = filepath.Join(dir, "run", "hook.sock")
-	cfg.Gate = e.svc
-	cfg.Ready = func() (bool, string) {
-		ready, why := e.readiness.Ready()
-		if !ready {
-			select {
-			case e.readyAsked <- struct{}{}:
-			default:
-			}
-		}
-		return ready, why
-	}
+	cfg.Gate = e.Service
+	cfg.Ready = e.Ready
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	srv, err := nethook.New(ctx, log.Named("nethook"), cfg)
@@ -212,22 +182,12 @@ func teardownRequest(pod *harness.Pod, prev *nethookpb.SetupPodNetworkResponse) 
 	}
 }
 
-func (e *env) enrollments(t *testing.T) []*gatepb.Enrollment {
-	t.Helper()
-	list, err := e.svc.List(context.Background(), &gatepb.ListRequest{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return list.GetEnrollments()
-}
-
 // TestSetupEnrollsAndAnswersEmpty: the setup enrolls the pod and answers with
 // an empty response (the runtime appends it to the primary's result).
 func TestSetupEnrollsAndAnswersEmpty(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, false, nethook.Config{})
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	pod := e.node.NewPod(t, "shop", "web")
 	res := e.primaryAdd(t, ctx, pod)
 	prev := prevResult(t, res)
@@ -249,7 +209,7 @@ func TestSetupEnrollsAndAnswersEmpty(t *testing.T) {
 			eth0 = i
 		}
 	}
-	enr := e.enrollments(t)
+	enr := e.Enrollments(t)
 	if len(enr) != 1 {
 		t.Fatalf("enrollments = %v, want the pod", enr)
 	}
@@ -268,7 +228,7 @@ func TestSetupEnrollsAndAnswersEmpty(t *testing.T) {
 		t.Fatalf("enrollment =\n%v\nwant\n%v", got, want)
 	}
 
-	asked := e.policy.asked()
+	asked := e.Policy.Asked()
 	sent := setupRequest(pod, prev)
 	if len(asked) != 1 || !maps.Equal(asked[0].GetLabels(), sent.GetLabels()) || !maps.Equal(asked[0].GetAnnotations(), sent.GetAnnotations()) {
 		t.Fatalf("policy was asked about %v, want labels %v and annotations %v", asked, sent.GetLabels(), sent.GetAnnotations())
@@ -277,7 +237,7 @@ func TestSetupEnrollsAndAnswersEmpty(t *testing.T) {
 	if _, err := e.client.TeardownPodNetwork(ctx, teardownRequest(pod, prev)); err != nil {
 		t.Fatalf("teardown: %v", err)
 	}
-	if enr := e.enrollments(t); len(enr) != 0 {
+	if enr := e.Enrollments(t); len(enr) != 0 {
 		t.Fatalf("enrollments after teardown = %v", enr)
 	}
 	// Teardown again, and with the netns gone: still fine.
@@ -295,19 +255,18 @@ func TestSetupEnrollsAndAnswersEmpty(t *testing.T) {
 func TestCheckHealthReadyWhileAgentStarts(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, true, nethook.Config{})
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 
 	h, err := e.client.CheckHealth(ctx, &nethookpb.CheckHealthRequest{})
-	if err != nil || !h.GetReady() || !strings.Contains(h.GetMessage(), condTest) {
-		t.Fatalf("CheckHealth while the agent starts = %v, %v; want ready, naming %q", h, err, condTest)
+	if err != nil || !h.GetReady() || !strings.Contains(h.GetMessage(), agenttest.CondTest) {
+		t.Fatalf("CheckHealth while the agent starts = %v, %v; want ready, naming %q", h, err, agenttest.CondTest)
 	}
-	e.readiness.Set(condTest, true, "")
+	e.Readiness.Set(agenttest.CondTest, true, "")
 	h, err = e.client.CheckHealth(ctx, &nethookpb.CheckHealthRequest{})
 	if err != nil || !h.GetReady() || !strings.Contains(h.GetMessage(), "ready") {
 		t.Fatalf("CheckHealth after ready = %v, %v", h, err)
 	}
-	e.readiness.Set(condTest, false, "data path lost")
+	e.Readiness.Set(agenttest.CondTest, false, "data path lost")
 	h, err = e.client.CheckHealth(ctx, &nethookpb.CheckHealthRequest{})
 	if err != nil || !h.GetReady() || !strings.Contains(h.GetMessage(), "data path lost") {
 		t.Fatalf("CheckHealth after readiness was lost = %v, %v; want ready, naming what is missing", h, err)
@@ -317,8 +276,7 @@ func TestCheckHealthReadyWhileAgentStarts(t *testing.T) {
 func TestSetupWaitsForReadiness(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, true, nethook.Config{})
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	pod := e.node.NewPod(t, "shop", "web")
 	prev := prevResult(t, e.primaryAdd(t, ctx, pod))
 
@@ -328,7 +286,7 @@ func TestSetupWaitsForReadiness(t *testing.T) {
 		done <- err
 	}()
 	select {
-	case <-e.readyAsked:
+	case <-e.ReadyAsked:
 	case err := <-done:
 		t.Fatalf("setup returned (%v) while the agent was not ready", err)
 	case <-ctx.Done():
@@ -339,14 +297,14 @@ func TestSetupWaitsForReadiness(t *testing.T) {
 		t.Fatalf("setup returned (%v) before the agent was ready", err)
 	default:
 	}
-	if enr := e.enrollments(t); len(enr) != 0 {
+	if enr := e.Enrollments(t); len(enr) != 0 {
 		t.Fatalf("enrolled before ready: %v", enr)
 	}
-	e.readiness.Set(condTest, true, "")
+	e.Readiness.Set(agenttest.CondTest, true, "")
 	if err := <-done; err != nil {
 		t.Fatalf("setup: %v", err)
 	}
-	if enr := e.enrollments(t); len(enr) != 1 {
+	if enr := e.Enrollments(t); len(enr) != 1 {
 		t.Fatalf("enrollments = %v", enr)
 	}
 }
@@ -354,16 +312,15 @@ func TestSetupWaitsForReadiness(t *testing.T) {
 func TestSetupFailsWhenNotEnrolled(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, true, nethook.Config{EntryConfig: gaterpc.EntryConfig{EnrollTimeout: time.Second}})
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	pod := e.node.NewPod(t, "shop", "web")
 	prev := prevResult(t, e.primaryAdd(t, ctx, pod))
 
 	_, err := e.client.SetupPodNetwork(ctx, setupRequest(pod, prev))
-	if st := status.Convert(err); st.Code() != codes.Unavailable || !strings.Contains(st.Message(), condTest) {
-		t.Fatalf("setup with the agent never ready = %v, want Unavailable naming %q", err, condTest)
+	if st := status.Convert(err); st.Code() != codes.Unavailable || !strings.Contains(st.Message(), agenttest.CondTest) {
+		t.Fatalf("setup with the agent never ready = %v, want Unavailable naming %q", err, agenttest.CondTest)
 	}
-	if enr := e.enrollments(t); len(enr) != 0 {
+	if enr := e.Enrollments(t); len(enr) != 0 {
 		t.Fatalf("enrollments = %v", enr)
 	}
 
@@ -377,15 +334,14 @@ func TestSetupFailsWhenNotEnrolled(t *testing.T) {
 func TestExcludedNamespacePassesThrough(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, true, nethook.Config{})
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	pod := e.node.NewPod(t, "kube-system", "coredns")
 
 	resp, err := e.client.SetupPodNetwork(ctx, setupRequest(pod, nil))
 	if err != nil || !proto.Equal(resp, &nethookpb.SetupPodNetworkResponse{}) {
 		t.Fatalf("setup of a kube-system pod with the agent not ready = %v, %v; want an empty pass-through", resp, err)
 	}
-	if enr := e.enrollments(t); len(enr) != 0 {
+	if enr := e.Enrollments(t); len(enr) != 0 {
 		t.Fatalf("excluded pod enrolled: %v", enr)
 	}
 }
@@ -393,30 +349,8 @@ func TestExcludedNamespacePassesThrough(t *testing.T) {
 func TestPeerNotAllowed(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, false, nethook.Config{EntryConfig: gaterpc.EntryConfig{AllowedUIDs: []int{64000}}})
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	if _, err := e.client.CheckHealth(ctx, &nethookpb.CheckHealthRequest{}); status.Code(err) != codes.PermissionDenied {
 		t.Fatalf("CheckHealth from uid 0 with only uid 64000 allowed = %v, want PermissionDenied", err)
 	}
-}
-
-// recordingPolicy enrolls every pod, like agent.EnrollAll, and keeps the pod
-// identities it was asked about: the gate's records do not keep labels and
-// annotations, the policy is what uses them.
-type recordingPolicy struct {
-	mu   sync.Mutex
-	pods []*gatepb.PodIdentity
-}
-
-func (p *recordingPolicy) Decide(ctx context.Context, pod *gatepb.PodIdentity) (agent.Decision, error) {
-	p.mu.Lock()
-	p.pods = append(p.pods, proto.Clone(pod).(*gatepb.PodIdentity))
-	p.mu.Unlock()
-	return agent.EnrollAll{}.Decide(ctx, pod)
-}
-
-func (p *recordingPolicy) asked() []*gatepb.PodIdentity {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return slices.Clone(p.pods)
 }

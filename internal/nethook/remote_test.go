@@ -13,9 +13,9 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/mesh-cni/mesh-cni/internal/agent"
+	"github.com/mesh-cni/mesh-cni/internal/agent/agenttest"
 	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/internal/nethook"
-	"github.com/mesh-cni/mesh-cni/internal/podstore"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 )
 
@@ -60,14 +60,9 @@ func TestGateOverSocket(t *testing.T) {
 
 	// An agent that serves but is not ready.
 	log := zaptest.NewLogger(t)
-	readiness := agent.NewReadiness(condTest)
-	store, problems, err := podstore.Open(filepath.Join(dir, "pods"))
-	if err != nil || len(problems) > 0 {
-		t.Fatalf("pod store: %v %v", err, problems)
-	}
-	svc := agent.NewService(log, readiness, agent.EnrollAll{}, agent.RecordOnly{}, store)
-	metrics := agent.NewMetrics(func() int { return 0 }, func() bool { r, _ := readiness.Ready(); return r }, nil)
-	srv, err := agent.NewGateServer(context.Background(), log, socket, nil, svc, readiness, metrics)
+	ag := agenttest.NewGate(t, log, true)
+	metrics := agent.NewMetrics(func() int { return 0 }, func() bool { r, _ := ag.Readiness.Ready(); return r }, nil)
+	srv, err := agent.NewGateServer(context.Background(), log, socket, nil, ag.Service, ag.Readiness, metrics)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -77,11 +72,11 @@ func TestGateOverSocket(t *testing.T) {
 		srv.Stop(time.Second)
 		<-served
 	})
-	if ready, why := g.Ready(); ready || !strings.Contains(why, condTest) {
+	if ready, why := g.Ready(); ready || !strings.Contains(why, agenttest.CondTest) {
 		t.Fatalf("Ready of a starting agent = %v %q, want its unmet condition", ready, why)
 	}
 	err = call()
-	if err == nil || strings.Contains(err.Error(), "did not answer") || !strings.Contains(err.Error(), condTest) {
+	if err == nil || strings.Contains(err.Error(), "did not answer") || !strings.Contains(err.Error(), agenttest.CondTest) {
 		t.Fatalf("Add to a starting agent = %v, want its answer naming what it waits for", err)
 	}
 }

@@ -14,7 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
-	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 func newNS(t *testing.T) string {
@@ -121,7 +121,7 @@ func TestThreadThatCannotReturnIsDiscarded(t *testing.T) {
 		t.Skip("fn ran on the process's main thread")
 	}
 	task := fmt.Sprintf("/proc/self/task/%d", tid)
-	harness.WaitFor(t, 10*time.Second, "thread "+strconv.Itoa(tid)+", stuck in the pod's namespace, to end", func() bool {
+	fixtures.WaitFor(t, 10*time.Second, "thread "+strconv.Itoa(tid)+", stuck in the pod's namespace, to end", func() bool {
 		_, err := os.Stat(task)
 		return errors.Is(err, os.ErrNotExist)
 	})

@@ -95,10 +95,7 @@ func TestHelperListenerFlood(t *testing.T) {
 // enrolled pods' listeners are collected. A pod whose proxy starts listening
 // afterwards is captured.
 func TestListenerFlood(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	enroll(t, d, b, testSettings())
 
 	// nobody must be able to run the test binary, which go test leaves in a
@@ -172,10 +169,7 @@ func TestListenersOnlyOfEnrolledPods(t *testing.T) {
 // A listener refused because every slot was taken is captured once one frees up,
 // by the next Recollect (the agent's reconcile), without the proxy listening again.
 func TestRecollectRefusedListener(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	e := enroll(t, d, b, testSettings())
 	var lns []net.Listener
 	for n := range listenerSlots + 1 {
@@ -207,10 +201,7 @@ func TestRecollectRefusedListener(t *testing.T) {
 // TCP_DEFER_ACCEPT (as nginx can), so its side waits for data that never comes:
 // every handshake completes on the client's side only, and the client resets.
 func TestHandoffEntriesGoWithConnections(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	var lfd int
 	a.do(t, func() error {
 		var err error

@@ -20,10 +20,7 @@ import (
 // refused (reset), none answered by the application. The same shapes sent to the
 // pod once it is released are answered, which shows each one reaches the stack.
 func TestCraftedSYNsFailClosed(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	startApp(t, b, appPort)
 
 	shapes := []struct {

@@ -13,14 +13,13 @@ import (
 	"slices"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/miekg/dns"
-	"golang.org/x/sys/unix"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 const dnsName = "answer.test."
@@ -81,14 +80,10 @@ func serveDNS(t *testing.T, p *pod, port uint16, addr4, addr6 netip.Addr) (stop 
 		}
 		// Shutdown returns before the sockets are released when a read is
 		// in flight: wait until the port is free, so the data path has seen
-		// the listener go.
-		deadline := time.Now().Add(10 * time.Second)
-		for !portFree(p, port) {
-			if time.Now().After(deadline) {
-				t.Errorf("DNS port %d still bound in %s after the server stopped", port, p.name)
-				return
-			}
-			time.Sleep(10 * time.Millisecond)
+		// the listener go. stop may run as a cleanup, after t's context
+		// ended, so the wait has a context of its own.
+		if !fixtures.Eventually(context.Background(), 10*time.Second, fixtures.WaitInterval, func() bool { return portFree(p, port) }) {
+			t.Errorf("DNS port %d still bound in %s after the server stopped", port, p.name)
 		}
 	}
 	t.Cleanup(stop)
@@ -167,14 +162,7 @@ func queryFrom(p *pod, server netip.AddrPort, network string, qtype uint16, mark
 			r   *dns.Msg
 			err error
 		)
-		control := func(_, _ string, c syscall.RawConn) error {
-			if mark == 0 {
-				return nil
-			}
-			var serr error
-			err := c.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, int(mark)) })
-			return errors.Join(err, serr)
-		}
+		control := fixtures.MarkControl(int(mark))
 		switch network {
 		case "udp-unconnected":
 			lc := net.ListenConfig{Control: control}
@@ -238,10 +226,7 @@ func queryFrom(p *pod, server netip.AddrPort, network string, qtype uint16, mark
 // queries reach the resolver; with the proxy's listener down queries reach the
 // resolver (fail open) unless the pod is DNS fail-closed.
 func TestDNSCapture(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	resolverAnswer4, resolverAnswer6 := netip.MustParseAddr("10.53.0.1"), netip.MustParseAddr("fd53::1")
 	proxyAnswer4, proxyAnswer6 := netip.MustParseAddr("10.53.0.2"), netip.MustParseAddr("fd53::2")
 	serveDNS(t, b, 53, resolverAnswer4, resolverAnswer6)

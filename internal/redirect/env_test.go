@@ -12,7 +12,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 	"unsafe"
@@ -90,19 +89,8 @@ func (p *pod) dial(addr string, o dialOpts) (net.Conn, error) {
 		timeout = 5 * time.Second
 	}
 	err := netns.Do(p.path, func() error {
-		d := net.Dialer{Timeout: timeout}
+		d := net.Dialer{Timeout: timeout, Control: fixtures.MarkControl(int(o.mark))}
 		d.SetMultipathTCP(o.mptcp)
-		if o.mark != 0 {
-			d.Control = func(_, _ string, c syscall.RawConn) error {
-				var serr error
-				if err := c.Control(func(fd uintptr) {
-					serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, int(o.mark))
-				}); err != nil {
-					return err
-				}
-				return serr
-			}
-		}
 		var err error
 		conn, err = d.Dial("tcp", addr)
 		return err
@@ -139,34 +127,42 @@ func readLines(conn net.Conn) ([]string, error) {
 func startOutboundProxy(t testing.TB, p *pod, port uint16) {
 	ln := p.listen(t, fmt.Sprintf("[::]:%d", port))
 	fixtures.Serve(t, ln, func(conn net.Conn) {
-		orig, err := originalDst(conn)
-		if err != nil {
-			fmt.Fprintf(conn, "OUT ERR %v\n", err)
-			return
+		if orig, ok := announce(conn, "OUT"); ok {
+			up, err := p.dial(orig.String(), dialOpts{mark: testMark})
+			relay(conn, up, err)
 		}
-		fmt.Fprintf(conn, "OUT %s\n", orig)
-		up, err := p.dial(orig.String(), dialOpts{mark: testMark})
-		if err != nil {
-			fmt.Fprintf(conn, "UPSTREAM ERR %v\n", err)
-			return
-		}
-		defer up.Close()
-		_ = up.SetDeadline(time.Now().Add(10 * time.Second))
-		_, _ = io.Copy(conn, up)
 	})
 }
 
 // startInboundProxy listens on the pod's inbound port and answers "IN <orig>".
 func startInboundProxy(t testing.TB, p *pod, port uint16) {
 	ln := p.listen(t, fmt.Sprintf("[::]:%d", port))
-	fixtures.Serve(t, ln, func(conn net.Conn) {
-		orig, err := originalDst(conn)
-		if err != nil {
-			fmt.Fprintf(conn, "IN ERR %v\n", err)
-			return
-		}
-		fmt.Fprintf(conn, "IN %s\n", orig)
-	})
+	fixtures.Serve(t, ln, func(conn net.Conn) { announce(conn, "IN") })
+}
+
+// announce writes what a test proxy says first: "<tag> <original
+// destination>", or "<tag> ERR <why>" when there is none (ok false).
+func announce(conn net.Conn, tag string) (orig netip.AddrPort, ok bool) {
+	orig, err := originalDst(conn)
+	if err != nil {
+		fmt.Fprintf(conn, "%s ERR %v\n", tag, err)
+		return orig, false
+	}
+	fmt.Fprintf(conn, "%s %s\n", tag, orig)
+	return orig, true
+}
+
+// relay passes on to conn what up, a test proxy's upstream connection, sends,
+// for ten seconds at most; when err, up's dial's, is set it says "UPSTREAM
+// ERR <why>" instead.
+func relay(conn, up net.Conn, err error) {
+	if err != nil {
+		fmt.Fprintf(conn, "UPSTREAM ERR %v\n", err)
+		return
+	}
+	defer up.Close()
+	_ = up.SetDeadline(time.Now().Add(10 * time.Second))
+	_, _ = io.Copy(conn, up)
 }
 
 // startApp listens on a pod port and answers "APP <local address>".
@@ -236,6 +232,17 @@ func getsockopt(fd, level, name int, buf []byte, n *uint32) error {
 		return errno
 	}
 	return nil
+}
+
+// parallelRig runs t in parallel with a data path of its own and a pod pair:
+// how most tests here start.
+func parallelRig(t *testing.T) (d *Datapath, a, b *pod) {
+	t.Helper()
+	t.Parallel()
+	requireRoot(t)
+	d, _ = testDatapath(t)
+	a, b = newPodPair(t)
+	return d, a, b
 }
 
 // testDatapath opens a Datapath on its own bpffs in a temporary directory and

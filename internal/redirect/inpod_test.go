@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/netip"
 	"os"
@@ -82,15 +81,13 @@ func startTransparentInbound(t testing.TB, p *pod, port uint16) {
 	})
 	t.Cleanup(func() { ln.Close() })
 	fixtures.Serve(t, ln, func(conn net.Conn) {
-		orig, err := originalDst(conn)
-		if err != nil {
-			fmt.Fprintf(conn, "IN ERR %v\n", err)
+		orig, ok := announce(conn, "IN")
+		if !ok {
 			return
 		}
-		fmt.Fprintf(conn, "IN %s\n", orig)
 		client := unmapAddrPort(conn.RemoteAddr()).Addr()
 		var up net.Conn
-		err = netns.Do(p.path, func() error {
+		err := netns.Do(p.path, func() error {
 			d := net.Dialer{
 				Timeout:   2 * time.Second,
 				LocalAddr: &net.TCPAddr{IP: client.AsSlice()},
@@ -100,13 +97,7 @@ func startTransparentInbound(t testing.TB, p *pod, port uint16) {
 			up, err = d.Dial("tcp", orig.String())
 			return err
 		})
-		if err != nil {
-			fmt.Fprintf(conn, "UPSTREAM ERR %v\n", err)
-			return
-		}
-		defer up.Close()
-		_ = up.SetDeadline(time.Now().Add(10 * time.Second))
-		_, _ = io.Copy(conn, up)
+		relay(conn, up, err)
 	})
 }
 
@@ -118,10 +109,7 @@ func startTransparentInbound(t testing.TB, p *pod, port uint16) {
 // sees the client's address. Without the reply mark the same proxy gets nothing
 // through.
 func TestTransparentInboundReplies(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	startTransparentInbound(t, b, 15006)
 	startPeerApp(t, b, appPort)
 	enroll(t, d, b, testSettings())
@@ -146,10 +134,7 @@ func TestTransparentInboundReplies(t *testing.T) {
 // The pod's reply route is in its namespace while it is enrolled and gone once it
 // is released with its namespace: rules, routes and tcp_fwmark_accept.
 func TestReplyRouteReleased(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, _ := newPodPair(t)
+	d, a, _ := parallelRig(t)
 	state := func() (rules, routes int, accept string) {
 		a.do(t, func() error {
 			for _, fam := range []int{netlink.FAMILY_V4, netlink.FAMILY_V6} {
@@ -191,10 +176,7 @@ func TestReplyRouteReleased(t *testing.T) {
 // as after iptables REDIRECT, not loopback: for IPv4, IPv6 and an IPv4-mapped
 // destination of a dual-stack socket.
 func TestOutboundSourceIsPodAddress(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	startPeerProxy(t, a, 15001)
 	enroll(t, d, a, testSettings())
 	for _, c := range []struct {
@@ -255,10 +237,7 @@ func TestBoundToDeviceRedirected(t *testing.T) {
 // A link-local destination's original destination carries the pod's interface as
 // its scope, so the proxy can dial it.
 func TestLinkLocalOriginalDstScope(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	var bLL netip.Addr
 	b.do(t, func() error {
 		addrs, err := netlinksafe.AddrList(nil, netlink.FAMILY_V6)
@@ -294,12 +273,7 @@ func TestLinkLocalOriginalDstScope(t *testing.T) {
 		dst := netip.AddrPortFrom(netip.AddrFrom16(sa.Addr).WithZone(strconv.Itoa(int(sa.ZoneId))), uint16(sa.Port))
 		fmt.Fprintf(conn, "OUT %s\n", dst)
 		up, err := a.dial(dst.String(), dialOpts{mark: testMark})
-		if err != nil {
-			fmt.Fprintf(conn, "UPSTREAM ERR %v\n", err)
-			return
-		}
-		defer up.Close()
-		_, _ = io.Copy(conn, up)
+		relay(conn, up, err)
 	})
 	enroll(t, d, a, testSettings())
 	var index int

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/netip"
 	"os"
@@ -38,24 +37,14 @@ func listenReusePort(t *testing.T, p *pod, port uint16, n int) net.Listener {
 		return err
 	})
 	t.Cleanup(func() { ln.Close() })
-	fixtures.Serve(t, ln, func(conn net.Conn) {
-		orig, err := originalDst(conn)
-		if err != nil {
-			fmt.Fprintf(conn, "IN%d ERR %v\n", n, err)
-			return
-		}
-		fmt.Fprintf(conn, "IN%d %s\n", n, orig)
-	})
+	fixtures.Serve(t, ln, func(conn net.Conn) { announce(conn, fmt.Sprintf("IN%d", n)) })
 	return ln
 }
 
 // An SO_REUSEPORT proxy: connections are captured while any listener of the group
 // is open, and the kernel spreads them over the whole group.
 func TestReusePortListeners(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	enroll(t, d, b, testSettings())
 	var lns []net.Listener
 	for n := range 4 {
@@ -90,11 +79,8 @@ func TestReusePortListeners(t *testing.T) {
 // A proxy listening before its pod is enrolled (or before the data path was
 // installed) was not seen by sockops when it started listening: Enroll finds it.
 func TestListenerBeforeEnroll(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
 	// The data path does not know port 15106 before the pod's enrollment names it.
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	s := testSettings()
 	s.InboundPort = 15106
 	startInboundProxy(t, b, s.InboundPort)
@@ -112,10 +98,7 @@ func TestListenerBeforeEnroll(t *testing.T) {
 // the data path reports the listener it could not capture, and the pod fails
 // closed.
 func TestMPTCPListenerRefused(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	e := enroll(t, d, b, testSettings())
 	var ln net.Listener
 	b.do(t, func() error {
@@ -173,41 +156,26 @@ func isMPTCP(t *testing.T, ln net.Listener) bool {
 // address (Envoy's inbound passthrough binds 127.0.0.6): that connection is the
 // proxy's own and must reach the application, not come back to the proxy.
 func TestProxyConnectionIntoPod(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	startApp(t, b, appPort)
 	ln := b.listen(t, "[::]:15006")
 	fixtures.Serve(t, ln, func(conn net.Conn) {
-		orig, err := originalDst(conn)
-		if err != nil {
-			fmt.Fprintf(conn, "IN ERR %v\n", err)
+		orig, ok := announce(conn, "IN")
+		if !ok {
 			return
 		}
-		fmt.Fprintf(conn, "IN %s\n", orig)
 		src := netip.MustParseAddr("127.0.0.6")
 		if orig.Addr().Is6() {
 			src = netip.MustParseAddr("::1")
 		}
 		var up net.Conn
-		err = netns.Do(b.path, func() error {
-			dl := net.Dialer{LocalAddr: &net.TCPAddr{IP: src.AsSlice()}, Timeout: 5 * time.Second}
-			dl.Control = func(_, _ string, c syscall.RawConn) error {
-				var serr error
-				err := c.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, testMark) })
-				return errors.Join(err, serr)
-			}
+		err := netns.Do(b.path, func() error {
+			dl := net.Dialer{LocalAddr: &net.TCPAddr{IP: src.AsSlice()}, Timeout: 5 * time.Second, Control: fixtures.MarkControl(testMark)}
 			var err error
 			up, err = dl.Dial("tcp", orig.String())
 			return err
 		})
-		if err != nil {
-			fmt.Fprintf(conn, "UPSTREAM ERR %v\n", err)
-			return
-		}
-		defer up.Close()
-		_, _ = io.Copy(conn, up)
+		relay(conn, up, err)
 	})
 	enroll(t, d, b, testSettings())
 	for _, dst := range []netip.Addr{b.addr4, b.addr6} {

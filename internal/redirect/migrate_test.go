@@ -122,10 +122,10 @@ func TestMigrateFromTCXLayout(t *testing.T) {
 	target := hostPort(b.addr4, appPort)
 	expectLines(t, a, target, dialOpts{}, "OUT "+target, "IN "+target)
 
-	stop := clientLoop(t, a, target)
+	loop := startClientLoop(t, a, target)
 	d, err := Open(ctx, cfg)
 	if err != nil {
-		stop()
+		loop.stop()
 		t.Fatalf("open over the earlier layout: %v", err)
 	}
 	t.Cleanup(func() { d.Close() })
@@ -134,7 +134,7 @@ func TestMigrateFromTCXLayout(t *testing.T) {
 			t.Errorf("check %s before it is enrolled again: %v, want ErrLinkBroken (earlier links)", p.name, err)
 		}
 	}
-	time.Sleep(200 * time.Millisecond) // traffic through the switched cgroup programs
+	loop.more(t) // traffic through the switched cgroup programs
 	for _, p := range []*pod{a, b} {
 		enroll(t, d, p, testSettings())
 		if err := d.Check(ctx, p.cookie); err != nil {
@@ -145,8 +145,8 @@ func TestMigrateFromTCXLayout(t *testing.T) {
 			t.Errorf("pins of %s after migration: %+v, %v", p.name, pp, err)
 		}
 	}
-	time.Sleep(200 * time.Millisecond)
-	if good, bad := stop(); good == 0 || bad != 0 {
+	loop.more(t)
+	if good, bad := loop.stop(); good == 0 || bad != 0 {
 		t.Errorf("during the upgrade %d connections went through both proxies, %d did not", good, bad)
 	}
 	if _, err := os.Stat(d.pins.legacy()); !errors.Is(err, os.ErrNotExist) {
@@ -347,7 +347,7 @@ func testMigrateFromSkLookup(t *testing.T, rel release, failedRollback bool) {
 	target := hostPort(b.addr4, appPort)
 	expectLines(t, a, target, dialOpts{}, "OUT "+target, "IN "+target)
 
-	var stop func() (good, bad int64)
+	var loop *clientLoop
 	if failedRollback {
 		// Left so, the pods' inbound connections pass their proxies (as
 		// docs/install.md warns): the release's shared sk_lookup program, now
@@ -359,20 +359,20 @@ func testMigrateFromSkLookup(t *testing.T, rel release, failedRollback bool) {
 			t.Errorf("after the release's failed start b's inbound proxy still takes a's connection (%q, %v): docs/install.md says it does not", joinLines(lines), err)
 		}
 	} else {
-		stop = clientLoop(t, a, target)
+		loop = startClientLoop(t, a, target)
 	}
 	d, err := Open(ctx, cfg)
 	if err != nil {
-		if stop != nil {
-			stop()
+		if loop != nil {
+			loop.stop()
 		}
 		t.Fatalf("open over the release's layout: %v", err)
 	}
 	t.Cleanup(func() { d.Close() })
 	if failedRollback {
-		stop = clientLoop(t, a, target)
+		loop = startClientLoop(t, a, target)
 	}
-	time.Sleep(200 * time.Millisecond) // traffic through the switched cgroup programs
+	loop.more(t) // traffic through the switched cgroup programs
 	list, err := d.List(ctx)
 	if err != nil || len(list) != 2 {
 		t.Errorf("after open: %d pods (%v), want both migrated", len(list), err)
@@ -394,8 +394,8 @@ func testMigrateFromSkLookup(t *testing.T, rel release, failedRollback bool) {
 			t.Errorf("check %s after it is enrolled again: %v", p.name, err)
 		}
 	}
-	time.Sleep(200 * time.Millisecond)
-	if good, bad := stop(); good == 0 || bad != 0 {
+	loop.more(t)
+	if good, bad := loop.stop(); good == 0 || bad != 0 {
 		t.Errorf("during the upgrade %d connections went through both proxies, %d did not", good, bad)
 	}
 	if n := mapLen(t, d.objs.ProbeSrcs); n != 0 {
@@ -464,34 +464,55 @@ func pinnedConfig(t *testing.T) Config {
 // by its outbound proxy and target's inbound proxy ("OUT target", "IN
 // target"), until stop, which returns how many were (good) and how many were
 // not (bad; the first is logged).
-func clientLoop(t *testing.T, a *pod, target string) (stop func() (good, bad int64)) {
+type clientLoop struct {
+	done, good, bad atomic.Int64
+	stop            func() (good, bad int64)
+}
+
+func startClientLoop(t *testing.T, a *pod, target string) *clientLoop {
 	var (
-		done      atomic.Bool
-		wg        sync.WaitGroup
-		good, bad atomic.Int64
-		first     sync.Once
+		l     clientLoop
+		quit  atomic.Bool
+		wg    sync.WaitGroup
+		first sync.Once
 	)
 	wg.Go(func() {
-		for !done.Load() {
+		for !quit.Load() {
 			lines, _, err := a.fetch(target, dialOpts{timeout: 2 * time.Second})
 			if err != nil || len(lines) != 2 || lines[0] != "OUT "+target || lines[1] != "IN "+target {
-				bad.Add(1)
+				l.bad.Add(1)
 				first.Do(func() { t.Logf("a connection not through both proxies: %q, %v", joinLines(lines), err) })
-				continue
+			} else {
+				l.good.Add(1)
 			}
-			good.Add(1)
+			l.done.Add(1)
 		}
 	})
 	var once sync.Once
-	stop = func() (int64, int64) {
+	l.stop = func() (int64, int64) {
 		once.Do(func() {
-			done.Store(true)
+			quit.Store(true)
 			wg.Wait()
 		})
-		return good.Load(), bad.Load()
+		return l.good.Load(), l.bad.Load()
 	}
-	t.Cleanup(func() { stop() })
-	return stop
+	t.Cleanup(func() { l.stop() })
+	return &l
+}
+
+// loopConns is how many connections clientLoop.more waits for: enough that
+// a phase of an upgrade is crossed by traffic, not only bracketed by it.
+const loopConns = 5
+
+// more waits until the loop has made loopConns more connections, whatever
+// their outcome (stop counts that), so the phase the test is in has carried
+// traffic.
+func (l *clientLoop) more(t *testing.T) {
+	t.Helper()
+	from := l.done.Load()
+	fixtures.WaitFor(t, 30*time.Second, fmt.Sprintf("%d more connections of the client loop", loopConns), func() bool {
+		return l.done.Load() >= from+loopConns
+	})
 }
 
 // releasePodProgram loads a release's per-pod sk_lookup program (perPod) for

@@ -87,10 +87,7 @@ func dialFromCgroup(t *testing.T, dir string, p *pod, addr string, mark uint32) 
 // process that marks its connects is still redirected, a process of the proxy's
 // cgroup (or of a cgroup below it) is not.
 func TestProxyCgroup(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	s := DefaultSettings()
 	// The proxies answer without connecting onward: their own connects would be
 	// this process's, which is not in the proxy cgroup.
@@ -157,10 +154,7 @@ func TestProxyCgroup(t *testing.T) {
 // cgroup in another namespace, and a SYN forged from the node's address with a
 // raw socket are captured, and fail closed. a stands for the node here.
 func TestKubeletProbes(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	c := newNetns(t, "c")
 	startApp(t, b, appPort)
 	enroll(t, d, b, testSettings())
@@ -214,10 +208,7 @@ func TestKubeletProbes(t *testing.T) {
 // it is reset. An empty list captures all of the kubelet's connections; off,
 // the kubelet reaches every port again. Enroll applies each in place.
 func TestKubeletProbesOwnPortsOnly(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	const otherPort = appPort + 1
 	startApp(t, b, appPort)
 	startApp(t, b, otherPort)

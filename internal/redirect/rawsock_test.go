@@ -20,10 +20,7 @@ import (
 // the pod cannot create the socket; every other socket, and raw sockets in pods
 // without the setting or after the pod's release, are unaffected.
 func TestDenyRawSockets(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	startApp(t, b, appPort)
 
 	// Without the setting: the raw SYN gets the application's SYN-ACK.

@@ -11,7 +11,6 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/btf"
@@ -331,14 +330,14 @@ func TestRollbackToRelease(t *testing.T) {
 	expectLines(t, a, target, dialOpts{}, "OUT "+target, "IN "+target)
 	peerSaw(c, e, c.addr4.String())
 
-	stop := clientLoop(t, a, target)
+	loop := startClientLoop(t, a, target)
 
 	// Back: this build's agent stops, the release's starts on its pins.
 	if err := d.Close(); err != nil {
 		t.Fatal(err)
 	}
 	coll, perPod := rollBackToRelease(t, rel, cfg)
-	time.Sleep(200 * time.Millisecond) // traffic through the release's programs
+	loop.more(t) // traffic through the release's programs
 	peerSaw(c, e, loopback)
 	// The release enrolls e with the node's settings, as it writes them
 	// (its flags only, the node's addresses as probe sources), and releases gone.
@@ -355,7 +354,7 @@ func TestRollbackToRelease(t *testing.T) {
 		t.Fatal(err)
 	}
 	peerSaw(e, c, loopback)
-	time.Sleep(200 * time.Millisecond)
+	loop.more(t)
 
 	// Forward again: this build's agent starts, finds every pod without the
 	// entries the release dropped and enrolls it again (its reconcile at
@@ -398,8 +397,8 @@ func TestRollbackToRelease(t *testing.T) {
 	if n, err := d.podNet(gone.cookie); err != nil || n != nil {
 		t.Errorf("pod_net entry of the pod the release released: %+v, %v", n, err)
 	}
-	time.Sleep(200 * time.Millisecond)
-	good, bad := stop()
+	loop.more(t)
+	good, bad := loop.stop()
 	if good == 0 || bad != 0 {
 		t.Errorf("through the rollback and forward again %d connections went through both proxies, %d did not", good, bad)
 	}

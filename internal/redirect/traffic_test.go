@@ -243,10 +243,7 @@ func TestProbeSources(t *testing.T) {
 
 // No proxy listening: fail closed unless the pod is fail-open.
 func TestNoProxyListening(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, b := newPodPair(t)
+	d, a, b := parallelRig(t)
 	startApp(t, b, appPort)
 	s := testSettings()
 	enroll(t, d, a, s)
@@ -372,10 +369,7 @@ func TestCloseAndAdopt(t *testing.T) {
 
 // Check notices the namespace going away; Release still cleans up after it is gone.
 func TestCheckAndReleaseGoneNetns(t *testing.T) {
-	t.Parallel()
-	requireRoot(t)
-	d, _ := testDatapath(t)
-	a, _ := newPodPair(t)
+	d, a, _ := parallelRig(t)
 	ctx := context.Background()
 	enroll(t, d, a, testSettings())
 	if err := d.Check(ctx, a.cookie); err != nil {
@@ -385,17 +379,9 @@ func TestCheckAndReleaseGoneNetns(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The namespace is freed asynchronously: wait for its link to notice.
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		err := d.Check(ctx, a.cookie)
-		if errors.Is(err, ErrLinkBroken) {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("check after the netns is gone: %v, want ErrLinkBroken", err)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	fixtures.WaitFor(t, 10*time.Second, "check to say ErrLinkBroken after the netns is gone", func() bool {
+		return errors.Is(d.Check(ctx, a.cookie), ErrLinkBroken)
+	})
 	if err := d.Release(ctx, a.cookie); err != nil {
 		t.Fatalf("release after the netns is gone: %v", err)
 	}
@@ -443,10 +429,12 @@ func TestInboundSYNOnTimeWaitTuple(t *testing.T) {
 // inbound side redirects). It retries while the previous connection from the same
 // port is still closing on this side.
 func fetchFrom(p *pod, local *net.TCPAddr, addr string, timeout time.Duration) ([]string, error) {
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		var conn net.Conn
-		err := netns.Do(p.path, func() error {
+	var (
+		conn net.Conn
+		err  error
+	)
+	fixtures.Eventually(context.Background(), 10*time.Second, fixtures.WaitInterval, func() bool {
+		err = netns.Do(p.path, func() error {
 			d := net.Dialer{LocalAddr: local, Timeout: timeout}
 			d.Control = func(_, _ string, c syscall.RawConn) error {
 				var serr error
@@ -461,16 +449,13 @@ func fetchFrom(p *pod, local *net.TCPAddr, addr string, timeout time.Duration) (
 			conn, err = d.Dial("tcp", addr)
 			return err
 		})
-		if (errors.Is(err, unix.EADDRINUSE) || errors.Is(err, unix.EADDRNOTAVAIL)) && time.Now().Before(deadline) {
-			time.Sleep(10 * time.Millisecond)
-			continue
-		}
-		if err != nil {
-			return nil, err
-		}
-		defer conn.Close()
-		return readLines(conn)
+		return !errors.Is(err, unix.EADDRINUSE) && !errors.Is(err, unix.EADDRNOTAVAIL)
+	})
+	if err != nil {
+		return nil, err
 	}
+	defer conn.Close()
+	return readLines(conn)
 }
 
 // Only the proxy's HBONE port is excluded inbound, and only inbound: a pod

@@ -38,7 +38,7 @@ func fakeRuntime(t *testing.T, binDir, confDir string) (exe, config string) {
 // new command line, and a read in between sees a containerd with no flags.
 func waitExeced(t *testing.T, what string, pid int, config string) {
 	t.Helper()
-	harness.WaitFor(t, 10*time.Second, what+" named containerd", func() bool {
+	fixtures.WaitFor(t, 10*time.Second, what+" named containerd", func() bool {
 		comm, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "comm"))
 		if err != nil || strings.TrimSpace(string(comm)) != "containerd" {
 			return false

@@ -11,7 +11,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -21,18 +20,12 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/pkg/zds"
 	"github.com/mesh-cni/mesh-cni/pkg/zds/zdspb"
+	"github.com/mesh-cni/mesh-cni/pkg/zds/zdstest"
 	"github.com/mesh-cni/mesh-cni/test/fixtures"
-	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
 // rootReason is why these tests need root.
 const rootReason = "creates network namespaces"
-
-func testCtx(t *testing.T) context.Context {
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	t.Cleanup(cancel)
-	return ctx
-}
 
 func randomSuffix(t *testing.T) string {
 	var b [4]byte
@@ -42,57 +35,13 @@ func randomSuffix(t *testing.T) string {
 	return hex.EncodeToString(b[:])
 }
 
-// newNetns creates a pod network namespace, removed in cleanup.
-func newNetns(t *testing.T) string {
-	t.Helper()
-	path := filepath.Join("/run/netns", fmt.Sprintf("zds-%d-%s", os.Getpid(), randomSuffix(t)))
-	if err := netns.Create(path); err != nil {
-		t.Fatalf("create netns: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := netns.Remove(path); err != nil {
-			t.Errorf("remove netns: %v", err)
-		}
-	})
-	return path
-}
-
-// store is the agent's list of enrolled pods, in order.
-type store struct {
-	mu   sync.Mutex
-	pods []zds.Pod
-}
-
-func (s *store) EnrolledPods(context.Context) ([]zds.Pod, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return append([]zds.Pod(nil), s.pods...), nil
-}
-
-func (s *store) add(p zds.Pod) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.pods = append(s.pods, p)
-}
-
-func (s *store) del(uid string) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for i, p := range s.pods {
-		if p.UID == uid {
-			s.pods = append(s.pods[:i], s.pods[i+1:]...)
-			return
-		}
-	}
-}
-
 func pod(t *testing.T, name string) zds.Pod {
 	return zds.Pod{
 		UID:            name + "-uid-" + randomSuffix(t),
 		Name:           name,
 		Namespace:      "ns-" + name,
 		ServiceAccount: "sa-" + name,
-		NetnsPath:      newNetns(t),
+		NetnsPath:      fixtures.NewNetns(t, filepath.Join(t.TempDir(), name)).Path,
 	}
 }
 
@@ -107,7 +56,7 @@ func startServer(t *testing.T, snap zds.Snapshotter, cfg zds.Config) (*zds.Serve
 	if cfg.LivenessInterval == 0 {
 		cfg.LivenessInterval = 50 * time.Millisecond
 	}
-	s, err := zds.NewServer(testCtx(t), cfg)
+	s, err := zds.NewServer(fixtures.Context(t, time.Minute), cfg)
 	if err != nil {
 		t.Fatalf("new server: %v", err)
 	}
@@ -252,10 +201,10 @@ func checkDel(t *testing.T, req *zds.Request, uid string) {
 // nothing for an invalid entry, and SnapshotSent; then it counts as connected.
 func TestSnapshot(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	a, b := pod(t, "a"), pod(t, "b")
 	gone := zds.Pod{UID: "gone-uid", Name: "gone", Namespace: "ns", NetnsPath: "/run/netns/zds-no-such-netns"}
-	st := &store{pods: []zds.Pod{a, {Name: "no-uid", NetnsPath: a.NetnsPath}, gone, b}}
+	st := zdstest.NewPods(a, zds.Pod{Name: "no-uid", NetnsPath: a.NetnsPath}, gone, b)
 	srv, path := startServer(t, st, zds.Config{})
 	if srv.EverConnected() || srv.Connected() != 0 {
 		t.Fatal("connected before any proxy")
@@ -286,16 +235,16 @@ func TestSnapshot(t *testing.T) {
 // not sent again.
 func TestAddToNewestDeleteToAll(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	p1, p2, p3 := pod(t, "p1"), pod(t, "p2"), pod(t, "p3")
-	st := &store{pods: []zds.Pod{p1}}
+	st := zdstest.NewPods(p1)
 	srv, path := startServer(t, st, zds.Config{})
 
 	old := dialProxy(t, ctx, path, zdspb.Version_V1)
 	checkAdd(t, takeSnapshot(t, ctx, old)[0], p1)
 	newer := dialProxy(t, ctx, path, zdspb.Version_V1)
 	checkAdd(t, takeSnapshot(t, ctx, newer)[0], p1)
-	harness.WaitFor(t, time.Minute, "two proxies", func() bool { return srv.Connected() == 2 })
+	fixtures.WaitFor(t, time.Minute, "two proxies", func() bool { return srv.Connected() == 2 })
 
 	// Already acked with the same namespace: returns without a request (one
 	// would never be acked here and time out).
@@ -303,7 +252,7 @@ func TestAddToNewestDeleteToAll(t *testing.T) {
 		t.Fatalf("re-add p1: %v", err)
 	}
 
-	st.add(p2)
+	st.Add(p2)
 	done := async(func() error { return srv.AddPod(ctx, p2) })
 	checkAdd(t, recv(t, ctx, newer), p2)
 	ack(t, newer, "")
@@ -313,7 +262,7 @@ func TestAddToNewestDeleteToAll(t *testing.T) {
 
 	// p1 goes from both. The old proxy's next request is this delete, so it was
 	// never sent p2.
-	st.del(p1.UID)
+	st.Del(p1.UID)
 	done = async(func() error { return srv.DelPod(ctx, p1.UID) })
 	for _, pc := range []*zds.ProxyConn{old, newer} {
 		checkDel(t, recv(t, ctx, pc), p1.UID)
@@ -324,7 +273,7 @@ func TestAddToNewestDeleteToAll(t *testing.T) {
 	}
 
 	// p2 only went to the newer proxy, so only it hears of the delete.
-	st.del(p2.UID)
+	st.Del(p2.UID)
 	done = async(func() error { return srv.DelPod(ctx, p2.UID) })
 	checkDel(t, recv(t, ctx, newer), p2.UID)
 	ack(t, newer, "")
@@ -335,8 +284,8 @@ func TestAddToNewestDeleteToAll(t *testing.T) {
 	// The newer proxy goes away: the old one is the newest again, and its next
 	// request is p3's add (no delete of p2 came before it).
 	newer.Close()
-	harness.WaitFor(t, time.Minute, "the closed proxy to be dropped", func() bool { return srv.Connected() == 1 })
-	st.add(p3)
+	fixtures.WaitFor(t, time.Minute, "the closed proxy to be dropped", func() bool { return srv.Connected() == 1 })
+	st.Add(p3)
 	done = async(func() error { return srv.AddPod(ctx, p3) })
 	checkAdd(t, recv(t, ctx, old), p3)
 	ack(t, old, "")
@@ -352,15 +301,15 @@ func TestAddToNewestDeleteToAll(t *testing.T) {
 // and loses its connection; nothing is left to add to.
 func TestAckDeadline(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	p := pod(t, "slow")
-	st := &store{}
+	st := zdstest.NewPods()
 	srv, path := startServer(t, st, zds.Config{AckTimeout: 300 * time.Millisecond})
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
 	takeSnapshot(t, ctx, pc)
-	harness.WaitFor(t, time.Minute, "the proxy", func() bool { return srv.Connected() == 1 })
+	fixtures.WaitFor(t, time.Minute, "the proxy", func() bool { return srv.Connected() == 1 })
 
-	st.add(p)
+	st.Add(p)
 	done := async(func() error { return srv.AddPod(ctx, p) })
 	checkAdd(t, recv(t, ctx, pc), p)
 	// No ack.
@@ -369,7 +318,7 @@ func TestAckDeadline(t *testing.T) {
 		t.Fatalf("add without ack: %v, want a deadline error and ErrNoProxy", err)
 	}
 	expectEOF(t, ctx, pc)
-	harness.WaitFor(t, time.Minute, "the proxy to be dropped", func() bool { return srv.Connected() == 0 })
+	fixtures.WaitFor(t, time.Minute, "the proxy to be dropped", func() bool { return srv.Connected() == 0 })
 	if err := srv.AddPod(ctx, p); !errors.Is(err, zds.ErrNoProxy) {
 		t.Errorf("add with no proxy: %v, want ErrNoProxy", err)
 	}
@@ -382,9 +331,9 @@ func TestAckDeadline(t *testing.T) {
 // stays, and the same pod can be added again.
 func TestAckError(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	p := pod(t, "refused")
-	srv, path := startServer(t, &store{}, zds.Config{})
+	srv, path := startServer(t, zdstest.NewPods(), zds.Config{})
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
 	takeSnapshot(t, ctx, pc)
 
@@ -417,14 +366,14 @@ func TestAckError(t *testing.T) {
 // is closed, and the good proxy keeps working.
 func TestMisbehavingProxies(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	p1 := pod(t, "p1")
-	st := &store{pods: []zds.Pod{p1}}
+	st := zdstest.NewPods(p1)
 	srv, path := startServer(t, st, zds.Config{AckTimeout: 2 * time.Second})
 	good := dialProxy(t, ctx, path, zdspb.Version_V1)
 	takeSnapshot(t, ctx, good)
 
-	spare := newNetns(t)
+	spare := fixtures.NewNetns(t, filepath.Join(t.TempDir(), "spare")).Path
 	for _, tc := range []struct {
 		name string
 		run  func(t *testing.T)
@@ -464,7 +413,7 @@ func TestMisbehavingProxies(t *testing.T) {
 			}
 			expectEOF(t, ctx, pc)
 			// The server's copy of the fd must be closed too.
-			harness.WaitFor(t, time.Minute, "the server to close the fd it was sent", func() bool { return openFdsTo(t, ino) == 0 })
+			fixtures.WaitFor(t, time.Minute, "the server to close the fd it was sent", func() bool { return openFdsTo(t, ino) == 0 })
 		}},
 		{"close without hello", func(t *testing.T) {
 			pc, err := zds.Dial(ctx, path)
@@ -501,7 +450,7 @@ func TestMisbehavingProxies(t *testing.T) {
 				t.Fatal(err)
 			}
 			expectEOF(t, ctx, pc)
-			harness.WaitFor(t, time.Minute, "the server to close the fd it was sent", func() bool { return openFdsTo(t, ino) == 0 })
+			fixtures.WaitFor(t, time.Minute, "the server to close the fd it was sent", func() bool { return openFdsTo(t, ino) == 0 })
 		}},
 		{"speaks out of turn", func(t *testing.T) {
 			pc := dialProxy(t, ctx, path, zdspb.Version_V1)
@@ -515,9 +464,9 @@ func TestMisbehavingProxies(t *testing.T) {
 	}
 
 	// Every bad connection is gone; the good proxy is the only one and works.
-	harness.WaitFor(t, time.Minute, "only the good proxy left", func() bool { return srv.Connected() == 1 })
+	fixtures.WaitFor(t, time.Minute, "only the good proxy left", func() bool { return srv.Connected() == 1 })
 	p2 := pod(t, "p2")
-	st.add(p2)
+	st.Add(p2)
 	done := async(func() error { return srv.AddPod(ctx, p2) })
 	checkAdd(t, recv(t, ctx, good), p2)
 	ack(t, good, "")
@@ -556,13 +505,13 @@ func openFdsTo(t *testing.T, ino uint64) int {
 // TestLiveness: an idle proxy that goes away is noticed without any request.
 func TestLiveness(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
-	srv, path := startServer(t, &store{}, zds.Config{})
+	ctx := fixtures.Context(t, time.Minute)
+	srv, path := startServer(t, zdstest.NewPods(), zds.Config{})
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
 	takeSnapshot(t, ctx, pc)
-	harness.WaitFor(t, time.Minute, "the proxy", func() bool { return srv.Connected() == 1 })
+	fixtures.WaitFor(t, time.Minute, "the proxy", func() bool { return srv.Connected() == 1 })
 	pc.Close()
-	harness.WaitFor(t, time.Minute, "the proxy to be dropped", func() bool { return srv.Connected() == 0 })
+	fixtures.WaitFor(t, time.Minute, "the proxy to be dropped", func() bool { return srv.Connected() == 0 })
 	if !srv.EverConnected() {
 		t.Error("EverConnected forgot the proxy")
 	}
@@ -572,11 +521,11 @@ func TestLiveness(t *testing.T) {
 // proxy; the pod comes in that proxy's snapshot and is not sent twice.
 func TestAddPodWait(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	p := pod(t, "early")
-	st := &store{}
+	st := zdstest.NewPods()
 	srv, path := startServer(t, st, zds.Config{})
-	st.add(p)
+	st.Add(p)
 	if err := srv.AddPod(ctx, p); !errors.Is(err, zds.ErrNoProxy) {
 		t.Fatalf("AddPod with no proxy: %v, want ErrNoProxy", err)
 	}
@@ -596,7 +545,7 @@ func TestAddPodWait(t *testing.T) {
 		t.Fatalf("AddPodWait: %v", err)
 	}
 	// The next request is the delete, not a second add.
-	st.del(p.UID)
+	st.Del(p.UID)
 	done = async(func() error { return srv.DelPod(ctx, p.UID) })
 	checkDel(t, recv(t, ctx, pc), p.UID)
 	ack(t, pc, "")
@@ -608,8 +557,8 @@ func TestAddPodWait(t *testing.T) {
 // TestAddPodErrors: pods that cannot be handed off fail before any proxy sees them.
 func TestAddPodErrors(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
-	srv, path := startServer(t, &store{}, zds.Config{})
+	ctx := fixtures.Context(t, time.Minute)
+	srv, path := startServer(t, zdstest.NewPods(), zds.Config{})
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
 	takeSnapshot(t, ctx, pc)
 	regular := filepath.Join(t.TempDir(), "file")
@@ -645,10 +594,10 @@ func TestAddPodErrors(t *testing.T) {
 // is ever replaced.
 func TestSocket(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	dir := filepath.Join(t.TempDir(), "ztunnel")
 	path := filepath.Join(dir, "zds.sock")
-	cfg := zds.Config{SocketPath: path, Snapshot: &store{}, Logger: zaptest.NewLogger(t)}
+	cfg := zds.Config{SocketPath: path, Snapshot: zdstest.NewPods(), Logger: zaptest.NewLogger(t)}
 
 	srv, err := zds.NewServer(ctx, cfg)
 	if err != nil {
@@ -741,9 +690,9 @@ func leaveStaleSocket(path string) error {
 // as Istio's node agent serves it (it logs the version and goes on).
 func TestAnyHelloVersion(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	p1 := pod(t, "p1")
-	_, path := startServer(t, &store{pods: []zds.Pod{p1}}, zds.Config{})
+	_, path := startServer(t, zdstest.NewPods(p1), zds.Config{})
 	pc := dialProxy(t, ctx, path, zdspb.Version(2))
 	got := takeSnapshot(t, ctx, pc)
 	if len(got) != 1 {
@@ -759,7 +708,7 @@ func TestAnyHelloVersion(t *testing.T) {
 // path still names its namespace goes through.
 func TestNetnsSwappedBehindPath(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	swapped, intact := pod(t, "swapped"), pod(t, "intact")
 	for _, p := range []*zds.Pod{&swapped, &intact} {
 		c, err := netns.Cookie(p.NetnsPath)
@@ -776,7 +725,7 @@ func TestNetnsSwappedBehindPath(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	srv, path := startServer(t, &store{pods: []zds.Pod{swapped, intact}}, zds.Config{})
+	srv, path := startServer(t, zdstest.NewPods(swapped, intact), zds.Config{})
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
 	got := takeSnapshot(t, ctx, pc)
 	if len(got) != 2 || got[0].GetKeep().GetUid() != swapped.UID || got[0].Netns != nil {
@@ -803,7 +752,7 @@ func TestNetnsSwappedBehindPath(t *testing.T) {
 // never the one the proxy gets. The cookie check applies to the descriptor.
 func TestAddPodUsesCallersNamespace(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	held := pod(t, "held")
 	f, err := netns.Open(held.NetnsPath)
 	if err != nil {
@@ -825,7 +774,7 @@ func TestAddPodUsesCallersNamespace(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	srv, path := startServer(t, &store{}, zds.Config{})
+	srv, path := startServer(t, zdstest.NewPods(), zds.Config{})
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
 	if got := takeSnapshot(t, ctx, pc); len(got) != 0 {
 		t.Fatalf("snapshot %v, want none", got)

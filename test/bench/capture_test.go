@@ -13,6 +13,7 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/test/bench/results"
 	"github.com/mesh-cni/mesh-cni/test/capture"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
@@ -75,7 +76,7 @@ type captureEnv struct {
 // isolates the capture from everything behind it.
 func BenchmarkCapture(b *testing.B) {
 	requireRoot(b)
-	ctx := benchContext(b, 40*time.Minute)
+	ctx := fixtures.Context(b, 40*time.Minute)
 	env := newCaptureEnv(ctx, b)
 	res := newResult(b, "capture", "Connection capture: eBPF vs istio-cni's rules vs iptables vs nftables", "BenchmarkCapture", captureDescription(env))
 	if env.noLimit != "" {

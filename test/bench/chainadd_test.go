@@ -16,6 +16,7 @@ import (
 	"github.com/containernetworking/cni/libcni"
 
 	"github.com/mesh-cni/mesh-cni/test/bench/results"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -51,7 +52,7 @@ func noopEntry() map[string]any { return map[string]any{"type": "tuning"} }
 // Only the ADD is timed; making the pod's namespace and the DEL are not.
 func BenchmarkChainAdd(b *testing.B) {
 	requireRoot(b)
-	ctx := benchContext(b, 40*time.Minute)
+	ctx := fixtures.Context(b, 40*time.Minute)
 	res := newResult(b, "chain-add", "Pod start: CNI ADD through the chain", "BenchmarkChainAdd",
 		"A pod's CNI ADD through the node's real chain, run by libcni in the node's network namespace as a container runtime runs it: "+
 			"the reference `bridge` + `host-local` plugins as the primary network, then `mesh-cni` asking a real `mesh-agent` over the gate socket. "+

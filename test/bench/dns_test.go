@@ -7,17 +7,16 @@ import (
 	"net"
 	"net/netip"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
 	"github.com/miekg/dns"
-	"golang.org/x/sys/unix"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/test/bench/results"
 	"github.com/mesh-cni/mesh-cni/test/capture"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -142,15 +141,7 @@ func serveDNSProxy(tb testing.TB, pod *harness.Pod, upstream netip.AddrPort) *at
 		if pc, err = net.ListenPacket("udp4", fmt.Sprintf("127.0.0.1:%d", dnsProxyPort)); err != nil {
 			return err
 		}
-		d := net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
-			var serr error
-			if err := c.Control(func(fd uintptr) {
-				serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, capture.DefaultMark)
-			}); err != nil {
-				return err
-			}
-			return serr
-		}}
+		d := net.Dialer{Control: fixtures.MarkControl(capture.DefaultMark)}
 		up, err = d.Dial("udp4", upstream.String())
 		return err
 	}); err != nil {
@@ -197,7 +188,7 @@ func serveDNSProxy(tb testing.TB, pod *harness.Pod, upstream netip.AddrPort) *at
 // iptables REDIRECT, or addressed explicitly (no capture).
 func BenchmarkDNS(b *testing.B) {
 	requireRoot(b)
-	ctx := benchContext(b, 20*time.Minute)
+	ctx := fixtures.Context(b, 20*time.Minute)
 	setups := newDNSEnv(ctx, b)
 	res := newResult(b, "dns", "DNS capture: query latency through the pod's DNS proxy", "BenchmarkDNS", dnsDescription())
 	rounds := size(20, 3)

@@ -37,13 +37,6 @@ func size(full, quick int) int {
 	return full
 }
 
-// benchContext bounds a whole benchmark.
-func benchContext(b *testing.B, d time.Duration) context.Context {
-	ctx, cancel := context.WithTimeout(b.Context(), d)
-	b.Cleanup(cancel)
-	return ctx
-}
-
 func requireRoot(b testing.TB) {
 	b.Helper()
 	if os.Geteuid() != 0 {

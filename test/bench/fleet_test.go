@@ -41,7 +41,7 @@ const fleetAgentPrefix = "mesh-agent-"
 // etcd's CPU time and memory.
 func BenchmarkFleet(b *testing.B) {
 	requireRoot(b)
-	ctx := benchContext(b, 50*time.Minute)
+	ctx := fixtures.Context(b, 50*time.Minute)
 	bins, err := kubeenv.EnsureBinaries(ctx)
 	if err != nil {
 		b.Fatal(err)

@@ -20,7 +20,6 @@ import (
 	"github.com/google/pprof/profile"
 
 	"github.com/mesh-cni/mesh-cni/test/fixtures"
-	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
 // perfRate is the sampling frequency of a machine profile, per CPU: odd, so
@@ -58,7 +57,7 @@ func machineProfile(ctx context.Context, file string, fn func() error) error {
 		}
 	}()
 	// perf record has its events open once it wrote the file's header.
-	if !harness.Eventually(ctx, 10*time.Second, 20*time.Millisecond, func() bool {
+	if !fixtures.Eventually(ctx, 10*time.Second, 20*time.Millisecond, func() bool {
 		st, err := os.Stat(data)
 		return err == nil && st.Size() > 0
 	}) {

@@ -21,6 +21,7 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 
 	"github.com/mesh-cni/mesh-cni/test/bench/results"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -40,7 +41,7 @@ import (
 //   - binary-size: the binaries' sizes on disk.
 func BenchmarkPlugin(b *testing.B) {
 	requireRoot(b)
-	ctx := benchContext(b, 20*time.Minute)
+	ctx := fixtures.Context(b, 20*time.Minute)
 	res := newResult(b, "plugin", "The plugin's own share: process start and gate round trip", "BenchmarkPlugin",
 		"The chained plugin's step of a pod's ADD on its own, against the no-op chained plugin (`tuning` with nothing to tune) and the bridge plugin. "+
 			"Each binary is exec'd by the benchmark the way libcni execs a plugin (the CNI environment variables, the config with prevResult on stdin, from the node's network namespace), "+

@@ -11,10 +11,9 @@ import (
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
-	"github.com/containernetworking/plugins/pkg/netlinksafe"
-	"github.com/vishvananda/netlink"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -69,17 +68,8 @@ func randHex(n int) string {
 // per-process prefix so its leak check covers it.
 func (ps *pods) create(namespace, name string) (*pod, error) {
 	path := filepath.Join(harness.NetnsDir, harness.NetnsPrefix()+"b-"+randHex(5))
-	if err := netns.Create(path); err != nil {
-		return nil, fmt.Errorf("create pod netns: %w", err)
-	}
-	if err := netns.Do(path, func() error {
-		lo, err := netlinksafe.LinkByName("lo")
-		if err != nil {
-			return err
-		}
-		return netlink.LinkSetUp(lo)
-	}); err != nil {
-		return nil, fmt.Errorf("bring up lo in pod netns: %w", err)
+	if err := fixtures.CreateNetns(path); err != nil {
+		return nil, fmt.Errorf("pod: %w", err)
 	}
 	uid, cid := randHex(16), randHex(32)
 	p := &pod{

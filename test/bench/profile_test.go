@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mesh-cni/mesh-cni/test/bench/results"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -45,7 +46,7 @@ const (
 //     enrolled pod makes connections through the proxies to another.
 func BenchmarkProfile(b *testing.B) {
 	requireRoot(b)
-	ctx := benchContext(b, 30*time.Minute)
+	ctx := fixtures.Context(b, 30*time.Minute)
 	out := outDir(b)
 	profDir := profilesDir(b)
 	binDir := b.TempDir()

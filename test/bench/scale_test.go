@@ -18,6 +18,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 	"github.com/mesh-cni/mesh-cni/test/bench/results"
 	"github.com/mesh-cni/mesh-cni/test/capture"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -37,7 +38,7 @@ const fillWorkers = 4
 // (memlock, from the maps' fdinfo); and the agent's restart-to-ready time.
 func BenchmarkScale(b *testing.B) {
 	requireRoot(b)
-	ctx := benchContext(b, 40*time.Minute)
+	ctx := fixtures.Context(b, 40*time.Minute)
 	levels := []int{1, 10, 100, 1000}
 	if quickMode() {
 		levels = []int{1, 10, 100}

@@ -92,13 +92,6 @@ func installIstio(ctx context.Context, netnsPath string, _ capture.Rules) (captu
 	return capture.InstallIstio(ctx, helper, netnsPath)
 }
 
-func family(v6 bool) string {
-	if v6 {
-		return "ipv6"
-	}
-	return "ipv4"
-}
-
 func installCapture(t *testing.T, ctx context.Context, install installer, pod *fixtures.Pod) {
 	t.Helper()
 	cleanup, err := install(ctx, pod.Path, capture.DefaultRules())
@@ -165,12 +158,9 @@ func randomPayload(t *testing.T, n int) []byte {
 func TestCaptureThroughProxies(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	for _, inst := range installers {
-		for _, v6 := range []bool{false, true} {
-			t.Run(inst.name+"/"+family(v6), func(t *testing.T) {
-				t.Parallel()
-				testThroughProxies(t, inst.install, v6)
-			})
-		}
+		t.Run(inst.name, func(t *testing.T) {
+			fixtures.Both(t, "ipv4", "ipv6", func(t *testing.T, v6 bool) { testThroughProxies(t, inst.install, v6) })
+		})
 	}
 }
 

@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // plugin is a PodNetworkLifecycle server that answers an empty setup and a
@@ -73,8 +75,7 @@ func loadAfter(t *testing.T, l *Loader, n int) {
 // TestLoaderAsTheFork: the loader's behaviour that the hook's design rests
 // on, each as grpc_plugin_syncer.go at the fork commit does it.
 func TestLoaderAsTheFork(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	dir := t.TempDir()
 	plugins := filepath.Join(dir, "net.d")
 	if err := os.Mkdir(plugins, 0o755); err != nil {

@@ -4,8 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"net/netip"
-	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -14,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
@@ -23,49 +22,16 @@ import (
 // role) runs in the node's own namespace and takes the pods from the agent's
 // ZDS socket, opening its listeners inside each pod's network namespace.
 func TestDemoAmbient(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
-	say := &narrator{t: t, start: time.Now()}
-	if os.Getenv("MESH_DEMO") != "" {
-		say.out = os.Stdout
-	}
-	bins := harness.Bins(t)
-
-	say.step("A simulated node")
-	node := harness.NewNode(t, harness.NodeOptions{})
-	primary, err := node.ConflistJSON("podnet")
-	if err != nil {
-		t.Fatal(err)
-	}
-	primaryFile := node.WriteConf(t, "10-bridge.conflist", primary)
-	say.say("node network namespace %s with bridge %s; pods get %s and %s",
-		filepath.Base(node.NetNSPath), node.BridgeName, node.IPv4Range, node.IPv6Range)
-	say.say("the primary CNI config is %s: [bridge + host-local]", filepath.Base(primaryFile))
-
-	dir, err := os.MkdirTemp("", "mesh-demo-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	socket := filepath.Join(dir, "run", "gate.sock")
-	zdsSocket := filepath.Join(dir, "ztunnel", "ztunnel.sock")
-	bpffs := filepath.Join(dir, "bpf")
-	install := []string{"--cni-conf-dir", node.ConfDir, "--cni-bin-dir", node.BinDir, "--install-state-dir", filepath.Join(dir, "install")}
-	t.Cleanup(func() {
-		out, err := exec.Command(bins.Path("mesh-agent"), append(append([]string{"uninstall", "--bpffs-root", bpffs}, install...),
-			"--log-level", "warn")...).CombinedOutput()
-		if err != nil {
-			t.Errorf("uninstall: %v\n%s", err, out)
-		}
-		os.RemoveAll(dir)
-	})
+	ctx := fixtures.Context(t, 5*time.Minute)
+	d := newDemo(t)
+	say, node, bins := d.say, d.node, d.bins
+	zdsSocket := filepath.Join(d.dir, "ztunnel", "ztunnel.sock")
 
 	say.step("The mesh agent installs itself into the CNI chain and opens its ZDS socket")
-	agentArgs := append(append([]string{"run", "--socket", socket, "--state-dir", filepath.Join(dir, "pods"), "--bpffs-root", bpffs},
-		install...), "--plugin-binary", bins.Path("mesh-cni"), "--gate-timeout", "1m", "--metrics-addr=",
-		"--zds-socket", zdsSocket, "--zds-without-service-accounts", "--log-level", "warn")
+	agentArgs := append(d.agentArgs(), "--gate-timeout", "1m", "--zds-socket", zdsSocket, "--zds-without-service-accounts")
 	harness.StartProcess(t, harness.ProcessOptions{Path: bins.Path("mesh-agent"), Args: agentArgs, Name: "mesh-agent"})
 	readyCtx, cancelReady := context.WithTimeout(ctx, time.Minute)
-	err = harness.WaitForHealthy(readyCtx, socket)
+	err := harness.WaitForHealthy(readyCtx, d.socket)
 	cancelReady()
 	if err != nil {
 		t.Fatalf("agent not ready: %v", err)

@@ -5,7 +5,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"maps"
 	"net"
 	"net/netip"
 	"os"
@@ -17,14 +16,13 @@ import (
 
 	"github.com/containernetworking/cni/libcni"
 
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
 func TestMain(m *testing.M) {
-	pkgs := harness.ReferencePlugins()
-	maps.Copy(pkgs, harness.ProductBinaries())
-	harness.Main(m, harness.Options{Packages: pkgs})
+	harness.Main(m, harness.Options{Packages: harness.AllBinaries()})
 }
 
 // narrator prints the demo's story: to the terminal under `make demo`
@@ -52,54 +50,79 @@ func (n *narrator) step(title string) {
 	n.t.Log("== " + title)
 }
 
-func TestDemo(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
-	say := &narrator{t: t, start: time.Now()}
+// demo is where both demos start: the narrator, and a simulated node whose
+// primary CNI config is [bridge + host-local], with a directory for the
+// agent's socket, pod state, bpffs and install state.
+type demo struct {
+	say    *narrator
+	node   *harness.Node
+	bins   *harness.Binaries
+	socket string
+	dir    string
+}
+
+// newDemo tells and makes the node. The directory is short-named (a Unix
+// socket's path is limited to 107 bytes); in cleanup the agent's uninstall
+// restores the node's CNI config and removes the data path, then it goes.
+func newDemo(t *testing.T) *demo {
+	t.Helper()
+	d := &demo{say: &narrator{t: t, start: time.Now()}, bins: harness.Bins(t)}
 	if os.Getenv("MESH_DEMO") != "" {
-		say.out = os.Stdout
+		d.say.out = os.Stdout
 	}
-	bins := harness.Bins(t)
-
-	say.step("A simulated node")
-	node := harness.NewNode(t, harness.NodeOptions{})
-	primary, err := node.ConflistJSON("podnet")
+	d.say.step("A simulated node")
+	d.node = harness.NewNode(t, harness.NodeOptions{})
+	primary, err := d.node.ConflistJSON("podnet")
 	if err != nil {
 		t.Fatal(err)
 	}
-	primaryFile := node.WriteConf(t, "10-bridge.conflist", primary)
-	say.say("node network namespace %s with bridge %s; pods get %s and %s",
-		filepath.Base(node.NetNSPath), node.BridgeName, node.IPv4Range, node.IPv6Range)
-	say.say("the primary CNI config is %s: [bridge + host-local]", filepath.Base(primaryFile))
+	primaryFile := d.node.WriteConf(t, "10-bridge.conflist", primary)
+	d.say.say("node network namespace %s with bridge %s; pods get %s and %s",
+		filepath.Base(d.node.NetNSPath), d.node.BridgeName, d.node.IPv4Range, d.node.IPv6Range)
+	d.say.say("the primary CNI config is %s: [bridge + host-local]", filepath.Base(primaryFile))
 
-	dir, err := os.MkdirTemp("", "mesh-demo-")
-	if err != nil {
+	if d.dir, err = os.MkdirTemp("", "mesh-demo-"); err != nil {
 		t.Fatal(err)
 	}
-	socket := filepath.Join(dir, "run", "gate.sock")
-	bpffs := filepath.Join(dir, "bpf")
-	agentArgs := []string{"run", "--socket", socket, "--state-dir", filepath.Join(dir, "pods"),
-		"--bpffs-root", bpffs, "--cni-conf-dir", node.ConfDir, "--cni-bin-dir", node.BinDir,
-		"--install-state-dir", filepath.Join(dir, "install"), "--plugin-binary", bins.Path("mesh-cni"),
-		"--gate-timeout", "2m", "--metrics-addr=", "--zds-socket=", "--log-level", "warn",
-		// The demo's proxies run in each pod, beside the application, and are known
-		// by ztunnel's mark (an opt-in; the ambient demo's node proxy is known by
-		// its cgroup instead).
-		"--proxy-mark", "0x539"}
+	d.socket = filepath.Join(d.dir, "run", "gate.sock")
 	t.Cleanup(func() {
-		out, err := exec.Command(bins.Path("mesh-agent"), "uninstall", "--bpffs-root", bpffs,
-			"--cni-conf-dir", node.ConfDir, "--cni-bin-dir", node.BinDir,
-			"--install-state-dir", filepath.Join(dir, "install"), "--log-level", "warn").CombinedOutput()
+		out, err := exec.Command(d.bins.Path("mesh-agent"), append(append([]string{"uninstall"}, d.paths()...), "--log-level", "warn")...).CombinedOutput()
 		if err != nil {
 			t.Errorf("uninstall: %v\n%s", err, out)
 		}
-		os.RemoveAll(dir)
+		os.RemoveAll(d.dir)
 	})
+	return d
+}
+
+// paths are the flags naming the agent's data path and what it installs,
+// which run and uninstall take alike.
+func (d *demo) paths() []string {
+	return []string{"--bpffs-root", filepath.Join(d.dir, "bpf"), "--cni-conf-dir", d.node.ConfDir, "--cni-bin-dir", d.node.BinDir,
+		"--install-state-dir", filepath.Join(d.dir, "install")}
+}
+
+// agentArgs runs the agent on the demo's paths, installing itself into the
+// node's chain, quiet but for warnings, with no metrics listener.
+func (d *demo) agentArgs() []string {
+	return append(append([]string{"run", "--socket", d.socket, "--state-dir", filepath.Join(d.dir, "pods")}, d.paths()...),
+		"--plugin-binary", d.bins.Path("mesh-cni"), "--metrics-addr=", "--log-level", "warn")
+}
+
+func TestDemo(t *testing.T) {
+	ctx := fixtures.Context(t, 5*time.Minute)
+	d := newDemo(t)
+	say, node, bins := d.say, d.node, d.bins
+	agentArgs := append(d.agentArgs(), "--gate-timeout", "2m", "--zds-socket=",
+		// The demo's proxies run in each pod, beside the application, and are known
+		// by ztunnel's mark (an opt-in; the ambient demo's node proxy is known by
+		// its cgroup instead).
+		"--proxy-mark", "0x539")
 	startAgent := func() *harness.Process {
 		p := harness.StartProcess(t, harness.ProcessOptions{Path: bins.Path("mesh-agent"), Args: agentArgs, Name: "mesh-agent"})
 		readyCtx, cancel := context.WithTimeout(ctx, time.Minute)
 		defer cancel()
-		if err := harness.WaitForHealthy(readyCtx, socket); err != nil {
+		if err := harness.WaitForHealthy(readyCtx, d.socket); err != nil {
 			t.Fatalf("agent not ready: %v", err)
 		}
 		return p
@@ -159,8 +182,8 @@ func TestDemo(t *testing.T) {
 	}
 	say.say("shop/client %s, shop/server %s: enrolled; kube-system/outsider %s: out of the mesh (excluded namespace)",
 		client.IPv4(t), server.IPv4(t), outsider.IPv4(t))
-	clientRecords := startProxy(ctx, t, client)
-	serverRecords := startProxy(ctx, t, server)
+	_, clientRecords := client.StartRefproxy(ctx, t)
+	_, serverRecords := server.StartRefproxy(ctx, t)
 	say.say("the reference proxy listens inside each meshed pod on 127.0.0.1:15001 (outbound) and :15006 (inbound)")
 	seen := serveGreeting(t, server)
 	target := netip.AddrPortFrom(server.IPv4(t), 8080)
@@ -171,8 +194,8 @@ func TestDemo(t *testing.T) {
 		t.Fatal(err)
 	}
 	say.say("client sent \"hello\" to %s and got %q", target, reply)
-	outRecs := waitRecords(ctx, t, clientRecords, 1)
-	inRecs := waitRecords(ctx, t, serverRecords, 1)
+	outRecs := proxy.AwaitRecords(ctx, t, clientRecords, 1)
+	inRecs := proxy.AwaitRecords(ctx, t, serverRecords, 1)
 	say.say("client's proxy (outbound): from %s, original destination %s (recovered with %s)", outRecs[0].Client, outRecs[0].OriginalDst, outRecs[0].DstSource)
 	say.say("server's proxy (inbound):  from %s, original destination %s (recovered with %s)", inRecs[0].Client, inRecs[0].OriginalDst, inRecs[0].DstSource)
 	say.say("the server application saw the connection coming from %s: its own proxy, not the client", seen()[0])
@@ -189,8 +212,8 @@ func TestDemo(t *testing.T) {
 	if _, err := request(ctx, outsider, target); err != nil {
 		t.Fatal(err)
 	}
-	outAfter := readRecords(t, clientRecords)
-	inAfter := waitRecords(ctx, t, serverRecords, 2)
+	outAfter := proxy.MustReadRecords(t, clientRecords)
+	inAfter := proxy.AwaitRecords(ctx, t, serverRecords, 2)
 	say.say("outsider -> server:8080: the outsider has no redirection (client proxy still has %d record), the server's inbound proxy took it (%d records)", len(outAfter), len(inAfter))
 	if len(outAfter) != 1 {
 		t.Fatalf("the outsider's connection went through the client's proxy")
@@ -211,35 +234,6 @@ func pluginTypes(l *libcni.NetworkConfigList) string {
 		types[i] = p.Network.Type
 	}
 	return "[" + strings.Join(types, ", ") + "]"
-}
-
-func startProxy(ctx context.Context, t *testing.T, p *harness.Pod) string {
-	records := filepath.Join(t.TempDir(), p.Name+".jsonl")
-	proc := p.Start(t, harness.ProcessOptions{Path: harness.Bins(t).Path("refproxy"), Args: []string{"-record", records}, Name: "refproxy-" + p.Name})
-	readyCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	if _, err := proc.WaitForLine(readyCtx, "ready"); err != nil {
-		t.Fatal(err)
-	}
-	return records
-}
-
-func readRecords(t *testing.T, path string) []proxy.Record {
-	recs, err := proxy.ReadRecords(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return recs
-}
-
-func waitRecords(ctx context.Context, t *testing.T, path string, n int) []proxy.Record {
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	recs, err := proxy.WaitForRecords(ctx, path, func(r []proxy.Record) bool { return len(r) >= n })
-	if err != nil {
-		t.Fatalf("waiting for %d proxy records in %s: %v", n, path, err)
-	}
-	return recs
 }
 
 func serveGreeting(t *testing.T, p *harness.Pod) func() []string { return serveGreetingOn(t, p, 8080) }

@@ -24,12 +24,10 @@ import (
 
 // agent is a mesh-agent process under test and the paths it uses.
 type agent struct {
-	t        testing.TB
-	Socket   string
-	StateDir string
-	BPFFS    string
-	Args     []string
-	Proc     *harness.Process
+	t testing.TB
+	harness.AgentDirs
+	Args []string
+	Proc *harness.Process
 	// NetNSPath runs the agent in that network namespace, as the DaemonSet runs
 	// it in the node's (hostNetwork); "" keeps the test's.
 	NetNSPath string
@@ -50,42 +48,13 @@ func (a *agent) command(args []string) (string, []string) {
 	return a.Wrapper[0], append(append(slices.Clone(a.Wrapper[1:]), path), args...)
 }
 
-// newAgent prepares (but does not start) an agent with its own socket and state
-// directory. The directory is short-named: Unix socket paths are limited to 107
-// bytes.
+// newAgent prepares (but does not start) an agent with its own socket and
+// state directory (harness.NewAgentDirs), extraArgs added to its flags.
+// TestProxyKnownByCgroup runs one without the proxy mark.
 func newAgent(t testing.TB, extraArgs ...string) *agent {
 	t.Helper()
-	dir, err := os.MkdirTemp("", "mesh-e2e-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	a := &agent{
-		t:        t,
-		Socket:   filepath.Join(dir, "run", "gate.sock"),
-		StateDir: filepath.Join(dir, "pods"),
-	}
-	a.BPFFS = filepath.Join(dir, "bpf")
-	// The tests drive their own conflists, so the agent installs nothing; its
-	// installer has its own tests. Their sidecar proxies run in the test's cgroup,
-	// like the test's clients, and are known by ztunnel's mark, an opt-in
-	// (TestProxyKnownByCgroup runs without it).
-	a.Args = append([]string{"run", "--socket", a.Socket, "--state-dir", a.StateDir, "--bpffs-root", a.BPFFS,
-		"--cni-install=false", "--metrics-addr=", "--zds-socket=", "--log-level", "debug", "--proxy-mark", "0x539"}, extraArgs...)
-	// The data path is pinned on purpose and outlives the agent: a test removes
-	// it with the product's own uninstall, after the agent (registered later, so
-	// stopped earlier) is gone.
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		out, err := exec.CommandContext(ctx, harness.Bins(t).Path("mesh-agent"), "uninstall",
-			"--bpffs-root", a.BPFFS, "--cni-install=false", "--log-level", "warn").CombinedOutput()
-		if err != nil {
-			t.Errorf("mesh-agent uninstall: %v\n%s", err, out)
-		}
-		if err := os.RemoveAll(dir); err != nil {
-			t.Errorf("remove agent dir: %v", err)
-		}
-	})
+	a := &agent{t: t, AgentDirs: harness.NewAgentDirs(t, "mesh-e2e-")}
+	a.Args = append(a.RunArgs(), extraArgs...)
 	return a
 }
 
@@ -160,6 +129,16 @@ func meshNode(t testing.TB) *harness.Node {
 // chain is [bridge, mesh-cni] on node, pointed at a.
 func chain(t testing.TB, node *harness.Node, a *agent, gateTimeout string) *libcni.NetworkConfigList {
 	return node.Conflist(t, "meshnet", a.meshEntry(gateTimeout))
+}
+
+// meshedNode starts an agent with extraArgs and makes a node whose chain
+// reaches it with gateTimeout.
+func meshedNode(ctx context.Context, t *testing.T, gateTimeout string, extraArgs ...string) (*agent, *harness.Node, *libcni.NetworkConfigList) {
+	t.Helper()
+	a := newAgent(t, extraArgs...)
+	a.start(ctx)
+	node := meshNode(t)
+	return a, node, chain(t, node, a, gateTimeout)
 }
 
 func testContext(t testing.TB) context.Context {

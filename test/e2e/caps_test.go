@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
 // agentCapabilities is the set the agent needs, as SECURITY.md says: sys_admin for
@@ -62,14 +63,13 @@ func TestAgentWithLeastCapabilities(t *testing.T) {
 		t.Fatalf("the agent runs with capabilities %#x, want exactly %#x", got, want)
 	}
 
-	var app server
-	app.serve(t, srv.Pod, 8080)
+	srv.ServeEcho(t, 8080)
 	for i, dst := range []netip.Addr{srv.IPv4(t), srv.IPv6(t)} {
 		target := netip.AddrPortFrom(dst, 8080)
-		if err := roundTrip(ctx, client.Pod, target, []byte("least privilege")); err != nil {
+		if err := client.EchoRoundTrip(ctx, target, []byte("least privilege")); err != nil {
 			t.Fatalf("client -> %s: %v", target, err)
 		}
-		if in := srv.waitRecords(ctx, t, i+1)[i]; in.Direction != "inbound" || !sameAddrPort(in.OriginalDst, target) {
+		if in := proxy.AwaitRecords(ctx, t, srv.records, i+1)[i]; in.Direction != "inbound" || !sameAddrPort(in.OriginalDst, target) {
 			t.Fatalf("server proxy record %+v, want inbound to %s", in, target)
 		}
 	}

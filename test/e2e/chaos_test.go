@@ -24,7 +24,9 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
 // Chaos run size. 200 pods through the chain with 8 workers and at least 5
@@ -168,7 +170,7 @@ func waitMeshState(ctx context.Context, t *testing.T, a *agent, want map[string]
 	var st meshState
 	var d string
 	// Each look asks the agent for its status: every 100 ms, not WaitInterval.
-	if !harness.Eventually(ctx, limit, 100*time.Millisecond, func() bool {
+	if !fixtures.Eventually(ctx, limit, 100*time.Millisecond, func() bool {
 		st = readMeshState(ctx, t, a)
 		d = st.diff(want)
 		return d == ""
@@ -299,6 +301,7 @@ func (r *chaosRun) add(ctx context.Context, p *chaosPod) {
 		if !r.del(ctx, p) {
 			return
 		}
+		// Part of the chaos, not a wait: pods come and go at random spacing.
 		time.Sleep(time.Duration(50+rand.IntN(200)) * time.Millisecond)
 	}
 }
@@ -316,6 +319,7 @@ func (r *chaosRun) del(ctx context.Context, p *chaosPod) bool {
 		if ctx.Err() != nil || attempt == 5 {
 			return false
 		}
+		// The spacing of kubelet's retries of a failed DEL, not a wait.
 		time.Sleep(100 * time.Millisecond)
 	}
 }
@@ -442,8 +446,7 @@ func TestChaos(t *testing.T) {
 	// Long-lived enrolled pods with sidecars: clients and a server.
 	srv := addMeshPod(ctx, t, node, list, "shop", "server")
 	srv.startProxy(ctx, t)
-	var app server
-	app.serve(t, srv.Pod, 8080)
+	app := srv.ServeEcho(t, 8080)
 	clients := make([]*meshPod, chaosClients)
 	for i := range clients {
 		clients[i] = addMeshPod(ctx, t, node, list, "shop", fmt.Sprintf("client-%d", i))
@@ -480,12 +483,13 @@ func TestChaos(t *testing.T) {
 				if run.stopped() {
 					return
 				}
-				if err := roundTrip(ctx, c.Pod, target, []byte("chaos")); err != nil {
+				if err := c.EchoRoundTrip(ctx, target, []byte("chaos")); err != nil {
 					connFailed.Add(1)
 				} else {
 					connOK.Add(1)
 					perClientOK[i].Add(1)
 				}
+				// A client's pace, not a wait: a round trip every 20 ms.
 				time.Sleep(20 * time.Millisecond)
 			}
 		})
@@ -512,10 +516,12 @@ func TestChaos(t *testing.T) {
 		}
 		a.kill()
 		kills++
+		// Part of the chaos, not a wait: the agent stays down a random while.
 		time.Sleep(time.Duration(rand.IntN(800)) * time.Millisecond)
 		if rand.IntN(3) == 0 {
 			a.Proc = harness.StartProcess(t, harness.ProcessOptions{Path: harness.Bins(t).Path("mesh-agent"), Args: a.Args, Name: "mesh-agent"})
 			procs = append(procs, a.Proc)
+			// Killed at a random point of its start: chaos, not a wait.
 			time.Sleep(time.Duration(rand.IntN(150)) * time.Millisecond)
 			a.kill()
 			kills++
@@ -553,7 +559,7 @@ func TestChaos(t *testing.T) {
 	// which dials from the server pod itself; every success went through the
 	// client's outbound proxy.
 	srvAddrs := []netip.Addr{srv.IPv4(t), srv.IPv6(t)}
-	seen := app.seen()
+	seen := app.Clients()
 	bypassed := 0
 	for _, c := range seen {
 		if !slices.Contains(srvAddrs, c) {
@@ -563,7 +569,7 @@ func TestChaos(t *testing.T) {
 	}
 	for i, c := range clients {
 		n := int(perClientOK[i].Load())
-		if recs := c.waitRecords(ctx, t, n); len(recs) != n {
+		if recs := proxy.AwaitRecords(ctx, t, c.records, n); len(recs) != n {
 			t.Errorf("client %d's proxy handled %d connections, the client completed %d", i, len(recs), n)
 		}
 	}

@@ -19,6 +19,7 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/internal/cniplugin"
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -62,7 +63,7 @@ func TestAddWaitsForAgent(t *testing.T) {
 
 	// The bridge plugin has run once eth0 exists in the pod; from then on only
 	// the gate holds the ADD.
-	harness.WaitFor(t, 30*time.Second, "bridge plugin to create eth0 in the pod", func() bool {
+	fixtures.WaitFor(t, 30*time.Second, "bridge plugin to create eth0 in the pod", func() bool {
 		return netns.Do(pod.NetNSPath, func() error { _, err := net.InterfaceByName("eth0"); return err }) == nil
 	})
 	select {
@@ -142,22 +143,7 @@ func assertResultMatchesPod(t *testing.T, res *types100.Result, pod *harness.Pod
 	if sandboxIf == nil || sandboxIf.Name != "eth0" {
 		t.Fatalf("result has no eth0 in the pod's sandbox: %+v", res.Interfaces)
 	}
-	var mac string
-	var addrs []string
-	if err := netns.Do(pod.NetNSPath, func() error {
-		iface, err := net.InterfaceByName("eth0")
-		if err != nil {
-			return err
-		}
-		mac = iface.HardwareAddr.String()
-		as, err := iface.Addrs()
-		for _, a := range as {
-			addrs = append(addrs, a.String())
-		}
-		return err
-	}); err != nil {
-		t.Fatal(err)
-	}
+	mac, addrs := interfaceState(t, pod, "eth0")
 	if sandboxIf.Mac != mac {
 		t.Fatalf("result MAC %s, pod's eth0 has %s", sandboxIf.Mac, mac)
 	}
@@ -447,10 +433,7 @@ func TestBadInput(t *testing.T) {
 func TestConcurrentPods(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
-	a := newAgent(t, "--datapath=none")
-	a.start(ctx)
-	node := meshNode(t)
-	list := chain(t, node, a, "60s")
+	a, node, list := meshedNode(ctx, t, "60s", "--datapath=none")
 	const n = 50
 	pods := make([]*harness.Pod, n)
 	for i := range pods {

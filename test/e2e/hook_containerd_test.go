@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -156,7 +157,7 @@ func (c *realContainerd) start(t *testing.T, ctx context.Context) {
 		Path: filepath.Join(c.bins, "containerd"), Args: []string{"--config", c.config},
 		Env: []string{"PATH=" + c.bins + ":/usr/sbin:/usr/bin:/sbin:/bin"}, Name: "containerd",
 	})
-	harness.WaitFor(t, time.Minute, "containerd's CRI", func() bool {
+	fixtures.WaitFor(t, time.Minute, "containerd's CRI", func() bool {
 		_, err := c.info(ctx)
 		return err == nil
 	})
@@ -292,7 +293,7 @@ func TestHookRealContainerd(t *testing.T) {
 		t.Fatalf("containerd started with the hook crashed: %+v %v; want NetworkReady false (containerd's rule)", inf, err)
 	}
 	e.hook.Restart(t)
-	harness.WaitFor(t, time.Minute, "containerd loading the chain again", func() bool {
+	fixtures.WaitFor(t, time.Minute, "containerd loading the chain again", func() bool {
 		inf, err := c.info(ctx)
 		return err == nil && inf.NetworkReady && inf.LoadStatus == "OK"
 	})
@@ -301,7 +302,7 @@ func TestHookRealContainerd(t *testing.T) {
 	if err := e.hook.Stop(ctx); err != nil {
 		t.Fatal(err)
 	}
-	harness.WaitFor(t, time.Minute, "the primary alone", func() bool {
+	fixtures.WaitFor(t, time.Minute, "the primary alone", func() bool {
 		_, ip, err := c.runPod(t, ctx, "shop", "unhooked")
 		return err == nil && ip != ""
 	})

@@ -26,6 +26,7 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -225,25 +226,24 @@ func listHasMesh(list *libcni.NetworkConfigList) bool {
 
 // waitEntry polls path until it carries the mesh-cni entry last and derives
 // from generation gen, for at most limit; it returns how long that took.
+// It looks every millisecond, as the time it returns is a measure.
 func waitEntry(path string, gen int, start time.Time, limit time.Duration) (time.Duration, error) {
-	for {
-		st, _ := readConf(path)
-		if st.meshLast() && st.gen == gen {
-			return time.Since(start), nil
-		}
-		if time.Since(start) > limit {
-			return time.Since(start), fmt.Errorf("%s does not carry the mesh-cni entry for generation %d after %v (plugins %v, generation %d, %v)",
-				filepath.Base(path), gen, limit, st.plugins, st.gen, st.err)
-		}
-		time.Sleep(time.Millisecond)
+	var st confState
+	if fixtures.Eventually(context.Background(), limit-time.Since(start), time.Millisecond, func() bool {
+		st, _ = readConf(path)
+		return st.meshLast() && st.gen == gen
+	}) {
+		return time.Since(start), nil
 	}
+	return time.Since(start), fmt.Errorf("%s does not carry the mesh-cni entry for generation %d after %v (plugins %v, generation %d, %v)",
+		filepath.Base(path), gen, limit, st.plugins, st.gen, st.err)
 }
 
 // waitPodInterface waits until the primary plugin has created eth0 in the pod:
 // from then on only mesh-cni holds its ADD.
 func waitPodInterface(t testing.TB, pod *harness.Pod) {
 	t.Helper()
-	harness.WaitFor(t, 30*time.Second, "the primary plugin to create eth0 in pod "+pod.Name, func() bool {
+	fixtures.WaitFor(t, 30*time.Second, "the primary plugin to create eth0 in pod "+pod.Name, func() bool {
 		return netns.Do(pod.NetNSPath, func() error { _, err := net.InterfaceByName("eth0"); return err }) == nil
 	})
 }
@@ -431,7 +431,7 @@ func (w *healthWatch) since(n int) ([]healthpb.HealthCheckResponse_ServingStatus
 // waitServing waits until the latest status received is SERVING.
 func (w *healthWatch) waitServing(t testing.TB) {
 	t.Helper()
-	harness.WaitFor(t, 30*time.Second, "the agent to report SERVING again", func() bool {
+	fixtures.WaitFor(t, 30*time.Second, "the agent to report SERVING again", func() bool {
 		w.mu.Lock()
 		defer w.mu.Unlock()
 		if w.err != nil {
@@ -460,16 +460,8 @@ const rewriteCount = 100
 // and is never without the entry: no pod may ever start unmeshed.
 func TestChainEntryRewriteLoop(t *testing.T) {
 	t.Parallel()
-	for _, owned := range []bool{false, true} {
-		name := "chain"
-		if owned {
-			name = "owned"
-		}
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			rewriteLoop(t, owned)
-		})
-	}
+	// The entry in the primary's file (chain) and in a merged file of its own.
+	fixtures.Both(t, "chain", "owned", rewriteLoop)
 }
 
 func rewriteLoop(t *testing.T, owned bool) {
@@ -584,16 +576,7 @@ func rewriteLoop(t *testing.T, owned bool) {
 // a truncated or unparsable file.
 func TestChainEntryConcurrentReader(t *testing.T) {
 	t.Parallel()
-	for _, owned := range []bool{false, true} {
-		name := "chain"
-		if owned {
-			name = "owned"
-		}
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			concurrentReader(t, owned)
-		})
-	}
+	fixtures.Both(t, "chain", "owned", concurrentReader)
 }
 
 func concurrentReader(t *testing.T, owned bool) {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/internal/kni/knipb"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/kniruntime"
 )
@@ -38,7 +39,7 @@ func TestKNIUnderLibkni(t *testing.T) {
 	a := newInstallAgent(t, node, "--owned-config=true")
 	cniArgs := slices.Clone(a.Args)
 	a.launchReady(ctx)
-	harness.WaitFor(t, 30*time.Second, "the owned chain entry", func() bool {
+	fixtures.WaitFor(t, 30*time.Second, "the owned chain entry", func() bool {
 		_, f, err := node.LoadConflist()
 		return err == nil && filepath.Base(f) == ownedFile
 	})

@@ -22,6 +22,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/kniruntime"
+	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
 // agentPath is a path next to the agent's gate socket directory, in the agent's
@@ -60,22 +61,21 @@ func checkThroughSidecars(ctx context.Context, t *testing.T, a, b *meshPod, aAdd
 	t.Helper()
 	a.startProxy(ctx, t)
 	b.startProxy(ctx, t)
-	var app server
-	app.serve(t, b.Pod, 8080)
+	app := b.ServeEcho(t, 8080)
 	payload := bytes.Repeat([]byte("entry point "), 4<<10)
 	if len(bAddrs) == 0 {
 		t.Fatalf("pod %s has no addresses", b.Name)
 	}
 	for i, dst := range bAddrs {
 		target := netip.AddrPortFrom(dst, 8080)
-		if err := roundTrip(ctx, a.Pod, target, payload); err != nil {
+		if err := a.EchoRoundTrip(ctx, target, payload); err != nil {
 			t.Fatalf("%s -> %s: %v", a.Name, target, err)
 		}
-		out := a.waitRecords(ctx, t, i+1)[i]
+		out := proxy.AwaitRecords(ctx, t, a.records, i+1)[i]
 		if out.Direction != "outbound" || !sameAddrPort(out.OriginalDst, target) || out.DstSource != "getsockopt" || out.Error != "" {
 			t.Fatalf("%s's proxy recorded %+v, want outbound to %s via getsockopt", a.Name, out, target)
 		}
-		in := b.waitRecords(ctx, t, i+1)[i]
+		in := proxy.AwaitRecords(ctx, t, b.records, i+1)[i]
 		if in.Direction != "inbound" || !sameAddrPort(in.OriginalDst, target) || in.DstSource != "getsockopt" || in.Error != "" {
 			t.Fatalf("%s's proxy recorded %+v, want inbound to %s via getsockopt", b.Name, in, target)
 		}
@@ -83,7 +83,7 @@ func checkThroughSidecars(ctx context.Context, t *testing.T, a, b *meshPod, aAdd
 			t.Fatalf("%s's proxy forwarded %d bytes, want %d", b.Name, in.BytesToDst, len(payload))
 		}
 	}
-	for _, c := range app.seen() {
+	for _, c := range app.Clients() {
 		if slices.Contains(aAddrs, c) {
 			t.Fatalf("%s's application saw %s directly: its inbound proxy was bypassed", b.Name, c)
 		}

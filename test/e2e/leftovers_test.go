@@ -33,10 +33,7 @@ func enrolledCookies(t *testing.T, pods ...*meshPod) map[string]uint64 {
 func TestStaleNamespacesReleased(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
-	a := newAgent(t, "--reconcile-interval", "1s")
-	a.start(ctx)
-	node := meshNode(t)
-	list := chain(t, node, a, "30s")
+	a, node, list := meshedNode(ctx, t, "30s", "--reconcile-interval", "1s")
 	var pods []*meshPod
 	for i := range 8 {
 		pods = append(pods, addMeshPod(ctx, t, node, list, "shop", fmt.Sprintf("p%d", i)))
@@ -94,10 +91,7 @@ func TestStaleNamespacesReleased(t *testing.T) {
 func TestLeftoversFromOlderRun(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
-	a := newAgent(t, "--reconcile-interval", "1s")
-	a.start(ctx)
-	node := meshNode(t)
-	list := chain(t, node, a, "30s")
+	a, node, list := meshedNode(ctx, t, "30s", "--reconcile-interval", "1s")
 	lost := addMeshPod(ctx, t, node, list, "shop", "lost")
 	kept := addMeshPod(ctx, t, node, list, "shop", "kept")
 	later := []*meshPod{addMeshPod(ctx, t, node, list, "shop", "later-0"), addMeshPod(ctx, t, node, list, "shop", "later-1")}
@@ -213,10 +207,7 @@ func TestLeftoversFromOlderRun(t *testing.T) {
 func TestReconcileRacingAdd(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
-	a := newAgent(t, "--reconcile-interval", "2ms", "--log-level", "info")
-	a.start(ctx)
-	node := meshNode(t)
-	list := chain(t, node, a, "30s")
+	a, node, list := meshedNode(ctx, t, "30s", "--reconcile-interval", "2ms", "--log-level", "info")
 	const workers, perWorker = 4, 15
 	type added struct {
 		id     string

@@ -9,10 +9,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"regexp"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/cilium/ebpf/link"
 	dto "github.com/prometheus/client_model/go"
@@ -23,22 +21,6 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
-
-// metricsAddr waits for the agent to log where it serves metrics.
-func (a *agent) metricsAddr(ctx context.Context, t *testing.T) string {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	line, err := a.Proc.WaitForLine(ctx, "metrics and health serving")
-	if err != nil {
-		t.Fatal(err)
-	}
-	m := regexp.MustCompile(`"addr":"([^"]+)"`).FindStringSubmatch(line)
-	if m == nil {
-		t.Fatalf("no address in %q", line)
-	}
-	return m[1]
-}
 
 func scrape(t *testing.T, addr string) map[string]*dto.MetricFamily {
 	t.Helper()
@@ -105,7 +87,7 @@ func TestMetricsFollowTraffic(t *testing.T) {
 	ctx := testContext(t)
 	a := newAgent(t, "--metrics-addr", "127.0.0.1:0")
 	a.start(ctx)
-	addr := a.metricsAddr(ctx, t)
+	addr := harness.AgentMetricsAddr(ctx, t, a.Proc)
 	if code := httpStatus(t, "http://"+addr+"/healthz"); code != http.StatusOK {
 		t.Fatalf("/healthz = %d", code)
 	}
@@ -123,11 +105,10 @@ func TestMetricsFollowTraffic(t *testing.T) {
 	srv := addMeshPod(ctx, t, node, list, "shop", "server")
 	client.startProxy(ctx, t)
 	srv.startProxy(ctx, t)
-	var app server
-	app.serve(t, srv.Pod, 8080)
+	srv.ServeEcho(t, 8080)
 	const conns = 7
 	for i := 0; i < conns; i++ {
-		if err := roundTrip(ctx, client.Pod, netip.AddrPortFrom(srv.IPv4(t), 8080), []byte("ping")); err != nil {
+		if err := client.EchoRoundTrip(ctx, netip.AddrPortFrom(srv.IPv4(t), 8080), []byte("ping")); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -188,10 +169,7 @@ func runAgentCommand(ctx context.Context, t *testing.T, args ...string) (string,
 func TestStatusJSON(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
-	a := newAgent(t)
-	a.start(ctx)
-	node := meshNode(t)
-	list := chain(t, node, a, "30s")
+	a, node, list := meshedNode(ctx, t, "30s")
 	pods := []*meshPod{
 		addMeshPod(ctx, t, node, list, "shop", "one"),
 		addMeshPod(ctx, t, node, list, "shop", "two"),

@@ -21,10 +21,7 @@ import (
 func TestDelBestEffort(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
-	a := newAgent(t, "--datapath=none")
-	a.start(ctx)
-	node := meshNode(t)
-	list := chain(t, node, a, "30s")
+	a, node, list := meshedNode(ctx, t, "30s", "--datapath=none")
 
 	// leased reports whether host-local still holds an address for pod.
 	leased := func(pod *harness.Pod, ip string) bool {

@@ -14,9 +14,6 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	types100 "github.com/containernetworking/cni/pkg/types/100"
 
-	"github.com/containernetworking/plugins/pkg/netlinksafe"
-	"github.com/vishvananda/netlink"
-
 	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
@@ -120,26 +117,25 @@ func runPrimaryCase(t *testing.T, c primaryCase) {
 	cm, sm := &meshPod{Pod: client}, &meshPod{Pod: srv}
 	cm.startProxy(ctx, t)
 	sm.startProxy(ctx, t)
-	var app, outsiderApp server
-	app.serve(t, srv, 8080)
-	outsiderApp.serve(t, outsider, 8080)
+	app := srv.ServeEcho(t, 8080)
+	outsiderApp := outsider.ServeEcho(t, 8080)
 	payload := bytes.Repeat([]byte("mesh-cni "), 4<<10)
 	var outbound, inbound int
 	for _, dst := range srv.Addrs() {
 		target := netip.AddrPortFrom(dst, 8080)
-		if err := roundTrip(ctx, client, target, payload); err != nil {
+		if err := client.EchoRoundTrip(ctx, target, payload); err != nil {
 			t.Fatalf("client -> %s: %v", target, err)
 		}
 		outbound++
 		inbound++
-		assertRecord(t, cm.waitRecords(ctx, t, outbound)[outbound-1], proxy.Outbound, target)
-		in := sm.waitRecords(ctx, t, inbound)[inbound-1]
+		assertRecord(t, proxy.AwaitRecords(ctx, t, cm.records, outbound)[outbound-1], proxy.Outbound, target)
+		in := proxy.AwaitRecords(ctx, t, sm.records, inbound)[inbound-1]
 		assertRecord(t, in, proxy.Inbound, target)
 		if int(in.BytesToDst) != len(payload) {
 			t.Fatalf("server proxy forwarded %d bytes to the application, want %d", in.BytesToDst, len(payload))
 		}
 	}
-	for _, seen := range app.seen() {
+	for _, seen := range app.Clients() {
 		if slices.Contains(client.Addrs(), seen) {
 			t.Fatalf("the server's application saw the client %s directly: the inbound proxy was bypassed", seen)
 		}
@@ -151,21 +147,21 @@ func runPrimaryCase(t *testing.T, c primaryCase) {
 	// through the client's proxy and arrives unintercepted (a captured SYN
 	// would be dropped for want of a proxy).
 	target := netip.AddrPortFrom(srv.Addrs()[0], 8080)
-	if err := roundTrip(ctx, outsider, target, payload); err != nil {
+	if err := outsider.EchoRoundTrip(ctx, target, payload); err != nil {
 		t.Fatalf("excluded pod -> %s: %v", target, err)
 	}
 	inbound++
-	assertRecord(t, sm.waitRecords(ctx, t, inbound)[inbound-1], proxy.Inbound, target)
+	assertRecord(t, proxy.AwaitRecords(ctx, t, sm.records, inbound)[inbound-1], proxy.Inbound, target)
 	target = netip.AddrPortFrom(outsider.Addrs()[0], 8080)
-	if err := roundTrip(ctx, client, target, payload); err != nil {
+	if err := client.EchoRoundTrip(ctx, target, payload); err != nil {
 		t.Fatalf("client -> excluded pod %s: %v", target, err)
 	}
 	outbound++
-	assertRecord(t, cm.waitRecords(ctx, t, outbound)[outbound-1], proxy.Outbound, target)
-	if seen := outsiderApp.seen(); len(seen) != 1 || !slices.Contains(client.Addrs(), seen[0]) {
+	assertRecord(t, proxy.AwaitRecords(ctx, t, cm.records, outbound)[outbound-1], proxy.Outbound, target)
+	if seen := outsiderApp.Clients(); len(seen) != 1 || !slices.Contains(client.Addrs(), seen[0]) {
 		t.Fatalf("excluded pod's application saw clients %v, want one connection from the client pod %v", seen, client.Addrs())
 	}
-	if n := len(cm.proxyRecords(t)); n != outbound {
+	if n := len(proxy.MustReadRecords(t, cm.records)); n != outbound {
 		t.Fatalf("client proxy has %d records, want %d (one per connection the client made)", n, outbound)
 	}
 
@@ -376,19 +372,18 @@ func runChainAfterMesh(t *testing.T, primary harness.Primary) {
 	cm, sm := &meshPod{Pod: client}, &meshPod{Pod: srv}
 	cm.startProxy(ctx, t)
 	sm.startProxy(ctx, t)
-	var app server
-	app.serve(t, srv, podPort)
+	srv.ServeEcho(t, podPort)
 	payload := bytes.Repeat([]byte("mesh-cni "), 4<<10)
 	var outbound, inbound int
 	for _, dst := range srv.Addrs() {
 		target := netip.AddrPortFrom(dst, podPort)
-		if err := roundTrip(ctx, client, target, payload); err != nil {
+		if err := client.EchoRoundTrip(ctx, target, payload); err != nil {
 			t.Fatalf("client -> %s: %v", target, err)
 		}
 		outbound++
 		inbound++
-		assertRecord(t, cm.waitRecords(ctx, t, outbound)[outbound-1], proxy.Outbound, target)
-		assertRecord(t, sm.waitRecords(ctx, t, inbound)[inbound-1], proxy.Inbound, target)
+		assertRecord(t, proxy.AwaitRecords(ctx, t, cm.records, outbound)[outbound-1], proxy.Outbound, target)
+		assertRecord(t, proxy.AwaitRecords(ctx, t, sm.records, inbound)[inbound-1], proxy.Inbound, target)
 	}
 	// The host port, from the node, on an address of the node's own in each
 	// family (on its loopback, so it outlives every pod): portmap's DNAT took
@@ -402,7 +397,7 @@ func runChainAfterMesh(t *testing.T, primary harness.Primary) {
 			t.Fatalf("node -> host port %s: %v", hp, err)
 		}
 		inbound++
-		assertRecord(t, sm.waitRecords(ctx, t, inbound)[inbound-1], proxy.Inbound, netip.AddrPortFrom(dst, podPort))
+		assertRecord(t, proxy.AwaitRecords(ctx, t, sm.records, inbound)[inbound-1], proxy.Inbound, netip.AddrPortFrom(dst, podPort))
 	}
 
 	for _, p := range []*harness.Pod{client, srv} {
@@ -431,22 +426,15 @@ func runChainAfterMesh(t *testing.T, primary harness.Primary) {
 }
 
 // addNodeAddrs gives the node an IPv4 and an IPv6 address of its own, from the
-// documentation ranges, on its loopback (brought up; no DAD there), and returns
-// them.
+// documentation ranges, on its loopback (up, as on every node; no DAD there),
+// and returns them.
 func addNodeAddrs(t *testing.T, node *harness.Node) [2]netip.Addr {
 	t.Helper()
 	addrs := [2]netip.Addr{netip.MustParseAddr("192.0.2.1"), netip.MustParseAddr("2001:db8::1")}
 	err := node.Do(func() error {
-		lo, err := netlinksafe.LinkByName("lo")
-		if err != nil {
-			return err
-		}
-		if err := netlink.LinkSetUp(lo); err != nil {
-			return err
-		}
 		for _, a := range addrs {
-			if err := netlink.AddrAdd(lo, &netlink.Addr{IPNet: netipx(netip.PrefixFrom(a, a.BitLen()))}); err != nil {
-				return fmt.Errorf("add %s: %w", a, err)
+			if err := fixtures.AddAddr("lo", netip.PrefixFrom(a, a.BitLen())); err != nil {
+				return err
 			}
 		}
 		return nil
@@ -455,10 +443,6 @@ func addNodeAddrs(t *testing.T, node *harness.Node) [2]netip.Addr {
 		t.Fatalf("node addresses: %v", err)
 	}
 	return addrs
-}
-
-func netipx(p netip.Prefix) *net.IPNet {
-	return &net.IPNet{IP: p.Addr().AsSlice(), Mask: net.CIDRMask(p.Bits(), p.Addr().BitLen())}
 }
 
 func pluginTypes(list *libcni.NetworkConfigList) []string {

@@ -5,12 +5,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -20,7 +20,9 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
 // TestKubeletProbesBypassProxy: a readiness-style check by the kubelet (a process
@@ -42,20 +44,19 @@ func TestKubeletProbesBypassProxy(t *testing.T) {
 	srv := addMeshPod(ctx, t, node, list, "shop", "probe-server")
 	client.startProxy(ctx, t)
 	srv.startProxy(ctx, t)
-	var app server
-	app.serve(t, srv.Pod, 8080)
+	app := srv.ServeEcho(t, 8080)
 
 	node.WaitAddressesUsable(ctx, t)
 	records := 0
 	for _, dst := range []netip.Addr{srv.IPv4(t), srv.IPv6(t)} {
 		target := netip.AddrPortFrom(dst, 8080)
 		// The probe: the kubelet's cgroup, from the node.
-		before := len(srv.proxyRecords(t))
-		if err := probeFromCgroup(ctx, t, node, kubelet, target); err != nil {
+		before := len(proxy.MustReadRecords(t, srv.records))
+		if err := probeFromCgroup(ctx, t, node.NetNSPath, kubelet, target); err != nil {
 			t.Fatalf("kubelet probe to %s: %v", target, err)
 		}
-		seen := app.seen()
-		if got := len(srv.proxyRecords(t)); got != before || len(seen) == 0 || !isNodeAddress(t, node, seen[len(seen)-1].WithZone("")) {
+		seen := app.Clients()
+		if got := len(proxy.MustReadRecords(t, srv.records)); got != before || len(seen) == 0 || !isNodeAddress(t, node, seen[len(seen)-1].WithZone("")) {
 			t.Fatalf("kubelet probe to %s: the application saw %v, the inbound proxy %d new records: want it straight from a node address", target, seen, got-before)
 		}
 		// The same node address, another process: through the inbound proxy.
@@ -63,15 +64,15 @@ func TestKubeletProbesBypassProxy(t *testing.T) {
 			t.Fatalf("node process -> %s: %v", target, err)
 		}
 		records++
-		if in := srv.waitRecords(ctx, t, records)[records-1]; in.Direction != "inbound" || !sameAddrPort(in.OriginalDst, target) {
+		if in := proxy.AwaitRecords(ctx, t, srv.records, records)[records-1]; in.Direction != "inbound" || !sameAddrPort(in.OriginalDst, target) {
 			t.Fatalf("server proxy record %+v, want the node process's connection to %s", in, target)
 		}
 		// A pod's connection: through both proxies.
-		if err := roundTrip(ctx, client.Pod, target, []byte("pod to pod")); err != nil {
+		if err := client.EchoRoundTrip(ctx, target, []byte("pod to pod")); err != nil {
 			t.Fatalf("pod -> %s: %v", target, err)
 		}
 		records++
-		if in := srv.waitRecords(ctx, t, records)[records-1]; in.Direction != "inbound" || !sameAddrPort(in.OriginalDst, target) {
+		if in := proxy.AwaitRecords(ctx, t, srv.records, records)[records-1]; in.Direction != "inbound" || !sameAddrPort(in.OriginalDst, target) {
 			t.Fatalf("server proxy record %+v, want the pod's connection to %s", in, target)
 		}
 	}
@@ -92,8 +93,9 @@ func TestHelperProbe(t *testing.T) {
 	fmt.Println("OK")
 }
 
-// probeFromCgroup probes target from the node's namespace in a process of cgroup.
-func probeFromCgroup(ctx context.Context, t *testing.T, node *harness.Node, cgroup string, target netip.AddrPort) error {
+// probeFromCgroup probes target from the network namespace at netnsPath (the
+// node's, or a pod's) in a process of cgroup.
+func probeFromCgroup(ctx context.Context, t *testing.T, netnsPath, cgroup string, target netip.AddrPort) error {
 	t.Helper()
 	cg, err := os.Open(cgroup)
 	if err != nil {
@@ -106,7 +108,7 @@ func probeFromCgroup(ctx context.Context, t *testing.T, node *harness.Node, cgro
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	cmd.WaitDelay = 10 * time.Second
-	if err := netns.Do(node.NetNSPath, cmd.Start); err != nil {
+	if err := netns.Do(netnsPath, cmd.Start); err != nil {
 		t.Fatal(err)
 	}
 	if err := cmd.Wait(); err != nil {
@@ -149,20 +151,7 @@ func echoLine(ctx context.Context, target string) error {
 		}
 		break
 	}
-	defer c.Close()
-	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
-	if _, err := c.Write(payload); err != nil {
-		return err
-	}
-	_ = c.(*net.TCPConn).CloseWrite()
-	got, err := io.ReadAll(c)
-	if err != nil {
-		return err
-	}
-	if !bytes.Equal(got, payload) {
-		return fmt.Errorf("echo mismatch: %q", got)
-	}
-	return nil
+	return fixtures.EchoRoundTrip(ctx, c, payload)
 }
 
 // isNodeAddress reports whether a is an address of the node's namespace.
@@ -184,12 +173,31 @@ func isNodeAddress(t *testing.T, node *harness.Node, a netip.Addr) bool {
 }
 
 // TestProxyCgroupsFromRoot: --proxy-cgroups names cgroups from the root of the
-// cgroup v2 hierarchy, so the agent starts with one however the hierarchy is
-// mounted (here at the hybrid layout's unified/), without --cgroup-root.
+// cgroup v2 hierarchy, however it is mounted (on a hybrid node at unified/),
+// without --cgroup-root: a process of the named cgroup in a meshed pod, as a
+// sidecar proxy's own connections are, reaches its destination directly,
+// while the pod's other processes are redirected to its proxy, which is not
+// running here, so they fail closed.
 func TestProxyCgroupsFromRoot(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
 	sidecars := harness.NewCgroup(t, "sidecars")
-	a := newAgent(t, "--proxy-cgroups", "/"+filepath.Base(sidecars))
-	a.start(ctx)
+	_, node, list := meshedNode(ctx, t, "30s", "--proxy-cgroups", "/"+filepath.Base(sidecars))
+	client := addMeshPod(ctx, t, node, list, "shop", "sidecar-client")
+	server := addMeshPod(ctx, t, node, list, "kube-system", "outsider") // not enrolled
+	app := server.ServeEcho(t, 8080)
+
+	node.WaitAddressesUsable(ctx, t)
+	for _, dst := range []netip.Addr{server.IPv4(t), server.IPv6(t)} {
+		target := netip.AddrPortFrom(dst, 8080)
+		if err := probeFromCgroup(ctx, t, client.NetNSPath, sidecars, target); err != nil {
+			t.Fatalf("from the proxy's cgroup to %s: %v, want straight to the application", target, err)
+		}
+		if seen := app.Clients(); len(seen) == 0 || !slices.Contains([]netip.Addr{client.IPv4(t), client.IPv6(t)}, seen[len(seen)-1].WithZone("")) {
+			t.Fatalf("from the proxy's cgroup to %s: the application saw %v, want the client pod", target, seen)
+		}
+		if err := client.EchoRoundTrip(ctx, target, []byte("from the pod")); err == nil {
+			t.Fatalf("pod -> %s reached the application: want redirected to its proxy, which is not running", target)
+		}
+	}
 }

@@ -6,12 +6,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -20,8 +18,7 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/containernetworking/cni/libcni"
 
-	"golang.org/x/sys/unix"
-
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
@@ -50,124 +47,19 @@ func addMeshPod(ctx context.Context, t *testing.T, node *harness.Node, list *lib
 // with args added to its flags.
 func (p *meshPod) startProxy(ctx context.Context, t *testing.T, args ...string) {
 	t.Helper()
-	p.records = filepath.Join(t.TempDir(), p.Name+"-records.jsonl")
-	p.proxy = p.Start(t, harness.ProcessOptions{
-		Path: harness.Bins(t).Path("refproxy"),
-		Args: append([]string{"-record", p.records}, args...),
-		Name: "refproxy-" + p.Name,
-	})
-	readyCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	if _, err := p.proxy.WaitForLine(readyCtx, "ready"); err != nil {
-		t.Fatalf("proxy in %s: %v", p.Name, err)
-	}
+	p.proxy, p.records = p.StartRefproxy(ctx, t, args...)
 }
 
-func (p *meshPod) proxyRecords(t *testing.T) []proxy.Record {
-	t.Helper()
-	recs, err := proxy.ReadRecords(p.records)
-	if err != nil && !errors.Is(err, os.ErrNotExist) {
-		t.Fatal(err)
-	}
-	return recs
-}
-
-// waitRecords waits until the proxy recorded n connections.
-func (p *meshPod) waitRecords(ctx context.Context, t *testing.T, n int) []proxy.Record {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	recs, err := proxy.WaitForRecords(ctx, p.records, func(r []proxy.Record) bool { return len(r) >= n })
-	if err != nil {
-		t.Fatalf("proxy in %s: want %d records, have %d: %v", p.Name, n, len(recs), err)
-	}
-	return recs
-}
-
-// server is a TCP echo server inside a pod that remembers who connected.
-type server struct {
-	mu      sync.Mutex
-	clients []netip.Addr
-}
-
-func (s *server) serve(t *testing.T, p *harness.Pod, port int) {
-	t.Helper()
-	ln := p.Listen(t, "tcp", fmt.Sprintf("[::]:%d", port))
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			ap := netip.MustParseAddrPort(c.RemoteAddr().String())
-			s.mu.Lock()
-			s.clients = append(s.clients, ap.Addr().Unmap())
-			s.mu.Unlock()
-			go func() {
-				defer c.Close()
-				io.Copy(c, c)
-			}()
-		}
-	}()
-}
-
-func (s *server) seen() []netip.Addr {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return append([]netip.Addr(nil), s.clients...)
-}
-
-// roundTrip connects from pod to addr, sends payload and checks the echo.
-func roundTrip(ctx context.Context, p *harness.Pod, addr netip.AddrPort, payload []byte) error {
-	return roundTripMarked(ctx, p, addr, payload, 0)
-}
-
-// dialInPod connects from inside pod p, with SO_MARK set on the socket before
-// it connects (0: none), within 5 seconds.
-func dialInPod(ctx context.Context, p *harness.Pod, addr netip.AddrPort, mark int) (net.Conn, error) {
+// roundTripMarked is harness.Pod's EchoRoundTrip from a socket marked with
+// SO_MARK before it connects (0: none).
+func roundTripMarked(ctx context.Context, p *harness.Pod, addr netip.AddrPort, payload []byte, mark int) error {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	var c net.Conn
-	err := p.Do(func() error {
-		d := net.Dialer{}
-		if mark != 0 {
-			d.Control = func(_, _ string, rc syscall.RawConn) error {
-				var serr error
-				err := rc.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, mark) })
-				return errors.Join(err, serr)
-			}
-		}
-		var err error
-		c, err = d.DialContext(ctx, "tcp", addr.String())
-		return err
-	})
-	if err != nil {
-		return nil, fmt.Errorf("dial %s from pod %s: %w", addr, p.Name, err)
-	}
-	return c, nil
-}
-
-// roundTripMarked is roundTrip with SO_MARK set on the client socket before it
-// connects (0: none).
-func roundTripMarked(ctx context.Context, p *harness.Pod, addr netip.AddrPort, payload []byte, mark int) error {
-	c, err := dialInPod(ctx, p, addr, mark)
+	c, err := p.Netns().Dial(ctx, &net.Dialer{Control: fixtures.MarkControl(mark)}, "tcp", addr.String())
 	if err != nil {
 		return err
 	}
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(5 * time.Second))
-	if _, err := c.Write(payload); err != nil {
-		return fmt.Errorf("write: %w", err)
-	}
-	c.(*net.TCPConn).CloseWrite()
-	got, err := io.ReadAll(c)
-	if err != nil {
-		return fmt.Errorf("read: %w", err)
-	}
-	if !bytes.Equal(got, payload) {
-		return fmt.Errorf("echo mismatch: sent %d bytes, got %d", len(payload), len(got))
-	}
-	return nil
+	return fixtures.EchoRoundTrip(ctx, c, payload)
 }
 
 // TestRedirectThroughChain: pods added through the real chain with the eBPF data
@@ -176,30 +68,26 @@ func roundTripMarked(ctx context.Context, p *harness.Pod, addr netip.AddrPort, p
 func TestRedirectThroughChain(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
-	a := newAgent(t, "--inbound-excluded-ports", "15001,15006,15008,15020,15021,15053,15090,9090", "--outbound-excluded-ports", "9090")
-	a.start(ctx)
-	node := meshNode(t)
-	list := chain(t, node, a, "30s")
+	_, node, list := meshedNode(ctx, t, "30s", "--inbound-excluded-ports", "15001,15006,15008,15020,15021,15053,15090,9090", "--outbound-excluded-ports", "9090")
 	ca := addMeshPod(ctx, t, node, list, "shop", "client")
 	sb := addMeshPod(ctx, t, node, list, "shop", "server")
 	other := addMeshPod(ctx, t, node, list, "kube-system", "outsider")
 	ca.startProxy(ctx, t)
 	sb.startProxy(ctx, t)
-	var app, excluded server
-	app.serve(t, sb.Pod, 8080)
-	excluded.serve(t, sb.Pod, 9090)
+	app := sb.ServeEcho(t, 8080)
+	excluded := sb.ServeEcho(t, 9090)
 	payload := bytes.Repeat([]byte("mesh-cni "), 8<<10)
 
 	for i, dst := range []netip.Addr{sb.IPv4(t), sb.IPv6(t)} {
 		target := netip.AddrPortFrom(dst, 8080)
-		if err := roundTrip(ctx, ca.Pod, target, payload); err != nil {
+		if err := ca.EchoRoundTrip(ctx, target, payload); err != nil {
 			t.Fatalf("A -> %s: %v", target, err)
 		}
-		out := ca.waitRecords(ctx, t, i+1)[i]
+		out := proxy.AwaitRecords(ctx, t, ca.records, i+1)[i]
 		if out.Direction != "outbound" || !sameAddrPort(out.OriginalDst, target) || out.DstSource != "getsockopt" || out.Error != "" {
 			t.Fatalf("client proxy record %+v, want outbound to %s via getsockopt", out, target)
 		}
-		in := sb.waitRecords(ctx, t, i+1)[i]
+		in := proxy.AwaitRecords(ctx, t, sb.records, i+1)[i]
 		if in.Direction != "inbound" || !sameAddrPort(in.OriginalDst, target) || in.DstSource != "getsockopt" || in.Error != "" {
 			t.Fatalf("server proxy record %+v, want inbound to %s via getsockopt", in, target)
 		}
@@ -208,30 +96,30 @@ func TestRedirectThroughChain(t *testing.T) {
 		}
 	}
 	// The application only ever saw its own proxy as the client.
-	for _, c := range app.seen() {
+	for _, c := range app.Clients() {
 		if c == ca.IPv4(t) || c == ca.IPv6(t) {
 			t.Fatalf("the server saw the client %s directly: the inbound proxy was bypassed", c)
 		}
 	}
 
 	// An excluded port goes direct both ways: no new proxy records.
-	before := len(ca.proxyRecords(t)) + len(sb.proxyRecords(t))
-	if err := roundTrip(ctx, ca.Pod, netip.AddrPortFrom(sb.IPv4(t), 9090), payload); err != nil {
+	before := len(proxy.MustReadRecords(t, ca.records)) + len(proxy.MustReadRecords(t, sb.records))
+	if err := ca.EchoRoundTrip(ctx, netip.AddrPortFrom(sb.IPv4(t), 9090), payload); err != nil {
 		t.Fatalf("A -> B:9090 (excluded): %v", err)
 	}
-	if got := excluded.seen(); len(got) != 1 || got[0] != ca.IPv4(t) {
+	if got := excluded.Clients(); len(got) != 1 || got[0] != ca.IPv4(t) {
 		t.Fatalf("excluded port saw clients %v, want exactly the client pod %s", got, ca.IPv4(t))
 	}
 	// A pod that is not enrolled is not redirected: it reaches B's port 9090 directly.
-	if err := roundTrip(ctx, other.Pod, netip.AddrPortFrom(sb.IPv4(t), 9090), payload); err != nil {
+	if err := other.EchoRoundTrip(ctx, netip.AddrPortFrom(sb.IPv4(t), 9090), payload); err != nil {
 		t.Fatalf("outsider -> B:9090: %v", err)
 	}
-	if after := len(ca.proxyRecords(t)) + len(sb.proxyRecords(t)); after != before {
+	if after := len(proxy.MustReadRecords(t, ca.records)) + len(proxy.MustReadRecords(t, sb.records)); after != before {
 		t.Fatalf("proxies recorded %d new connections for traffic that must not be redirected", after-before)
 	}
 	// The proxy's own marked connections were never looped: one record each way
 	// per connection made.
-	if n := len(ca.proxyRecords(t)); n != 2 {
+	if n := len(proxy.MustReadRecords(t, ca.records)); n != 2 {
 		t.Fatalf("client proxy has %d records, want 2", n)
 	}
 }
@@ -242,27 +130,23 @@ func TestRedirectThroughChain(t *testing.T) {
 func TestFailClosedAndRelease(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
-	a := newAgent(t)
-	a.start(ctx)
-	node := meshNode(t)
-	list := chain(t, node, a, "30s")
+	a, node, list := meshedNode(ctx, t, "30s")
 	lonely := addMeshPod(ctx, t, node, list, "shop", "no-proxy")
 	peer := addMeshPod(ctx, t, node, list, "kube-system", "peer")
-	var peerApp, lonelyApp server
-	peerApp.serve(t, peer.Pod, 8080)
-	lonelyApp.serve(t, lonely.Pod, 8080)
+	peer.ServeEcho(t, 8080)
+	lonelyApp := lonely.ServeEcho(t, 8080)
 
-	err := roundTrip(ctx, lonely.Pod, netip.AddrPortFrom(peer.IPv4(t), 8080), []byte("x"))
+	err := lonely.EchoRoundTrip(ctx, netip.AddrPortFrom(peer.IPv4(t), 8080), []byte("x"))
 	if !errors.Is(err, syscall.ECONNREFUSED) {
 		t.Fatalf("outbound from an enrolled pod with no proxy: %v, want connection refused", err)
 	}
 	shortCtx, cancel := context.WithTimeout(ctx, 2*time.Second)
-	err = roundTrip(shortCtx, peer.Pod, netip.AddrPortFrom(lonely.IPv4(t), 8080), []byte("x"))
+	err = peer.EchoRoundTrip(shortCtx, netip.AddrPortFrom(lonely.IPv4(t), 8080), []byte("x"))
 	cancel()
 	if !errors.Is(err, syscall.ECONNREFUSED) {
 		t.Fatalf("inbound to an enrolled pod with no proxy: %v, want connection refused (reset, as by a closed port)", err)
 	}
-	if len(lonelyApp.seen()) != 0 {
+	if len(lonelyApp.Clients()) != 0 {
 		t.Fatal("the application of a fail-closed pod received a connection")
 	}
 
@@ -282,7 +166,7 @@ func TestFailClosedAndRelease(t *testing.T) {
 	if _, err := node.Add(ctx, lonely.Pod, list); err != nil {
 		t.Fatal(err)
 	}
-	if err := roundTrip(ctx, lonely.Pod, netip.AddrPortFrom(peer.IPv4(t), 8080), []byte("x")); !errors.Is(err, syscall.ECONNREFUSED) {
+	if err := lonely.EchoRoundTrip(ctx, netip.AddrPortFrom(peer.IPv4(t), 8080), []byte("x")); !errors.Is(err, syscall.ECONNREFUSED) {
 		t.Fatalf("re-added pod without proxy: %v, want connection refused again", err)
 	}
 
@@ -293,13 +177,12 @@ func TestFailClosedAndRelease(t *testing.T) {
 		list := chain(t, node, open, "30s")
 		p := addMeshPod(ctx, t, node, list, "shop", "open")
 		q := addMeshPod(ctx, t, node, list, "kube-system", "q")
-		var qApp, pApp server
-		qApp.serve(t, q.Pod, 8080)
-		pApp.serve(t, p.Pod, 8080)
-		if err := roundTrip(ctx, p.Pod, netip.AddrPortFrom(q.IPv4(t), 8080), []byte("x")); err != nil {
+		q.ServeEcho(t, 8080)
+		p.ServeEcho(t, 8080)
+		if err := p.EchoRoundTrip(ctx, netip.AddrPortFrom(q.IPv4(t), 8080), []byte("x")); err != nil {
 			t.Fatalf("fail-open outbound: %v", err)
 		}
-		if err := roundTrip(ctx, q.Pod, netip.AddrPortFrom(p.IPv4(t), 8080), []byte("x")); err != nil {
+		if err := q.EchoRoundTrip(ctx, netip.AddrPortFrom(p.IPv4(t), 8080), []byte("x")); err != nil {
 			t.Fatalf("fail-open inbound: %v", err)
 		}
 	})
@@ -349,16 +232,12 @@ func settingsEntryExists(t *testing.T, a *agent, cookie uint64) bool {
 func TestAgentRestartKeepsDataPath(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
-	a := newAgent(t)
-	a.start(ctx)
-	node := meshNode(t)
-	list := chain(t, node, a, "30s")
+	a, node, list := meshedNode(ctx, t, "30s")
 	ca := addMeshPod(ctx, t, node, list, "shop", "client")
 	sb := addMeshPod(ctx, t, node, list, "shop", "server")
 	ca.startProxy(ctx, t)
 	sb.startProxy(ctx, t)
-	var app server
-	app.serve(t, sb.Pod, 8080)
+	app := sb.ServeEcho(t, 8080)
 	before := a.list(ctx).GetEnrollments()
 
 	var ok, failed atomic.Int64
@@ -373,20 +252,20 @@ func TestAgentRestartKeepsDataPath(t *testing.T) {
 				return
 			default:
 			}
-			if err := roundTrip(ctx, ca.Pod, target, []byte("ping")); err != nil {
+			if err := ca.EchoRoundTrip(ctx, target, []byte("ping")); err != nil {
 				failed.Add(1)
 			} else {
 				ok.Add(1)
 			}
 		}
 	}()
-	harness.WaitFor(t, 30*time.Second, "connections before the kill", func() bool { return ok.Load() >= 20 })
+	fixtures.WaitFor(t, 30*time.Second, "connections before the kill", func() bool { return ok.Load() >= 20 })
 	a.kill()
 	atKill := ok.Load()
-	harness.WaitFor(t, 30*time.Second, "connections while the agent is down", func() bool { return ok.Load() >= atKill+50 })
+	fixtures.WaitFor(t, 30*time.Second, "connections while the agent is down", func() bool { return ok.Load() >= atKill+50 })
 	a.start(ctx)
 	afterStart := ok.Load()
-	harness.WaitFor(t, 30*time.Second, "connections after the restart", func() bool { return ok.Load() >= afterStart+20 })
+	fixtures.WaitFor(t, 30*time.Second, "connections after the restart", func() bool { return ok.Load() >= afterStart+20 })
 	close(stop)
 	<-done
 
@@ -395,12 +274,12 @@ func TestAgentRestartKeepsDataPath(t *testing.T) {
 	if failed.Load() != 0 {
 		t.Fatalf("%d connections failed across the agent restart", failed.Load())
 	}
-	for _, c := range app.seen() {
+	for _, c := range app.Clients() {
 		if c == ca.IPv4(t) {
 			t.Fatal("a connection reached the server directly, bypassing the proxies")
 		}
 	}
-	outRecs := ca.waitRecords(ctx, t, total)
+	outRecs := proxy.AwaitRecords(ctx, t, ca.records, total)
 	if len(outRecs) != total {
 		t.Fatalf("client proxy handled %d connections, the client made %d", len(outRecs), total)
 	}

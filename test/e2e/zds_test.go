@@ -137,6 +137,18 @@ func (n *nodeProxy) checkPathMarked(ctx context.Context, t *testing.T, from, to 
 	}
 }
 
+// startZDSAgent starts an agent with extraArgs serving ZDS on a socket of its
+// own, which it returns. The reference node proxy does not use service
+// accounts, which enrollment=all cannot know: the agent serves without them.
+func startZDSAgent(ctx context.Context, t *testing.T, extraArgs ...string) (*agent, string) {
+	t.Helper()
+	a := newAgent(t, extraArgs...)
+	zdsSocket := a.agentPath("zds", "ztunnel.sock")
+	a.Args = append(a.Args, "--zds-socket", zdsSocket, "--zds-without-service-accounts")
+	a.start(ctx)
+	return a, zdsSocket
+}
+
 // TestZDSNodeProxy: with the agent's ZDS server on and one node proxy process
 // on the host, pods added through the CNI chain are handed to the proxy, which
 // opens listeners inside them, and their traffic is redirected through those
@@ -146,12 +158,7 @@ func (n *nodeProxy) checkPathMarked(ctx context.Context, t *testing.T, from, to 
 func TestZDSNodeProxy(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
-	a := newAgent(t)
-	zdsSocket := a.agentPath("zds", "ztunnel.sock")
-	// The reference node proxy does not use service accounts; enrollment=all
-	// cannot know them.
-	a.Args = append(a.Args, "--zds-socket", zdsSocket, "--zds-without-service-accounts")
-	a.start(ctx)
+	a, zdsSocket := startZDSAgent(ctx, t)
 	np := startNodeProxy(ctx, t, zdsSocket, "node-proxy-1")
 
 	node := meshNode(t)
@@ -167,12 +174,11 @@ func TestZDSNodeProxy(t *testing.T) {
 		}
 		np.listening(ctx, t, p.Pod)
 	}
-	var app server
-	app.serve(t, srv.Pod, 8080)
+	app := srv.ServeEcho(t, 8080)
 	for _, dst := range []netip.Addr{srv.IPv4(t), srv.IPv6(t)} {
 		np.checkPath(ctx, t, client.Pod, srv.Pod, netip.AddrPortFrom(dst, 8080))
 	}
-	for _, c := range app.seen() {
+	for _, c := range app.Clients() {
 		if c == client.IPv4(t) || c == client.IPv6(t) {
 			t.Fatalf("the server saw the client %s directly: the node proxy's inbound listener was bypassed", c)
 		}
@@ -201,7 +207,7 @@ func TestZDSNodeProxy(t *testing.T) {
 	if err := np.proc.Stop(ctx); err != nil {
 		t.Fatalf("stop node proxy: %v", err)
 	}
-	if err := roundTrip(ctx, client.Pod, netip.AddrPortFrom(srv.IPv4(t), 8080), []byte("x")); !errors.Is(err, syscall.ECONNREFUSED) {
+	if err := client.EchoRoundTrip(ctx, netip.AddrPortFrom(srv.IPv4(t), 8080), []byte("x")); !errors.Is(err, syscall.ECONNREFUSED) {
 		t.Fatalf("client -> server with the node proxy stopped: %v, want connection refused", err)
 	}
 	np = startNodeProxy(ctx, t, zdsSocket, "node-proxy-2")
@@ -245,12 +251,7 @@ func TestZDSNodeProxy(t *testing.T) {
 func TestZDSProxyNeverAcks(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
-	a := newAgent(t, "--zds-wait=always")
-	zdsSocket := a.agentPath("zds", "ztunnel.sock")
-	// The reference node proxy does not use service accounts; enrollment=all
-	// cannot know them.
-	a.Args = append(a.Args, "--zds-socket", zdsSocket, "--zds-without-service-accounts")
-	a.start(ctx)
+	a, zdsSocket := startZDSAgent(ctx, t, "--zds-wait=always")
 
 	pc, err := zds.Dial(ctx, zdsSocket)
 	if err != nil {
@@ -347,10 +348,7 @@ func TestZDSRefusedWithoutServiceAccounts(t *testing.T) {
 func TestProxyKnownByCgroup(t *testing.T) {
 	t.Parallel()
 	ctx := testContext(t)
-	a := newAgent(t, "--proxy-mark", "0")
-	zdsSocket := a.agentPath("zds", "ztunnel.sock")
-	a.Args = append(a.Args, "--zds-socket", zdsSocket, "--zds-without-service-accounts")
-	a.start(ctx)
+	a, zdsSocket := startZDSAgent(ctx, t, "--proxy-mark", "0")
 	np := startNodeProxy(ctx, t, zdsSocket, "node-proxy")
 	node := meshNode(t)
 	list := chain(t, node, a, "30s")
@@ -359,14 +357,13 @@ func TestProxyKnownByCgroup(t *testing.T) {
 	for _, p := range []*meshPod{client, srv} {
 		np.listening(ctx, t, p.Pod)
 	}
-	var app server
-	app.serve(t, srv.Pod, 8080)
+	app := srv.ServeEcho(t, 8080)
 	for _, dst := range []netip.Addr{srv.IPv4(t), srv.IPv6(t)} {
 		target := netip.AddrPortFrom(dst, 8080)
 		np.checkPath(ctx, t, client.Pod, srv.Pod, target)
 		np.checkPathMarked(ctx, t, client.Pod, srv.Pod, target, 0x539)
 	}
-	for _, c := range app.seen() {
+	for _, c := range app.Clients() {
 		if c == client.IPv4(t) || c == client.IPv6(t) {
 			t.Fatalf("the server saw the client %s directly: a marked connect bypassed the node proxy", c)
 		}

@@ -1,7 +1,6 @@
 package harness_test
 
 import (
-	"context"
 	"testing"
 	"time"
 
@@ -12,8 +11,7 @@ import (
 // BenchmarkBridgeAdd measures one ADD+DEL of a pod through [bridge] via libcni.
 func BenchmarkBridgeAdd(b *testing.B) {
 	fixtures.RequireRoot(b, rootReason)
-	ctx, cancel := context.WithTimeout(b.Context(), 10*time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(b, 10*time.Minute)
 	node := harness.NewNode(b, harness.NodeOptions{})
 	list := node.Conflist(b, "benchnet")
 	pod := node.NewPod(b, "default", "bench")

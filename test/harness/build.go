@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"os/exec"
 	"path"
@@ -48,6 +49,14 @@ func ProductBinaries() map[string]string {
 		"refproxy":   "github.com/mesh-cni/mesh-cni/test/cmd/refproxy",
 		"ztunnel":    "github.com/mesh-cni/mesh-cni/test/cmd/ztunnel",
 	}
+}
+
+// AllBinaries are ReferencePlugins and ProductBinaries together: what a suite
+// that runs mesh-cni's own binaries on a node builds.
+func AllBinaries() map[string]string {
+	all := ReferencePlugins()
+	maps.Copy(all, ProductBinaries())
+	return all
 }
 
 // ReferencePluginNames are the binary names of ReferencePlugins, sorted: the plugins a

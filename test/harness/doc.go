@@ -19,9 +19,11 @@
 //
 // (NodeOptions.Primary and Families pick the primary network: bridge, ptp, ipvlan
 // L2/L3 or macvlan, over IPv4, IPv6 or both) and drive it with node.Del, Check, GC
-// and Status, reach pods with pod.Listen, pod.Dial, pod.Exec and pod.Start, and run
-// daemons with StartProcess (WaitForLine for a readiness line, WaitForHealthy for a
-// gRPC health service on a Unix socket).
+// and Status, reach pods with pod.Listen, pod.Dial, pod.Exec and pod.Start (and
+// pod.ServeEcho, pod.EchoRoundTrip and pod.StartRefproxy for traffic through a
+// sidecar), run daemons with StartProcess (WaitForLine for a readiness line,
+// WaitForHealthy for a gRPC health service on a Unix socket), and give an agent
+// its directories and flags with NewAgentDirs.
 //
 // Everything a test makes (namespaces, attachments, processes, listeners) is removed in
 // t.Cleanup, also when the test fails.

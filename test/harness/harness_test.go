@@ -1,7 +1,6 @@
 package harness_test
 
 import (
-	"context"
 	"errors"
 	"net"
 	"net/netip"
@@ -17,7 +16,6 @@ import (
 
 	"github.com/containernetworking/cni/pkg/types"
 
-	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
@@ -26,20 +24,13 @@ func TestMain(m *testing.M) {
 	harness.Main(m, harness.Options{Packages: harness.ReferencePlugins()})
 }
 
-// testCtx bounds a test's blocking calls; generous because the machine is shared.
-func testCtx(t *testing.T) context.Context {
-	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
-	t.Cleanup(cancel)
-	return ctx
-}
-
 // rootReason is why these tests need root.
 const rootReason = "these tests make network namespaces"
 
 func TestReferencePluginsBuilt(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	t.Parallel()
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, 2*time.Minute)
 	harness.Bins(t).Require(t, harness.ReferencePluginNames()...)
 	node := harness.NewNode(t, harness.NodeOptions{})
 	for _, name := range harness.ReferencePluginNames() {
@@ -58,7 +49,7 @@ func TestReferencePluginsBuilt(t *testing.T) {
 func TestBridgeDualStack(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	t.Parallel()
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, 2*time.Minute)
 	node := harness.NewNode(t, harness.NodeOptions{})
 	list := node.Conflist(t, "meshtest")
 	client := node.NewPod(t, "default", "client")
@@ -149,7 +140,7 @@ func TestCleanupReleasesEverything(t *testing.T) {
 	)
 	network := "leaktest"
 	t.Run("add", func(t *testing.T) {
-		ctx := testCtx(t)
+		ctx := fixtures.Context(t, 2*time.Minute)
 		node = harness.NewNode(t, harness.NodeOptions{Dir: dir})
 		list := node.Conflist(t, network)
 		paths = append(paths, node.NetNSPath)
@@ -188,7 +179,7 @@ func TestCleanupReleasesEverything(t *testing.T) {
 func TestChainedExtraPlugin(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	t.Parallel()
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, 2*time.Minute)
 	node := harness.NewNode(t, harness.NodeOptions{})
 	list := node.Conflist(t, "chained", map[string]any{
 		"type":         "portmap",
@@ -218,7 +209,7 @@ func TestChainedExtraPlugin(t *testing.T) {
 func TestArgsOverride(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	t.Parallel()
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, 2*time.Minute)
 	node := harness.NewNode(t, harness.NodeOptions{})
 	list := node.Conflist(t, "argstest")
 	pod := node.NewPod(t, "default", "args")
@@ -257,7 +248,7 @@ func TestLoadConflist(t *testing.T) {
 func TestProcess(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	t.Parallel()
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, 2*time.Minute)
 
 	t.Run("ready line and stop", func(t *testing.T) {
 		p := harness.StartProcess(t, harness.ProcessOptions{
@@ -383,10 +374,7 @@ func requireNoCachedResults(t *testing.T, node *harness.Node) {
 func TestCheckLeaks(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	path := filepath.Join(harness.NetnsDir, harness.NetnsPrefix()+"planted")
-	if err := netns.Create(path); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = netns.Remove(path) })
+	fixtures.NewNetns(t, path)
 	leaked, err := harness.LeakedNetns()
 	if err != nil || !slices.Contains(leaked, path) {
 		t.Fatalf("LeakedNetns = %v, %v; want it to list %s", leaked, err, path)
@@ -408,7 +396,7 @@ func TestCheckLeaks(t *testing.T) {
 func TestConcurrentPods(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	t.Parallel()
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, 2*time.Minute)
 	node := harness.NewNode(t, harness.NodeOptions{})
 	list := node.Conflist(t, "concurrent")
 	pods := make([]*harness.Pod, 6)
@@ -450,7 +438,7 @@ func TestConcurrentPods(t *testing.T) {
 func TestPluginCreatesBridge(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	t.Parallel()
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, 2*time.Minute)
 	node := harness.NewNode(t, harness.NodeOptions{PluginCreatesBridge: true})
 	links, err := node.Links()
 	if err != nil {
@@ -495,7 +483,7 @@ func TestPrimaryOption(t *testing.T) {
 		for _, families := range []harness.Families{harness.IPv4Only, harness.IPv6Only, harness.DualStack} {
 			t.Run(string(primary)+"/"+families.String(), func(t *testing.T) {
 				t.Parallel()
-				ctx := testCtx(t)
+				ctx := fixtures.Context(t, 2*time.Minute)
 				node := harness.NewNode(t, harness.NodeOptions{Primary: primary, Families: families})
 				node.RequirePrimary(t)
 				list := node.Conflist(t, "primary")

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -36,7 +37,7 @@ func serveGRPC(t *testing.T, socket string, register func(*grpc.Server)) {
 
 func TestWaitForHealthy(t *testing.T) {
 	t.Parallel()
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, 2*time.Minute)
 	socket := filepath.Join(t.TempDir(), "gate.sock")
 
 	// Start waiting before the socket exists, as a test does right after starting
@@ -72,7 +73,7 @@ func TestWaitForHealthy(t *testing.T) {
 
 func TestWaitForHealthyNoHealthService(t *testing.T) {
 	t.Parallel()
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, 2*time.Minute)
 	socket := filepath.Join(t.TempDir(), "bare.sock")
 	serveGRPC(t, socket, func(*grpc.Server) {})
 	err := harness.WaitForHealthy(ctx, socket)

@@ -27,7 +27,7 @@ const buildTimeout = 15 * time.Minute
 // Options configures Main.
 type Options struct {
 	// Packages are the binaries to build, binary name -> import path, e.g.
-	// ReferencePlugins() or both it and ProductBinaries() merged.
+	// ReferencePlugins() or AllBinaries().
 	Packages map[string]string
 }
 

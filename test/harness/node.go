@@ -157,16 +157,9 @@ func NewNode(tb testing.TB, opts NodeOptions) *Node {
 		PluginDecoder: version.PluginDecoder{},
 	})
 
-	n.NetNSPath = filepath.Join(NetnsDir, NetnsPrefix()+"node-"+randomHex(tb, 4))
-	if err := netns.Create(n.NetNSPath); err != nil {
-		logFile.Close()
-		tb.Fatalf("create node netns: %v", err)
-	}
+	// Registered before the namespace's removal, so it runs after it:
+	// removing the namespace destroys the bridge and the host-side veths.
 	tb.Cleanup(func() {
-		// Removing the namespace destroys the bridge and the host-side veths.
-		if err := netns.Remove(n.NetNSPath); err != nil {
-			tb.Errorf("remove node netns: %v", err)
-		}
 		logFile.Close()
 		if tb.Failed() {
 			if out, err := os.ReadFile(n.PluginLog); err == nil && len(out) > 0 {
@@ -174,6 +167,7 @@ func NewNode(tb testing.TB, opts NodeOptions) *Node {
 			}
 		}
 	})
+	n.NetNSPath = fixtures.NewNetns(tb, filepath.Join(NetnsDir, NetnsPrefix()+"node-"+randomHex(tb, 4))).Path
 	switch {
 	case n.Primary == PrimaryBridge && !opts.PluginCreatesBridge:
 		if err := n.createBridge(tb); err != nil {

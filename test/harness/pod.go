@@ -294,13 +294,65 @@ func (p *Pod) Start(tb testing.TB, opts ProcessOptions) *Process {
 // Listen opens a listener inside the pod's netns, closed in cleanup.
 func (p *Pod) Listen(tb testing.TB, network, address string) net.Listener {
 	tb.Helper()
-	return p.netns().Listen(tb, network, address)
+	return p.Netns().Listen(tb, network, address)
 }
 
 // Dial connects from inside the pod's netns. The connection may be used from any
 // goroutine afterwards.
 func (p *Pod) Dial(ctx context.Context, network, address string) (net.Conn, error) {
-	return p.netns().Dial(ctx, nil, network, address)
+	return p.Netns().Dial(ctx, nil, network, address)
 }
 
-func (p *Pod) netns() *fixtures.Netns { return &fixtures.Netns{Path: p.NetNSPath} }
+// ServeEcho runs an echo server in the pod on the wildcard address (IPv4 and
+// IPv6) at port until tb's cleanup (fixtures.ServeEcho).
+func (p *Pod) ServeEcho(tb testing.TB, port int) *fixtures.EchoServer {
+	tb.Helper()
+	return fixtures.ServeEcho(tb, p.Listen(tb, "tcp", fmt.Sprintf(":%d", port)))
+}
+
+// roundTripLimit bounds one EchoRoundTrip: a round trip is a connect and a few
+// kilobytes each way, so one that takes longer has lost its way.
+const roundTripLimit = 5 * time.Second
+
+// EchoRoundTrip connects from inside the pod to addr, an echo server, and
+// checks that payload comes back (fixtures.EchoRoundTrip), within five
+// seconds.
+func (p *Pod) EchoRoundTrip(ctx context.Context, addr netip.AddrPort, payload []byte) error {
+	ctx, cancel := context.WithTimeout(ctx, roundTripLimit)
+	defer cancel()
+	c, err := p.Dial(ctx, "tcp", addr.String())
+	if err != nil {
+		return err
+	}
+	if err := fixtures.EchoRoundTrip(ctx, c, payload); err != nil {
+		return fmt.Errorf("pod %s to %s: %w", p.Name, addr, err)
+	}
+	return nil
+}
+
+// refproxyReady bounds how long StartRefproxy waits for the proxy's "ready".
+const refproxyReady = 30 * time.Second
+
+// StartRefproxy runs the reference proxy (test/cmd/refproxy) inside the pod,
+// the way a sidecar runs, with args added to its flags, and waits until it is
+// ready. It records each connection it proxies in the returned file (read it
+// with test/proxy's ReadRecords).
+func (p *Pod) StartRefproxy(ctx context.Context, tb testing.TB, args ...string) (proc *Process, records string) {
+	tb.Helper()
+	records = filepath.Join(tb.TempDir(), p.Name+"-records.jsonl")
+	proc = p.Start(tb, ProcessOptions{
+		Path: Bins(tb).Path("refproxy"),
+		Args: append([]string{"-record", records}, args...),
+		Name: "refproxy-" + p.Name,
+	})
+	ctx, cancel := context.WithTimeout(ctx, refproxyReady)
+	defer cancel()
+	if _, err := proc.WaitForLine(ctx, "ready"); err != nil {
+		tb.Fatalf("proxy in %s: %v", p.Name, err)
+	}
+	return proc, records
+}
+
+// Netns is the pod's namespace, for what fixtures.Netns does there (Dial
+// with a dialer of the test's own, for one).
+func (p *Pod) Netns() *fixtures.Netns { return &fixtures.Netns{Path: p.NetNSPath} }

@@ -2,45 +2,12 @@ package harness
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"testing"
 	"time"
 )
 
-const (
-	// probeTimeout bounds one call of a PollUntil probe.
-	probeTimeout = 5 * time.Second
-	// WaitInterval is how often WaitFor checks its condition: short, since a
-	// condition is a cheap look at in-process state.
-	WaitInterval = 10 * time.Millisecond
-)
-
-// errNotYet is a condition's probe result until the condition holds.
-var errNotYet = errors.New("condition does not hold yet")
-
-// Eventually reports whether cond holds within limit, checking it every
-// interval; ctx ending first is a no. It is the one deadline poll of the
-// tests: wait by a signal where there is one, and by this where there is none.
-func Eventually(ctx context.Context, limit, interval time.Duration, cond func() bool) bool {
-	ctx, cancel := context.WithTimeout(ctx, limit)
-	defer cancel()
-	return PollUntil(ctx, nil, interval, func(context.Context) error {
-		if cond() {
-			return nil
-		}
-		return errNotYet
-	}) == nil
-}
-
-// WaitFor fails tb unless cond holds within limit (checked every
-// WaitInterval); what names the awaited state in the failure.
-func WaitFor(tb testing.TB, limit time.Duration, what string, cond func() bool) {
-	tb.Helper()
-	if !Eventually(tb.Context(), limit, WaitInterval, cond) {
-		tb.Fatalf("timed out after %v waiting for %s", limit, what)
-	}
-}
+// probeTimeout bounds one call of a PollUntil probe.
+const probeTimeout = 5 * time.Second
 
 // PollUntil calls probe every interval until it returns nil, proc exits (a nil
 // proc is never waited on) or ctx ends. Each call gets a context of at most

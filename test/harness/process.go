@@ -17,6 +17,7 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // pipeGrace bounds how long Wait keeps reading output after the process exited, in
@@ -103,7 +104,7 @@ func newCgroup(tb testing.TB, name string) (string, *os.File) {
 		// A cgroup is removable once its last process has been reaped.
 		// The test's context has ended by now: the wait is bounded by its limit.
 		var err error
-		if !Eventually(context.Background(), 10*time.Second, WaitInterval, func() bool {
+		if !fixtures.Eventually(context.Background(), 10*time.Second, fixtures.WaitInterval, func() bool {
 			err = os.Remove(dir)
 			return err == nil || errors.Is(err, os.ErrNotExist)
 		}) {
@@ -131,7 +132,7 @@ func MkCgroup(tb testing.TB, dir string) string {
 			tb.Errorf("kill cgroup %s: %v", dir, err)
 		}
 		var err error
-		if !Eventually(context.Background(), 10*time.Second, WaitInterval, func() bool {
+		if !fixtures.Eventually(context.Background(), 10*time.Second, fixtures.WaitInterval, func() bool {
 			err = os.Remove(dir)
 			return err == nil || errors.Is(err, os.ErrNotExist)
 		}) {

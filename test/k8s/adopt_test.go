@@ -18,7 +18,9 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
 // runningPod is a pod that started before the agent was installed: set up by
@@ -127,11 +129,10 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 	}
 	updatePodStatus(ctx, t, c.admin, lab, "lost", func(st *corev1.PodStatus) { st.Phase = corev1.PodRunning })
 
-	var app echoServer
-	app.serve(t, server, 8080)
+	server.ServeEcho(t, 8080)
 	target := netip.AddrPortFrom(server.IPv4(t), 8080)
-	records := startProxy(ctx, t, client)
-	if err := roundTrip(ctx, client, target); err != nil {
+	_, records := client.StartRefproxy(ctx, t)
+	if err := client.EchoRoundTrip(ctx, target, []byte("mesh-cni k8s")); err != nil {
 		t.Fatalf("client -> server before the install: %v", err)
 	}
 	// A connection the client holds open across its adoption.
@@ -148,7 +149,7 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 		"--pod-cgroup-driver=cgroupfs", "--pod-cgroup-root", strings.TrimPrefix(cgroupRoot, mount))...)
 	a.start(ctx)
 
-	harness.WaitFor(t, 30*time.Second, "the running pods of the labelled namespace adopted", func() bool {
+	fixtures.WaitFor(t, 30*time.Second, "the running pods of the labelled namespace adopted", func() bool {
 		return a.enrolledUID(client.UID) && a.enrolledUID(worker.UID)
 	})
 	c.waitAnnotation(t, lab, "client", enroll.OutcomeEnabled)
@@ -175,13 +176,13 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 	if err := echoOn(held, "after the adoption"); err != nil {
 		t.Errorf("the connection held across the adoption: %v", err)
 	}
-	if n := len(readRecords(t, records)); n != 0 {
+	if n := len(proxy.MustReadRecords(t, records)); n != 0 {
 		t.Fatalf("the proxy saw %d connections before the adopted pod's first new one", n)
 	}
-	if err := roundTrip(ctx, client, target); err != nil {
+	if err := client.EchoRoundTrip(ctx, target, []byte("mesh-cni k8s")); err != nil {
 		t.Fatalf("client -> server once adopted: %v", err)
 	}
-	recs := waitRecords(ctx, t, records, 1)
+	recs := proxy.AwaitRecords(ctx, t, records, 1)
 	if r := recs[0]; r.Direction != "outbound" || r.OriginalDst.Addr().Unmap() != target.Addr() || r.OriginalDst.Port() != target.Port() || r.Error != "" {
 		t.Fatalf("proxy record %+v, want outbound to %s", r, target)
 	}
@@ -189,7 +190,7 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 	// Labelling the unselected pod's namespace enrolls it like any pod the
 	// agent knows.
 	c.setLabel(t, plain, "late", "mesh-cni.io/dataplane-mode", "enabled")
-	harness.WaitFor(t, 30*time.Second, "the labelled running pod enrolled", func() bool { return a.enrolledUID(late.UID) })
+	fixtures.WaitFor(t, 30*time.Second, "the labelled running pod enrolled", func() bool { return a.enrolledUID(late.UID) })
 
 	// The runtime's DEL, through the chain the agent installed, releases
 	// adopted pods: the one whose attachment the agent read as the runtime
@@ -205,7 +206,8 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 	}
 }
 
-// echoOn sends msg on c, a connection to an echoServer, and reads it back.
+// echoOn sends msg on c, a connection to an echo server, and reads it back,
+// leaving c open.
 func echoOn(c net.Conn, msg string) error {
 	if err := c.SetDeadline(time.Now().Add(5 * time.Second)); err != nil {
 		return err

@@ -6,14 +6,10 @@ import (
 	"debug/buildinfo"
 	"encoding/json"
 	"fmt"
-	"io"
-	"net"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -26,6 +22,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
 	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
@@ -45,33 +42,13 @@ type agent struct {
 }
 
 // prepareAgent prepares (but does not start) a mesh-agent with its own socket,
-// state and bpffs directories. The data path is removed after the test with
-// the product's uninstall, as test/e2e does.
+// state and bpffs directories (harness.NewAgentDirs). Its sidecar proxies are
+// known by ztunnel's mark, the node proxy of the ZDS tests by its own cgroup.
 func prepareAgent(t testing.TB, extraArgs ...string) *agent {
 	t.Helper()
-	// Short: a Unix socket path is limited to 107 bytes.
-	dir, err := os.MkdirTemp("", "mesh-k8s-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	a := &agent{t: t, dir: dir, Socket: filepath.Join(dir, "run", "gate.sock"), BPFFS: filepath.Join(dir, "bpf")}
-	a.Args = append([]string{"run", "--socket", a.Socket, "--state-dir", filepath.Join(dir, "pods"), "--bpffs-root", a.BPFFS,
-		"--cni-install=false", "--metrics-addr=", "--zds-socket=", "--log-level", "debug",
-		// The sidecar proxies run in the test's cgroup and are known by ztunnel's
-		// mark (an opt-in); the node proxy of the ZDS tests by its own cgroup.
-		"--proxy-mark", "0x539"}, extraArgs...)
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
-		out, err := exec.CommandContext(ctx, harness.Bins(t).Path("mesh-agent"), "uninstall",
-			"--bpffs-root", a.BPFFS, "--cni-install=false", "--log-level", "warn").CombinedOutput()
-		if err != nil {
-			t.Errorf("mesh-agent uninstall: %v\n%s", err, out)
-		}
-		if err := os.RemoveAll(dir); err != nil {
-			t.Errorf("remove agent dir: %v", err)
-		}
-	})
+	d := harness.NewAgentDirs(t, "mesh-k8s-")
+	a := &agent{t: t, dir: d.Dir, Socket: d.Socket, BPFFS: d.BPFFS}
+	a.Args = append(d.RunArgs(), extraArgs...)
 	return a
 }
 
@@ -153,7 +130,7 @@ func installArgs(t *testing.T, node *harness.Node) []string {
 func waitChainEntry(t *testing.T, node *harness.Node, present bool) *libcni.NetworkConfigList {
 	t.Helper()
 	var list *libcni.NetworkConfigList
-	harness.WaitFor(t, 30*time.Second, fmt.Sprintf("the chain entry present=%v", present), func() bool {
+	fixtures.WaitFor(t, 30*time.Second, fmt.Sprintf("the chain entry present=%v", present), func() bool {
 		l, _, err := node.LoadConflist()
 		if err != nil || len(l.Plugins) == 0 {
 			return false
@@ -199,7 +176,7 @@ func (c *cluster) annotation(t *testing.T, namespace, name string) string {
 
 func (c *cluster) waitAnnotation(t *testing.T, namespace, name, want string) {
 	t.Helper()
-	harness.WaitFor(t, 30*time.Second, fmt.Sprintf("%s=%s on %s/%s", enroll.AnnotationRedirection, want, namespace, name), func() bool {
+	fixtures.WaitFor(t, 30*time.Second, fmt.Sprintf("%s=%s on %s/%s", enroll.AnnotationRedirection, want, namespace, name), func() bool {
 		return c.annotation(t, namespace, name) == want
 	})
 }
@@ -219,9 +196,9 @@ func waitEnrolled(t *testing.T, a *agent, p *harness.Pod, want bool, what string
 	t.Helper()
 	start := time.Now()
 	cond := func() bool { return a.enrolled(p) == want }
-	if !harness.Eventually(t.Context(), changeLimit, harness.WaitInterval, cond) {
+	if !fixtures.Eventually(t.Context(), changeLimit, fixtures.WaitInterval, cond) {
 		t.Errorf("%s: pod %s/%s enrolled=%v not reached within %s", what, p.Namespace, p.Name, want, changeLimit)
-		harness.WaitFor(t, 30*time.Second, what, cond)
+		fixtures.WaitFor(t, 30*time.Second, what, cond)
 	}
 	t.Logf("%s: %s/%s enrolled=%v after %s", what, p.Namespace, p.Name, want, time.Since(start).Round(time.Millisecond))
 }
@@ -264,14 +241,13 @@ func testAgentEnrollmentFollowsLabels(t *testing.T, c *cluster) {
 	c.noRedirection(t, lab, "opt-out")
 	c.noRedirection(t, plain, "late")
 
-	var app echoServer
-	app.serve(t, srv, 8080)
-	records := startProxy(ctx, t, late)
+	srv.ServeEcho(t, 8080)
+	_, records := late.StartRefproxy(ctx, t)
 	target := netip.AddrPortFrom(srv.IPv4(t), 8080)
-	if err := roundTrip(ctx, late, target); err != nil {
+	if err := late.EchoRoundTrip(ctx, target, []byte("mesh-cni k8s")); err != nil {
 		t.Fatalf("late -> server before enrollment: %v", err)
 	}
-	if n := len(readRecords(t, records)); n != 0 {
+	if n := len(proxy.MustReadRecords(t, records)); n != 0 {
 		t.Fatalf("the proxy of a pod not yet enrolled saw %d connections", n)
 	}
 
@@ -281,10 +257,10 @@ func testAgentEnrollmentFollowsLabels(t *testing.T, c *cluster) {
 	if a.enrolled(srv) {
 		t.Error("the opted-out server pod was enrolled with its namespace")
 	}
-	if err := roundTrip(ctx, late, target); err != nil {
+	if err := late.EchoRoundTrip(ctx, target, []byte("mesh-cni k8s")); err != nil {
 		t.Fatalf("late -> server after enrollment: %v", err)
 	}
-	recs := waitRecords(ctx, t, records, 1)
+	recs := proxy.AwaitRecords(ctx, t, records, 1)
 	if r := recs[0]; r.Direction != "outbound" || r.OriginalDst.Addr().Unmap() != target.Addr() || r.OriginalDst.Port() != target.Port() || r.Error != "" {
 		t.Fatalf("proxy record %+v, want outbound to %s", r, target)
 	}
@@ -293,10 +269,10 @@ func testAgentEnrollmentFollowsLabels(t *testing.T, c *cluster) {
 	// Unlabel it: released, traffic direct again.
 	c.setLabel(t, plain, "", "mesh-cni.io/dataplane-mode", "")
 	waitEnrolled(t, a, late, false, "namespace unlabelled")
-	if err := roundTrip(ctx, late, target); err != nil {
+	if err := late.EchoRoundTrip(ctx, target, []byte("mesh-cni k8s")); err != nil {
 		t.Fatalf("late -> server after release: %v", err)
 	}
-	if n := len(readRecords(t, records)); n != 1 {
+	if n := len(proxy.MustReadRecords(t, records)); n != 1 {
 		t.Fatalf("the proxy saw %d connections, want only the one made while enrolled", n)
 	}
 	c.waitAnnotation(t, plain, "late", enroll.OutcomeDisabled)
@@ -470,7 +446,7 @@ func testAgentAddWithAPIServerDown(t *testing.T, c *cluster) {
 	own.waitAnnotation(t, ns, "unseen", enroll.OutcomeEnabled)
 	// The failed attempt was queued while the API server was down and is
 	// written once it is back (the reporter backs off up to 30 s).
-	harness.WaitFor(t, 2*time.Minute, "the Warning Event for the failed ADD", func() bool {
+	fixtures.WaitFor(t, 2*time.Minute, "the Warning Event for the failed ADD", func() bool {
 		evs, err := own.admin.CoreV1().Events(ns).List(ctx, metav1.ListOptions{
 			FieldSelector: fields.OneTermEqualSelector("involvedObject.name", "unseen").String(),
 		})
@@ -484,93 +460,4 @@ func testAgentAddWithAPIServerDown(t *testing.T, c *cluster) {
 		}
 		return false
 	})
-}
-
-// echoServer is a TCP echo server inside a pod.
-type echoServer struct {
-	mu      sync.Mutex
-	clients []netip.Addr
-}
-
-func (s *echoServer) serve(t *testing.T, p *harness.Pod, port int) {
-	t.Helper()
-	ln := p.Listen(t, "tcp", fmt.Sprintf("[::]:%d", port))
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			s.mu.Lock()
-			s.clients = append(s.clients, netip.MustParseAddrPort(c.RemoteAddr().String()).Addr().Unmap())
-			s.mu.Unlock()
-			go func() {
-				defer c.Close()
-				_, _ = io.Copy(c, c)
-			}()
-		}
-	}()
-}
-
-// roundTrip connects from p to addr and checks an echo.
-func roundTrip(ctx context.Context, p *harness.Pod, addr netip.AddrPort) error {
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	c, err := p.Dial(ctx, "tcp", addr.String())
-	if err != nil {
-		return err
-	}
-	defer c.Close()
-	if err := c.SetDeadline(time.Now().Add(5 * time.Second)); err != nil {
-		return err
-	}
-	payload := []byte("mesh-cni k8s")
-	if _, err := c.Write(payload); err != nil {
-		return fmt.Errorf("write: %w", err)
-	}
-	if err := c.(*net.TCPConn).CloseWrite(); err != nil {
-		return err
-	}
-	got, err := io.ReadAll(c)
-	if err != nil {
-		return fmt.Errorf("read: %w", err)
-	}
-	if !bytes.Equal(got, payload) {
-		return fmt.Errorf("echo mismatch: %q", got)
-	}
-	return nil
-}
-
-// startProxy runs the reference proxy inside p, as a sidecar would, with
-// args added to its own, and returns its record file.
-func startProxy(ctx context.Context, t *testing.T, p *harness.Pod, args ...string) string {
-	t.Helper()
-	records := filepath.Join(t.TempDir(), p.Name+"-records.jsonl")
-	proc := p.Start(t, harness.ProcessOptions{Path: harness.Bins(t).Path("refproxy"), Args: append([]string{"-record", records}, args...), Name: "refproxy-" + p.Name})
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	if _, err := proc.WaitForLine(ctx, "ready"); err != nil {
-		t.Fatalf("proxy in %s: %v", p.Name, err)
-	}
-	return records
-}
-
-func readRecords(t *testing.T, path string) []proxy.Record {
-	t.Helper()
-	recs, err := proxy.ReadRecords(path)
-	if err != nil && !os.IsNotExist(err) {
-		t.Fatal(err)
-	}
-	return recs
-}
-
-func waitRecords(ctx context.Context, t *testing.T, path string, n int) []proxy.Record {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	recs, err := proxy.WaitForRecords(ctx, path, func(r []proxy.Record) bool { return len(r) >= n })
-	if err != nil {
-		t.Fatalf("proxy: want %d records, have %d: %v", n, len(recs), err)
-	}
-	return recs
 }

@@ -14,9 +14,10 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/containernetworking/cni/libcni"
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
-	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
 )
 
 // The policies of install/kubernetes/podpolicy.yaml.
@@ -244,7 +245,7 @@ func (c *cluster) waitRedirection(t *testing.T, namespace, name, outcome string,
 	} else {
 		what += " absent"
 	}
-	harness.WaitFor(t, 30*time.Second, what, func() bool {
+	fixtures.WaitFor(t, 30*time.Second, what, func() bool {
 		o, v, ok := c.redirectionOf(t, namespace, name)
 		return o == outcome && ok == istio && (!istio || v == enroll.OutcomeEnabled)
 	})
@@ -265,15 +266,7 @@ func testAgentCorrectsForgedAnnotations(t *testing.T, c *cluster) {
 	forged := map[string]string{enroll.AnnotationRedirection: enroll.OutcomeEnabled, enroll.IstioAnnotationRedirection: enroll.OutcomeEnabled}
 	c.pod(t, plain, "never-added", kubeNode, nil, forged)
 
-	a := prepareAgent(t)
-	a.Kubeconfig = c.api.WriteKubeconfig(t, kubeenv.AgentUser, filepath.Join(a.dir, "kubeconfig"))
-	// No node proxy runs: ADDs do not wait for its ack.
-	a.Args = append(a.Args, "--enrollment", "kubernetes", "--kubeconfig", a.Kubeconfig, "--node-name", kubeNode, "--api-timeout", "3s",
-		"--selector-profile", enroll.ProfileIstio, "--zds-socket", filepath.Join(a.dir, "zds", "ztunnel.sock"), "--zds-wait", "never",
-		"--reconcile-interval", "1s")
-	a.start(ctx)
-	node := harness.NewNode(t, harness.NodeOptions{Plugins: append(harness.ReferencePluginNames(), "mesh-cni")})
-	list := node.Conflist(t, "meshnet", a.meshEntry())
+	a, node, list := startIstioAgent(ctx, t, c, kubeNode, "1s")
 	meshed, uncaptured := cniPod(t, node, meshedPod), cniPod(t, node, plainPod)
 	add(ctx, t, node, list, meshed)
 	add(ctx, t, node, list, uncaptured)
@@ -296,7 +289,7 @@ func testAgentCorrectsForgedAnnotations(t *testing.T, c *cluster) {
 	c.waitRedirection(t, plain, "plain", enroll.OutcomeDisabled, false)
 	c.waitRedirection(t, amb, "meshed", enroll.OutcomeEnabled, true)
 	// Each correction is logged before it is written.
-	harness.WaitFor(t, 10*time.Second, "the agent's log line of each correction", func() bool {
+	fixtures.WaitFor(t, 10*time.Second, "the agent's log line of each correction", func() bool {
 		var corrected []string
 		for line := range strings.Lines(a.Proc.Output()) {
 			for _, pod := range []string{"meshed", "never-added", "plain"} {
@@ -312,6 +305,18 @@ func testAgentCorrectsForgedAnnotations(t *testing.T, c *cluster) {
 	}
 }
 
+// startIstioAgent starts an agent for kubeNode with the istio profile and a
+// ZDS socket no node proxy serves (so ADDs do not wait for an ack), auditing
+// every reconcile, and a node whose chain reaches it.
+func startIstioAgent(ctx context.Context, t *testing.T, c *cluster, kubeNode, reconcile string) (*agent, *harness.Node, *libcni.NetworkConfigList) {
+	t.Helper()
+	a := newAgent(t, c.api, kubeNode, "--selector-profile", enroll.ProfileIstio, "--zds-wait", "never", "--reconcile-interval", reconcile)
+	a.Args = append(a.Args, "--zds-socket", filepath.Join(a.dir, "zds", "ztunnel.sock"))
+	a.start(ctx)
+	node := harness.NewNode(t, harness.NodeOptions{Plugins: append(harness.ReferencePluginNames(), "mesh-cni")})
+	return a, node, node.Conflist(t, "meshnet", a.meshEntry())
+}
+
 // testAgentReleasesTerminatedPods: under the istio profile a meshed pod
 // whose containers have all exited for good (phase Succeeded or Failed, a
 // Job's pod, which stays in the API) leaves the mesh as istio-cni takes it
@@ -324,15 +329,7 @@ func testAgentReleasesTerminatedPods(t *testing.T, c *cluster) {
 	ctx := apiContext(t)
 	kubeNode := "node-" + randomHex(t, 4)
 	amb := c.namespace(t, "ambient", map[string]string{enroll.IstioLabelDataplaneMode: enroll.IstioValueAmbient})
-	a := prepareAgent(t)
-	a.Kubeconfig = c.api.WriteKubeconfig(t, kubeenv.AgentUser, filepath.Join(a.dir, "kubeconfig"))
-	// No node proxy runs: ADDs do not wait for its ack.
-	a.Args = append(a.Args, "--enrollment", "kubernetes", "--kubeconfig", a.Kubeconfig, "--node-name", kubeNode, "--api-timeout", "3s",
-		"--selector-profile", enroll.ProfileIstio, "--zds-socket", filepath.Join(a.dir, "zds", "ztunnel.sock"), "--zds-wait", "never",
-		"--reconcile-interval", "1h")
-	a.start(ctx)
-	node := harness.NewNode(t, harness.NodeOptions{Plugins: append(harness.ReferencePluginNames(), "mesh-cni")})
-	list := node.Conflist(t, "meshnet", a.meshEntry())
+	a, node, list := startIstioAgent(ctx, t, c, kubeNode, "1h")
 	pods := map[string]*harness.Pod{}
 	for _, name := range []string{"running", "completed", "failed-after-del"} {
 		p := cniPod(t, node, c.pod(t, amb, name, kubeNode, nil, nil))
@@ -412,7 +409,7 @@ func testAgentEnforcedNamespace(t *testing.T, c *cluster) {
 func (c *cluster) waitOptOutEvent(t *testing.T, p *corev1.Pod) {
 	t.Helper()
 	want := `"mesh-cni.io/dataplane-mode=disabled" (profile mesh-cni), ignored: namespace ` + p.Namespace + " enforces the mesh (mesh-cni.io/enforce=true)"
-	harness.WaitFor(t, 30*time.Second, "the Warning Event "+enroll.EventReasonOptOutIgnored+" on "+p.Namespace+"/"+p.Name, func() bool {
+	fixtures.WaitFor(t, 30*time.Second, "the Warning Event "+enroll.EventReasonOptOutIgnored+" on "+p.Namespace+"/"+p.Name, func() bool {
 		evs, err := c.admin.CoreV1().Events(p.Namespace).List(apiContext(t), metav1.ListOptions{
 			FieldSelector: fields.OneTermEqualSelector("involvedObject.name", p.Name).String(),
 		})

@@ -334,7 +334,7 @@ func (n *ambientNode) startIstioCNI(t *testing.T) *libcni.NetworkConfigList {
 		},
 	})
 	var list *libcni.NetworkConfigList
-	poll(t, time.Minute, "istio-cni chained into the primary's conflist", func() bool {
+	fixtures.WaitFor(t, time.Minute, "istio-cni chained into the primary's conflist", func() bool {
 		l, err := libcni.ConfListFromFile(conf)
 		if err != nil {
 			return false
@@ -464,6 +464,7 @@ func addAsKubelet(ctx context.Context, t *testing.T, node *harness.Node, list *l
 		if err := node.Del(ctx, p, list); err != nil {
 			t.Logf("DEL after the failed ADD: %v", err)
 		}
+		// kubelet's spacing of sandbox retries (far longer there), not a wait.
 		time.Sleep(time.Second)
 	}
 }
@@ -621,7 +622,7 @@ func resolve(t *testing.T, p *harness.Pod, server, name string) ([]netip.Addr, e
 func (n *ambientNode) waitRecord(t *testing.T, what string, ok func(ztunnel.Record) bool) ztunnel.Record {
 	t.Helper()
 	var found ztunnel.Record
-	poll(t, 20*time.Second, what, func() bool {
+	fixtures.WaitFor(t, 20*time.Second, what, func() bool {
 		recs, _ := ztunnel.ReadRecords(n.records)
 		i := slices.IndexFunc(recs, ok)
 		if i >= 0 {
@@ -639,17 +640,6 @@ func (n *ambientNode) recordCount(t *testing.T) int {
 		t.Fatal(err)
 	}
 	return len(recs)
-}
-
-func poll(t *testing.T, limit time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(limit)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("waiting for %s: gave up after %s", what, limit)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
 }
 
 // TestIstioAmbient runs one ambient node with istio-cni and one with mesh-cni in
@@ -946,12 +936,12 @@ func testAmbientNode(t *testing.T, n *ambientNode, list *libcni.NetworkConfigLis
 	// A pod whose containers have all exited for good leaves the mesh:
 	// ztunnel is told, istiod is no longer told HBONE.
 	job := n.addPod(t, list, n.ambient, "job")
-	poll(t, 20*time.Second, "the job's "+enroll.IstioAnnotationRedirection, func() bool {
+	fixtures.WaitFor(t, 20*time.Second, "the job's "+enroll.IstioAnnotationRedirection, func() bool {
 		got, err := n.admin.CoreV1().Pods(n.ambient).Get(apiContext(t), "job", metav1.GetOptions{})
 		return err == nil && got.Annotations[enroll.IstioAnnotationRedirection] == "enabled"
 	})
 	updatePodStatus(apiContext(t), t, n.admin, n.ambient, "job", func(st *corev1.PodStatus) { st.Phase = corev1.PodSucceeded })
-	poll(t, 10*time.Second, "the completed job's "+enroll.IstioAnnotationRedirection+" removed", func() bool {
+	fixtures.WaitFor(t, 10*time.Second, "the completed job's "+enroll.IstioAnnotationRedirection+" removed", func() bool {
 		got, err := n.admin.CoreV1().Pods(n.ambient).Get(apiContext(t), "job", metav1.GetOptions{})
 		if err != nil {
 			return false
@@ -959,7 +949,7 @@ func testAmbientNode(t *testing.T, n *ambientNode, list *libcni.NetworkConfigLis
 		_, ok := got.Annotations[enroll.IstioAnnotationRedirection]
 		return !ok
 	})
-	poll(t, 10*time.Second, "ztunnel to stop the completed job's proxy", func() bool {
+	fixtures.WaitFor(t, 10*time.Second, "ztunnel to stop the completed job's proxy", func() bool {
 		for line := range strings.Lines(zt.Output()) {
 			if strings.Contains(line, "pod proxy stopped") && strings.Contains(line, string(job.api.UID)) {
 				return true

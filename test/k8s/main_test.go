@@ -3,7 +3,6 @@ package k8s
 import (
 	"context"
 	"fmt"
-	"maps"
 	"os"
 	"testing"
 
@@ -32,7 +31,5 @@ func TestMain(m *testing.M) {
 		fmt.Fprintf(os.Stderr, "k8s: %v\n", err)
 		os.Exit(1)
 	}
-	pkgs := harness.ReferencePlugins()
-	maps.Copy(pkgs, harness.ProductBinaries())
-	harness.Main(m, harness.Options{Packages: pkgs})
+	harness.Main(m, harness.Options{Packages: harness.AllBinaries()})
 }

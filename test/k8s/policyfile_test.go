@@ -1,13 +1,13 @@
 package k8s
 
 import (
-	"context"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -17,8 +17,7 @@ import (
 // clear log and the last good policy stays in force.
 func TestAgentPolicyFile(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, 5*time.Minute)
 	policyDir := t.TempDir()
 	policy := filepath.Join(policyDir, "enrollment.yaml")
 	write := func(content string) {

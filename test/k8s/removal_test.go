@@ -29,6 +29,7 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/internal/agentcli"
 	"github.com/mesh-cni/mesh-cni/internal/removal"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
 )
@@ -282,7 +283,7 @@ func testRemovalWatch(t *testing.T, c *cluster) {
 		t.Fatal("the watcher never opened a watch of its DaemonSet")
 	}
 	c.deleteDaemonSet(t, d2.ds, metav1.DeletePropagationBackground)
-	if !harness.Eventually(ctx, 10*time.Second, harness.WaitInterval, func() bool { return w2.Removed() != "" }) {
+	if !fixtures.Eventually(ctx, 10*time.Second, fixtures.WaitInterval, func() bool { return w2.Removed() != "" }) {
 		t.Fatal("the watch never saw the DaemonSet deleted")
 	}
 	again := d2.ds.DeepCopy()
@@ -290,7 +291,7 @@ func testRemovalWatch(t *testing.T, c *cluster) {
 	if _, err := c.admin.AppsV1().DaemonSets(ns2).Create(apiContext(t), again, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if !harness.Eventually(ctx, 10*time.Second, harness.WaitInterval, func() bool { return w2.Removed() == "" }) {
+	if !fixtures.Eventually(ctx, 10*time.Second, fixtures.WaitInterval, func() bool { return w2.Removed() == "" }) {
 		t.Errorf("the watch still counts the DaemonSet removed after it was made again: %s", w2.Removed())
 	}
 	cctx2, ccancel2 := context.WithTimeout(context.Background(), 3*time.Second)
@@ -383,10 +384,9 @@ func testAgentStopOnRemoval(t *testing.T, c *cluster) {
 			if !a.enrolled(client) {
 				t.Fatal("the client in a labelled namespace is not enrolled")
 			}
-			var app echoServer
-			app.serve(t, srv, 8080)
+			srv.ServeEcho(t, 8080)
 			target := netip.AddrPortFrom(srv.IPv4(t), 8080)
-			if err := roundTrip(ctx, client, target); err == nil {
+			if err := client.EchoRoundTrip(ctx, target, []byte("mesh-cni k8s")); err == nil {
 				t.Fatal("the enrolled client reached the server with no proxy listening: its connects are not redirected")
 			}
 
@@ -409,7 +409,7 @@ func testAgentStopOnRemoval(t *testing.T, c *cluster) {
 
 			after := waitChainEntry(t, node, !tc.uninstalled)
 			_, binErr := os.Stat(filepath.Join(node.BinDir, "mesh-cni"))
-			reached := roundTrip(ctx, client, target)
+			reached := client.EchoRoundTrip(ctx, target, []byte("mesh-cni k8s"))
 			if !tc.uninstalled {
 				if binErr != nil {
 					t.Errorf("the plugin binary is gone: %v", binErr)

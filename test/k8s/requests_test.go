@@ -1,7 +1,6 @@
 package k8s
 
 import (
-	"context"
 	"fmt"
 	"net/url"
 	"regexp"
@@ -13,6 +12,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
 )
@@ -31,7 +31,7 @@ func testAgentPodStartRequests(t *testing.T, c *cluster) {
 	plain := c.namespace(t, "plain", nil)
 	a := newAgent(t, c.api, kubeNode, "--metrics-addr", "127.0.0.1:0")
 	a.start(ctx)
-	addr := metricsAddr(ctx, t, a)
+	addr := harness.AgentMetricsAddr(ctx, t, a.Proc)
 	node := harness.NewNode(t, harness.NodeOptions{Plugins: append(harness.ReferencePluginNames(), "mesh-cni")})
 	list := node.Conflist(t, "meshnet", a.meshEntry())
 
@@ -50,7 +50,7 @@ func testAgentPodStartRequests(t *testing.T, c *cluster) {
 	// to ask the API server. It is in the API server's watch cache by the time
 	// the ADD comes (an admin's resourceVersion=0 read finds it).
 	elsewhere := c.pod(t, plain, "elsewhere", "other-"+kubeNode, nil, nil)
-	harness.WaitFor(t, 30*time.Second, "the pod in the API server's watch cache", func() bool {
+	fixtures.WaitFor(t, 30*time.Second, "the pod in the API server's watch cache", func() bool {
 		_, err := c.admin.CoreV1().Pods(plain).Get(ctx, "elsewhere", metav1.GetOptions{ResourceVersion: "0"})
 		return err == nil
 	})
@@ -72,7 +72,7 @@ func testAgentPodStartRequests(t *testing.T, c *cluster) {
 		misses float64
 		events []kubeenv.AuditEvent
 	)
-	harness.WaitFor(t, 30*time.Second, "a watch-cache read in the audit log for every counted cache miss", func() bool {
+	fixtures.WaitFor(t, 30*time.Second, "a watch-cache read in the audit log for every counted cache miss", func() bool {
 		misses = cacheMisses(t, addr, enroll.ResourcePod)
 		var err error
 		if events, err = c.api.Audit(); err != nil {
@@ -178,22 +178,6 @@ func watchCacheRead(t *testing.T, requestURI string) bool {
 		t.Fatalf("audit log request URI %q: %v", requestURI, err)
 	}
 	return u.Query().Get("resourceVersion") == "0"
-}
-
-// metricsAddr waits for the agent's metrics line and returns its address.
-func metricsAddr(ctx context.Context, t *testing.T, a *agent) string {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(ctx, time.Minute)
-	defer cancel()
-	line, err := a.Proc.WaitForLine(ctx, "metrics and health serving")
-	if err != nil {
-		t.Fatal(err)
-	}
-	m := regexp.MustCompile(`"addr":"([^"]+)"`).FindStringSubmatch(line)
-	if m == nil {
-		t.Fatalf("no address in %q", line)
-	}
-	return m[1]
 }
 
 // cacheMisses reads meshcni_enrollment_cache_misses_total{resource} from the

@@ -18,7 +18,7 @@ import (
 	meshagent "github.com/mesh-cni/mesh-cni/internal/agent"
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
-	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
 )
 
@@ -46,7 +46,7 @@ func startSource(t *testing.T, api *kubeenv.APIServer, node, profile string, api
 	}
 	t.Cleanup(func() { src.Close() })
 	var why string
-	if !harness.Eventually(t.Context(), time.Minute, harness.WaitInterval, func() bool { ok, w := src.Synced(); why = w; return ok }) {
+	if !fixtures.Eventually(t.Context(), time.Minute, fixtures.WaitInterval, func() bool { ok, w := src.Synced(); why = w; return ok }) {
 		t.Fatalf("source did not sync: %s", why)
 	}
 	return src
@@ -87,9 +87,9 @@ func expectDecision(t *testing.T, src *enroll.KubeSource, ch <-chan struct{}, p 
 			return false
 		}
 	}
-	if !harness.Eventually(t.Context(), changeLimit, harness.WaitInterval, ok) {
+	if !fixtures.Eventually(t.Context(), changeLimit, fixtures.WaitInterval, ok) {
 		t.Errorf("%s: the decision for %s/%s did not become %s within %s", what, p.Namespace, p.Name, want, changeLimit)
-		harness.WaitFor(t, 30*time.Second, what, ok)
+		fixtures.WaitFor(t, 30*time.Second, what, ok)
 	}
 	t.Logf("%s: decision changed after %s", what, time.Since(start).Round(time.Millisecond))
 }
@@ -269,19 +269,19 @@ func testSourceReportsOutcome(t *testing.T, c *cluster) {
 		return p.Annotations[enroll.AnnotationRedirection]
 	}
 	src.Report(ctx, identity(a), enroll.OutcomeEnabled, nil)
-	harness.WaitFor(t, 30*time.Second, "annotation enabled on a", func() bool { return annotation("a") == "enabled" })
+	fixtures.WaitFor(t, 30*time.Second, "annotation enabled on a", func() bool { return annotation("a") == "enabled" })
 	// Quick flips: each lands, although the reporter's cache of the pod may
 	// lag behind its own last write.
 	for i, outcome := range []string{enroll.OutcomeDisabled, enroll.OutcomeEnabled, enroll.OutcomeDisabled, enroll.OutcomeEnabled, enroll.OutcomeDisabled} {
 		src.Report(ctx, identity(a), outcome, nil)
-		harness.WaitFor(t, 30*time.Second, fmt.Sprintf("flip %d: annotation %s on a", i, outcome), func() bool { return annotation("a") == outcome })
+		fixtures.WaitFor(t, 30*time.Second, fmt.Sprintf("flip %d: annotation %s on a", i, outcome), func() bool { return annotation("a") == outcome })
 	}
 
 	cause := errors.New("attach inbound program: the test says no")
 	src.Report(ctx, identity(b), enroll.OutcomeFailed, cause)
-	harness.WaitFor(t, 30*time.Second, "annotation failed on b", func() bool { return annotation("b") == "failed" })
+	fixtures.WaitFor(t, 30*time.Second, "annotation failed on b", func() bool { return annotation("b") == "failed" })
 	var ev corev1.Event
-	harness.WaitFor(t, 30*time.Second, "a Warning Event on b", func() bool {
+	fixtures.WaitFor(t, 30*time.Second, "a Warning Event on b", func() bool {
 		list, err := c.admin.CoreV1().Events(ns).List(ctx, metav1.ListOptions{
 			FieldSelector: fields.OneTermEqualSelector("involvedObject.name", "b").String(),
 		})
@@ -306,7 +306,7 @@ func testSourceReportsOutcome(t *testing.T, c *cluster) {
 	// The reporter works through its queue in order: once b shows a later
 	// outcome, the stale report for a was handled (and refused).
 	src.Report(ctx, identity(b), enroll.OutcomeEnabled, nil)
-	harness.WaitFor(t, 30*time.Second, "annotation enabled on b", func() bool { return annotation("b") == "enabled" })
+	fixtures.WaitFor(t, 30*time.Second, "annotation enabled on b", func() bool { return annotation("b") == "enabled" })
 	if got := annotation("a"); got != "" {
 		t.Fatalf("re-created pod a (uid %s) carries %s=%q from its predecessor", a2.UID, enroll.AnnotationRedirection, got)
 	}
@@ -340,7 +340,7 @@ func testSourceAPIServerDown(t *testing.T, c *cluster) {
 	}
 	t.Cleanup(func() { early.Close() })
 	var why string
-	harness.WaitFor(t, 60*time.Second, "the list error in the unsynced reason", func() bool {
+	fixtures.WaitFor(t, 60*time.Second, "the list error in the unsynced reason", func() bool {
 		var ok bool
 		ok, why = early.Synced()
 		return !ok && strings.Contains(why, "connection refused")
@@ -350,7 +350,7 @@ func testSourceAPIServerDown(t *testing.T, c *cluster) {
 		t.Fatalf("Decide before the caches synced: %v", err)
 	}
 	api.Start(t)
-	harness.WaitFor(t, time.Minute, "the source to sync once the API server is up", func() bool { ok, _ := early.Synced(); return ok })
+	fixtures.WaitFor(t, time.Minute, "the source to sync once the API server is up", func() bool { ok, _ := early.Synced(); return ok })
 	if d := decide(t, early, known); !d.Enroll {
 		t.Fatalf("after syncing: %+v", d)
 	}

@@ -24,6 +24,7 @@ import (
 	meshinstall "github.com/mesh-cni/mesh-cni/install/kubernetes"
 	"github.com/mesh-cni/mesh-cni/internal/agentcli"
 	"github.com/mesh-cni/mesh-cni/internal/nodetaint"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -260,7 +261,7 @@ func testStartupTaintRealAgent(t *testing.T, pc *policyCluster, arg string) {
 	a.Proc = harness.StartProcess(t, harness.ProcessOptions{Path: harness.Bins(t).Path("mesh-agent"), Args: a.Args, Name: "mesh-agent"})
 	waitCtx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
-	addr := metricsAddr(waitCtx, t, a)
+	addr := harness.AgentMetricsAddr(waitCtx, t, a.Proc)
 	if _, err := a.Proc.WaitForLine(waitCtx, "the node carries the startup taint"); err != nil {
 		t.Fatalf("the agent did not read its node's startup taint: %v", err)
 	}
@@ -269,7 +270,7 @@ func testStartupTaintRealAgent(t *testing.T, pc *policyCluster, arg string) {
 		return slices.ContainsFunc(pc.node(ctx, t, pc.nodeA).Spec.Taints, func(x corev1.Taint) bool { return x.Key == agentcli.DefaultStartupTaint })
 	}
 	// Not ready, for many of its checks: the taint stays.
-	if harness.Eventually(ctx, 5*time.Second, 100*time.Millisecond, func() bool { return !hasStartup() }) {
+	if fixtures.Eventually(ctx, 5*time.Second, 100*time.Millisecond, func() bool { return !hasStartup() }) {
 		t.Fatal("the startup taint was removed while the agent was not ready")
 	}
 	if ready, body := readyz(t, addr); ready || !strings.Contains(body, "cni-config") {

@@ -18,6 +18,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/kni/knipb"
 	"github.com/mesh-cni/mesh-cni/internal/nethook"
 	"github.com/mesh-cni/mesh-cni/test/containerdhook"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
 	"github.com/mesh-cni/mesh-cni/test/kniruntime"
@@ -115,8 +116,7 @@ func testAgentZDSEntryPoints(t *testing.T, c *cluster) {
 	if a.enrolled(srv) {
 		t.Fatal("the server in an unlabelled namespace was enrolled")
 	}
-	var app echoServer
-	app.serve(t, srv, 8080)
+	srv.ServeEcho(t, 8080)
 	target := netip.AddrPortFrom(srv.IPv4(t), 8080)
 
 	// CNI: the chain's ADD returns once the node proxy acked the pod.
@@ -228,11 +228,11 @@ func testAgentZDSEntryPoints(t *testing.T, c *cluster) {
 		if line.Msg != "proxy listening" || line.ServiceAccount != x.sa || line.Workload != x.p.Namespace+"/"+x.p.Name || len(line.Addrs) == 0 {
 			t.Fatalf("node proxy about %s: %+v; want its listeners, workload %s/%s, service account %s", x.p.Name, line, x.p.Namespace, x.p.Name, x.sa)
 		}
-		before := len(readRecords(t, records))
-		if err := roundTrip(ctx, x.p, target); err != nil {
+		before := len(proxy.MustReadRecords(t, records))
+		if err := x.p.EchoRoundTrip(ctx, target, []byte("mesh-cni k8s")); err != nil {
 			t.Fatalf("%s -> server: %v", x.p.Name, err)
 		}
-		recs := waitRecords(ctx, t, records, before+1)
+		recs := proxy.AwaitRecords(ctx, t, records, before+1)
 		found := false
 		for _, r := range recs[before:] {
 			if r.Pod == x.p.UID && r.Direction == proxy.Outbound && r.Error == "" && r.OriginalDst.Addr().Unmap() == target.Addr() && r.OriginalDst.Port() == target.Port() {
@@ -252,12 +252,12 @@ func testAgentZDSEntryPoints(t *testing.T, c *cluster) {
 		t.Fatalf("stop the agent: %v", err)
 	}
 	a.start(ctx)
-	harness.WaitFor(t, 30*time.Second, "the node proxy's snapshot from the restarted agent", func() bool { return snapshots() > before })
+	fixtures.WaitFor(t, 30*time.Second, "the node proxy's snapshot from the restarted agent", func() bool { return snapshots() > before })
 	if out := np.Output(); strings.Contains(out, "deviates") {
 		t.Fatalf("the ztunnel-behaving client saw a deviation:\n%s", out)
 	}
 	for _, p := range []*harness.Pod{cniP, kniP, hookP} {
-		if err := roundTrip(ctx, p, target); err != nil {
+		if err := p.EchoRoundTrip(ctx, target, []byte("mesh-cni k8s")); err != nil {
 			t.Fatalf("%s -> server after the agent restarted: %v", p.Name, err)
 		}
 	}

@@ -1,7 +1,6 @@
 package kniruntime_test
 
 import (
-	"context"
 	"net/netip"
 	"testing"
 	"time"
@@ -12,6 +11,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/mesh-cni/mesh-cni/internal/kni/knipb"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/kniruntime"
 )
@@ -32,8 +32,7 @@ func dial(t *testing.T, sock string) knipb.KNIClient {
 
 func TestAttachRunsTheConflist(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	node := harness.NewNode(t, harness.NodeOptions{})
 	list := node.Conflist(t, "kninet")
 	rt := kniruntime.Start(t, node, list)
@@ -85,8 +84,7 @@ func TestAttachRunsTheConflist(t *testing.T) {
 
 func TestFailInjection(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	node := harness.NewNode(t, harness.NodeOptions{})
 	rt := kniruntime.Start(t, node, node.Conflist(t, "kninet"))
 	client := dial(t, rt.Socket)

@@ -20,6 +20,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/mesh-cni/mesh-cni/install/kubernetes"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/node/nodeenv"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
@@ -79,18 +80,14 @@ func (s *scenario) agentCrashLoop(t *testing.T, ctx context.Context, target stri
 		}
 		return false, nil
 	}
-	for {
+	if !fixtures.Eventually(ctx, 5*time.Minute, 200*time.Millisecond, func() bool {
 		ok, err := endpointReady()
 		if err != nil {
 			t.Fatal(err)
 		}
-		if ok {
-			break
-		}
-		if ctx.Err() != nil {
-			t.Fatalf("the Service's EndpointSlice never listed steady as ready: %v", ctx.Err())
-		}
-		time.Sleep(200 * time.Millisecond)
+		return ok
+	}) {
+		t.Fatalf("the Service's EndpointSlice never listed steady as ready: %v", ctx.Err())
 	}
 
 	// The crash loop: every agent process the kubelet starts again is killed
@@ -106,13 +103,13 @@ func (s *scenario) agentCrashLoop(t *testing.T, ctx context.Context, target stri
 					kills.Add(1)
 				}
 			}
+			// The loop's pace, not a wait: the kubelet restarts the
+			// container within this.
 			time.Sleep(20 * time.Millisecond)
 		}
 	})
 	defer func() { stopLoop(); wg.Wait() }()
-	for kills.Load() == 0 && ctx.Err() == nil {
-		time.Sleep(10 * time.Millisecond)
-	}
+	fixtures.WaitFor(t, time.Minute, "the first kill of the agent", func() bool { return kills.Load() > 0 })
 	down := time.Now()
 	s.create(ctx, s.client("shop2", "held", target, true))
 
@@ -141,6 +138,8 @@ func (s *scenario) agentCrashLoop(t *testing.T, ctx context.Context, target stri
 		if held.Status.Phase != corev1.PodPending {
 			t.Fatalf("with the agent down pod held is %s: %s", held.Status.Phase, describe(held))
 		}
+		// The checks' pace through the hold, which is the scenario: not a
+		// wait for a state.
 		time.Sleep(time.Second)
 	}
 	stopLoop()

@@ -19,6 +19,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/mesh-cni/mesh-cni/install/kubernetes"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/node/nodeenv"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
@@ -38,16 +39,10 @@ import (
 // no cluster and no platform value (the default layout's directories
 // mounted), where the agent finds the runtime's directories itself.
 func TestPlatformLayouts(t *testing.T) {
-	if testing.Short() {
-		t.Skip("whole nodes: skipped with -short")
-	}
+	current := currentImages(t)
 	prometheus, err := exec.LookPath("prometheus")
 	if err != nil {
 		t.Fatalf("Prometheus scrapes the agent here (apt-get install prometheus): %v", err)
-	}
-	current, err := nodeenv.ReadImages(os.Getenv(nodeenv.EnvImageDir))
-	if err != nil {
-		t.Fatal(err)
 	}
 	for _, name := range []string{"gke", "k3s"} {
 		var platform kubernetes.Platform
@@ -141,12 +136,9 @@ func platformLayout(t *testing.T, platform kubernetes.Platform, current nodeenv.
 	li := how(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 12*time.Minute)
 	defer cancel()
-	n := nodeenv.Start(t, nodeenv.Options{CNIBinDir: platform.CNIBinDir, CNIConfDir: platform.CNIConfDir})
-	importTestImages(t, ctx, n, current)
-	op := newOperator(t, n)
+	s := startScenario(t, ctx, nodeenv.Options{CNIBinDir: platform.CNIBinDir, CNIConfDir: platform.CNIConfDir}, current, nil)
+	n, op, dir := s.n, s.op, s.currentDir
 	op.env = append(op.env, "PLATFORM="+platform.Name)
-	dir := checkout(t, filepath.Dir(current["mesh-agent"].Tar))
-	s := &scenario{cluster: &cluster{t: t, n: n, im: current}, op: op, currentDir: dir}
 	before := snapshotNode(t, n)
 
 	// Pods that run before the install, in a namespace the mesh selects.
@@ -245,7 +237,7 @@ func platformLayout(t *testing.T, platform kubernetes.Platform, current nodeenv.
 	released := time.Now()
 	s.waitConnections(t, ctx, "client", 5)
 	direct := 0
-	for _, r := range readLines[accepted](t, filepath.Join(s.records(), "server.jsonl")) {
+	for _, r := range fixtures.MustReadJSONL[accepted](t, filepath.Join(s.records(), "server.jsonl")) {
 		if host, _, _ := net.SplitHostPort(r.Client); host == clientIP && r.Time.After(released) {
 			direct++
 		}
@@ -342,7 +334,7 @@ scrape_configs:
 		return r.Data.Result[0].Metric, v, err == nil
 	}
 	var last map[string]string
-	harness.WaitFor(t, 2*time.Minute, "Prometheus on the host to scrape the agent at "+want, func() bool {
+	fixtures.WaitFor(t, 2*time.Minute, "Prometheus on the host to scrape the agent at "+want, func() bool {
 		m, v, ok := query(`up{job="mesh-agent"}`)
 		last = m
 		return ok && v == 1 && m["instance"] == want
@@ -405,7 +397,7 @@ scrape_configs:
 	}
 	for _, q := range queries {
 		var n int
-		if !harness.Eventually(ctx, time.Minute, time.Second, func() bool {
+		if !fixtures.Eventually(ctx, time.Minute, time.Second, func() bool {
 			n = seriesCount(addr, q)
 			return n > 0
 		}) {

@@ -26,6 +26,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/install/kubernetes"
 	"github.com/mesh-cni/mesh-cni/internal/agentcli"
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/node/nodeenv"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
@@ -61,22 +62,13 @@ type connection struct {
 // node staying Ready, uninstall. Each uninstall leaves the node's CNI config as it was
 // and no pins.
 func TestNode(t *testing.T) {
-	if testing.Short() {
-		t.Skip("a whole node: skipped with -short")
-	}
 	current, release := readImages(t)
 	ctx, cancel := context.WithTimeout(context.Background(), scenarioTimeout)
 	defer cancel()
 
-	n := nodeenv.Start(t, nodeenv.Options{PrimaryCNIVersion: "1.0.0"})
-	c := &cluster{t: t, n: n, im: current}
-	importTestImages(t, ctx, n, current)
-	op := newOperator(t, n)
-	releaseDir := checkout(t, filepath.Dir(release["mesh-agent"].Tar))
-	currentDir := checkout(t, filepath.Dir(current["mesh-agent"].Tar))
-	bench := newNodeBench()
-
-	s := &scenario{cluster: c, op: op, releaseDir: releaseDir, currentDir: currentDir, bench: bench}
+	s := startScenario(t, ctx, nodeenv.Options{PrimaryCNIVersion: "1.0.0"}, current, release)
+	n, op, bench := s.n, s.op, newNodeBench()
+	s.bench = bench
 	before := snapshotNode(t, n)
 	steps := []struct {
 		name string
@@ -319,16 +311,15 @@ func (s *scenario) connectionsLastError(t *testing.T, pod string) (ok, failed in
 func (s *scenario) waitConnections(t *testing.T, ctx context.Context, pod string, n int) {
 	t.Helper()
 	start, _ := s.connections(t, pod)
-	deadline := time.Now().Add(time.Minute)
-	for {
-		ok, failed, last := s.connectionsLastError(t, pod)
-		if ok >= start+n {
-			return
-		}
-		if time.Now().After(deadline) || ctx.Err() != nil {
-			t.Fatalf("client %s: %d round trips succeeded (%d before), %d failed (the last: %s); want %d more", pod, ok, start, failed, last, n)
-		}
-		time.Sleep(200 * time.Millisecond)
+	var (
+		ok, failed int
+		last       string
+	)
+	if !fixtures.Eventually(ctx, time.Minute, 200*time.Millisecond, func() bool {
+		ok, failed, last = s.connectionsLastError(t, pod)
+		return ok >= start+n
+	}) {
+		t.Fatalf("client %s: %d round trips succeeded (%d before), %d failed (the last: %s); want %d more", pod, ok, start, failed, last, n)
 	}
 }
 
@@ -419,11 +410,10 @@ func (s *scenario) podWaitsForAgent(t *testing.T, ctx context.Context) {
 	// and jitter), each ADD held up to gateTimeout: bring the agent back
 	// while both pods' ADDs are held at the gate (a mesh-cni process for
 	// each), the case the gate is for.
-	for len(s.n.Processes("mesh-cni")) < len(late) {
-		if time.Now().After(deadline.Add(time.Minute)) {
-			t.Fatalf("the pods' ADDs are not both held at the gate (%d mesh-cni processes)", len(s.n.Processes("mesh-cni")))
-		}
-		time.Sleep(50 * time.Millisecond)
+	if !fixtures.Eventually(ctx, time.Until(deadline.Add(time.Minute)), 50*time.Millisecond, func() bool {
+		return len(s.n.Processes("mesh-cni")) >= len(late)
+	}) {
+		t.Fatalf("the pods' ADDs are not both held at the gate (%d mesh-cni processes)", len(s.n.Processes("mesh-cni")))
 	}
 	readyCh := make(chan time.Time, 1)
 	errCh := make(chan error, 1)
@@ -602,17 +592,16 @@ func (s *scenario) nodePortAndProbes(t *testing.T, ctx context.Context) {
 		t.Fatal(err)
 	}
 	var direct time.Time
-	for direct.IsZero() {
+	if !fixtures.Eventually(ctx, time.Until(restarted.Add(2*time.Minute)), 500*time.Millisecond, func() bool {
 		for _, r := range readLines[accepted](t, filepath.Join(s.records(), "probed.jsonl")) {
 			if r.Time.After(restarted) && slices.Contains(nodeAddrs, netip.MustParseAddrPort(r.Client).Addr()) {
 				direct = r.Time
-				break
+				return true
 			}
 		}
-		if direct.IsZero() && time.Since(restarted) > 2*time.Minute {
-			t.Fatalf("%v after the kubelet restarted in place, none of its probes reached the application directly", time.Since(restarted).Round(time.Second))
-		}
-		time.Sleep(500 * time.Millisecond)
+		return false
+	}) {
+		t.Fatalf("%v after the kubelet restarted in place, none of its probes reached the application directly", time.Since(restarted).Round(time.Second))
 	}
 	s.until(ctx, "shop", "probed", "ready after the kubelet restarted", func(p *corev1.Pod) bool {
 		return slices.ContainsFunc(p.Status.Conditions, func(c corev1.PodCondition) bool {
@@ -645,13 +634,14 @@ func (s *scenario) probeAimedElsewhere(t *testing.T, ctx context.Context) {
 	})
 	nodeAddrs := s.nodeAddresses(t)
 	var viaProxy int
-	for deadline := time.Now().Add(10 * time.Second); viaProxy == 0 && time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+	fixtures.Eventually(ctx, 10*time.Second, 200*time.Millisecond, func() bool {
 		for _, r := range readLines[proxy.Record](t, filepath.Join(s.records(), "aimed-at-proxy.jsonl")) {
 			if r.Direction == proxy.Inbound && slices.Contains(nodeAddrs, r.Client.Addr()) && r.OriginalDst.Port() == serverPort {
 				viaProxy++
 			}
 		}
-	}
+		return viaProxy > 0
+	})
 	target := netip.MustParseAddr(targetIP)
 	var direct int
 	for _, r := range readLines[accepted](t, filepath.Join(s.records(), "aimed-at.jsonl")) {
@@ -799,16 +789,12 @@ func (s *scenario) delOnPodDelete(t *testing.T, ctx context.Context) {
 	}
 	// Every pod deleted: the runtime's DEL reached the agent, which released
 	// them (the pods of the timing samples included).
-	deadline := time.Now().Add(time.Minute)
-	for {
-		st := s.status(t, ctx)
-		if len(st.Pods) == 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("after every pod was deleted the agent still holds %+v", st.Pods)
-		}
-		time.Sleep(500 * time.Millisecond)
+	var st agentStatus
+	if !fixtures.Eventually(ctx, time.Minute, 500*time.Millisecond, func() bool {
+		st = s.status(t, ctx)
+		return len(st.Pods) == 0
+	}) {
+		t.Fatalf("after every pod was deleted the agent still holds %+v", st.Pods)
 	}
 	pods, err := os.ReadDir(s.n.Path("/sys/fs/bpf/mesh-cni/pods"))
 	if err == nil && len(pods) > 0 {

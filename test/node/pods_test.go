@@ -1,14 +1,10 @@
 package node
 
 import (
-	"bufio"
 	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
 	"net"
 	"net/http"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -25,7 +21,7 @@ import (
 	watchtools "k8s.io/client-go/tools/watch"
 	"k8s.io/utils/ptr"
 
-	"github.com/mesh-cni/mesh-cni/test/harness"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/node/nodeenv"
 )
 
@@ -62,7 +58,7 @@ func (c *cluster) namespace(ctx context.Context, name string, meshed bool) {
 	}
 	// The API server refuses pods until the controller-manager has made the
 	// namespace's default service account.
-	harness.WaitFor(c.t, time.Minute, "the default service account of namespace "+name, func() bool {
+	fixtures.WaitFor(c.t, time.Minute, "the default service account of namespace "+name, func() bool {
 		_, err := c.n.Admin.CoreV1().ServiceAccounts(name).Get(ctx, "default", metav1.GetOptions{})
 		return err == nil
 	})
@@ -273,30 +269,8 @@ func (c *cluster) podIP(ctx context.Context, ns, name string) string {
 	return p.Status.PodIP
 }
 
-// readLines decodes every complete JSON line of a record file (a missing file
-// is empty).
-func readLines[T any](t *testing.T, path string) []T {
-	t.Helper()
-	f, err := os.Open(path)
-	if errors.Is(err, os.ErrNotExist) {
-		return nil
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	var out []T
-	sc := bufio.NewScanner(f)
-	sc.Buffer(make([]byte, 0, 64*1024), 1024*1024)
-	for sc.Scan() {
-		var v T
-		if err := json.Unmarshal(sc.Bytes(), &v); err != nil {
-			continue // a line being written
-		}
-		out = append(out, v)
-	}
-	return out
-}
+// readLines reads a record file of the node's pods (fixtures.MustReadJSONL).
+func readLines[T any](t *testing.T, path string) []T { return fixtures.MustReadJSONL[T](t, path) }
 
 // agentReady polls the agent's /readyz from inside the node every 20 ms and
 // returns when it first answers 200.

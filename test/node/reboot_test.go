@@ -1,9 +1,7 @@
 package node
 
 import (
-	"context"
 	"net"
-	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -14,6 +12,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/node/nodeenv"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
@@ -27,20 +26,9 @@ import (
 // client goes through its proxy), and no pod's sandbox fails while the agent
 // starts: each waits at the gate, for no longer than the agent takes.
 func TestReboot(t *testing.T) {
-	if testing.Short() {
-		t.Skip("a whole node: skipped with -short")
-	}
-	current, err := nodeenv.ReadImages(os.Getenv(nodeenv.EnvImageDir))
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 12*time.Minute)
-	defer cancel()
-	n := nodeenv.Start(t, nodeenv.Options{})
-	importTestImages(t, ctx, n, current)
-	op := newOperator(t, n)
-	dir := checkout(t, filepath.Dir(current["mesh-agent"].Tar))
-	s := &scenario{cluster: &cluster{t: t, n: n, im: current}, op: op, currentDir: dir}
+	ctx := fixtures.Context(t, 12*time.Minute)
+	s := startScenario(t, ctx, nodeenv.Options{}, currentImages(t), nil)
+	n, op, dir := s.n, s.op, s.currentDir
 	op.run(ctx, dir, "startup-taint")
 
 	// A client that reaches the server by its Service, so that it finds the
@@ -106,7 +94,7 @@ func TestReboot(t *testing.T) {
 	// Inbound: the server, before and after, accepted only from its own
 	// address (the one it had, the one it has), its proxy's onward connection.
 	var bypassed []string
-	accepts := readLines[accepted](t, filepath.Join(s.records(), "server.jsonl"))
+	accepts := fixtures.MustReadJSONL[accepted](t, filepath.Join(s.records(), "server.jsonl"))
 	for _, r := range accepts {
 		if host, _, err := net.SplitHostPort(r.Client); err != nil || (host != serverIP && host != before["server"].ip) {
 			bypassed = append(bypassed, r.Client+" at "+r.Time.Format("15:04:05.000"))
@@ -123,7 +111,7 @@ func TestReboot(t *testing.T) {
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		trips = 0
-		for _, c := range readLines[connection](t, filepath.Join(s.records(), "client.jsonl")) {
+		for _, c := range fixtures.MustReadJSONL[connection](t, filepath.Join(s.records(), "client.jsonl")) {
 			if c.Error == "" && c.Time.After(down) && c.Time.Before(cut) {
 				trips++
 			}

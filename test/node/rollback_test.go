@@ -15,6 +15,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/mesh-cni/mesh-cni/install/kubernetes"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/node/nodeenv"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
@@ -31,20 +32,10 @@ import (
 // programs after the rollback, and after the forward one every pod, the one
 // the release enrolled too, has this build's entries again.
 func TestRollback(t *testing.T) {
-	if testing.Short() {
-		t.Skip("a whole node: skipped with -short")
-	}
 	current, release := readImages(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
-	defer cancel()
-	n := nodeenv.Start(t, nodeenv.Options{})
-	importTestImages(t, ctx, n, current)
-	op := newOperator(t, n)
-	s := &scenario{
-		cluster: &cluster{t: t, n: n, im: current}, op: op,
-		releaseDir: checkout(t, filepath.Dir(release["mesh-agent"].Tar)),
-		currentDir: checkout(t, filepath.Dir(current["mesh-agent"].Tar)),
-	}
+	ctx := fixtures.Context(t, 15*time.Minute)
+	s := startScenario(t, ctx, nodeenv.Options{}, current, release)
+	n, op := s.n, s.op
 	op.run(ctx, s.releaseDir, "helm")
 	op.run(ctx, s.currentDir, "helm-upgrade")
 
@@ -82,7 +73,7 @@ func TestRollback(t *testing.T) {
 
 	// The kept connection lasted through both: every round trip on it, one
 	// connection, which its proxy took (recorded when it closes, with the pod).
-	trips := readLines[connection](t, filepath.Join(s.records(), "held.jsonl"))
+	trips := fixtures.MustReadJSONL[connection](t, filepath.Join(s.records(), "held.jsonl"))
 	var locals []string
 	for _, c := range trips {
 		if c.Error != "" {
@@ -115,11 +106,8 @@ func TestRollback(t *testing.T) {
 // and checks the release's agent is the one the manifests pin.
 func readImages(t *testing.T) (current, release nodeenv.Images) {
 	t.Helper()
-	current, err := nodeenv.ReadImages(os.Getenv(nodeenv.EnvImageDir))
-	if err != nil {
-		t.Fatal(err)
-	}
-	release, err = nodeenv.ReadImages(os.Getenv(EnvReleaseImageDir))
+	current = currentImages(t)
+	release, err := nodeenv.ReadImages(os.Getenv(EnvReleaseImageDir))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -128,6 +116,35 @@ func readImages(t *testing.T) (current, release nodeenv.Images) {
 			kubernetes.ReleaseCommit, got, kubernetes.ReleaseDigest, runtime.Version(), kubernetes.ReleaseGo)
 	}
 	return current, release
+}
+
+// currentImages skips t under -short, since it runs a whole node, and
+// returns this tree's images.
+func currentImages(t *testing.T) nodeenv.Images {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("a whole node: skipped with -short")
+	}
+	current, err := nodeenv.ReadImages(os.Getenv(nodeenv.EnvImageDir))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return current
+}
+
+// startScenario starts a node with opts and this tree's images imported, and
+// checks out the chart and docs of current, and of release unless it is nil,
+// for the operator.
+func startScenario(t *testing.T, ctx context.Context, opts nodeenv.Options, current, release nodeenv.Images) *scenario {
+	t.Helper()
+	n := nodeenv.Start(t, opts)
+	importTestImages(t, ctx, n, current)
+	s := &scenario{cluster: &cluster{t: t, n: n, im: current}, op: newOperator(t, n),
+		currentDir: checkout(t, filepath.Dir(current["mesh-agent"].Tar))}
+	if release != nil {
+		s.releaseDir = checkout(t, filepath.Dir(release["mesh-agent"].Tar))
+	}
+	return s
 }
 
 // agentServes checks, after a rollout, that the agent runs image, answers

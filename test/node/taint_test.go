@@ -1,10 +1,7 @@
 package node
 
 import (
-	"context"
 	"net"
-	"os"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"testing"
@@ -14,6 +11,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/mesh-cni/mesh-cni/internal/agentcli"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/node/nodeenv"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
@@ -25,21 +23,10 @@ import (
 // the agent then removes the taint, and the pods' first connections go
 // through their proxies (the server never sees another client).
 func TestStartupTaint(t *testing.T) {
-	if testing.Short() {
-		t.Skip("a whole node: skipped with -short")
-	}
-	current, err := nodeenv.ReadImages(os.Getenv(nodeenv.EnvImageDir))
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, 10*time.Minute)
 	taint := agentcli.DefaultStartupTaint + "=true:NoSchedule"
-	n := nodeenv.Start(t, nodeenv.Options{RegisterWithTaints: []string{taint}})
-	importTestImages(t, ctx, n, current)
-	op := newOperator(t, n)
-	dir := checkout(t, filepath.Dir(current["mesh-agent"].Tar))
-	s := &scenario{cluster: &cluster{t: t, n: n, im: current}, op: op, currentDir: dir}
+	s := startScenario(t, ctx, nodeenv.Options{RegisterWithTaints: []string{taint}}, currentImages(t), nil)
+	n, op, dir := s.n, s.op, s.currentDir
 	before := snapshotNode(t, n)
 
 	node, err := n.Admin.CoreV1().Nodes().Get(ctx, n.Name, metav1.GetOptions{})

@@ -6,7 +6,6 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"syscall"
 	"testing"
 	"time"
 
@@ -67,8 +66,7 @@ func podListener(tb testing.TB, pod *fixtures.Pod) (netip.AddrPort, *os.File) {
 // carries the mark, and that failures come back as errors.
 func TestDial(t *testing.T) {
 	fixtures.RequireRoot(t, "creates network namespaces")
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	pod, _ := fixtures.NewPodPair(t)
 	dst, ns := podListener(t, pod)
 	// The listener is only reachable inside the pod: a dial from the host
@@ -135,9 +133,7 @@ func BenchmarkPodDial(b *testing.B) {
 		}
 	})
 	b.Run("whole-dial", func(b *testing.B) {
-		d := net.Dialer{Timeout: time.Second, Control: func(_, _ string, c syscall.RawConn) error {
-			return c.Control(func(fd uintptr) { _ = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, testMark) })
-		}}
+		d := net.Dialer{Timeout: time.Second, Control: fixtures.MarkControl(testMark)}
 		for b.Loop() {
 			var c net.Conn
 			err := netns.DoFd(int(ns.Fd()), func() error {
@@ -157,9 +153,7 @@ func BenchmarkPodDial(b *testing.B) {
 			b.Fatal(err)
 		}
 		acceptAndClose(b, ln)
-		d := net.Dialer{Timeout: time.Second, Control: func(_, _ string, c syscall.RawConn) error {
-			return c.Control(func(fd uintptr) { _ = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, testMark) })
-		}}
+		d := net.Dialer{Timeout: time.Second, Control: fixtures.MarkControl(testMark)}
 		for b.Loop() {
 			c, err := d.DialContext(ctx, "tcp4", ln.Addr().String())
 			if err != nil {

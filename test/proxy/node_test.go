@@ -12,7 +12,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"sync"
 	"testing"
 	"time"
 
@@ -22,46 +21,11 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/pkg/zds"
 	"github.com/mesh-cni/mesh-cni/pkg/zds/zdspb"
+	"github.com/mesh-cni/mesh-cni/pkg/zds/zdstest"
 	"github.com/mesh-cni/mesh-cni/test/capture"
 	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
-
-// agentStore is the agent's enrolled pods, the zds.Snapshotter of these tests.
-type agentStore struct {
-	mu   sync.Mutex
-	pods map[string]zds.Pod
-}
-
-func newAgentStore(pods ...zds.Pod) *agentStore {
-	s := &agentStore{pods: map[string]zds.Pod{}}
-	for _, p := range pods {
-		s.pods[p.UID] = p
-	}
-	return s
-}
-
-func (s *agentStore) EnrolledPods(context.Context) ([]zds.Pod, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	var out []zds.Pod
-	for _, p := range s.pods {
-		out = append(out, p)
-	}
-	return out, nil
-}
-
-func (s *agentStore) add(p zds.Pod) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.pods[p.UID] = p
-}
-
-func (s *agentStore) del(uid string) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	delete(s.pods, uid)
-}
 
 func zdsPod(t *testing.T, name string, p *fixtures.Pod) zds.Pod {
 	var b [4]byte
@@ -198,20 +162,20 @@ func refused(t *testing.T, ctx context.Context, in *fixtures.Pod, dst netip.Addr
 // listeners.
 func TestNodeForwards(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	families(t, func(t *testing.T, v6 bool) {
-		ctx := testCtx(t)
+	fixtures.Both(t, "ipv4", "ipv6", func(t *testing.T, v6 bool) {
+		ctx := fixtures.Context(t, time.Minute)
 		a, b := fixtures.NewPodPair(t)
 		const appPort = 9000
 		b.ServeEcho(t, appPort)
 		podA, podB := zdsPod(t, "a", a), zdsPod(t, "b", b)
-		store := newAgentStore(podA)
+		store := zdstest.NewPods(podA)
 		path := zdsPath(t)
 		srv := startAgent(t, path, store)
 		records := filepath.Join(t.TempDir(), "records.jsonl")
 		n := startNode(t, ctx, proxy.NodeConfig{ZDSPath: path, Proxy: proxy.Config{RecordPath: records}})
 		waitNode(t, ctx, n, "snapshot with A", func(st proxy.NodeStatus) bool { return st.Snapshots == 1 && sameUIDs(st, podA.UID) })
 
-		store.add(podB)
+		store.Add(podB)
 		if err := srv.AddPod(ctx, podB); err != nil {
 			t.Fatalf("add B: %v", err)
 		}
@@ -253,7 +217,7 @@ func TestNodeForwards(t *testing.T) {
 			t.Errorf("%d outbound records in A, %d inbound in B, %d in memory; want %d each", out, in, len(n.Records()), conns)
 		}
 
-		store.del(podB.UID)
+		store.Del(podB.UID)
 		if err := srv.DelPod(ctx, podB.UID); err != nil {
 			t.Fatalf("delete B: %v", err)
 		}
@@ -271,12 +235,12 @@ func TestNodeForwards(t *testing.T) {
 // makes it drop B.
 func TestNodeAgentRestart(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	a, b := fixtures.NewPodPair(t)
 	const appPort = 9000
 	b.ServeEcho(t, appPort)
 	podA, podB := zdsPod(t, "a", a), zdsPod(t, "b", b)
-	store := newAgentStore(podA, podB)
+	store := zdstest.NewPods(podA, podB)
 	path := zdsPath(t)
 	srv := startAgent(t, path, store)
 	n := startNode(t, ctx, proxy.NodeConfig{ZDSPath: path, ReconnectMax: 200 * time.Millisecond})
@@ -293,7 +257,7 @@ func TestNodeAgentRestart(t *testing.T) {
 	waitNode(t, ctx, n, "disconnect", func(st proxy.NodeStatus) bool { return !st.Connected })
 	roundTrip(t, ctx, a, dst, 64<<10)
 
-	store.del(podB.UID)
+	store.Del(podB.UID)
 	startAgent(t, path, store)
 	st := waitNode(t, ctx, n, "second snapshot", func(st proxy.NodeStatus) bool { return st.Snapshots == 2 })
 	if !sameUIDs(st, podA.UID) {
@@ -314,8 +278,7 @@ func TestNodeAgentRestart(t *testing.T) {
 // traffic resumes.
 func TestNodeProcessRestart(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, 5*time.Minute)
 	bin, err := proxy.Binary(ctx, t.TempDir())
 	if err != nil {
 		t.Fatal(err)
@@ -325,7 +288,7 @@ func TestNodeProcessRestart(t *testing.T) {
 	b.ServeEcho(t, appPort)
 	podA, podB := zdsPod(t, "a", a), zdsPod(t, "b", b)
 	path := zdsPath(t)
-	srv := startAgent(t, path, newAgentStore(podA, podB))
+	srv := startAgent(t, path, zdstest.NewPods(podA, podB))
 	installIPTables(t, ctx, a, b)
 	dst := netip.AddrPortFrom(b.IPv4, appPort)
 
@@ -524,7 +487,7 @@ func openFd(t *testing.T, path string) int {
 // workload_info, two fds, garbage.
 func TestNodeRequests(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	a, b := fixtures.NewPodPair(t)
 	path := zdsPath(t)
 	agent := newFakeAgent(t, path)
@@ -616,7 +579,7 @@ func TestNodeRequests(t *testing.T) {
 
 // TestStartNodeErrors checks the configurations StartNode refuses.
 func TestStartNodeErrors(t *testing.T) {
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	for name, cfg := range map[string]proxy.NodeConfig{
 		"netns":      {Proxy: proxy.Config{NetNS: "/run/netns/x"}},
 		"same ports": {Proxy: proxy.Config{OutboundPort: 16000, InboundPort: 16000}},

@@ -37,8 +37,7 @@ func TestBinaryFromEnv(t *testing.T) {
 // TestStartProcessNotReady checks that a process that exits or says something other
 // than "ready" is reported, and reaped, instead of waited on.
 func TestStartProcessNotReady(t *testing.T) {
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	for _, tc := range []struct {
 		script, want string
 	}{
@@ -69,8 +68,7 @@ func TestStartProcessNotReady(t *testing.T) {
 // it must exit with status 0 on SIGTERM.
 func TestProcessLifecycle(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, 5*time.Minute)
 	bin, err := proxy.Binary(ctx, t.TempDir())
 	if err != nil {
 		t.Fatal(err)

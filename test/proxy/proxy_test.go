@@ -22,12 +22,6 @@ import (
 // rootReason is why these tests need root.
 const rootReason = "creates network namespaces"
 
-func testCtx(t *testing.T) context.Context {
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	t.Cleanup(cancel)
-	return ctx
-}
-
 // startProxy runs the proxy in-process, listening and dialing in pod's namespace.
 func startProxy(t *testing.T, ctx context.Context, pod *fixtures.Pod, cfg proxy.Config) *proxy.Proxy {
 	t.Helper()
@@ -61,27 +55,11 @@ func loopback(v6 bool) netip.Addr {
 	return netip.MustParseAddr("127.0.0.1")
 }
 
-func families(t *testing.T, fn func(t *testing.T, v6 bool)) {
-	for _, v6 := range []bool{false, true} {
-		name := "ipv4"
-		if v6 {
-			name = "ipv6"
-		}
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			fn(t, v6)
-		})
-	}
-}
-
 // waitRecords waits until the proxy has recorded n connections (records are added
-// when a connection ends, a moment after the client sees it end).
+// when a connection ends, a moment after the client sees it end), and no more.
 func waitRecords(t *testing.T, ctx context.Context, path string, n int) []proxy.Record {
 	t.Helper()
-	got, err := proxy.WaitForRecords(ctx, path, func(rs []proxy.Record) bool { return len(rs) >= n })
-	if err != nil {
-		t.Fatalf("records: %v", err)
-	}
+	got := proxy.AwaitRecords(ctx, t, path, n)
 	if len(got) != n {
 		t.Fatalf("want %d records, got %+v", n, got)
 	}
@@ -93,8 +71,8 @@ func waitRecords(t *testing.T, ctx context.Context, path string, n int) []proxy.
 // back to its local address.
 func TestEchoDirect(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	families(t, func(t *testing.T, v6 bool) {
-		ctx := testCtx(t)
+	fixtures.Both(t, "ipv4", "ipv6", func(t *testing.T, v6 bool) {
+		ctx := fixtures.Context(t, time.Minute)
 		pod, _ := fixtures.NewPodPair(t)
 		records := filepath.Join(t.TempDir(), "records.jsonl")
 		p := startProxy(t, ctx, pod, proxy.Config{Echo: true, RecordPath: records})
@@ -135,8 +113,8 @@ func TestEchoDirect(t *testing.T) {
 // back to the proxy, so both are closed and recorded with their error.
 func TestDirectDialRefused(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	families(t, func(t *testing.T, v6 bool) {
-		ctx := testCtx(t)
+	fixtures.Both(t, "ipv4", "ipv6", func(t *testing.T, v6 bool) {
+		ctx := fixtures.Context(t, time.Minute)
 		pod, _ := fixtures.NewPodPair(t)
 		records := filepath.Join(t.TempDir(), "records.jsonl")
 		startProxy(t, ctx, pod, proxy.Config{RecordPath: records})
@@ -178,8 +156,8 @@ func isReset(err error) bool {
 // namespace) without being captured again.
 func TestForwardThroughIPTables(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	families(t, func(t *testing.T, v6 bool) {
-		ctx := testCtx(t)
+	fixtures.Both(t, "ipv4", "ipv6", func(t *testing.T, v6 bool) {
+		ctx := fixtures.Context(t, time.Minute)
 		a, b := fixtures.NewPodPair(t)
 		b.ServeEcho(t, 9000)
 		records := filepath.Join(t.TempDir(), "records.jsonl")
@@ -225,7 +203,7 @@ func TestForwardThroughIPTables(t *testing.T) {
 // connection coming back instead of dialing in circles.
 func TestLoopDetected(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	a, b := fixtures.NewPodPair(t)
 	b.ServeEcho(t, 9000)
 	records := filepath.Join(t.TempDir(), "records.jsonl")
@@ -265,7 +243,7 @@ func TestLoopDetected(t *testing.T) {
 // Close returns, the client sees its connection end, and the connection is recorded.
 func TestCloseEndsConnections(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	pod, _ := fixtures.NewPodPair(t)
 	p, err := proxy.Start(ctx, proxy.Config{Echo: true, NetNS: pod.Path, Logger: zaptest.NewLogger(t)})
 	if err != nil {
@@ -303,7 +281,7 @@ func TestCloseEndsConnections(t *testing.T) {
 
 func TestStartErrors(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	pod, _ := fixtures.NewPodPair(t)
 	if _, err := proxy.Start(ctx, proxy.Config{NetNS: pod.Path, OutboundPort: 16000, InboundPort: 16000}); err == nil {
 		t.Error("same outbound and inbound port accepted")

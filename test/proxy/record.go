@@ -1,15 +1,16 @@
 package proxy
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"net/netip"
 	"os"
 	"sync"
+	"testing"
 	"time"
+
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // Direction says which listener accepted a connection.
@@ -127,59 +128,36 @@ func (r *recorder) close() error {
 	return nil
 }
 
-// ReadRecords reads a record file written by a proxy, possibly while it is still
-// being written. A missing file holds no records yet. A last line without its
-// newline is a record still being written and is left for the next read; any other
-// line that does not decode is an error.
-func ReadRecords(path string) ([]Record, error) {
-	data, err := os.ReadFile(path)
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("read records: %w", err)
-	}
-	var records []Record
-	for lineNo := 1; ; lineNo++ {
-		i := bytes.IndexByte(data, '\n')
-		if i < 0 {
-			break
-		}
-		line := data[:i]
-		data = data[i+1:]
-		if len(bytes.TrimSpace(line)) == 0 {
-			continue
-		}
-		var rec Record
-		if err := json.Unmarshal(line, &rec); err != nil {
-			return nil, fmt.Errorf("record file %s line %d: %w", path, lineNo, err)
-		}
-		records = append(records, rec)
-	}
-	return records, nil
-}
-
-// pollInterval is how often WaitForRecords rereads the file.
-const pollInterval = 20 * time.Millisecond
+// ReadRecords reads a record file written by a proxy, possibly while it is
+// still being written (fixtures.ReadJSONL).
+func ReadRecords(path string) ([]Record, error) { return fixtures.ReadJSONL[Record](path) }
 
 // WaitForRecords rereads the record file at path until done returns true for its
-// records, and returns them. It gives up with ctx, returning the last records read
-// together with the context's error.
+// records, and returns them (fixtures.WaitJSONL).
 func WaitForRecords(ctx context.Context, path string, done func([]Record) bool) ([]Record, error) {
-	ticker := time.NewTicker(pollInterval)
-	defer ticker.Stop()
-	for {
-		records, err := ReadRecords(path)
-		if err != nil {
-			return records, err
-		}
-		if done(records) {
-			return records, nil
-		}
-		select {
-		case <-ctx.Done():
-			return records, fmt.Errorf("waiting for records in %s (have %d): %w", path, len(records), ctx.Err())
-		case <-ticker.C:
-		}
+	return fixtures.WaitJSONL(ctx, path, done)
+}
+
+// MustReadRecords is ReadRecords failing tb on an error.
+func MustReadRecords(tb testing.TB, path string) []Record {
+	tb.Helper()
+	return fixtures.MustReadJSONL[Record](tb, path)
+}
+
+// awaitLimit bounds AwaitRecords: a proxy writes a record when a connection
+// ends, well within it even on a loaded machine.
+const awaitLimit = 30 * time.Second
+
+// AwaitRecords waits, within ctx and at most 30 seconds, until the record file
+// at path holds n records or more, and returns them; it fails tb if they do
+// not come.
+func AwaitRecords(ctx context.Context, tb testing.TB, path string, n int) []Record {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(ctx, awaitLimit)
+	defer cancel()
+	recs, err := WaitForRecords(ctx, path, func(r []Record) bool { return len(r) >= n })
+	if err != nil {
+		tb.Fatalf("want %d proxy records, have %d: %v", n, len(recs), err)
 	}
+	return recs
 }

@@ -1,10 +1,7 @@
 package proxy
 
 import (
-	"context"
-	"errors"
 	"net/netip"
-	"os"
 	"path/filepath"
 	"testing"
 	"time"
@@ -58,63 +55,5 @@ func TestRecordFileRoundTrip(t *testing.T) {
 	}
 	if mem := rec.snapshot(); len(mem) != len(want) || mem[0] != want[0] {
 		t.Errorf("in-memory records %+v", mem)
-	}
-}
-
-func TestReadRecordsPartialAndBad(t *testing.T) {
-	dir := t.TempDir()
-	if got, err := ReadRecords(filepath.Join(dir, "missing")); err != nil || got != nil {
-		t.Fatalf("missing file: %v, %v", got, err)
-	}
-	partial := filepath.Join(dir, "partial")
-	// A complete record, a blank line, then one still being written.
-	if err := os.WriteFile(partial, []byte(`{"direction":"outbound","client":"127.0.0.1:1"}`+"\n\n"+`{"direction":"inb`), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	got, err := ReadRecords(partial)
-	if err != nil || len(got) != 1 || got[0].Direction != Outbound || got[0].Client != netip.MustParseAddrPort("127.0.0.1:1") {
-		t.Fatalf("partial file: %+v, %v", got, err)
-	}
-	bad := filepath.Join(dir, "bad")
-	if err := os.WriteFile(bad, []byte("{}\nnot json\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := ReadRecords(bad); err == nil {
-		t.Fatal("malformed line accepted")
-	}
-}
-
-func TestWaitForRecords(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "records.jsonl")
-	rec, err := newRecorder(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rec.close()
-	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
-	defer cancel()
-	errc := make(chan error, 1)
-	go func() {
-		for i := range 3 {
-			if err := rec.add(sampleRecord(i)); err != nil {
-				errc <- err
-				return
-			}
-		}
-		errc <- nil
-	}()
-	got, err := WaitForRecords(ctx, path, func(rs []Record) bool { return len(rs) == 3 })
-	if err != nil || len(got) != 3 {
-		t.Fatalf("WaitForRecords = %d records, %v", len(got), err)
-	}
-	if err := <-errc; err != nil {
-		t.Fatal(err)
-	}
-
-	short, cancelShort := context.WithTimeout(t.Context(), 50*time.Millisecond)
-	defer cancelShort()
-	got, err = WaitForRecords(short, path, func(rs []Record) bool { return len(rs) > 3 })
-	if !errors.Is(err, context.DeadlineExceeded) || len(got) != 3 {
-		t.Fatalf("WaitForRecords on a condition never met = %d records, %v", len(got), err)
 	}
 }

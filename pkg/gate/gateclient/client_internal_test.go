@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // The tests of what only the package's insides show: a method the server does
@@ -83,8 +84,7 @@ func TestRefusedStreams(t *testing.T) {
 	}
 	// Wait for ready: refused streams are retried until the deadline, and the
 	// error says why, wherever in a retry the deadline falls.
-	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
-	defer cancel()
+	ctx := fixtures.Context(t, 300*time.Millisecond)
 	_, err := New(path).Add(ctx, &AddRequest{Pod: PodIdentity{Namespace: "ns", Name: "p", UID: "u"}, Attachment: Attachment{ContainerID: "c", Ifname: "eth0", Network: "n"}, NetnsPath: "/var/run/netns/p", Source: SourceCNI})
 	st := wantCodeOf(t, err, DeadlineExceeded)
 	if !strings.Contains(st.Message, "refused") {
@@ -114,8 +114,7 @@ func TestNotAServer(t *testing.T) {
 			c.Close()
 		}
 	}()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
+	ctx := fixtures.Context(t, 30*time.Second)
 	_, err = New(path).Del(ctx, &DelRequest{})
 	if st := StatusOf(err); st == nil || st.Code != Unavailable {
 		t.Fatalf("Del to a non-gRPC peer: %v, want Unavailable", err)

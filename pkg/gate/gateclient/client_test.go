@@ -22,6 +22,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gateclient"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // fakeGate is a gate server whose answers the test chooses.
@@ -109,8 +110,7 @@ func TestAdd(t *testing.T) {
 		deadline, _ = ctx.Deadline()
 		return &gatepb.AddResponse{Decision: gatepb.Decision_DECISION_ENROLLED, Reason: "all", NetnsCookie: 42}, nil
 	}})
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
+	ctx := fixtures.Context(t, 30*time.Second)
 	resp, err := gateclient.New(path).Add(ctx, testAdd())
 	if err != nil {
 		t.Fatal(err)
@@ -163,8 +163,7 @@ func TestPeerNotAllowed(t *testing.T) {
 // agent that is starting.
 func TestWaitForReady(t *testing.T) {
 	path := socketPath(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
+	ctx := fixtures.Context(t, 30*time.Second)
 	errc := make(chan error, 1)
 	go func() {
 		_, err := gateclient.New(path).Add(ctx, testAdd())
@@ -182,8 +181,7 @@ func TestWaitForReady(t *testing.T) {
 
 func TestWaitForReadyDeadline(t *testing.T) {
 	path := socketPath(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
-	defer cancel()
+	ctx := fixtures.Context(t, 200*time.Millisecond)
 	_, err := gateclient.New(path).Add(ctx, testAdd())
 	st := wantCode(t, err, gateclient.DeadlineExceeded)
 	if !strings.Contains(st.Message, path) {
@@ -193,8 +191,7 @@ func TestWaitForReadyDeadline(t *testing.T) {
 
 func TestFailFast(t *testing.T) {
 	path := socketPath(t)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	if _, err := gateclient.New(path).Del(ctx, &gateclient.DelRequest{}); gateclient.StatusOf(err).Code != gateclient.Unavailable {
 		t.Fatalf("Del without an agent: %v, want gateclient.Unavailable", err)
 	}
@@ -214,8 +211,7 @@ func TestDeadlineWhileAgentWorks(t *testing.T) {
 		serverSaw <- ctx.Err()
 		return nil, ctx.Err()
 	}})
-	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
-	defer cancel()
+	ctx := fixtures.Context(t, 300*time.Millisecond)
 	_, err := gateclient.New(path).Add(ctx, testAdd())
 	wantCode(t, err, gateclient.DeadlineExceeded)
 	if err := <-serverSaw; !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled) {
@@ -257,8 +253,7 @@ func TestAgentStopsMidCall(t *testing.T) {
 		<-entered
 		gaterpc.Stop(s.grpc, 50*time.Millisecond)
 	}()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
+	ctx := fixtures.Context(t, 30*time.Second)
 	_, err := gateclient.New(path).Add(ctx, testAdd())
 	wantCode(t, err, gateclient.Unavailable)
 	calls.Wait() // one call only: not retried

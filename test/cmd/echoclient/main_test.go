@@ -1,16 +1,16 @@
 package main
 
 import (
-	"bufio"
 	"bytes"
 	"context"
-	"encoding/json"
 	"io"
 	"net"
-	"os"
 	"path/filepath"
+	"slices"
 	"testing"
 	"time"
+
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 func echoListener(t *testing.T) string {
@@ -19,39 +19,8 @@ func echoListener(t *testing.T) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				_, _ = io.Copy(c, c)
-			}()
-		}
-	}()
+	fixtures.ServeEcho(t, ln)
 	return ln.Addr().String()
-}
-
-func readRecords(t *testing.T, path string) []Connection {
-	t.Helper()
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	var out []Connection
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		var c Connection
-		if err := json.Unmarshal(sc.Bytes(), &c); err != nil {
-			t.Fatalf("record line %q: %v", sc.Text(), err)
-		}
-		out = append(out, c)
-	}
-	return out
 }
 
 func TestRecordsEachConnection(t *testing.T) {
@@ -61,7 +30,7 @@ func TestRecordsEachConnection(t *testing.T) {
 	if code := run(context.Background(), []string{"-connect", addr, "-n", "3", "-record", rec}, &stdout, &stderr); code != 0 {
 		t.Fatalf("exit %d: %s%s", code, stdout.String(), stderr.String())
 	}
-	recs := readRecords(t, rec)
+	recs := fixtures.MustReadJSONL[Connection](t, rec)
 	if len(recs) != 3 {
 		t.Fatalf("%d records, want 3:\n%s", len(recs), stdout.String())
 	}
@@ -76,13 +45,12 @@ func TestRecordsEachConnection(t *testing.T) {
 func TestUntilStopped(t *testing.T) {
 	addr := echoListener(t)
 	rec := filepath.Join(t.TempDir(), "client.jsonl")
-	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
-	defer cancel()
+	ctx := fixtures.Context(t, 300*time.Millisecond)
 	var stdout, stderr bytes.Buffer
 	if code := run(ctx, []string{"-connect", addr, "-n", "0", "-interval", "10ms", "-record", rec}, &stdout, &stderr); code != 0 {
 		t.Fatalf("exit %d: %s%s", code, stdout.String(), stderr.String())
 	}
-	recs := readRecords(t, rec)
+	recs := fixtures.MustReadJSONL[Connection](t, rec)
 	if len(recs) < 2 {
 		t.Fatalf("%d records in 300ms at 10ms intervals", len(recs))
 	}
@@ -120,7 +88,7 @@ func TestHoldKeepsOneConnection(t *testing.T) {
 	if code := run(context.Background(), []string{"-connect", ln.Addr().String(), "-n", "3", "-hold", "-record", rec}, &stdout, &stderr); code != 0 {
 		t.Fatalf("exit %d: %s%s", code, stdout.String(), stderr.String())
 	}
-	recs := readRecords(t, rec)
+	recs := fixtures.MustReadJSONL[Connection](t, rec)
 	if len(recs) != 3 || len(accepted) != 1 {
 		t.Fatalf("%d records over %d connections, want 3 over 1", len(recs), len(accepted))
 	}
@@ -141,16 +109,25 @@ func TestHoldKeepsOneConnection(t *testing.T) {
 		done <- run(ctx, []string{"-connect", ln.Addr().String(), "-n", "0", "-interval", "20ms", "-hold", "-record", rec}, io.Discard, io.Discard)
 	}()
 	first := <-accepted
-	time.Sleep(100 * time.Millisecond)
+	waitCtx := fixtures.Context(t, 30*time.Second)
+	if _, err := fixtures.WaitJSONL(waitCtx, rec, func(cs []Connection) bool { return len(cs) > 0 }); err != nil {
+		t.Fatalf("a round trip before the drop: %v", err)
+	}
 	first.(*net.TCPConn).SetLinger(0)
 	first.Close()
 	<-accepted
-	time.Sleep(100 * time.Millisecond)
+	// A round trip on the new connection: the last record is a success, after
+	// the failure.
+	if _, err := fixtures.WaitJSONL(waitCtx, rec, func(cs []Connection) bool {
+		return len(cs) > 0 && cs[len(cs)-1].Error == "" && slices.ContainsFunc(cs, func(c Connection) bool { return c.Error != "" })
+	}); err != nil {
+		t.Fatalf("a round trip after the drop: %v", err)
+	}
 	cancel()
 	<-done
 	var locals []string
 	failed := 0
-	for _, c := range readRecords(t, rec) {
+	for _, c := range fixtures.MustReadJSONL[Connection](t, rec) {
 		if c.Error != "" {
 			failed++
 		} else if len(locals) == 0 || locals[len(locals)-1] != c.Local {

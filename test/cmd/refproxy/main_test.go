@@ -39,40 +39,70 @@ func TestRunBadFlags(t *testing.T) {
 	}
 }
 
+// running is run started on a goroutine, past its "ready".
+type running struct {
+	out    *bufio.Reader
+	stderr bytes.Buffer
+	stop   context.CancelFunc
+	exit   chan int
+}
+
+// startRun starts run with args inside the namespace at netnsPath ("": the
+// test's; run binds its listeners on the calling thread) and waits for its
+// first stdout line, which must be exactly "ready". It is stopped in t's
+// cleanup if end did not.
+func startRun(ctx context.Context, t *testing.T, netnsPath string, args ...string) *running {
+	t.Helper()
+	ctx, stop := context.WithCancel(ctx)
+	r := &running{stop: stop, exit: make(chan int, 1)}
+	stdoutR, stdoutW := io.Pipe()
+	go func() {
+		code := -1
+		do := func(fn func() error) error { return fn() }
+		if netnsPath != "" {
+			do = func(fn func() error) error { return netns.Do(netnsPath, fn) }
+		}
+		if err := do(func() error { code = run(ctx, args, stdoutW, &r.stderr); return nil }); err != nil {
+			t.Errorf("enter %s: %v", netnsPath, err)
+		}
+		stdoutW.Close()
+		r.exit <- code
+	}()
+	t.Cleanup(func() {
+		stop()
+		// Drain, so a run still writing is not left blocked on the pipe.
+		_, _ = io.Copy(io.Discard, stdoutR)
+	})
+	r.out = bufio.NewReader(stdoutR)
+	if line, err := r.out.ReadString('\n'); err != nil || line != "ready\n" {
+		t.Fatalf("first stdout line %q, %v", line, err)
+	}
+	return r
+}
+
+// end cancels run's context, as SIGTERM does, and checks that it prints
+// nothing more and returns 0.
+func (r *running) end(t *testing.T) {
+	t.Helper()
+	r.stop()
+	if rest, err := io.ReadAll(r.out); err != nil || len(rest) != 0 {
+		t.Errorf("more stdout after ready: %q, %v", rest, err)
+	}
+	if code := <-r.exit; code != 0 {
+		t.Fatalf("run returned %d after cancel; stderr:\n%s", code, r.stderr.String())
+	}
+}
+
 // TestRunServesUntilCancelled runs the command in-process inside a pod namespace:
 // it prints exactly "ready", serves (echo mode) and records, and returns 0 when its
 // context ends, as on SIGTERM.
 func TestRunServesUntilCancelled(t *testing.T) {
 	fixtures.RequireRoot(t, "creates network namespaces")
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	pod, _ := fixtures.NewPodPair(t)
 	records := filepath.Join(t.TempDir(), "records.jsonl")
 
-	runCtx, stop := context.WithCancel(ctx)
-	defer stop()
-	stdoutR, stdoutW := io.Pipe()
-	var stderr bytes.Buffer
-	exit := make(chan int, 1)
-	go func() {
-		var code int
-		// run binds its listeners on the calling thread, here inside the pod.
-		err := netns.Do(pod.Path, func() error {
-			code = run(runCtx, []string{"-echo", "-record", records, "-outbound-port", "15101", "-mark", "1337"}, stdoutW, &stderr)
-			return nil
-		})
-		if err != nil {
-			t.Errorf("enter pod: %v", err)
-		}
-		stdoutW.Close()
-		exit <- code
-	}()
-
-	out := bufio.NewReader(stdoutR)
-	line, err := out.ReadString('\n')
-	if err != nil || line != "ready\n" {
-		t.Fatalf("first stdout line %q, %v", line, err)
-	}
+	r := startRun(ctx, t, pod.Path, "-echo", "-record", records, "-outbound-port", "15101", "-mark", "1337")
 	conn, err := pod.DialTCP(ctx, netip.MustParseAddrPort("127.0.0.1:15101"))
 	if err != nil {
 		t.Fatal(err)
@@ -84,13 +114,7 @@ func TestRunServesUntilCancelled(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	stop()
-	if rest, err := io.ReadAll(out); err != nil || len(rest) != 0 {
-		t.Errorf("more stdout after ready: %q, %v", rest, err)
-	}
-	if code := <-exit; code != 0 {
-		t.Fatalf("run returned %d after cancel; stderr:\n%s", code, stderr.String())
-	}
+	r.end(t)
 }
 
 // TestRunNodeMode runs the command as a node proxy (-zds) in-process, in the
@@ -98,8 +122,7 @@ func TestRunServesUntilCancelled(t *testing.T) {
 // pod it was handed has its (echo) listener inside the pod's namespace.
 func TestRunNodeMode(t *testing.T) {
 	fixtures.RequireRoot(t, "creates network namespaces")
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	defer cancel()
+	ctx := fixtures.Context(t, time.Minute)
 	pod, _ := fixtures.NewPodPair(t)
 	path := filepath.Join(t.TempDir(), "ztunnel.sock")
 	uid := "refproxy-test-pod"
@@ -120,20 +143,7 @@ func TestRunNodeMode(t *testing.T) {
 	}()
 	records := filepath.Join(t.TempDir(), "records.jsonl")
 
-	runCtx, stop := context.WithCancel(ctx)
-	defer stop()
-	stdoutR, stdoutW := io.Pipe()
-	var stderr bytes.Buffer
-	exit := make(chan int, 1)
-	go func() {
-		code := run(runCtx, []string{"-zds", path, "-echo", "-record", records}, stdoutW, &stderr)
-		stdoutW.Close()
-		exit <- code
-	}()
-	line, err := bufio.NewReader(stdoutR).ReadString('\n')
-	if err != nil || line != "ready\n" {
-		t.Fatalf("first stdout line %q, %v", line, err)
-	}
+	r := startRun(ctx, t, "", "-zds", path, "-echo", "-record", records)
 	conn, err := pod.DialTCP(ctx, netip.MustParseAddrPort("[::1]:15001"))
 	if err != nil {
 		t.Fatal(err)
@@ -148,17 +158,13 @@ func TestRunNodeMode(t *testing.T) {
 	if got[0].Pod != uid || got[0].Direction != proxy.Outbound {
 		t.Errorf("record %+v, want an outbound record of pod %s", got[0], uid)
 	}
-	stop()
-	if code := <-exit; code != 0 {
-		t.Fatalf("run returned %d after cancel; stderr:\n%s", code, stderr.String())
-	}
+	r.end(t)
 }
 
 // TestRunNodeModeNoAgent: with no agent there is no snapshot and no "ready", and
 // SIGTERM still ends the command cleanly.
 func TestRunNodeModeNoAgent(t *testing.T) {
-	ctx, cancel := context.WithTimeout(t.Context(), 100*time.Millisecond)
-	defer cancel()
+	ctx := fixtures.Context(t, 100*time.Millisecond)
 	var stdout, stderr bytes.Buffer
 	if code := run(ctx, []string{"-zds", filepath.Join(t.TempDir(), "none.sock")}, &stdout, &stderr); code != 0 {
 		t.Fatalf("run = %d; stderr:\n%s", code, stderr.String())

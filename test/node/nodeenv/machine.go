@@ -23,6 +23,7 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -84,15 +85,7 @@ func newMachine(tb testing.TB) *Machine {
 		}
 	}
 
-	m.NetNS = filepath.Join(harness.NetnsDir, harness.NetnsPrefix()+"node-"+suffix)
-	if err := netns.Create(m.NetNS); err != nil {
-		tb.Fatalf("node network namespace: %v", err)
-	}
-	tb.Cleanup(func() {
-		if err := netns.Remove(m.NetNS); err != nil {
-			tb.Errorf("cleanup: %v", err)
-		}
-	})
+	m.NetNS = fixtures.NewNetns(tb, filepath.Join(harness.NetnsDir, harness.NetnsPrefix()+"node-"+suffix)).Path
 	m.link(tb, suffix)
 	m.cgroups(tb)
 	m.mounts(tb)
@@ -146,13 +139,6 @@ func (m *Machine) link(tb testing.TB, suffix string) {
 		tb.Fatal(err)
 	}
 	err = netns.Do(m.NetNS, func() error {
-		lo, err := netlinksafe.LinkByName("lo")
-		if err != nil {
-			return err
-		}
-		if err := netlink.LinkSetUp(lo); err != nil {
-			return err
-		}
 		if err := configure(nodeName, m.NodeIP); err != nil {
 			return err
 		}

@@ -12,6 +12,7 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -100,7 +101,7 @@ func (n *Node) restartKubelet() *harness.Process {
 		n.tb.Logf("kubelet stopped: %v", err)
 	}
 	var err error
-	if !harness.Eventually(ctx, 10*time.Second, harness.WaitInterval, func() bool {
+	if !fixtures.Eventually(ctx, 10*time.Second, fixtures.WaitInterval, func() bool {
 		err = os.Remove(dir)
 		return err == nil || errors.Is(err, os.ErrNotExist)
 	}) {
