@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -806,7 +807,7 @@ func TestAddPodUsesCallersNamespace(t *testing.T) {
 // agent learns it.
 func TestProxiesKeptWhenServerCloses(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
-	ctx := testCtx(t)
+	ctx := fixtures.Context(t, time.Minute)
 	var (
 		mu      sync.Mutex
 		reports [][]int32
@@ -819,7 +820,7 @@ func TestProxiesKeptWhenServerCloses(t *testing.T) {
 		}
 		return reports[len(reports)-1], len(reports)
 	}
-	srv, path := startServer(t, &store{}, zds.Config{ProxiesChanged: func(pids []int32) error {
+	srv, path := startServer(t, zdstest.NewPods(), zds.Config{ProxiesChanged: func(pids []int32) error {
 		mu.Lock()
 		defer mu.Unlock()
 		reports = append(reports, slices.Clone(pids))
@@ -839,7 +840,7 @@ func TestProxiesKeptWhenServerCloses(t *testing.T) {
 		t.Fatalf("after the proxy connected: reported %v, want %v", got, self)
 	}
 	first.Close()
-	harness.WaitFor(t, 10*time.Second, "the disconnect reported", func() bool {
+	fixtures.WaitFor(t, 10*time.Second, "the disconnect reported", func() bool {
 		got, _ := last()
 		return len(got) == 0
 	})

@@ -967,7 +967,7 @@ func testAmbientNode(t *testing.T, n *ambientNode, list *libcni.NetworkConfigLis
 	if got, err := ask(t, client.cni, netip.AddrPortFrom(server.cni.IPv4(t), 8080)); err != nil || got != client.cni.IPv4(t) {
 		t.Errorf("client -> server once its proxy started late: the application saw %s (%v), want the client's %s", got, err, client.cni.IPv4(t))
 	}
-	poll(t, 20*time.Second, "the server's inbound HBONE through its late proxy", func() bool {
+	fixtures.WaitFor(t, 20*time.Second, "the server's inbound HBONE through its late proxy", func() bool {
 		recs, _ := ztunnel.ReadRecords(n.records)
 		return len(recs) > before && slices.ContainsFunc(recs[before:], func(r ztunnel.Record) bool {
 			return r.Pod == server.api.Namespace+"/server" && r.Dir == "inbound" && r.Proto == "hbone" && r.Err == ""
@@ -1026,12 +1026,12 @@ func (n *ambientNode) restartZtunnelWithPortTaken(t *testing.T, zt *harness.Proc
 			return false
 		}
 	}
-	poll(t, 30*time.Second, p.api.Name+"'s proxy refused in the snapshot", logged("pod proxy failed to start"))
+	fixtures.WaitFor(t, 30*time.Second, p.api.Name+"'s proxy refused in the snapshot", logged("pod proxy failed to start"))
 	if logged("pod proxy started")() {
 		t.Fatalf("%s's proxy started with port %d taken", p.api.Name, port)
 	}
 	taken.Close()
-	poll(t, 3*ztunnel.RetryInterval, p.api.Name+"'s proxy started by the retry", logged("pod proxy started"))
+	fixtures.WaitFor(t, 3*ztunnel.RetryInterval, p.api.Name+"'s proxy started by the retry", logged("pod proxy started"))
 	return zt
 }
 
