@@ -9,31 +9,28 @@ import (
 	"github.com/mesh-cni/mesh-cni/test/bench/results"
 )
 
-// sectionTargets are the targets a result's own section repeats: a section
-// rewritten alone (benchreport -only) still shows them with its numbers.
-var sectionTargets = map[string]func(data) []target{"fleet": fleetTargets}
+// sectionTargets are the targets result name's own section repeats, or nil: a
+// section rewritten alone (benchreport -only) still shows them with its
+// numbers, and says what bounds the missed ones (the Targets section links
+// there instead).
+func sectionTargets(name string) func(data) []target {
+	if name == "fleet" {
+		return fleetTargets
+	}
+	return nil
+}
 
 // writeSectionTargets writes the targets of r's own section, checked against
 // r alone.
 func writeSectionTargets(w *bytes.Buffer, r *results.Result, dir string) {
-	fn := sectionTargets[r.Name]
+	fn := sectionTargets(r.Name)
 	if fn == nil {
 		return
 	}
-	d := data{byName: map[string]*results.Result{r.Name: r}, dir: dir}
-	fmt.Fprintf(w, "| target | measured | result |\n|---|---|---|\n")
-	for _, t := range fn(d) {
-		fmt.Fprintf(w, "| %s | %s | %s |\n", t.goal, t.measured, t.status)
-	}
-	fmt.Fprintln(w)
-	var limits []string
-	for _, t := range fn(d) {
-		if t.status == missed && t.limits != "" {
-			limits = append(limits, fmt.Sprintf("- **%s** — %s\n", t.goal, t.limits))
-		}
-	}
-	if len(limits) > 0 {
-		fmt.Fprintf(w, "%s\n", strings.Join(limits, ""))
+	ts := fn(data{byName: map[string]*results.Result{r.Name: r}, dir: dir})
+	writeTargetTable(w, ts)
+	if bounds := boundsOf(ts); len(bounds) > 0 {
+		fmt.Fprintf(w, "%s\n", strings.Join(bounds, ""))
 	}
 }
 
