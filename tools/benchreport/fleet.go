@@ -59,8 +59,7 @@ func fleetTop(m *results.Metric) (top float64, hasBase bool) {
 }
 
 func fleetWrites(d data) target {
-	t := target{goal: "API writes per pod start: 0 outside the mesh, ≤ 1 for a meshed pod (agent and plugin together)"}
-	m := d.metric("fleet", "writes-per-pod")
+	t, m := d.target("API writes per pod start: 0 outside the mesh, ≤ 1 for a meshed pod (agent and plugin together)", "fleet", "writes-per-pod")
 	if m == nil {
 		return t
 	}
@@ -79,8 +78,7 @@ func fleetWrites(d data) target {
 }
 
 func fleetVsIstio(d data) target {
-	t := target{goal: "per pod start, against istio-cni's node agent and plugin: requests ≤ 0.5×, watch events ≤ 1×, API server CPU ≤ 0.7×"}
-	m := d.metric("fleet", "requests-per-pod")
+	t, m := d.target("per pod start, against istio-cni's node agent and plugin: requests ≤ 0.5×, watch events ≤ 1×, API server CPU ≤ 0.7×", "fleet", "requests-per-pod")
 	if m == nil {
 		return t
 	}
@@ -119,8 +117,7 @@ func fleetFlat(d data) target {
 }
 
 func fleetLatency(d data) target {
-	t := target{goal: "pod create → gate decision p99 ≤ 100 ms at the largest fleet, cache misses included"}
-	m := d.metric("fleet", "decision-latency")
+	t, m := d.target("pod create → gate decision p99 ≤ 100 ms at the largest fleet, cache misses included", "fleet", "decision-latency")
 	if m == nil {
 		return t
 	}
@@ -141,8 +138,7 @@ func fleetLatency(d data) target {
 }
 
 func fleetRestart(d data) target {
-	t := target{goal: "whole-fleet restart: no request refused, every agent ready"}
-	m := d.metric("fleet", "agent-start-requests")
+	t, m := d.target("whole-fleet restart: no request refused, every agent ready", "fleet", "agent-start-requests")
 	r := d.metric("fleet", "fleet-restart")
 	if m == nil || r == nil {
 		return t

@@ -318,8 +318,7 @@ func agentEnrollCPU(d data) string {
 }
 
 func addOverhead(d data) target {
-	t := target{goal: "ADD overhead over the no-op chained plugin ≤ 1.5 ms (median, one pod at a time)"}
-	m := d.metric("chain-add", "add-sequential")
+	t, m := d.target("ADD overhead over the no-op chained plugin ≤ 1.5 ms (median, one pod at a time)", "chain-add", "add-sequential")
 	if m == nil {
 		return t
 	}
@@ -358,8 +357,7 @@ func addOverhead(d data) target {
 }
 
 func concurrentTail(d data) target {
-	t := target{goal: "16 concurrent ADDs: p99 ≤ 1.3× the no-op chain's"}
-	m := d.metric("chain-add", "add-concurrent-16")
+	t, m := d.target("16 concurrent ADDs: p99 ≤ 1.3× the no-op chain's", "chain-add", "add-concurrent-16")
 	if m == nil {
 		return t
 	}
@@ -426,6 +424,18 @@ func firstPerRound(s *results.Series, n int) float64 {
 	return results.Median(firsts)
 }
 
+// target starts a target's check on a metric, nil when the run has none.
+func (d data) target(goal, result, metric string) (target, *results.Metric) {
+	return target{goal: goal}, d.metric(result, metric)
+}
+
+// partial marks t as measured only up to top pods: the targets are set at
+// 1000, which this run did not reach.
+func partial(t target, top float64) target {
+	t.measured += " — only up to " + numX(top) + " pods in this run"
+	return t
+}
+
 // topLevel is the largest X of a scaling metric and whether it is 1000.
 func topLevel(m *results.Metric) (float64, bool) {
 	xs := m.Xs()
@@ -436,8 +446,7 @@ func topLevel(m *results.Metric) (float64, bool) {
 }
 
 func enrollRelease(d data) target {
-	t := target{goal: "per-pod enroll+release ≤ 1 ms at 1000 pods"}
-	m := d.metric("scale", "enroll-per-pod")
+	t, m := d.target("per-pod enroll+release ≤ 1 ms at 1000 pods", "scale", "enroll-per-pod")
 	if m == nil {
 		return t
 	}
@@ -449,8 +458,7 @@ func enrollRelease(d data) target {
 	add, del := med(d.series("scale", "enroll-release-split", "enroll", top)), med(d.series("scale", "enroll-release-split", "release", top))
 	t.measured = fmt.Sprintf("%s ms median at %s pods (Add %s ms + Del %s ms; p99 %s ms)", num(er), numX(top), num(add), num(del), num(p99(m.Find("enroll-release", top))))
 	if !full {
-		t.measured += " — only up to " + numX(top) + " pods in this run"
-		return t
+		return partial(t, top)
 	}
 	t.status = check(er <= 1)
 	limits := fmt.Sprintf("%s ms against 1 ms; the gate's Add is %s ms of it and Del %s ms, each with one round trip on a kept connection.", num(er), num(add), num(del))
@@ -466,8 +474,7 @@ func enrollRelease(d data) target {
 }
 
 func enrollVsIPTables(d data) target {
-	t := target{goal: "… ≥ 4× faster than the in-pod iptables way (same run)"}
-	m := d.metric("scale", "enroll-per-pod")
+	t, m := d.target("… ≥ 4× faster than the in-pod iptables way (same run)", "scale", "enroll-per-pod")
 	if m == nil {
 		return t
 	}
@@ -483,8 +490,7 @@ func enrollVsIPTables(d data) target {
 	}
 	t.measured += ")"
 	if !full {
-		t.measured += " — only up to " + numX(top) + " pods in this run"
-		return t
+		return partial(t, top)
 	}
 	t.status = check(r >= 4)
 	t.limits = fmt.Sprintf("%.2f× against 4×. The iptables way is four short processes (iptables-restore and ip6tables-restore, to install and to remove), %s ms in all; the agent's CPU per enrollment is broken down below.", r, num(med(ipt)))
@@ -504,6 +510,19 @@ func captureRatio(d data, metric, a, b string) (float64, string) {
 		}
 	}
 	return math.NaN(), ""
+}
+
+// captureTarget checks the paired ratio of eBPF's capture metric to
+// baseline's against the least it should be, saying which configuration it
+// came from; r is NaN when the run has no such pair.
+func captureTarget(d data, goal, metric, baseline string, least float64) (t target, r float64, cfg string) {
+	t.goal = goal
+	r, cfg = captureRatio(d, metric, "ebpf", baseline)
+	if ok(r) {
+		t.measured = fmt.Sprintf("%.3f× (paired median, %s%s)", r, configNote(cfg), otherConfig(d, metric, "ebpf", baseline, cfg))
+		t.status = check(r >= least)
+	}
+	return t, r, cfg
 }
 
 func configNote(cfg string) string {
@@ -560,13 +579,10 @@ func bpfPerConn(d data) string {
 }
 
 func connRateVsLimit(d data) target {
-	t := target{goal: "eBPF capture: conn/s ≥ 0.98× the no-capture limit"}
-	r, cfg := captureRatio(d, "conn-rate", "ebpf", "limit")
+	t, r, cfg := captureTarget(d, "eBPF capture: conn/s ≥ 0.98× the no-capture limit", "conn-rate", "limit", 0.98)
 	if !ok(r) {
 		return t
 	}
-	t.measured = fmt.Sprintf("%.3f× (paired median, %s%s)", r, configNote(cfg), otherConfig(d, "conn-rate", "ebpf", "limit", cfg))
-	t.status = check(r >= 0.98)
 	limits := fmt.Sprintf("%.3f× against 0.98×, %.1f%% fewer connections per second than the limit. The capture's work per connection: the connect rewrite, the original destination recorded at establishment and answered to the proxy's getsockopt, getpeername restored, and the server pod's sk_lookup assigning the proxy's listener.", r, 100*(1-r))
 	limits += " The eBPF programs' own run time per connection is given below the list."
 	t.perConn = true
@@ -586,18 +602,15 @@ func connRateVsLimit(d data) target {
 // the reconstruction of Istio's rules that test/capture can vary, or
 // istio-cni, Istio's own rules written by its code.
 func connRateVsInPod(d data, baseline, label string) target {
-	t := target{goal: "eBPF capture: conn/s ≥ 1.2× " + label}
-	r, cfg := captureRatio(d, "conn-rate", "ebpf", baseline)
+	t, r, cfg := captureTarget(d, "eBPF capture: conn/s ≥ 1.2× "+label, "conn-rate", baseline, 1.2)
 	if !ok(r) {
 		return t
 	}
-	t.measured = fmt.Sprintf("%.3f× (paired median, %s%s)", r, configNote(cfg), otherConfig(d, "conn-rate", "ebpf", baseline, cfg))
 	if m := d.metric("capture", "conn-cycle-"+cfg); m != nil {
 		if pe, pi := p99(m.Find("ebpf", 0)), p99(m.Find(baseline, 0)); ok(pe, pi) {
 			t.measured += fmt.Sprintf("; connection p99 %s µs vs %s µs", num(pe), num(pi))
 		}
 	}
-	t.status = check(r >= 1.2)
 	limits := fmt.Sprintf("%.3f× against 1.2×. Both captures put the same two proxies in the path, which dominate a connection's cost; a capture cannot be faster than the `limit`", r)
 	if rl, _ := captureRatio(d, "conn-rate", baseline, "limit"); ok(rl) {
 		limits += fmt.Sprintf(", and %s already reaches %.3f× of it (paired), so even a capture that cost nothing would be %.3f× %s here", baseline, rl, 1/rl, baseline)
@@ -612,8 +625,7 @@ func connRateVsInPod(d data, baseline, label string) target {
 // request costs is the proxies' hops, which only taking a hop out of TCP
 // (splicing the pod-local one) would lower.
 func requestVsIstio(d data) target {
-	t := target{goal: "request/response p50 ≤ 0.70× istio-cni's in-pod rules (full chain)"}
-	m := d.metric("capture", "rr-chain")
+	t, m := d.target("request/response p50 ≤ 0.70× istio-cni's in-pod rules (full chain)", "capture", "rr-chain")
 	if m == nil {
 		return t
 	}
@@ -640,20 +652,16 @@ func requestVsIstio(d data) target {
 }
 
 func throughputVsLimit(d data) target {
-	t := target{goal: "eBPF capture: throughput ≥ 0.98× the no-capture limit"}
-	r, cfg := captureRatio(d, "throughput", "ebpf", "limit")
+	t, r, _ := captureTarget(d, "eBPF capture: throughput ≥ 0.98× the no-capture limit", "throughput", "limit", 0.98)
 	if !ok(r) {
 		return t
 	}
-	t.measured = fmt.Sprintf("%.3f× (paired median, %s%s)", r, configNote(cfg), otherConfig(d, "throughput", "ebpf", "limit", cfg))
-	t.status = check(r >= 0.98)
 	t.limits = fmt.Sprintf("%.3f× against 0.98×. Once a connection is established no capture program runs on its packets; the bulk rate is set by the proxies copying and by the CPUs the other load leaves, which varies from round to round.", r)
 	return t
 }
 
 func enrollScaling(d data) target {
-	t := target{goal: "per-pod enroll+release at 1000 pods within 1.5× of at 10"}
-	m := d.metric("scale", "enroll-per-pod")
+	t, m := d.target("per-pod enroll+release at 1000 pods within 1.5× of at 10", "scale", "enroll-per-pod")
 	if m == nil {
 		return t
 	}
@@ -664,8 +672,7 @@ func enrollScaling(d data) target {
 	}
 	t.measured = fmt.Sprintf("%.2f× (median %s ms at 10 pods, %s ms at %s)", atTop/at10, num(at10), num(atTop), numX(top))
 	if !full {
-		t.measured += " — only up to " + numX(top) + " pods in this run"
-		return t
+		return partial(t, top)
 	}
 	t.status = check(atTop/at10 <= 1.5)
 	t.limits = fmt.Sprintf("%.2f× against 1.5×: the enrollment's cost grows with the number of pods enrolled.", atTop/at10)
@@ -673,8 +680,7 @@ func enrollScaling(d data) target {
 }
 
 func agentMemory(d data) target {
-	t := target{goal: "agent RSS < 64 MiB at 1000 pods"}
-	m := d.metric("scale", "agent-memory")
+	t, m := d.target("agent RSS < 64 MiB at 1000 pods", "scale", "agent-memory")
 	if m == nil {
 		return t
 	}
@@ -688,8 +694,7 @@ func agentMemory(d data) target {
 		t.measured += fmt.Sprintf("; BPF maps %s MiB memlock, in the kernel", num(med(mm.Find("memlock", top))))
 	}
 	if !full {
-		t.measured += " — only up to " + numX(top) + " pods in this run"
-		return t
+		return partial(t, top)
 	}
 	t.status = check(rss < 64)
 	t.limits = fmt.Sprintf("%s MiB against 64 MiB.", num(rss))
@@ -697,8 +702,7 @@ func agentMemory(d data) target {
 }
 
 func restartReady(d data) target {
-	t := target{goal: "agent restart-to-ready with 1000 pods < 2 s"}
-	m := d.metric("scale", "restart-ready")
+	t, m := d.target("agent restart-to-ready with 1000 pods < 2 s", "scale", "restart-ready")
 	if m == nil {
 		return t
 	}
@@ -710,8 +714,7 @@ func restartReady(d data) target {
 	}
 	t.measured = fmt.Sprintf("%s ms median, %s ms worst of %d, at %s pods", num(med(s)), num(worst), len(s.Samples), numX(top))
 	if !full {
-		t.measured += " — only up to " + numX(top) + " pods in this run"
-		return t
+		return partial(t, top)
 	}
 	t.status = check(worst < 2000)
 	t.limits = fmt.Sprintf("%s ms against 2000 ms: a restart adopts the pinned data path and reconciles every enrolled pod (its namespace, its sk_lookup link) before it is ready.", num(worst))
