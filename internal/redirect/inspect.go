@@ -150,11 +150,10 @@ func inspectHook(path, name string) HookState {
 }
 
 func netnsLinkAttached(path string) bool {
-	l, err := link.LoadPinnedLink(path, nil)
+	l, info, err := pinnedLinkInfo(path)
 	if err != nil {
 		return false
 	}
 	defer l.Close()
-	info, err := l.Info()
-	return err == nil && info.NetNs() != nil && info.NetNs().NetnsInode != 0
+	return info.NetNs() != nil && info.NetNs().NetnsInode != 0
 }
