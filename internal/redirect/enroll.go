@@ -11,7 +11,6 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"go.uber.org/zap"
 
@@ -285,18 +284,11 @@ func (d *Datapath) release(ctx context.Context, cookie uint64, nsFd int) error {
 // the cgroup programs are attached. The error says everything that is missing.
 // Inbound capture is per namespace: the one link covers every interface of the pod.
 func (d *Datapath) Check(ctx context.Context, cookie uint64) error {
-	unlock, err := d.lockPod(ctx, cookie)
+	_, unlock, err := d.lockEnrolled(ctx, cookie)
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	var s redirectPodSettings
-	if err := d.objs.Pods.Lookup(cookie, &s); err != nil {
-		if errors.Is(err, ebpf.ErrKeyNotExist) {
-			return fmt.Errorf("netns cookie %d: %w", cookie, ErrNotEnrolled)
-		}
-		return fmt.Errorf("check %d: %w", cookie, err)
-	}
 	pp, err := readPodPins(d.pins.pod(cookie))
 	if err != nil {
 		return fmt.Errorf("check %d: %w", cookie, err)
