@@ -1,6 +1,7 @@
 package redirect
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -381,18 +382,8 @@ func (d *Datapath) List(ctx context.Context) ([]Enrollment, error) {
 	if err := it.Err(); err != nil {
 		return nil, fmt.Errorf("list pods: %w", err)
 	}
-	slices.SortFunc(out, func(a, b Enrollment) int { return cmpUint64(a.Cookie, b.Cookie) })
+	slices.SortFunc(out, func(a, b Enrollment) int { return cmp.Compare(a.Cookie, b.Cookie) })
 	return out, nil
-}
-
-func cmpUint64(a, b uint64) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
 }
 
 // podPins are the pins in one pod's directory.

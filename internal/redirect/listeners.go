@@ -1,6 +1,7 @@
 package redirect
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -200,7 +201,7 @@ func readRefusals(m *ebpf.Map) ([]Refusal, error) {
 	if err := it.Err(); err != nil {
 		return nil, fmt.Errorf("read refused listeners: %w", err)
 	}
-	slices.SortFunc(out, func(a, b Refusal) int { return cmpUint64(a.Cookie, b.Cookie) })
+	slices.SortFunc(out, func(a, b Refusal) int { return cmp.Compare(a.Cookie, b.Cookie) })
 	return out, nil
 }
 
