@@ -291,31 +291,11 @@ static __always_inline int redirect_common(struct bpf_sock_addr *ctx, bool v6, b
 	return 1;
 }
 
-SEC("cgroup/connect4")
-int mesh_connect4(struct bpf_sock_addr *ctx)
-{
-	return redirect_common(ctx, false, true);
-}
-
-SEC("cgroup/connect6")
-int mesh_connect6(struct bpf_sock_addr *ctx)
-{
-	return redirect_common(ctx, true, true);
-}
+SOCK_ADDR_PROGS(connect, redirect_common, true)
 
 // sendmsg4/6 run for datagrams sent with an address (sendto, sendmsg with a name):
 // DNS queries of unconnected UDP sockets.
-SEC("cgroup/sendmsg4")
-int mesh_sendmsg4(struct bpf_sock_addr *ctx)
-{
-	return redirect_common(ctx, false, false);
-}
-
-SEC("cgroup/sendmsg6")
-int mesh_sendmsg6(struct bpf_sock_addr *ctx)
-{
-	return redirect_common(ctx, true, false);
-}
+SOCK_ADDR_PROGS(sendmsg, redirect_common, false)
 
 // recvmsg4/6 show a DNS answer from the proxy's listener as coming from the
 // resolver the query was sent to.
@@ -338,14 +318,4 @@ static __always_inline int recvmsg_common(struct bpf_sock_addr *ctx, bool v6)
 	return 1;
 }
 
-SEC("cgroup/recvmsg4")
-int mesh_recvmsg4(struct bpf_sock_addr *ctx)
-{
-	return recvmsg_common(ctx, false);
-}
-
-SEC("cgroup/recvmsg6")
-int mesh_recvmsg6(struct bpf_sock_addr *ctx)
-{
-	return recvmsg_common(ctx, true);
-}
+SOCK_ADDR_PROGS(recvmsg, recvmsg_common)

@@ -383,14 +383,4 @@ static __always_inline int getpeername_common(struct bpf_sock_addr *ctx, bool v6
 	return 1;
 }
 
-SEC("cgroup/getpeername4")
-int mesh_getpeername4(struct bpf_sock_addr *ctx)
-{
-	return getpeername_common(ctx, false);
-}
-
-SEC("cgroup/getpeername6")
-int mesh_getpeername6(struct bpf_sock_addr *ctx)
-{
-	return getpeername_common(ctx, true);
-}
+SOCK_ADDR_PROGS(getpeername, getpeername_common)

@@ -22,16 +22,8 @@ BINS=(containerd containerd-shim-runc-v2 ctr crictl)
 
 # shellcheck source=hack/cache.sh
 source "$(dirname "${BASH_SOURCE[0]}")/cache.sh"
-cache_lookup
-
-export GOFLAGS="-mod=mod -buildvcs=false"
-export CGO_ENABLED=0
-work="$(mktemp -d "${TMPDIR:-/tmp}/mesh-cni-containerd-build.XXXXXX")"
-trap 'rm -rf "$work"' EXIT
-cd "$work"
-
-echo "building containerd $CONTAINERD_VERSION and crictl $CRICTL_VERSION into $OUT" >&2
-go mod init mesh-cni.local/containerd-build >/dev/null 2>&1
+cache_begin "containerd $CONTAINERD_VERSION, crictl $CRICTL_VERSION" -mod=mod
+cache_workdir containerd
 go get "github.com/containerd/containerd/v2@$CONTAINERD_VERSION" "sigs.k8s.io/cri-tools@$CRICTL_VERSION" >&2
 
 cpkg=github.com/containerd/containerd/v2
@@ -41,8 +33,4 @@ go build -trimpath -tags urfave_cli_no_docs -ldflags "$cldflags" -o bin/ \
 	"$cpkg/cmd/containerd" "$cpkg/cmd/containerd-shim-runc-v2" "$cpkg/cmd/ctr" >&2
 go build -trimpath -ldflags "-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version=$CRICTL_VERSION" \
 	-o bin/crictl sigs.k8s.io/cri-tools/cmd/crictl >&2
-
-stage="$(cache_stage)"
-trap 'rm -rf "$work" "$stage"' EXIT
-for b in "${BINS[@]}"; do mv "bin/$b" "$stage/"; done
-cache_publish "$stage" "containerd $CONTAINERD_VERSION, crictl $CRICTL_VERSION"
+cache_publish_from bin

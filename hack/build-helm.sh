@@ -19,14 +19,9 @@ BINS=(helm)
 
 # shellcheck source=hack/cache.sh
 source "$(dirname "${BASH_SOURCE[0]}")/cache.sh"
-cache_lookup
-
-export GOFLAGS="-buildvcs=false"
-export CGO_ENABLED=0
-echo "building helm $HELM_VERSION into $OUT" >&2
-stage="$(cache_stage)"
-trap 'rm -rf "$stage"' EXIT
-GOBIN="$stage" go install -trimpath \
+cache_begin "helm $HELM_VERSION"
+cache_stage
+GOBIN="$CACHE_STAGE" go install -trimpath \
 	-ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean" \
 	"helm.sh/helm/v3/cmd/helm@$HELM_VERSION" >&2
-cache_publish "$stage" "helm $HELM_VERSION"
+cache_publish

@@ -31,15 +31,10 @@ BINS=(pilot-discovery install-cni istio-cni istio-inpod)
 
 # shellcheck source=hack/cache.sh
 source "$(dirname "${BASH_SOURCE[0]}")/cache.sh"
-cache_lookup
-
-export GOFLAGS="-buildvcs=false"
-export CGO_ENABLED=0
-echo "building ${BINS[*]} (istio.io/istio $ISTIO_VERSION) into $OUT" >&2
-stage="$(cache_stage)"
-trap 'rm -rf "$stage"' EXIT
+cache_begin "${BINS[*]} (istio.io/istio $ISTIO_VERSION)"
+cache_stage
 pkgs=()
 for c in "${CMDS[@]}"; do pkgs+=("istio.io/istio/$c@$ISTIO_VERSION"); done
-GOBIN="$stage" go install -trimpath -ldflags "-s -w" "${pkgs[@]}" >&2
-(cd "$INPOD" && go build -trimpath -ldflags "-s -w" -o "$stage/istio-inpod" .) >&2
-cache_publish "$stage" "${BINS[*]} (istio.io/istio $ISTIO_VERSION)"
+GOBIN="$CACHE_STAGE" go install -trimpath -ldflags "-s -w" "${pkgs[@]}" >&2
+(cd "$INPOD" && go build -trimpath -ldflags "-s -w" -o "$CACHE_STAGE/istio-inpod" .) >&2
+cache_publish

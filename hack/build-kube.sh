@@ -42,16 +42,8 @@ esac
 
 # shellcheck source=hack/cache.sh
 source "$(dirname "${BASH_SOURCE[0]}")/cache.sh"
-cache_lookup
-
-export GOFLAGS="-mod=mod -buildvcs=false"
-export CGO_ENABLED=0
-work="$(mktemp -d "${TMPDIR:-/tmp}/mesh-cni-kube-build.XXXXXX")"
-trap 'rm -rf "$work"' EXIT
-cd "$work"
-
-echo "building ${BINS[*]} ($KUBE_VERSION) into $OUT" >&2
-go mod init mesh-cni.local/kube-build >/dev/null 2>&1
+cache_begin "${BINS[*]} ($KUBE_VERSION)" -mod=mod
+cache_workdir kube
 
 # Staging modules are published as v0.<minor>.<patch> for v1.<minor>.<patch>.
 staging="v0.${KUBE_VERSION#v1.}"
@@ -83,8 +75,4 @@ done
 if [[ "$set_name" == apiserver ]]; then
 	go build -trimpath -ldflags "-s -w" -o bin/etcd go.etcd.io/etcd/server/v3 >&2
 fi
-
-stage="$(cache_stage)"
-trap 'rm -rf "$work" "$stage"' EXIT
-for b in "${BINS[@]}"; do mv "bin/$b" "$stage/"; done
-cache_publish "$stage" "${BINS[*]} ($KUBE_VERSION)"
+cache_publish_from bin

@@ -14,6 +14,21 @@
 #include <bpf/bpf_tracing.h>
 #include <bpf/bpf_core_read.h>
 
+// SOCK_ADDR_PROGS defines a cgroup sock_addr hook's IPv4 and IPv6 programs,
+// mesh_<hook>4 and mesh_<hook>6, both the one body fn: called with v6 false and
+// true, then the rest of the arguments given.
+#define SOCK_ADDR_PROGS(hook, fn, ...)                              \
+	SEC("cgroup/" #hook "4")                                    \
+	int mesh_##hook##4(struct bpf_sock_addr *ctx)               \
+	{                                                           \
+		return fn(ctx, false, ##__VA_ARGS__);               \
+	}                                                           \
+	SEC("cgroup/" #hook "6")                                    \
+	int mesh_##hook##6(struct bpf_sock_addr *ctx)               \
+	{                                                           \
+		return fn(ctx, true, ##__VA_ARGS__);                \
+	}
+
 // Constants the kernel headers define as macros (vmlinux.h carries only types/enums).
 #define AF_INET 2
 #define AF_INET6 10

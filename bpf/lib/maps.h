@@ -8,6 +8,27 @@
 
 #include "common.h"
 
+// CIDR_SETS_MAP defines a map name of CIDR sets: an lpm_key (set, prefix)
+// is in the set when its entry is there.
+#define CIDR_SETS_MAP(name)                            \
+	struct {                                       \
+		__uint(type, BPF_MAP_TYPE_LPM_TRIE);   \
+		__uint(max_entries, 16384);            \
+		__uint(map_flags, BPF_F_NO_PREALLOC);  \
+		__type(key, struct lpm_key);           \
+		__type(value, __u8);                   \
+	} name SEC(".maps")
+
+// SK_STORAGE_MAP defines a socket-local storage map name of value type T:
+// an entry lives as long as its socket (the kernel requires no preallocation).
+#define SK_STORAGE_MAP(name, T)                        \
+	struct {                                       \
+		__uint(type, BPF_MAP_TYPE_SK_STORAGE); \
+		__uint(map_flags, BPF_F_NO_PREALLOC);  \
+		__type(key, int);                      \
+		__type(value, T);                      \
+	} name SEC(".maps")
+
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 4096);
@@ -31,22 +52,10 @@ struct {
 } node SEC(".maps");
 
 // Outbound destinations never redirected, by set.
-struct {
-	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
-	__uint(max_entries, 16384);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, struct lpm_key);
-	__type(value, __u8);
-} excluded_dsts SEC(".maps");
+CIDR_SETS_MAP(excluded_dsts);
 
 // Inbound sources never captured (kubelet probes), by set.
-struct {
-	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
-	__uint(max_entries, 16384);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, struct lpm_key);
-	__type(value, __u8);
-} probe_srcs SEC(".maps");
+CIDR_SETS_MAP(probe_srcs);
 
 // Destination ports never redirected (outbound) or captured (inbound), by set:
 // a hash lookup instead of a scan keeps the per-pod program small to verify.
@@ -61,12 +70,7 @@ struct {
 // Original destination of a redirected client socket. Socket-local storage is freed
 // with the socket, so failed connects leave nothing behind, and it stays readable for
 // getpeername during the socket's whole life.
-struct {
-	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, int);
-	__type(value, struct orig_dst);
-} sock_orig SEC(".maps");
+SK_STORAGE_MAP(sock_orig, struct orig_dst);
 
 // A redirected connection's original destination between the client's side of the
 // handshake and the proxy's: entries live until the proxy's side is established
@@ -82,20 +86,10 @@ struct {
 // SO_ORIGINAL_DST of an accepted socket in an enrolled netns, freed with it: the
 // handed-over destination of a redirected outbound connection, else (inbound) the
 // socket's own local address, as conntrack answers for a connection it did not NAT.
-struct {
-	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, int);
-	__type(value, struct orig_dst);
-} accepted_orig SEC(".maps");
+SK_STORAGE_MAP(accepted_orig, struct orig_dst);
 
 // Sockets the connect hooks found to be the proxy's own.
-struct {
-	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, int);
-	__type(value, __u8);
-} proxy_socks SEC(".maps");
+SK_STORAGE_MAP(proxy_socks, __u8);
 
 // Connections the proxy opens from inside the pod (to the application, often with the
 // client's address as source), as their server side sees them: inbound capture
@@ -118,12 +112,7 @@ struct {
 } probe_node SEC(".maps");
 
 // Sockets the connect hooks found to be the kubelet's (probe_node).
-struct {
-	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__type(key, int);
-	__type(value, __u8);
-} probe_socks SEC(".maps");
+SK_STORAGE_MAP(probe_socks, __u8);
 
 // The kubelet's connections mid-handshake, as their server side sees them, netns
 // 0 (the client does not know the pod's). Recorded at TCP_CONNECT, before the SYN

@@ -151,8 +151,7 @@ func (s *Service) captured(uid string) bool {
 		if r.UID != uid {
 			continue
 		}
-		unlock := s.locks.Lock(r.Key.String())
-		cur, ok := s.store.Get(r.Key)
+		cur, ok, unlock := s.lockRecord(r.Key)
 		unlock()
 		if ok && cur.UID == uid && !cur.Skipped {
 			return true
@@ -174,6 +173,15 @@ func (s *Service) releaseOrphan(ctx context.Context, cookie uint64) (bool, error
 	return true, s.datapath.Release(ctx, cookie, "")
 }
 
+// lockRecord locks key and reads its record, there or not; unlock when done.
+// Passes over the records read each again under its lock: an Add or a Del may
+// have changed it since the list.
+func (s *Service) lockRecord(key podstore.Key) (rec podstore.Record, ok bool, unlock func()) {
+	unlock = s.locks.Lock(key.String())
+	rec, ok = s.store.Get(key)
+	return rec, ok, unlock
+}
+
 // cookieClaimed reports whether a record (possibly written since the pass began)
 // holds cookie.
 func (s *Service) cookieClaimed(cookie uint64) bool {
@@ -190,13 +198,12 @@ const (
 )
 
 func (s *Service) reconcileOne(ctx context.Context, key podstore.Key) (reconcileOutcome, error) {
-	unlock := s.locks.Lock(key.String())
+	rec, ok, unlock := s.lockRecord(key)
 	defer unlock()
-	rec, ok := s.store.Get(key)
 	if !ok {
 		return outcomeGone, nil // deleted meanwhile
 	}
-	fields := []zap.Field{zap.String("pod", rec.Namespace+"/"+rec.Name), zap.String("podUID", rec.UID), zap.String("attachment", key.String())}
+	fields := podFields(identityOf(rec), key)
 	ns, err := netns.OpenExpected(rec.NetnsPath, rec.NetnsCookie)
 	if err != nil {
 		if _, err := s.release(ctx, key); err != nil {

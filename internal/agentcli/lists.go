@@ -105,24 +105,40 @@ func (l *probeSourceList) String() string {
 }
 
 func (l *probeSourceList) Set(s string) error {
-	var out probeSourceList
-	parts := splitList(s)
-	if len(parts) == 1 && parts[0] == "none" {
-		*l = out
-		return nil
-	}
-	for _, part := range parts {
-		switch part {
-		case "node":
+	var cidrs []string
+	err := eachOrNone(s, "probe sources", func(part string) error {
+		if part == "node" {
 			return errors.New(`"node" is no longer a probe source: any traffic the node masquerades or forwards, and any pod that can send from a node address, would pass the inbound capture with it; the kubelet's probes are recognised by their socket instead (--probe-cgroups)`)
-		case "none":
-			return errors.New(`"none" cannot be combined with other probe sources`)
 		}
+		cidrs = append(cidrs, part)
+		return nil
+	})
+	if err != nil {
+		return err
 	}
-	if err := out.cidrs.Set(strings.Join(parts, ",")); err != nil {
+	var out probeSourceList
+	if err := out.cidrs.Set(strings.Join(cidrs, ",")); err != nil {
 		return err
 	}
 	*l = out
+	return nil
+}
+
+// eachOrNone passes each item of list s to item, in order; the lone word
+// "none" is the empty list, and refused among other items (what names them).
+func eachOrNone(s, what string, item func(string) error) error {
+	parts := splitList(s)
+	if len(parts) == 1 && parts[0] == "none" {
+		return nil
+	}
+	for _, part := range parts {
+		if part == "none" {
+			return fmt.Errorf(`"none" cannot be combined with other %s`, what)
+		}
+		if err := item(part); err != nil {
+			return err
+		}
+	}
 	return nil
 }
 
@@ -146,22 +162,19 @@ func (l *probeCgroupList) String() string {
 
 func (l *probeCgroupList) Set(s string) error {
 	var out probeCgroupList
-	parts := splitList(s)
-	if len(parts) == 1 && parts[0] == "none" {
-		*l = out
-		return nil
-	}
-	for _, part := range parts {
+	err := eachOrNone(s, "probe cgroups", func(part string) error {
 		switch {
 		case part == "kubelet":
 			out.kubelet = true
-		case part == "none":
-			return errors.New(`"none" cannot be combined with other probe cgroups`)
 		case !strings.HasPrefix(part, "/"):
 			return fmt.Errorf("probe cgroup %q: want kubelet or an absolute cgroup path", part)
 		default:
 			out.paths = append(out.paths, part)
 		}
+		return nil
+	})
+	if err != nil {
+		return err
 	}
 	if out.kubelet && len(out.paths) > 0 {
 		return errors.New(`"kubelet" cannot be combined with cgroup paths: it follows the kubelet's own cgroup`)

@@ -5,6 +5,7 @@ import (
 	"strings"
 
 	"github.com/containernetworking/cni/pkg/types"
+	"github.com/mesh-cni/mesh-cni/pkg/gate/gateclient"
 )
 
 // PodArgs is the Kubernetes pod identity a runtime passes in CNI_ARGS.
@@ -54,6 +55,11 @@ func parseArgs(raw string) (PodArgs, error) {
 }
 
 // requireIdentity is for the commands that need to know the pod.
+// identity is the pod as the gate names it.
+func (pa PodArgs) identity() gateclient.PodIdentity {
+	return gateclient.PodIdentity{Namespace: pa.Namespace, Name: pa.Name, UID: pa.UID}
+}
+
 func (pa PodArgs) requireIdentity() error {
 	if pa.HasIdentity {
 		return nil

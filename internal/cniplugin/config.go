@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 	"github.com/containernetworking/cni/pkg/version"
 
@@ -168,6 +169,12 @@ func parseConfigOnly(stdin []byte) (*NetConf, error) {
 		}
 	}
 	return conf, nil
+}
+
+// attachment is the call's attachment (container, interface, this network)
+// as the gate names it.
+func (c *NetConf) attachment(args *skel.CmdArgs) gateclient.Attachment {
+	return gateclient.Attachment{ContainerID: args.ContainerID, Ifname: args.IfName, Network: c.Name}
 }
 
 // validAttachments returns the GC list under either of its names.

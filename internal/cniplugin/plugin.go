@@ -114,32 +114,18 @@ func (p Plugin) connect(conf *NetConf, timeout time.Duration) (*gateclient.Clien
 // Add implements CNI ADD.
 func (p Plugin) Add(args *skel.CmdArgs) error {
 	start := time.Now()
-	conf, err := parseConfig(args.StdinData)
+	conf, pod, log, done, err := p.podCall(args, "ADD",
+		"mesh-cni: no prevResult: mesh-cni is a chained plugin and must come after the primary network plugin in a conflist")
 	if err != nil {
 		return err
 	}
-	log, done := p.logger(conf, args, "ADD")
 	defer done()
-	if conf.PrevResult == nil {
-		return types.NewError(types.ErrInvalidNetworkConfig,
-			"mesh-cni: no prevResult: mesh-cni is a chained plugin and must come after the primary network plugin in a conflist", "")
-	}
-	pod, err := parseArgs(args.Args)
-	if err != nil {
-		return err
-	}
-	if err := pod.requireIdentity(); err != nil {
-		return err
-	}
 	log = log.With(fStr("pod", pod.Namespace+"/"+pod.Name), fStr("podUID", pod.UID))
 	if conf.Excluded(pod.Namespace) {
 		log.Info("pod passed through: namespace is excluded from the mesh")
 		return types.PrintResult(conf.PrevResult, conf.CNIVersion)
 	}
-	if err := netns.Validate(args.Netns); err != nil {
-		return types.NewError(types.ErrInvalidNetNS, "mesh-cni: CNI_NETNS is not a network namespace", err.Error())
-	}
-	result, err := resultOf(conf)
+	ifs, err := podInterfacesOf(conf, args)
 	if err != nil {
 		return err
 	}
@@ -153,10 +139,10 @@ func (p Plugin) Add(args *skel.CmdArgs) error {
 	defer done()
 	// Add waits until the agent is ready (or the gate timeout ends).
 	resp, err := client.Add(ctx, &gateclient.AddRequest{
-		Pod:        gateclient.PodIdentity{Namespace: pod.Namespace, Name: pod.Name, UID: pod.UID},
-		Attachment: gateclient.Attachment{ContainerID: args.ContainerID, Ifname: args.IfName, Network: conf.Name},
+		Pod:        pod.identity(),
+		Attachment: conf.attachment(args),
 		NetnsPath:  args.Netns,
-		Interfaces: podInterfaces(result, args.IfName),
+		Interfaces: ifs,
 		Source:     gateclient.SourceCNI,
 	})
 	if err != nil {
@@ -172,6 +158,53 @@ func (p Plugin) Add(args *skel.CmdArgs) error {
 		fDur("gate", time.Since(parsed)),
 		fDur("total", time.Since(start)))
 	return types.PrintResult(conf.PrevResult, conf.CNIVersion)
+}
+
+// confCall parses the config alone, for the calls that do not read
+// prevResult, and opens the call's log until done.
+func (p Plugin) confCall(args *skel.CmdArgs, cmd string) (*NetConf, *logger, func(), error) {
+	conf, err := parseConfigOnly(args.StdinData)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	log, done := p.logger(conf, args, cmd)
+	return conf, log, done, nil
+}
+
+// podCall parses what ADD and CHECK take: the config, which must carry a
+// prevResult (noPrev is the error without one), and the pod's identity. The
+// call's log is open until done; on an error it is closed already.
+func (p Plugin) podCall(args *skel.CmdArgs, cmd, noPrev string) (*NetConf, PodArgs, *logger, func(), error) {
+	conf, err := parseConfig(args.StdinData)
+	if err != nil {
+		return nil, PodArgs{}, nil, nil, err
+	}
+	log, done := p.logger(conf, args, cmd)
+	pod, err := parseArgs(args.Args)
+	switch {
+	case conf.PrevResult == nil:
+		err = types.NewError(types.ErrInvalidNetworkConfig, noPrev, "")
+	case err == nil:
+		err = pod.requireIdentity()
+	}
+	if err != nil {
+		done()
+		return nil, PodArgs{}, nil, nil, err
+	}
+	return conf, pod, log, done, nil
+}
+
+// podInterfacesOf checks CNI_NETNS and reads the pod's interfaces from
+// prevResult.
+func podInterfacesOf(conf *NetConf, args *skel.CmdArgs) ([]gateclient.Interface, error) {
+	if err := netns.Validate(args.Netns); err != nil {
+		return nil, types.NewError(types.ErrInvalidNetNS, "mesh-cni: CNI_NETNS is not a network namespace", err.Error())
+	}
+	result, err := resultOf(conf)
+	if err != nil {
+		return nil, err
+	}
+	return podInterfaces(result, args.IfName), nil
 }
 
 // resultOf converts prevResult, of whatever version, to the current result type
@@ -218,11 +251,10 @@ func podInterfaces(res *types100.Result, ifname string) []gateclient.Interface {
 // cannot read must not fail the teardown. Only a configuration that cannot be
 // decoded at all is an error.
 func (p Plugin) Del(args *skel.CmdArgs) error {
-	conf, err := parseConfigOnly(args.StdinData)
+	conf, log, done, err := p.confCall(args, "DEL")
 	if err != nil {
 		return err
 	}
-	log, done := p.logger(conf, args, "DEL")
 	defer done()
 	if err := p.del(conf, args, log); err != nil {
 		log.Warn("DEL not passed on to mesh-agent; it releases the pod by GC or reconcile", fErr(err))
@@ -246,12 +278,13 @@ func (p Plugin) del(conf *NetConf, args *skel.CmdArgs, log *logger) error {
 	}
 	defer done()
 	req := &gateclient.DelRequest{
-		Attachment: gateclient.Attachment{ContainerID: args.ContainerID, Ifname: args.IfName, Network: conf.Name},
+		Attachment: conf.attachment(args),
 		NetnsPath:  args.Netns,
 		Source:     gateclient.SourceCNI,
 	}
 	if pod.HasIdentity {
-		req.Pod = &gateclient.PodIdentity{Namespace: pod.Namespace, Name: pod.Name, UID: pod.UID}
+		id := pod.identity()
+		req.Pod = &id
 	}
 	resp, err := client.Del(ctx, req)
 	if isAgentAway(err) {
@@ -266,29 +299,15 @@ func (p Plugin) del(conf *NetConf, args *skel.CmdArgs, log *logger) error {
 
 // Check implements CNI CHECK.
 func (p Plugin) Check(args *skel.CmdArgs) error {
-	conf, err := parseConfig(args.StdinData)
+	conf, pod, _, logDone, err := p.podCall(args, "CHECK", "mesh-cni: CHECK needs prevResult")
 	if err != nil {
 		return err
 	}
-	_, done := p.logger(conf, args, "CHECK")
-	defer done()
-	if conf.PrevResult == nil {
-		return types.NewError(types.ErrInvalidNetworkConfig, "mesh-cni: CHECK needs prevResult", "")
-	}
-	pod, err := parseArgs(args.Args)
-	if err != nil {
-		return err
-	}
-	if err := pod.requireIdentity(); err != nil {
-		return err
-	}
+	defer logDone()
 	if conf.Excluded(pod.Namespace) {
 		return nil
 	}
-	if err := netns.Validate(args.Netns); err != nil {
-		return types.NewError(types.ErrInvalidNetNS, "mesh-cni: CNI_NETNS is not a network namespace", err.Error())
-	}
-	result, err := resultOf(conf)
+	ifs, err := podInterfacesOf(conf, args)
 	if err != nil {
 		return err
 	}
@@ -298,10 +317,10 @@ func (p Plugin) Check(args *skel.CmdArgs) error {
 	}
 	defer done()
 	err = client.Check(ctx, &gateclient.CheckRequest{
-		Pod:        gateclient.PodIdentity{Namespace: pod.Namespace, Name: pod.Name, UID: pod.UID},
-		Attachment: gateclient.Attachment{ContainerID: args.ContainerID, Ifname: args.IfName, Network: conf.Name},
+		Pod:        pod.identity(),
+		Attachment: conf.attachment(args),
 		NetnsPath:  args.Netns,
-		Interfaces: podInterfaces(result, args.IfName),
+		Interfaces: ifs,
 	})
 	if err != nil {
 		return gateError("CHECK", conf.SocketPath, time.Duration(conf.DelTimeout), err)
@@ -312,11 +331,10 @@ func (p Plugin) Check(args *skel.CmdArgs) error {
 // GC implements CNI GC: the agent releases every attachment of this network that
 // the runtime does not list as valid.
 func (p Plugin) GC(args *skel.CmdArgs) error {
-	conf, err := parseConfigOnly(args.StdinData)
+	conf, log, done, err := p.confCall(args, "GC")
 	if err != nil {
 		return err
 	}
-	log, done := p.logger(conf, args, "GC")
 	defer done()
 	valid := conf.validAttachments()
 	req := &gateclient.GCRequest{Network: conf.Name, Valid: make([]gateclient.Attachment, 0, len(valid))}
@@ -343,11 +361,10 @@ func (p Plugin) GC(args *skel.CmdArgs) error {
 // NotReady, which takes every pod on it out of its Services and evicts it. New
 // pods wait at the gate either way, so STATUS does not ask the agent at all.
 func (p Plugin) Status(args *skel.CmdArgs) error {
-	conf, err := parseConfigOnly(args.StdinData)
+	conf, _, logDone, err := p.confCall(args, "STATUS")
 	if err != nil {
 		return err
 	}
-	_, logDone := p.logger(conf, args, "STATUS")
 	defer logDone()
 	return socketRefused(conf, ErrPluginNotAvailable)
 }

@@ -92,28 +92,26 @@ type Selectors struct {
 	PodOptOutAnnotation []labels.Selector
 }
 
+// labelProfile is a profile built on one label: key=on enrolls a namespace or
+// a pod, key=off opts a pod out, as a label or an annotation, and so do the
+// other annotations given.
+func labelProfile(key, on, off string, optOutAnnotations ...string) SelectorSpec {
+	return SelectorSpec{
+		Namespace:           []string{key + "=" + on},
+		Pod:                 []string{key + "=" + on},
+		PodOptOut:           []string{key + "=" + off},
+		PodOptOutAnnotation: append([]string{key + "=" + off}, optOutAnnotations...),
+	}
+}
+
 // ProfileSelectors returns the selectors of a named profile ("" is the default,
 // mesh-cni).
 func ProfileSelectors(profile string) (Selectors, error) {
 	switch profile {
 	case "", ProfileMeshCNI:
-		enabled := LabelDataplaneMode + "=" + ValueEnabled
-		disabled := LabelDataplaneMode + "=" + ValueDisabled
-		return parseSelectors(ProfileMeshCNI, SelectorSpec{
-			Namespace:           []string{enabled},
-			Pod:                 []string{enabled},
-			PodOptOut:           []string{disabled},
-			PodOptOutAnnotation: []string{disabled},
-		})
+		return parseSelectors(ProfileMeshCNI, labelProfile(LabelDataplaneMode, ValueEnabled, ValueDisabled))
 	case ProfileIstio:
-		ambient := IstioLabelDataplaneMode + "=" + IstioValueAmbient
-		none := IstioLabelDataplaneMode + "=" + IstioValueNone
-		return parseSelectors(ProfileIstio, SelectorSpec{
-			Namespace:           []string{ambient},
-			Pod:                 []string{ambient},
-			PodOptOut:           []string{none},
-			PodOptOutAnnotation: []string{none, IstioAnnotationSidecar},
-		})
+		return parseSelectors(ProfileIstio, labelProfile(IstioLabelDataplaneMode, IstioValueAmbient, IstioValueNone, IstioAnnotationSidecar))
 	default:
 		return Selectors{}, fmt.Errorf("unknown selector profile %q: want %s", profile, strings.Join(Profiles(), " or "))
 	}

@@ -3,7 +3,6 @@ package kni
 import (
 	"fmt"
 	"maps"
-	"net"
 	"regexp"
 	"slices"
 
@@ -173,21 +172,11 @@ func interfacesOf(ipconfigs map[string]*knipb.IPConfig) ([]*gatepb.Interface, er
 	}
 	out := make([]*gatepb.Interface, 0, len(names))
 	for _, name := range names {
-		if err := gate.ValidateIfname(name); err != nil {
+		gi, err := gate.NewInterface(name, ipconfigs[name].GetMac(), ipconfigs[name].GetIp())
+		if err != nil {
 			return nil, err
 		}
-		cfg := ipconfigs[name]
-		mac := cfg.GetMac()
-		if mac != "" {
-			if _, err := net.ParseMAC(mac); err != nil {
-				return nil, gate.Invalid("interface %s: MAC %.40q: %v", name, mac, err)
-			}
-		}
-		addrs, err := gate.ToPrefixes(cfg.GetIp())
-		if err != nil {
-			return nil, fmt.Errorf("interface %s: %w", name, err)
-		}
-		out = append(out, &gatepb.Interface{Name: name, Mac: mac, Addresses: addrs})
+		out = append(out, gi)
 	}
 	return out, nil
 }

@@ -2,7 +2,6 @@ package nethook
 
 import (
 	"fmt"
-	"net"
 	"slices"
 
 	"github.com/mesh-cni/mesh-cni/internal/nethook/nethookpb"
@@ -99,22 +98,13 @@ func interfacesOf(in []*nethookpb.NetworkInterface) ([]*gatepb.Interface, error)
 		if ni.GetType() != nethookpb.DeviceType_NETDEV || len(ni.GetAddresses()) == 0 {
 			continue
 		}
-		name := ni.GetName()
-		if err := gate.ValidateIfname(name); err != nil {
+		gi, err := gate.NewInterface(ni.GetName(), ni.GetMacAddress(), ni.GetAddresses())
+		if err != nil {
 			return nil, err
 		}
-		mac := ni.GetMacAddress()
-		if mac != "" {
-			if _, err := net.ParseMAC(mac); err != nil {
-				return nil, gate.Invalid("interface %s: MAC %.40q: %v", name, mac, err)
-			}
-		}
-		addrs, err := gate.ToPrefixes(ni.GetAddresses())
-		if err != nil {
-			return nil, fmt.Errorf("interface %s: %w", name, err)
-		}
+		name := gi.Name
 		if prev, ok := byName[name]; ok {
-			for _, a := range addrs {
+			for _, a := range gi.Addresses {
 				if !slices.Contains(prev.Addresses, a) {
 					prev.Addresses = append(prev.Addresses, a)
 				}
@@ -123,14 +113,13 @@ func interfacesOf(in []*nethookpb.NetworkInterface) ([]*gatepb.Interface, error)
 				return nil, gate.Invalid("interface %s has more than %d addresses", name, gate.MaxAddresses)
 			}
 			if prev.Mac == "" {
-				prev.Mac = mac
+				prev.Mac = gi.Mac
 			}
 			continue
 		}
 		if len(out) == maxInterfaces {
 			return nil, gate.Invalid("more than %d pod interfaces", maxInterfaces)
 		}
-		gi := &gatepb.Interface{Name: name, Mac: mac, Addresses: addrs}
 		byName[name] = gi
 		out = append(out, gi)
 	}

@@ -42,41 +42,30 @@ func NewGate(socket string, conn grpc.ClientConnInterface) *Gate {
 // the socket, which is what the runtime's caller needs to read.
 func (g *Gate) Add(ctx context.Context, req *gatepb.AddRequest) (*gatepb.AddResponse, error) {
 	resp, err := g.client.Add(ctx, req, grpc.WaitForReady(true))
-	if err != nil {
-		return nil, g.explain(err)
-	}
-	return resp, nil
+	return resp, g.explain(err)
 }
 
 // Del implements gatepb.GateServer.
 func (g *Gate) Del(ctx context.Context, req *gatepb.DelRequest) (*gatepb.DelResponse, error) {
 	resp, err := g.client.Del(ctx, req)
-	if err != nil {
-		return nil, g.explain(err)
-	}
-	return resp, nil
+	return resp, g.explain(err)
 }
 
 // List implements gatepb.GateServer (the teardown's ReleaseSandbox lists).
 func (g *Gate) List(ctx context.Context, req *gatepb.ListRequest) (*gatepb.ListResponse, error) {
 	resp, err := g.client.List(ctx, req)
-	if err != nil {
-		return nil, g.explain(err)
-	}
-	return resp, nil
+	return resp, g.explain(err)
 }
 
 // Status implements gatepb.GateServer.
 func (g *Gate) Status(ctx context.Context, req *gatepb.StatusRequest) (*gatepb.StatusResponse, error) {
 	resp, err := g.client.Status(ctx, req)
-	if err != nil {
-		return nil, g.explain(err)
-	}
-	return resp, nil
+	return resp, g.explain(err)
 }
 
 // explain keeps the agent's own status, and says why a call that timed out
-// or never reached the agent failed. The codes alone cannot tell the cases
+// or never reached the agent failed (nil stays nil: the call succeeded, and
+// the forwarding methods return its answer as is). The codes alone cannot tell the cases
 // apart (a starting agent answers Unavailable itself, and a deadline that runs
 // out while it starts is the caller's own), so a failed call asks the agent
 // for its readiness once: no answer names the socket, not ready names what

@@ -1,6 +1,7 @@
 package redirect
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -11,7 +12,6 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"go.uber.org/zap"
 
@@ -285,18 +285,11 @@ func (d *Datapath) release(ctx context.Context, cookie uint64, nsFd int) error {
 // the cgroup programs are attached. The error says everything that is missing.
 // Inbound capture is per namespace: the one link covers every interface of the pod.
 func (d *Datapath) Check(ctx context.Context, cookie uint64) error {
-	unlock, err := d.lockPod(ctx, cookie)
+	_, unlock, err := d.lockEnrolled(ctx, cookie)
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	var s redirectPodSettings
-	if err := d.objs.Pods.Lookup(cookie, &s); err != nil {
-		if errors.Is(err, ebpf.ErrKeyNotExist) {
-			return fmt.Errorf("netns cookie %d: %w", cookie, ErrNotEnrolled)
-		}
-		return fmt.Errorf("check %d: %w", cookie, err)
-	}
 	pp, err := readPodPins(d.pins.pod(cookie))
 	if err != nil {
 		return fmt.Errorf("check %d: %w", cookie, err)
@@ -389,18 +382,8 @@ func (d *Datapath) List(ctx context.Context) ([]Enrollment, error) {
 	if err := it.Err(); err != nil {
 		return nil, fmt.Errorf("list pods: %w", err)
 	}
-	slices.SortFunc(out, func(a, b Enrollment) int { return cmpUint64(a.Cookie, b.Cookie) })
+	slices.SortFunc(out, func(a, b Enrollment) int { return cmp.Compare(a.Cookie, b.Cookie) })
 	return out, nil
-}
-
-func cmpUint64(a, b uint64) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
 }
 
 // podPins are the pins in one pod's directory.

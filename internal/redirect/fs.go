@@ -23,7 +23,7 @@ const sharedBPFFS = "/sys/fs/bpf"
 // that fails.
 func ensurePinRoot(dir string, log *zap.Logger, undo *undoStack) error {
 	if rel, err := filepath.Rel(sharedBPFFS, dir); err == nil && rel != ".." && !strings.HasPrefix(rel, "../") {
-		if err := mountSharedBPFFS(log, undo); err != nil {
+		if err := mountBPFFS(log, undo, sharedBPFFS); err != nil {
 			return err
 		}
 	}
@@ -34,19 +34,7 @@ func ensurePinRoot(dir string, log *zap.Logger, undo *undoStack) error {
 	if created {
 		undo.push(func() error { return removeIfExists(dir) })
 	}
-	onBPFFS, err := isBPFFS(dir)
-	if err != nil {
-		return err
-	}
-	if onBPFFS {
-		return nil
-	}
-	if err := unix.Mount("bpf", dir, "bpf", 0, "mode=0700"); err != nil {
-		return fmt.Errorf("mount bpffs at %q: %w", dir, err)
-	}
-	log.Info("mounted bpffs", zap.String("path", dir))
-	undo.push(func() error { return unmount(dir) })
-	return nil
+	return mountBPFFS(log, undo, dir)
 }
 
 // MountSharedBPFFS mounts a bpffs at /sys/fs/bpf unless one is there already: what
@@ -54,22 +42,24 @@ func ensurePinRoot(dir string, log *zap.Logger, undo *undoStack) error {
 // propagates back to the host), so that the agent itself needs no mount.
 func MountSharedBPFFS(log *zap.Logger) error {
 	var undo undoStack
-	return mountSharedBPFFS(log, &undo)
+	return mountBPFFS(log, &undo, sharedBPFFS)
 }
 
-func mountSharedBPFFS(log *zap.Logger, undo *undoStack) error {
-	on, err := isBPFFS(sharedBPFFS)
+// mountBPFFS mounts a bpffs at dir unless one is there already, and pushes its
+// unmount onto undo.
+func mountBPFFS(log *zap.Logger, undo *undoStack, dir string) error {
+	on, err := isBPFFS(dir)
 	if err != nil {
 		return err
 	}
 	if on {
 		return nil
 	}
-	if err := unix.Mount("bpf", sharedBPFFS, "bpf", 0, "mode=0700"); err != nil {
-		return fmt.Errorf("mount bpffs at %s (nothing is mounted there): %w", sharedBPFFS, err)
+	if err := unix.Mount("bpf", dir, "bpf", 0, "mode=0700"); err != nil {
+		return fmt.Errorf("mount bpffs at %q (nothing is mounted there): %w", dir, err)
 	}
-	log.Info("mounted bpffs", zap.String("path", sharedBPFFS))
-	undo.push(func() error { return unmount(sharedBPFFS) })
+	log.Info("mounted bpffs", zap.String("path", dir))
+	undo.push(func() error { return unmount(dir) })
 	return nil
 }
 

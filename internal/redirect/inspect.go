@@ -1,6 +1,7 @@
 package redirect
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -99,7 +100,7 @@ func Inspect(ctx context.Context, pinRoot string) (Snapshot, error) {
 	if err := it.Err(); err != nil {
 		return snap, fmt.Errorf("iterate pods map: %w", err)
 	}
-	slices.SortFunc(snap.Pods, func(a, b PodState) int { return cmpUint64(a.Cookie, b.Cookie) })
+	slices.SortFunc(snap.Pods, func(a, b PodState) int { return cmp.Compare(a.Cookie, b.Cookie) })
 
 	refused, err := ebpf.LoadPinnedMap(filepath.Join(pins.maps(), "listen_refused"), readOnly)
 	if err != nil {
@@ -150,11 +151,10 @@ func inspectHook(path, name string) HookState {
 }
 
 func netnsLinkAttached(path string) bool {
-	l, err := link.LoadPinnedLink(path, nil)
+	l, info, err := pinnedLinkInfo(path)
 	if err != nil {
 		return false
 	}
 	defer l.Close()
-	info, err := l.Info()
-	return err == nil && info.NetNs() != nil && info.NetNs().NetnsInode != 0
+	return info.NetNs() != nil && info.NetNs().NetnsInode != 0
 }

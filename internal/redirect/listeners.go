@@ -1,6 +1,7 @@
 package redirect
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -103,15 +104,11 @@ func (d *Datapath) Recollect(ctx context.Context, netnsPath string) error {
 	}
 	defer ns.Close()
 	cookie, nsFile := ns.Cookie, ns.File
-	unlock, err := d.lockPod(ctx, cookie)
+	s, unlock, err := d.lockEnrolled(ctx, cookie)
 	if err != nil {
-		return err
+		return fmt.Errorf("recollect %s: %w", netnsPath, err)
 	}
 	defer unlock()
-	var s redirectPodSettings
-	if err := d.objs.Pods.Lookup(cookie, &s); err != nil {
-		return fmt.Errorf("recollect %s: %w", netnsPath, ErrNotEnrolled)
-	}
 	// A listener refused again is recorded again by slotListener.
 	for _, fam := range []uint8{afInet6, afInet} {
 		_ = d.objs.ListenRefused.Delete(&redirectListenerKey{Netns: cookie, Port: s.InboundPort, Family: fam})
@@ -204,8 +201,34 @@ func readRefusals(m *ebpf.Map) ([]Refusal, error) {
 	if err := it.Err(); err != nil {
 		return nil, fmt.Errorf("read refused listeners: %w", err)
 	}
-	slices.SortFunc(out, func(a, b Refusal) int { return cmpUint64(a.Cookie, b.Cookie) })
+	slices.SortFunc(out, func(a, b Refusal) int { return cmp.Compare(a.Cookie, b.Cookie) })
 	return out, nil
+}
+
+// podSettings reads the pod's settings entry: ErrNotEnrolled (naming the
+// cookie) when it has none.
+func (d *Datapath) podSettings(cookie uint64) (redirectPodSettings, error) {
+	var s redirectPodSettings
+	err := d.objs.Pods.Lookup(cookie, &s)
+	if errors.Is(err, ebpf.ErrKeyNotExist) {
+		return s, fmt.Errorf("netns cookie %d: %w", cookie, ErrNotEnrolled)
+	}
+	return s, err
+}
+
+// lockEnrolled locks the pod (lockPod) and reads its settings entry; a pod
+// without one is ErrNotEnrolled, and is not left locked.
+func (d *Datapath) lockEnrolled(ctx context.Context, cookie uint64) (redirectPodSettings, func(), error) {
+	unlock, err := d.lockPod(ctx, cookie)
+	if err != nil {
+		return redirectPodSettings{}, nil, err
+	}
+	s, err := d.podSettings(cookie)
+	if err != nil {
+		unlock()
+		return s, nil, err
+	}
+	return s, unlock, nil
 }
 
 // Listeners counts the collected inbound listeners of a pod (both families).
@@ -215,11 +238,8 @@ func (d *Datapath) Listeners(cookie uint64) (int, error) {
 	if d.closed {
 		return 0, ErrClosed
 	}
-	var s redirectPodSettings
-	if err := d.objs.Pods.Lookup(cookie, &s); err != nil {
-		if errors.Is(err, ebpf.ErrKeyNotExist) {
-			return 0, fmt.Errorf("netns cookie %d: %w", cookie, ErrNotEnrolled)
-		}
+	s, err := d.podSettings(cookie)
+	if err != nil {
 		return 0, err
 	}
 	return countListeners(d.objs.Listeners, cookie, s.InboundPort), nil

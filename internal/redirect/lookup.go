@@ -97,15 +97,11 @@ func lookupPinName(netnsIno uint64) string { return "lookup_" + strconv.FormatUi
 // checkLookup reports why the link pinned at path is not the intact inbound capture
 // of the pod with this cookie in the namespace with inode ino, or nil.
 func (d *Datapath) checkLookup(cookie uint64, path string, ino uint64) error {
-	l, err := link.LoadPinnedLink(path, nil)
+	l, info, err := pinnedLinkInfo(path)
 	if err != nil {
-		return fmt.Errorf("load pinned link: %w: %w", err, ErrLinkBroken)
+		return fmt.Errorf("%w: %w", err, ErrLinkBroken)
 	}
 	defer l.Close()
-	info, err := l.Info()
-	if err != nil {
-		return fmt.Errorf("link info: %w: %w", err, ErrLinkBroken)
-	}
 	ns := info.NetNs()
 	switch {
 	case ns == nil:
@@ -123,6 +119,21 @@ func (d *Datapath) checkLookup(cookie uint64, path string, ino uint64) error {
 		return fmt.Errorf("link runs program %d, not this pod's: %w", info.Program, ErrLinkBroken)
 	}
 	return nil
+}
+
+// pinnedLinkInfo opens the link pinned at path and reads its info; close l
+// when done.
+func pinnedLinkInfo(path string) (link.Link, *link.Info, error) {
+	l, err := link.LoadPinnedLink(path, nil)
+	if err != nil {
+		return nil, nil, fmt.Errorf("load pinned link %s: %w", path, err)
+	}
+	info, err := l.Info()
+	if err != nil {
+		l.Close()
+		return nil, nil, fmt.Errorf("link info %s: %w", path, err)
+	}
+	return l, info, nil
 }
 
 // runsLookupFor reports whether program id is this build's sk_lookup program for
@@ -147,15 +158,11 @@ func (d *Datapath) runsLookupFor(id ebpf.ProgramID, cookie uint64) (bool, error)
 // refreshLookup switches an adopted pod's link to this build's program when it runs
 // another (an upgrade), atomically with link.Update.
 func (d *Datapath) refreshLookup(cookie uint64, path string) error {
-	l, err := link.LoadPinnedLink(path, nil)
+	l, info, err := pinnedLinkInfo(path)
 	if err != nil {
-		return fmt.Errorf("load pinned link %s: %w", path, err)
+		return err
 	}
 	defer l.Close()
-	info, err := l.Info()
-	if err != nil {
-		return fmt.Errorf("link info %s: %w", path, err)
-	}
 	if same, err := d.runsLookupFor(info.Program, cookie); err == nil && same {
 		return nil
 	}

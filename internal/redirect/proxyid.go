@@ -11,6 +11,7 @@ import (
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
 
+	"github.com/cilium/ebpf"
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 )
 
@@ -34,16 +35,7 @@ func (d *Datapath) SetProxyCgroups(paths []string) error {
 		return fmt.Errorf("proxy cgroups: %w", err)
 	}
 	cfg.NrProxyCgroups = n
-	d.mu.RLock()
-	defer d.mu.RUnlock()
-	if d.closed {
-		return ErrClosed
-	}
-	if err := d.objs.Node.Put(uint32(0), cfg); err != nil {
-		return fmt.Errorf("write proxy cgroups: %w", err)
-	}
-	d.log.Info("proxy cgroups", zap.Strings("cgroups", names))
-	return nil
+	return d.putCgroupConfig(d.objs.Node, cfg, "proxy cgroups", names)
 }
 
 // KeepProxyCgroups is SetProxyCgroups for an agent's start: after the cgroups
@@ -112,15 +104,21 @@ func (d *Datapath) SetProbeCgroups(netns uint64, paths []string) error {
 			cfg.HostNetns = d.nodeCookies[0]
 		}
 	}
+	return d.putCgroupConfig(d.objs.ProbeNode, cfg, "probe cgroups", names)
+}
+
+// putCgroupConfig writes cfg, the one entry of config map m, naming cgroups
+// (what they are for and their names, for the log).
+func (d *Datapath) putCgroupConfig(m *ebpf.Map, cfg any, what string, names []string) error {
 	d.mu.RLock()
 	defer d.mu.RUnlock()
 	if d.closed {
 		return ErrClosed
 	}
-	if err := d.objs.ProbeNode.Put(uint32(0), cfg); err != nil {
-		return fmt.Errorf("write probe cgroups: %w", err)
+	if err := m.Put(uint32(0), cfg); err != nil {
+		return fmt.Errorf("write %s: %w", what, err)
 	}
-	d.log.Info("probe cgroups", zap.Strings("cgroups", names))
+	d.log.Info(what, zap.Strings("cgroups", names))
 	return nil
 }
 

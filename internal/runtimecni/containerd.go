@@ -28,18 +28,12 @@ var criPlugins = []string{"cri", "io.containerd.grpc.v1.cri", "io.containerd.cri
 // conf_dir, in version 1 cri's. Files named by imports are merged over it in
 // order, as containerd does; what no file sets is containerd's default.
 func containerd(proc hostproc.Procfs, pid int) (Dirs, error) {
-	d := Dirs{Runtime: "containerd", PID: pid, BinDirs: []string{"/opt/cni/bin"}, ConfDir: "/etc/cni/net.d"}
-	args, err := proc.Cmdline(pid)
+	d, args, err := readRuntime(proc, pid, Dirs{Runtime: "containerd", BinDirs: []string{"/opt/cni/bin"}, ConfDir: "/etc/cni/net.d"})
 	if err != nil {
-		return d, fmt.Errorf("containerd's command line: %w", err)
+		return d, err
 	}
-	rfs := runtimeFS{proc, pid}
-	d.fs = rfs
-	main, given := flagValue(args, "-c", "--config")
-	if !given {
-		main = containerdDefaultConfig
-	}
-	data, err := rfs.read(main)
+	main, given := flagOr(args, containerdDefaultConfig, "-c", "--config")
+	data, err := d.fs.read(main)
 	if errors.Is(err, fs.ErrNotExist) && !given {
 		d.Configs = []string{main + " (absent: defaults)"}
 		return d, nil
@@ -62,12 +56,12 @@ func containerd(proc hostproc.Procfs, pid int) (Dirs, error) {
 			if !filepath.IsAbs(pattern) {
 				pattern = filepath.Join(filepath.Dir(main), pattern)
 			}
-			names, err := rfs.glob(pattern)
+			names, err := d.fs.glob(pattern)
 			if err != nil {
 				return d, fmt.Errorf("containerd's imports %q: %w", pattern, err)
 			}
 			for _, n := range names {
-				b, err := rfs.read(n)
+				b, err := d.fs.read(n)
 				if err != nil {
 					return d, fmt.Errorf("containerd's import %s: %w", n, err)
 				}

@@ -19,29 +19,20 @@ const (
 // then its drop-in directory in lexical order, later files winning, and the
 // --cni-config-dir and --cni-plugin-dir flags over both, as CRI-O does.
 func crio(proc hostproc.Procfs, pid int) (Dirs, error) {
-	d := Dirs{Runtime: "crio", PID: pid, BinDirs: []string{"/opt/cni/bin/"}, ConfDir: "/etc/cni/net.d/"}
-	args, err := proc.Cmdline(pid)
+	d, args, err := readRuntime(proc, pid, Dirs{Runtime: "crio", BinDirs: []string{"/opt/cni/bin/"}, ConfDir: "/etc/cni/net.d/"})
 	if err != nil {
-		return d, fmt.Errorf("crio's command line: %w", err)
+		return d, err
 	}
-	rfs := runtimeFS{proc, pid}
-	d.fs = rfs
-	main, ok := flagValue(args, "--config", "-c")
-	if !ok {
-		main = crioDefaultConfig
-	}
-	dir, ok := flagValue(args, "--config-dir", "-d")
-	if !ok {
-		dir = crioDefaultConfigDir
-	}
+	main, _ := flagOr(args, crioDefaultConfig, "--config", "-c")
+	dir, _ := flagOr(args, crioDefaultConfigDir, "--config-dir", "-d")
 	files := []string{main}
-	dropIns, err := rfs.glob(filepath.Join(dir, "*.conf"))
+	dropIns, err := d.fs.glob(filepath.Join(dir, "*.conf"))
 	if err != nil {
 		return d, fmt.Errorf("crio's config dir: %w", err)
 	}
 	files = append(files, dropIns...)
 	for _, f := range files {
-		data, err := rfs.read(f)
+		data, err := d.fs.read(f)
 		if errors.Is(err, fs.ErrNotExist) && f == main {
 			continue
 		}

@@ -226,17 +226,30 @@ func (r runtimeFS) glob(pattern string) ([]string, error) {
 // flagValue is the value of the first of names on the command line, given as
 // "-n v", "--n v" or "--n=v".
 func flagValue(args []string, names ...string) (string, bool) {
-	for i, a := range args {
-		for _, n := range names {
-			if a == n && i+1 < len(args) {
-				return args[i+1], true
-			}
-			if v, ok := strings.CutPrefix(a, n+"="); ok {
-				return v, true
-			}
-		}
+	if vs := flagValues(args, names...); len(vs) > 0 {
+		return vs[0], true
 	}
 	return "", false
+}
+
+// flagOr is the first value of names on the command line, else def; given
+// says which.
+func flagOr(args []string, def string, names ...string) (v string, given bool) {
+	if v, given = flagValue(args, names...); !given {
+		v = def
+	}
+	return v, given
+}
+
+// readRuntime starts reading the runtime process pid, whose defaults d holds:
+// its command line, and its files through its root (d.fs).
+func readRuntime(proc hostproc.Procfs, pid int, d Dirs) (Dirs, []string, error) {
+	d.PID, d.fs = pid, runtimeFS{proc, pid}
+	args, err := proc.Cmdline(pid)
+	if err != nil {
+		return d, nil, fmt.Errorf("%s's command line: %w", d.Runtime, err)
+	}
+	return d, args, nil
 }
 
 // flagValues is every value of names on the command line.

@@ -205,6 +205,34 @@ func ToPrefixes(ips []string) ([]string, error) {
 	return out, nil
 }
 
+// NewInterface is a pod interface as a runtime reports it (its MAC may be
+// unknown, its addresses bare or in CIDR notation), checked, in the gate's
+// form.
+func NewInterface(name, mac string, ips []string) (*gatepb.Interface, error) {
+	if err := ValidateIfname(name); err != nil {
+		return nil, err
+	}
+	if err := validateMAC(name, mac); err != nil {
+		return nil, err
+	}
+	addrs, err := ToPrefixes(ips)
+	if err != nil {
+		return nil, fmt.Errorf("interface %s: %w", name, err)
+	}
+	return &gatepb.Interface{Name: name, Mac: mac, Addresses: addrs}, nil
+}
+
+// validateMAC checks interface ifname's MAC, if it has one.
+func validateMAC(ifname, mac string) error {
+	if mac == "" {
+		return nil
+	}
+	if _, err := net.ParseMAC(mac); err != nil {
+		return Invalid("interface %s: MAC %.40q: %v", ifname, mac, err)
+	}
+	return nil
+}
+
 // ValidateIfname applies the kernel's rules for interface names.
 func ValidateIfname(name string) error {
 	if len(name) == 0 || len(name) > maxIfnameLen || name == "." || name == ".." {
@@ -242,10 +270,8 @@ func validateInterfaces(ifs []*gatepb.Interface) error {
 		if err := ValidateIfname(i.GetName()); err != nil {
 			return err
 		}
-		if mac := i.GetMac(); mac != "" {
-			if _, err := net.ParseMAC(mac); err != nil {
-				return Invalid("interface %s: MAC %.40q: %v", i.GetName(), mac, err)
-			}
+		if err := validateMAC(i.GetName(), i.GetMac()); err != nil {
+			return err
 		}
 		if len(i.GetAddresses()) > maxAddresses {
 			return Invalid("interface %s has %d addresses, more than the limit of %d", i.GetName(), len(i.GetAddresses()), maxAddresses)

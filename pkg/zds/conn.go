@@ -171,6 +171,19 @@ func (c *conn) request(req *zdspb.WorkloadRequest, fd int) (string, error) {
 	return ackErr, nil
 }
 
+// podRequest sends req about pod uid (kind names it in an AckError) and waits
+// for its ack; a NACK is an *AckError.
+func (c *conn) podRequest(uid, kind string, req *zdspb.WorkloadRequest, fd int) error {
+	ackErr, err := c.request(req, fd)
+	if err != nil {
+		return err
+	}
+	if ackErr != "" {
+		return &AckError{UID: uid, Request: kind, Msg: ackErr}
+	}
+	return nil
+}
+
 // addPod sends an AddWorkload with the netns fd; the caller holds sem. A pod the
 // proxy already acked with the same namespace is not sent again.
 func (c *conn) addPod(pod Pod, req *zdspb.WorkloadRequest, fd int, id NetnsID) error {
@@ -181,12 +194,8 @@ func (c *conn) addPod(pod Pod, req *zdspb.WorkloadRequest, fd int, id NetnsID) e
 	// Until acked the proxy may hold the pod (ztunnel retries a pod it failed to
 	// start), so a later delete must still reach it.
 	c.sent[pod.UID] = sentState{id: id}
-	ackErr, err := c.request(req, fd)
-	if err != nil {
+	if err := c.podRequest(pod.UID, "add", req, fd); err != nil {
 		return err
-	}
-	if ackErr != "" {
-		return &AckError{UID: pod.UID, Request: "add", Msg: ackErr}
 	}
 	c.sent[pod.UID] = sentState{id: id, acked: true}
 	return nil
@@ -196,14 +205,7 @@ func (c *conn) addPod(pod Pod, req *zdspb.WorkloadRequest, fd int, id NetnsID) e
 func (c *conn) keepPod(uid string) error {
 	c.sent[uid] = sentState{}
 	req := &zdspb.WorkloadRequest{Payload: &zdspb.WorkloadRequest_Keep{Keep: &zdspb.KeepWorkload{Uid: uid}}}
-	ackErr, err := c.request(req, -1)
-	if err != nil {
-		return err
-	}
-	if ackErr != "" {
-		return &AckError{UID: uid, Request: "keep", Msg: ackErr}
-	}
-	return nil
+	return c.podRequest(uid, "keep", req, -1)
 }
 
 // delPod sends a DelWorkload if this connection's proxy was ever given the pod.
@@ -217,14 +219,7 @@ func (c *conn) delPod(ctx context.Context, uid string) error {
 	}
 	delete(c.sent, uid)
 	req := &zdspb.WorkloadRequest{Payload: &zdspb.WorkloadRequest_Del{Del: &zdspb.DelWorkload{Uid: uid}}}
-	ackErr, err := c.request(req, -1)
-	if err != nil {
-		return err
-	}
-	if ackErr != "" {
-		return &AckError{UID: uid, Request: "delete", Msg: ackErr}
-	}
-	return nil
+	return c.podRequest(uid, "delete", req, -1)
 }
 
 // watch checks an idle connection every interval until it is closed or ctx ends.

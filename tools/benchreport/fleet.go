@@ -9,31 +9,28 @@ import (
 	"github.com/mesh-cni/mesh-cni/test/bench/results"
 )
 
-// sectionTargets are the targets a result's own section repeats: a section
-// rewritten alone (benchreport -only) still shows them with its numbers.
-var sectionTargets = map[string]func(data) []target{"fleet": fleetTargets}
+// sectionTargets are the targets result name's own section repeats, or nil: a
+// section rewritten alone (benchreport -only) still shows them with its
+// numbers, and says what bounds the missed ones (the Targets section links
+// there instead).
+func sectionTargets(name string) func(data) []target {
+	if name == "fleet" {
+		return fleetTargets
+	}
+	return nil
+}
 
 // writeSectionTargets writes the targets of r's own section, checked against
 // r alone.
 func writeSectionTargets(w *bytes.Buffer, r *results.Result, dir string) {
-	fn := sectionTargets[r.Name]
+	fn := sectionTargets(r.Name)
 	if fn == nil {
 		return
 	}
-	d := data{byName: map[string]*results.Result{r.Name: r}, dir: dir}
-	fmt.Fprintf(w, "| target | measured | result |\n|---|---|---|\n")
-	for _, t := range fn(d) {
-		fmt.Fprintf(w, "| %s | %s | %s |\n", t.goal, t.measured, t.status)
-	}
-	fmt.Fprintln(w)
-	var limits []string
-	for _, t := range fn(d) {
-		if t.status == missed && t.limits != "" {
-			limits = append(limits, fmt.Sprintf("- **%s** — %s\n", t.goal, t.limits))
-		}
-	}
-	if len(limits) > 0 {
-		fmt.Fprintf(w, "%s\n", strings.Join(limits, ""))
+	ts := fn(data{byName: map[string]*results.Result{r.Name: r}, dir: dir})
+	writeTargetTable(w, ts)
+	if bounds := boundsOf(ts); len(bounds) > 0 {
+		fmt.Fprintf(w, "%s\n", strings.Join(bounds, ""))
 	}
 }
 
@@ -62,8 +59,7 @@ func fleetTop(m *results.Metric) (top float64, hasBase bool) {
 }
 
 func fleetWrites(d data) target {
-	t := target{goal: "API writes per pod start: 0 outside the mesh, ≤ 1 for a meshed pod (agent and plugin together)"}
-	m := d.metric("fleet", "writes-per-pod")
+	t, m := d.target("API writes per pod start: 0 outside the mesh, ≤ 1 for a meshed pod (agent and plugin together)", "fleet", "writes-per-pod")
 	if m == nil {
 		return t
 	}
@@ -82,8 +78,7 @@ func fleetWrites(d data) target {
 }
 
 func fleetVsIstio(d data) target {
-	t := target{goal: "per pod start, against istio-cni's node agent and plugin: requests ≤ 0.5×, watch events ≤ 1×, API server CPU ≤ 0.7×"}
-	m := d.metric("fleet", "requests-per-pod")
+	t, m := d.target("per pod start, against istio-cni's node agent and plugin: requests ≤ 0.5×, watch events ≤ 1×, API server CPU ≤ 0.7×", "fleet", "requests-per-pod")
 	if m == nil {
 		return t
 	}
@@ -122,8 +117,7 @@ func fleetFlat(d data) target {
 }
 
 func fleetLatency(d data) target {
-	t := target{goal: "pod create → gate decision p99 ≤ 100 ms at the largest fleet, cache misses included"}
-	m := d.metric("fleet", "decision-latency")
+	t, m := d.target("pod create → gate decision p99 ≤ 100 ms at the largest fleet, cache misses included", "fleet", "decision-latency")
 	if m == nil {
 		return t
 	}
@@ -144,8 +138,7 @@ func fleetLatency(d data) target {
 }
 
 func fleetRestart(d data) target {
-	t := target{goal: "whole-fleet restart: no request refused, every agent ready"}
-	m := d.metric("fleet", "agent-start-requests")
+	t, m := d.target("whole-fleet restart: no request refused, every agent ready", "fleet", "agent-start-requests")
 	r := d.metric("fleet", "fleet-restart")
 	if m == nil || r == nil {
 		return t

@@ -116,18 +116,31 @@ func interesting(name string) bool {
 	return true
 }
 
-func writeProfiles(w *bytes.Buffer, r *results.Result, dir string) {
-	fmt.Fprintf(w, "### CPU profiles\n\n")
-	fmt.Fprintf(w, "The functions with the most CPU time, including what they call (cum), and in themselves (flat), "+
-		"as shares of the profile's samples. The profiles are in `%s/profiles/`; open one with the command given.\n\n", results.DefaultOut)
-	for _, p := range r.Profiles {
-		if strings.HasPrefix(p.Name, machinePrefix) {
-			fmt.Fprintf(w, "Machine profiles (`%s…`) are perf's cpu-clock samples of every CPU, with each process's name as the root of its stacks. "+
-				"Without hardware counters (as in a VM) a sample due while interrupts were off is taken where they are turned on again, "+
-				"so `_raw_spin_unlock_irqrestore` and `finish_task_switch` stand for work done just before them.\n\n", machinePrefix)
-			break
+// writeProfilesGuide explains the profile tables of every section, once.
+func writeProfilesGuide(w *bytes.Buffer, rs []*results.Result) {
+	any, machine := false, false
+	for _, r := range rs {
+		for _, p := range r.Profiles {
+			any = true
+			machine = machine || strings.HasPrefix(p.Name, machinePrefix)
 		}
 	}
+	if !any {
+		return
+	}
+	fmt.Fprintf(w, "The sections' **CPU profiles** list the functions with the most CPU time, including what they call (cum), and in themselves (flat), "+
+		"as shares of the profile's samples. The profiles are in `%s/profiles/`; open one with the command given.\n\n", results.DefaultOut)
+	if machine {
+		fmt.Fprintf(w, "Machine profiles (`%s…`) are perf's cpu-clock samples of every CPU, with each process's name as the root of its stacks. "+
+			"Without hardware counters (as in a VM) a sample due while interrupts were off is taken where they are turned on again, "+
+			"so `_raw_spin_unlock_irqrestore` and `finish_task_switch` stand for work done just before them.\n\n", machinePrefix)
+	}
+}
+
+// writeProfiles writes a table per profile of r; writeProfilesGuide says how
+// to read them.
+func writeProfiles(w *bytes.Buffer, r *results.Result, dir string) {
+	fmt.Fprintf(w, "### CPU profiles\n\n")
 	for _, p := range r.Profiles {
 		path := filepath.Join(dir, p.File)
 		top, total, dur, err := topFunctions(path, topN+5)

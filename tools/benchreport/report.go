@@ -143,6 +143,7 @@ func writeHeader(w *bytes.Buffer, rs []*results.Result, now time.Time) {
 		took += r.Finished.Sub(r.Started)
 	}
 	fmt.Fprintf(w, "Run everything (as root): `make bench`; the benchmarks of this run took %s in all. Each section gives the command for its own figures.\n\n", took.Round(time.Second))
+	writeProfilesGuide(w, rs)
 	fmt.Fprintf(w, "Contents: [Targets](#targets)")
 	for _, r := range rs {
 		fmt.Fprintf(w, " · [%s](#%s)", r.Title, anchor(r.Title))

@@ -26,7 +26,8 @@ func ramp(from, step float64, n int) []float64 {
 // writeFixture writes a results directory shaped like a real run: ADD misses
 // its overhead target (10 ms over the no-op chain), the concurrent tail meets
 // its own, capture meets the limit target but not the iptables one, scale
-// stops at 100 pods.
+// stops at 100 pods; the fleet misses some targets of its own and has a
+// machine profile.
 func writeFixture(t *testing.T, dir string) {
 	t.Helper()
 	start := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
@@ -62,9 +63,11 @@ func writeFixture(t *testing.T, dir string) {
 			Metrics: []results.Metric{
 				{Name: "conn-rate-chain", Title: "conn/s", Unit: "conn/s", HigherIsBetter: true, Baseline: "limit", Series: []results.Series{
 					series("limit", 0, 1000, 1010, 990), series("ebpf", 0, 990, 1000, 985), series("iptables", 0, 900, 910, 880),
+					series("istio-cni", 0, 890, 900, 870),
 				}},
 				{Name: "conn-cycle-chain", Title: "cycle", Unit: "µs", Baseline: "limit", Series: []results.Series{
 					series("limit", 0, ramp(100, 1, 80)...), series("ebpf", 0, ramp(101, 1, 80)...), series("iptables", 0, ramp(120, 1, 80)...),
+					series("istio-cni", 0, ramp(125, 1, 80)...),
 				}},
 				{Name: "throughput-chain", Title: "tput", Unit: "MiB/s", HigherIsBetter: true, Baseline: "limit", Series: []results.Series{
 					series("limit", 0, 800, 810), series("ebpf", 0, 700, 720),
@@ -86,12 +89,20 @@ func writeFixture(t *testing.T, dir string) {
 			},
 			Profiles: []results.Profile{{Name: "agent-add", Title: "agent", File: "profiles/agent.pprof", Command: "go tool pprof", Operations: 2, Operation: "ADD"}}},
 	}
-	for _, r := range rs {
+	fleet := fleetResult(0.5, 1.5)
+	fleet.Title, fleet.Command, fleet.Started, fleet.Finished, fleet.Env = "Fleet", "make bench", start, start, env
+	fleet.Profiles = []results.Profile{{Name: machinePrefix + "fleet", Title: "machine", File: "profiles/machine.pprof", Command: "go tool pprof"}}
+	rs = append(rs, fleet)
+	for i, r := range rs {
+		// One after the other, as a run measures them.
+		r.Started, r.Finished = r.Started.Add(time.Duration(i)*time.Hour), r.Finished.Add(time.Duration(i)*time.Hour)
+		r.Command += " " + r.Name
 		if err := results.Write(dir, r); err != nil {
 			t.Fatal(err)
 		}
 	}
 	writeProfile(t, filepath.Join(dir, "profiles", "agent.pprof"))
+	writeProfile(t, filepath.Join(dir, "profiles", "machine.pprof"))
 }
 
 // writeProfile writes a CPU profile where the gate's Add calls the sk_lookup
@@ -138,7 +149,11 @@ func TestGenerate(t *testing.T) {
 		"| eBPF capture: conn/s ≥ 0.98× the no-capture limit | 0.990× (paired median, full chain) | ✅ met |",
 		"| eBPF capture: conn/s ≥ 1.2× iptables REDIRECT | 1.100× (paired median, full chain); connection p99 179 µs vs 198 µs | ❌ missed |",
 		"iptables already reaches 0.900× of it (paired), so even a capture that cost nothing would be 1.111× iptables here",
-		"The 1-minute load average on the 2 CPUs was 1.50 in the median and 2.50 at most during that benchmark.",
+		"### The eBPF programs' run time per connection",
+		"In the profile's connection phase the eBPF programs ran 3.60 µs per proxied connection in all",
+		"- **Fleet** — in [its section](#fleet), below its own targets.",
+		"**CPU profiles** list the functions with the most CPU time",
+		"Machine profiles (`machine-…`)",
 		"| per-pod enroll+release ≤ 1 ms at 1000 pods | 2.30 ms median at 100 pods",
 		"only up to 100 pods in this run | — not measured |",
 		"load average 0.50, 0.60, 0.75 at the start, 0.70 at the end; 1-minute load during the run (3 readings, every 5s): median 1.50, max 2.50",
@@ -153,7 +168,7 @@ func TestGenerate(t *testing.T) {
 		"| `internal/agent.(*Service).Add` | 100.0% | 25.0% |",
 		"answering one gate Add costs 2.00 ms of CPU, of which loading the pod's sk_lookup program",
 		"is 1.50 ms (75% of the Add; 75% of all the agent's CPU in the profiled run, start-up and DELs included).",
-		"Reproduce: `make bench`",
+		"Reproduce: `make bench chain-add`",
 	} {
 		if !strings.Contains(md, want) {
 			t.Errorf("report lacks %q", want)
@@ -245,4 +260,67 @@ func writeStacks(t *testing.T, path string, stacks ...[]string) {
 	if err := p.Write(f); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// TestEachExplanationOnce: the report states each explanation once and refers
+// to it elsewhere; no paragraph (a block of prose or a list item), nor a long
+// sentence within one, stands in it twice. The fixture's results make every
+// explanation appear: targets missed for the same reasons, a section with
+// its own targets, profiles in two sections.
+func TestEachExplanationOnce(t *testing.T) {
+	dir := t.TempDir()
+	in := filepath.Join(dir, "results")
+	writeFixture(t, in)
+	out := filepath.Join(dir, "benchmarks.md")
+	if err := Generate(Options{In: in, Out: out, FigDir: filepath.Join(dir, "bench"), Now: time.Unix(0, 0)}); err != nil {
+		t.Fatal(err)
+	}
+	md, err := os.ReadFile(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	paras := proseParagraphs(string(md))
+	if len(paras) < 10 {
+		t.Fatalf("only %d paragraphs of prose in the report:\n%s", len(paras), md)
+	}
+	// Shorter sentences are references ("… is broken down below") and
+	// headings of a kind, which may recur.
+	const longSentence = 80
+	seen := map[string]int{}
+	for _, p := range paras {
+		seen[p]++
+		for _, s := range strings.SplitAfter(p, ". ") {
+			if s = strings.TrimSpace(s); len(s) >= longSentence && s != p {
+				seen[s]++
+			}
+		}
+	}
+	for s, n := range seen {
+		if n > 1 {
+			t.Errorf("the report says %d times: %q", n, s)
+		}
+	}
+}
+
+// proseParagraphs are the report's blocks of prose and list items; headings,
+// tables, figures and section markers are not prose.
+func proseParagraphs(md string) []string {
+	var out []string
+	for _, block := range strings.Split(md, "\n\n") {
+		block = strings.TrimSpace(block)
+		for _, skip := range []string{"#", "|", "![", "<!--"} {
+			if strings.HasPrefix(block, skip) {
+				block = ""
+			}
+		}
+		if block == "" {
+			continue
+		}
+		if strings.HasPrefix(block, "- ") || strings.HasPrefix(block, "> ") {
+			out = append(out, strings.Split(block, "\n")...)
+			continue
+		}
+		out = append(out, block)
+	}
+	return out
 }

@@ -204,16 +204,12 @@ func (u *Unpacked) save(tmp, root, dir string) error {
 }
 
 func readUnpacked(dir string) (*Unpacked, error) {
-	data, err := os.ReadFile(filepath.Join(dir, unpackedFile))
+	u, err := readJSON[Unpacked](filepath.Join(dir, unpackedFile))
 	if err != nil {
 		return nil, err
 	}
-	var u Unpacked
-	if err := json.Unmarshal(data, &u); err != nil {
-		return nil, fmt.Errorf("%s: %w", filepath.Join(dir, unpackedFile), err)
-	}
 	u.Image, u.Modules = filepath.Join(dir, u.Image), filepath.Join(dir, u.Modules)
-	return &u, nil
+	return u, nil
 }
 
 // prune removes older builds of the same kernel row, so the cache holds one

@@ -121,15 +121,7 @@ func readPlan() (*plan, error) {
 	}); err != nil {
 		return nil, err
 	}
-	data, err := os.ReadFile(planFile)
-	if err != nil {
-		return nil, err
-	}
-	var p plan
-	if err := json.Unmarshal(data, &p); err != nil {
-		return nil, fmt.Errorf("%s: %w", planFile, err)
-	}
-	return &p, nil
+	return readJSON[plan](planFile)
 }
 
 type mount struct {

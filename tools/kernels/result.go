@@ -304,15 +304,21 @@ func (r *KernelResult) writeTests() error {
 
 // readGuestReport reads what the guest recorded of itself in a boot.
 func readGuestReport(dir, suite string) (*guestReport, error) {
-	data, err := os.ReadFile(filepath.Join(dir, suite+".guest.json"))
+	return readJSON[guestReport](filepath.Join(dir, suite+".guest.json"))
+}
+
+// readJSON reads the JSON file at path, a T. A file that is not there is an
+// error os.ReadFile's (fs.ErrNotExist); one that does not decode names path.
+func readJSON[T any](path string) (*T, error) {
+	data, err := os.ReadFile(path)
 	if err != nil {
 		return nil, err
 	}
-	var rep guestReport
-	if err := json.Unmarshal(data, &rep); err != nil {
-		return nil, fmt.Errorf("%s.guest.json: %w", suite, err)
+	var v T
+	if err := json.Unmarshal(data, &v); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
 	}
-	return &rep, nil
+	return &v, nil
 }
 
 // Summarize prints the closing line and returns the exit code: 0 when every

@@ -75,26 +75,27 @@ func New(path string) *Client { return &Client{socket: path} }
 // Add asks the agent to admit the pod, waiting until the agent is ready (or
 // ctx ends).
 func (c *Client) Add(ctx context.Context, req *AddRequest) (*AddResponse, error) {
-	b, err := c.invoke(ctx, methodAdd, req.marshal(), true)
-	if err != nil {
-		return nil, err
-	}
-	resp := &AddResponse{}
-	if err := resp.unmarshal(b); err != nil {
-		return nil, &Status{Code: Internal, Message: "decode AddResponse: " + err.Error()}
-	}
-	return resp, nil
+	return call[AddResponse](ctx, c, methodAdd, req.marshal(), true, "AddResponse")
 }
 
 // Del releases the attachment.
 func (c *Client) Del(ctx context.Context, req *DelRequest) (*DelResponse, error) {
-	b, err := c.invoke(ctx, methodDel, req.marshal(), false)
+	return call[DelResponse](ctx, c, methodDel, req.marshal(), false, "DelResponse")
+}
+
+// call invokes method and decodes its response, a message R named name;
+// waitReady is invoke's waitForReady.
+func call[R any, P interface {
+	*R
+	unmarshal([]byte) error
+}](ctx context.Context, c *Client, method string, req []byte, waitReady bool, name string) (*R, error) {
+	b, err := c.invoke(ctx, method, req, waitReady)
 	if err != nil {
 		return nil, err
 	}
-	resp := &DelResponse{}
+	resp := P(new(R))
 	if err := resp.unmarshal(b); err != nil {
-		return nil, &Status{Code: Internal, Message: "decode DelResponse: " + err.Error()}
+		return nil, &Status{Code: Internal, Message: "decode " + name + ": " + err.Error()}
 	}
 	return resp, nil
 }
@@ -107,15 +108,7 @@ func (c *Client) Check(ctx context.Context, req *CheckRequest) error {
 
 // GC releases the network's attachments that are not in req.Valid.
 func (c *Client) GC(ctx context.Context, req *GCRequest) (*GCResponse, error) {
-	b, err := c.invoke(ctx, methodGC, req.marshal(), false)
-	if err != nil {
-		return nil, err
-	}
-	resp := &GCResponse{}
-	if err := resp.unmarshal(b); err != nil {
-		return nil, &Status{Code: Internal, Message: "decode GCResponse: " + err.Error()}
-	}
-	return resp, nil
+	return call[GCResponse](ctx, c, methodGC, req.marshal(), false, "GCResponse")
 }
 
 // Health asks grpc.health.v1 for the overall status (the agent's readiness).

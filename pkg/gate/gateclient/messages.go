@@ -23,15 +23,7 @@ const (
 )
 
 func (d Decision) String() string {
-	switch d {
-	case DecisionUnspecified:
-		return "DECISION_UNSPECIFIED"
-	case DecisionEnrolled:
-		return "DECISION_ENROLLED"
-	case DecisionSkipped:
-		return "DECISION_SKIPPED"
-	}
-	return strconv.FormatInt(int64(d), 10)
+	return enumName(d, "DECISION_UNSPECIFIED", "DECISION_ENROLLED", "DECISION_SKIPPED")
 }
 
 // HealthStatus is grpc.health.v1's serving status.
@@ -46,17 +38,16 @@ const (
 )
 
 func (s HealthStatus) String() string {
-	switch s {
-	case HealthUnknown:
-		return "UNKNOWN"
-	case HealthServing:
-		return "SERVING"
-	case HealthNotServing:
-		return "NOT_SERVING"
-	case HealthServiceUnknown:
-		return "SERVICE_UNKNOWN"
+	return enumName(s, "UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN")
+}
+
+// enumName is the proto name of v, given the names of the values from 0 up;
+// a value without one is its number, as the generated code prints it.
+func enumName[T ~int32](v T, names ...string) string {
+	if v >= 0 && int(v) < len(names) {
+		return names[v]
 	}
-	return strconv.FormatInt(int64(s), 10)
+	return strconv.FormatInt(int64(v), 10)
 }
 
 // PodIdentity is gate.proto PodIdentity without labels and annotations, which
