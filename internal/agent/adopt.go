@@ -210,7 +210,28 @@ func (s *Service) adoptOne(ctx context.Context, p RunningPod, sb hostproc.Sandbo
 	s.report(ctx, p.Pod, OutcomeEnabled, nil)
 	s.log.Info("running pod enrolled in place", append(fields,
 		zap.Uint64("netnsCookie", rec.NetnsCookie), zap.String("netns", rec.NetnsPath), zap.Ints("pids", sb.PIDs))...)
+	s.removeReplaced(p.Pod, ns, fields)
 	return true, nil
+}
+
+// removeReplaced removes the replaced node agent's capture from an adopted
+// pod's namespace. It runs only once the pod is captured and handed over, so
+// a connection the old rules still redirect meets the new capture first
+// (docs/istio.md, "Switching a cluster"), and what the namespace holds never
+// decides whether the pod is captured: a failure is logged, the pod stays
+// enrolled.
+func (s *Service) removeReplaced(pod *gatepb.PodIdentity, ns *netns.Handle, fields []zap.Field) {
+	t := s.takeover
+	if t == nil || t.Remove == nil || !t.HandedOver(pod) {
+		return
+	}
+	removed, err := t.Remove(ns.File)
+	if err != nil {
+		s.log.Warn("the replaced node agent's capture not fully removed from an adopted pod; the pod is captured all the same",
+			append(fields, zap.String("removed", removed), zap.Error(err))...)
+		return
+	}
+	s.log.Info("the replaced node agent's capture removed from an adopted pod", append(fields, zap.String("removed", removed))...)
 }
 
 // knownUID: a record of the pod exists, enrolled or skipped.

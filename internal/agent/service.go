@@ -46,6 +46,8 @@ type Service struct {
 	refusalsMu sync.Mutex
 	refusals   map[redirect.Refusal]bool // proxy listeners already reported
 
+	takeover *Takeover // set before adoption starts
+
 	adoptMu       sync.Mutex
 	adoptFailures map[string]string // by pod uid: the last reported adoption failure
 	adoptRefused  map[string]bool   // processes refused for their cgroup, logged once
