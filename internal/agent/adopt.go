@@ -4,8 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net/netip"
+	"os"
 	"slices"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -57,6 +60,7 @@ type AdoptResult struct {
 // or by network namespace, is left alone. find locates the namespaces; a pod it
 // cannot place is reported failed and tried again on the next pass.
 func (s *Service) Adopt(ctx context.Context, pods []RunningPod, find SandboxFinder, exclude []string) (AdoptResult, error) {
+	s.retryRemovals()
 	var res AdoptResult
 	var todo []RunningPod
 	var uids []string
@@ -77,7 +81,18 @@ func (s *Service) Adopt(ctx context.Context, pods []RunningPod, find SandboxFind
 	s.logRefused(scan.Refused)
 	found, problems := scan.Found, scan.Problems
 	var errs []error
+	// Not a failure of the pods: they are served as they were, their
+	// annotations stay the replaced agent's, and the next pass tries again.
+	proxyErr := s.waitProxyForTakeover(ctx, todo)
+	if proxyErr != nil {
+		s.log.Warn("pods the replaced node agent handed over are left for the next pass", zap.Error(proxyErr))
+		errs = append(errs, proxyErr)
+	}
 	for _, p := range todo {
+		if proxyErr != nil && s.takeover.HandedOver(p.Pod) {
+			res.Failed++
+			continue
+		}
 		sb, ok := found[p.CgroupUID]
 		if !ok {
 			err := problems[p.CgroupUID]
@@ -101,6 +116,30 @@ func (s *Service) Adopt(ctx context.Context, pods []RunningPod, find SandboxFind
 		}
 	}
 	return res, errors.Join(errs...)
+}
+
+// takeoverProxyWait bounds an adoption pass's wait for the node proxy.
+const takeoverProxyWait = 30 * time.Second
+
+// waitProxyForTakeover waits, when pods contain one the replaced node agent
+// handed over, until the node proxy is connected and known. The proxy already
+// runs in such a pod: captured before the agent knows the proxy's cgroup, the
+// proxy's own connections there would be sent back to itself. An error
+// leaves those pods to the next pass, still served under the old capture.
+func (s *Service) waitProxyForTakeover(ctx context.Context, pods []RunningPod) error {
+	if s.takeover == nil || !slices.ContainsFunc(pods, func(p RunningPod) bool { return s.takeover.HandedOver(p.Pod) }) {
+		return nil
+	}
+	w, ok := s.handoff.(ProxyWaiter)
+	if !ok {
+		return errors.New("the node proxy runs in pods the replaced node agent handed over, and this agent hands none over")
+	}
+	ctx, cancel := context.WithTimeout(ctx, takeoverProxyWait)
+	defer cancel()
+	if err := w.WaitForProxy(ctx); err != nil {
+		return fmt.Errorf("not captured before the node proxy that serves it is known: %w", err)
+	}
+	return nil
 }
 
 // adoptFailed reports a running pod the agent could not adopt. Passes repeat
@@ -219,19 +258,64 @@ func (s *Service) adoptOne(ctx context.Context, p RunningPod, sb hostproc.Sandbo
 // a connection the old rules still redirect meets the new capture first
 // (docs/istio.md, "Switching a cluster"), and what the namespace holds never
 // decides whether the pod is captured: a failure is logged, the pod stays
-// enrolled.
+// enrolled. What is left for later is tried again on each adoption pass.
 func (s *Service) removeReplaced(pod *gatepb.PodIdentity, ns *netns.Handle, fields []zap.Field) {
 	t := s.takeover
 	if t == nil || t.Remove == nil || !t.HandedOver(pod) {
 		return
 	}
-	removed, err := t.Remove(ns.File)
-	if err != nil {
-		s.log.Warn("the replaced node agent's capture not fully removed from an adopted pod; the pod is captured all the same",
-			append(fields, zap.String("removed", removed), zap.Error(err))...)
+	again := s.runRemove(ns.File, fields)
+	s.adoptMu.Lock()
+	defer s.adoptMu.Unlock()
+	if !again {
+		delete(s.takeoverLeft, pod.GetUid())
 		return
 	}
-	s.log.Info("the replaced node agent's capture removed from an adopted pod", append(fields, zap.String("removed", removed))...)
+	if s.takeoverLeft == nil {
+		s.takeoverLeft = map[string]leftover{}
+	}
+	s.takeoverLeft[pod.GetUid()] = leftover{path: ns.Path, cookie: ns.Cookie, fields: fields}
+}
+
+// leftover is an adopted pod whose replaced capture is not all removed yet.
+type leftover struct {
+	path   string
+	cookie uint64
+	fields []zap.Field
+}
+
+func (s *Service) runRemove(ns *os.File, fields []zap.Field) (again bool) {
+	removed, again, err := s.takeover.Remove(ns)
+	fields = append(fields, zap.String("removed", removed), zap.Bool("more later", again))
+	if err != nil {
+		s.log.Warn("the replaced node agent's capture not fully removed from an adopted pod; the pod is captured all the same",
+			append(fields, zap.Error(err))...)
+		return again
+	}
+	s.log.Info("the replaced node agent's capture removed from an adopted pod", fields...)
+	return again
+}
+
+// retryRemovals tries again what removeReplaced left, for the pods still
+// enrolled in the same namespace.
+func (s *Service) retryRemovals() {
+	s.adoptMu.Lock()
+	left := maps.Clone(s.takeoverLeft)
+	s.adoptMu.Unlock()
+	for uid, l := range left {
+		again := false
+		if s.captured(uid) {
+			if ns, err := netns.OpenExpected(l.path, l.cookie); err == nil {
+				again = s.runRemove(ns.File, l.fields)
+				ns.Close()
+			}
+		}
+		if !again {
+			s.adoptMu.Lock()
+			delete(s.takeoverLeft, uid)
+			s.adoptMu.Unlock()
+		}
+	}
 }
 
 // knownUID: a record of the pod exists, enrolled or skipped.

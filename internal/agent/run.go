@@ -79,8 +79,11 @@ type Takeover struct {
 	HandedOver func(pod *gatepb.PodIdentity) bool
 	// Remove removes the replaced agent's capture from such a pod's network
 	// namespace, once the agent has captured the pod and handed it over; it
-	// says what it removed. Its failure is logged: the pod stays captured.
-	Remove func(ns *os.File) (removed string, err error)
+	// says what it removed, and whether something is left that it will
+	// remove when called again (what connections made before the switch
+	// still need): it is then called again on each adoption pass while the
+	// pod is enrolled. Its failure is logged: the pod stays captured.
+	Remove func(ns *os.File) (removed string, again bool, err error)
 }
 
 // EntryPoint starts a server that admits pods through gate; the returned func
@@ -116,6 +119,12 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 	lazy := &lazyDatapath{}
 	svc := NewService(log, readiness, policy, lazy, store)
 	svc.datapathName = cfg.DatapathName
+	if cfg.Adopt != nil && cfg.Adopt.Takeover != nil {
+		if lister, ok := policy.(RunningPodLister); ok {
+			svc.takeover = cfg.Adopt.Takeover
+			svc.handedOver = handedOver(lister, *cfg.Adopt, svc)
+		}
+	}
 	metrics := NewMetrics(func() int { return len(svc.enrolled()) }, func() bool { ok, _ := readiness.Ready(); return ok }, func() CounterReader {
 		dp, err := lazy.get()
 		if err != nil {
@@ -191,10 +200,8 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 			proxies = pi.SetProxyProcesses
 		}
 		var keep func(context.Context) []string
-		if cfg.Adopt != nil && cfg.Adopt.Takeover != nil {
-			if lister, ok := policy.(RunningPodLister); ok {
-				keep = handedOver(lister, *cfg.Adopt, svc)
-			}
+		if svc.handedOver != nil {
+			keep = svc.waitHandedOver
 		}
 		h, err := NewZDSHandoff(ctx, log.Named("zds"), cfg.ZDSSocket, cfg.ZDSAllowedUIDs, cfg.ZDSWait, cfg.StateDir, svc.enrolled, keep, metrics, proxies)
 		if err != nil {
@@ -277,7 +284,6 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 	}
 	if cfg.Adopt != nil {
 		if lister, ok := policy.(RunningPodLister); ok {
-			svc.takeover = cfg.Adopt.Takeover
 			background.Add(1)
 			go func() {
 				defer background.Done()
@@ -335,19 +341,13 @@ func adoptLoop(ctx context.Context, log *zap.Logger, svc *Service, lister Runnin
 }
 
 // handedOver lists the uids of the running pods the replaced node agent
-// handed to the node proxy and this one has no record of, once the
-// enrollment source can list them: until then the proxy's snapshot waits, and
-// the proxy keeps serving what it has.
-func handedOver(lister RunningPodLister, cfg AdoptConfig, svc *Service) func(context.Context) []string {
-	return func(ctx context.Context) []string {
-		var pods []RunningPod
-		err := wait.PollUntilContextCancel(ctx, 100*time.Millisecond, true, func(context.Context) (bool, error) {
-			var err error
-			pods, err = lister.RunningPods()
-			return err == nil, nil
-		})
+// handed to the node proxy and this one has no record of yet: the adoption's
+// to decide. It fails while the enrollment source cannot list them.
+func handedOver(lister RunningPodLister, cfg AdoptConfig, svc *Service) func() ([]string, error) {
+	return func() ([]string, error) {
+		pods, err := lister.RunningPods()
 		if err != nil {
-			return nil
+			return nil, err
 		}
 		var uids []string
 		for _, p := range pods {
@@ -356,6 +356,22 @@ func handedOver(lister RunningPodLister, cfg AdoptConfig, svc *Service) func(con
 			}
 			uids = append(uids, p.Pod.GetUid())
 		}
-		return uids
+		return uids, nil
 	}
+}
+
+// waitHandedOver is handedOver once the enrollment source can list the pods:
+// until then a proxy's snapshot waits, and the proxy keeps serving what it
+// has. It is nil when ctx ends first.
+func (s *Service) waitHandedOver(ctx context.Context) []string {
+	var uids []string
+	err := wait.PollUntilContextCancel(ctx, 100*time.Millisecond, true, func(context.Context) (bool, error) {
+		var err error
+		uids, err = s.handedOver()
+		return err == nil, nil
+	})
+	if err != nil {
+		return nil
+	}
+	return uids
 }

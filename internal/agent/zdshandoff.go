@@ -29,6 +29,12 @@ type Handoff interface {
 	PodDeleted(ctx context.Context, rec podstore.Record)
 }
 
+// ProxyWaiter is a Handoff that can wait for a node proxy: connected, told
+// apart from the pods (its cgroup) and past its snapshot.
+type ProxyWaiter interface {
+	WaitForProxy(ctx context.Context) error
+}
+
 // WaitMode says when gate Add waits for the node proxy's ack.
 type WaitMode string
 
@@ -145,6 +151,9 @@ func (h *ZDSHandoff) Serve(ctx context.Context) error {
 	}
 	return h.srv.Serve(ctx)
 }
+
+// WaitForProxy implements ProxyWaiter.
+func (h *ZDSHandoff) WaitForProxy(ctx context.Context) error { return h.srv.WaitForProxy(ctx) }
 
 // Close stops serving and removes the socket.
 func (h *ZDSHandoff) Close() error { return h.srv.Close() }

@@ -20,7 +20,7 @@ func istioCNITakeover() *agent.Takeover {
 		HandedOver: func(pod *gatepb.PodIdentity) bool {
 			return pod.GetAnnotations()[enroll.IstioAnnotationRedirection] == enroll.OutcomeEnabled
 		},
-		Remove: func(ns *os.File) (string, error) {
+		Remove: func(ns *os.File) (string, bool, error) {
 			res, err := istiorules.Remove(ns)
 			var parts []string
 			if len(res.Jumps) > 0 {
@@ -32,10 +32,13 @@ func istioCNITakeover() *agent.Takeover {
 			if len(res.Kept) > 0 {
 				parts = append(parts, "emptied, kept: "+strings.Join(res.Kept, ", "))
 			}
-			if len(parts) == 0 {
-				return "nothing", err
+			if len(res.Deferred) > 0 {
+				parts = append(parts, "left for later: "+strings.Join(res.Deferred, ", "))
 			}
-			return strings.Join(parts, "; "), err
+			if len(parts) == 0 {
+				return "nothing", false, err
+			}
+			return strings.Join(parts, "; "), res.Pending(), err
 		},
 	}
 }

@@ -9,6 +9,16 @@
 // the pod's that jumps to one of those chains under a match stays, and the
 // chain it holds then stays too, emptied.
 //
+// One chain may have to outlive the others: mangle ISTIO_OUTPUT restores the
+// connmark 0x111 that mangle ISTIO_PRERT gave the connections ztunnel
+// delivered into the pod, so the application's replies to them are routed
+// back to ztunnel (the policy route). A connection delivered before the
+// switch has no other way back: mesh-cni marks an application's socket when
+// it accepts one. So that chain stays while the pod's conntrack table holds
+// such a connection not yet closing, and Remove says to come back; with
+// ISTIO_PRERT gone no new connection gets the connmark, so what stays
+// touches only the connections from before.
+//
 // Only the nftables backend (iptables-nft, the default of current
 // distributions) is read and changed. iptables-legacy tables cannot be
 // changed without an iptables binary, which the agent's image does not
@@ -28,6 +38,9 @@ import (
 
 	"github.com/google/nftables"
 	"github.com/google/nftables/expr"
+	"github.com/vishvananda/netlink"
+	vnetns "github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 )
@@ -59,10 +72,21 @@ type Result struct {
 	// Kept are istio-cni's chains emptied but kept, because a rule that is
 	// not istio-cni's still jumps to them.
 	Kept []string
+	// Deferred are the chains left for a later Remove: mangle ISTIO_OUTPUT
+	// while connections made before the switch need it.
+	Deferred []string
 }
 
 // Found reports whether anything of istio-cni's was there.
-func (r Result) Found() bool { return len(r.Jumps)+len(r.Chains)+len(r.Kept) > 0 }
+func (r Result) Found() bool {
+	return len(r.Jumps)+len(r.Chains)+len(r.Kept)+len(r.Deferred) > 0
+}
+
+// Pending reports whether Remove is to be called again later.
+func (r Result) Pending() bool { return len(r.Deferred) > 0 }
+
+// restoreChain is the chain that stays while connections need it.
+func restoreChain(table, chain string) bool { return table == "mangle" && chain == ChainOutput }
 
 // Remove removes istio-cni's in-pod chains and their entry rules from the
 // network namespace ns. It is idempotent: a namespace without them is left
@@ -76,7 +100,26 @@ func Remove(ns *os.File) (Result, error) {
 	}
 	var errs []error
 	for _, fam := range []nftables.TableFamily{nftables.TableFamilyIPv4, nftables.TableFamilyIPv6} {
-		if err := removeFamily(conn, fam, &res); err != nil {
+		// Everything but the restore chain first: ISTIO_PRERT's going stops
+		// new connections from getting the connmark before they are counted.
+		if err := removeFamily(conn, fam, &res, func(table, chain string) bool { return !restoreChain(table, chain) }); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	for _, fam := range []nftables.TableFamily{nftables.TableFamilyIPv4, nftables.TableFamilyIPv6} {
+		if !hasChain(conn, fam, "mangle", ChainOutput) {
+			continue
+		}
+		n, err := markedConnections(ns, fam)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if n > 0 {
+			res.Deferred = append(res.Deferred, fmt.Sprintf("%s mangle %s (%d connections from before need it)", familyName(fam), ChainOutput, n))
+			continue
+		}
+		if err := removeFamily(conn, fam, &res, restoreChain); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -95,7 +138,9 @@ func familyName(f nftables.TableFamily) string {
 	return "ip"
 }
 
-func removeFamily(conn *nftables.Conn, fam nftables.TableFamily, res *Result) error {
+// removeFamily removes istio-cni's chains of the family for which only(table,
+// chain) holds, with their entry rules.
+func removeFamily(conn *nftables.Conn, fam nftables.TableFamily, res *Result, only func(table, chain string) bool) error {
 	chains, err := conn.ListChainsOfTableFamily(fam)
 	if err != nil {
 		return fmt.Errorf("list %s chains: %w", familyName(fam), err)
@@ -110,7 +155,9 @@ func removeFamily(conn *nftables.Conn, fam nftables.TableFamily, res *Result) er
 			}
 			switch {
 			case c.Name == ChainPrerouting || c.Name == ChainOutput:
-				ours[c.Name] = c
+				if only(table, c.Name) {
+					ours[c.Name] = c
+				}
 			case c.Hooknum != nil && entries[c.Name] != "":
 				bases = append(bases, c)
 			}
@@ -173,6 +220,50 @@ func removeFamily(conn *nftables.Conn, fam nftables.TableFamily, res *Result) er
 	}
 	return errors.Join(errs...)
 }
+
+func hasChain(conn *nftables.Conn, fam nftables.TableFamily, table, chain string) bool {
+	chains, err := conn.ListChainsOfTableFamily(fam)
+	if err != nil {
+		return true // then the count says
+	}
+	return slices.ContainsFunc(chains, func(c *nftables.Chain) bool { return c.Table != nil && c.Table.Name == table && c.Name == chain })
+}
+
+// markedConnections counts the TCP connections of the family in ns's
+// conntrack table that carry istio-cni's connmark (0x111 under 0xfff) and
+// are not closing: their replies still need the restore chain.
+func markedConnections(ns *os.File, fam nftables.TableFamily) (int, error) {
+	h, err := netlink.NewHandleAt(vnetns.NsHandle(int(ns.Fd())))
+	if err != nil {
+		return 0, fmt.Errorf("netlink in the pod's namespace: %w", err)
+	}
+	defer h.Close()
+	family := netlink.InetFamily(unix.AF_INET)
+	if fam == nftables.TableFamilyIPv6 {
+		family = unix.AF_INET6
+	}
+	flows, err := h.ConntrackTableList(netlink.ConntrackTable, family)
+	if err != nil {
+		return 0, fmt.Errorf("%s conntrack of the pod's namespace: %w", familyName(fam), err)
+	}
+	n := 0
+	for _, f := range flows {
+		tcp, ok := f.ProtoInfo.(*netlink.ProtoInfoTCP)
+		if f.Mark&connmarkMask == connmark && ok && tcp.State > tcpNone && tcp.State < tcpTimeWait {
+			n++
+		}
+	}
+	return n, nil
+}
+
+// istio-cni's connmark, and the TCP states of nf_conntrack (enum
+// tcp_conntrack) past which a connection is closed.
+const (
+	connmark     = 0x111
+	connmarkMask = 0xfff
+	tcpNone      = 0
+	tcpTimeWait  = 7
+)
 
 // bareJump reports whether r is a jump to target and nothing else but
 // counters, as istio-cni's entry rules are.

@@ -2,13 +2,17 @@ package istiorules
 
 import (
 	"errors"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 
+	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
@@ -145,6 +149,90 @@ func TestRemoveKeepsForeignJump(t *testing.T) {
 	}
 	if strings.Contains(got, "REDIRECT") || strings.Contains(got, "-A ISTIO_OUTPUT") {
 		t.Errorf("istio-cni's rules left in the kept chain:\n%s", got)
+	}
+}
+
+// A connection ztunnel delivered before the switch (connmark 0x111, given by
+// mangle ISTIO_PRERT to packets of ztunnel's mark) keeps mangle
+// ISTIO_OUTPUT, which restores its replies' mark, until it closes; every other
+// chain goes at once, ISTIO_PRERT first, so no new connection gets the
+// connmark.
+func TestRemoveWaitsForMarkedConnections(t *testing.T) {
+	needTools(t)
+	ns := fixtures.NewNetns(t, filepath.Join(t.TempDir(), "pod"))
+	istioShaped(t, ns.Path)
+	ipt(t, ns.Path, false, "-t", "mangle", "-I", ChainPrerouting, "-m", "mark", "--mark", "0x539/0xfff", "-j", "CONNMARK", "--set-xmark", "0x111/0xfff")
+	ipt(t, ns.Path, false, "-t", "mangle", "-I", ChainOutput, "-m", "connmark", "--mark", "0x111/0xfff", "-j", "CONNMARK", "--restore-mark", "--nfmask", "0xffffffff", "--ctmask", "0xffffffff")
+
+	var ln net.Listener
+	if err := netns.Do(ns.Path, func() error {
+		var err error
+		ln, err = net.Listen("tcp4", "127.0.0.1:15001") // where the nat chain redirects
+
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err == nil {
+			accepted <- c
+		}
+	}()
+	var c net.Conn
+	if err := netns.Do(ns.Path, func() error {
+		d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
+			var serr error
+			err := rc.Control(func(fd uintptr) { serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_MARK, 0x539) })
+			return errors.Join(err, serr)
+		}}
+		var err error
+		c, err = d.Dial("tcp4", ln.Addr().String())
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	server := <-accepted
+
+	f := open(t, ns.Path)
+	res, err := Remove(f)
+	if err != nil {
+		t.Fatalf("Remove: %v", err)
+	}
+	if !res.Pending() || len(res.Deferred) != 1 || !strings.HasPrefix(res.Deferred[0], "ip mangle ISTIO_OUTPUT (1 connections") {
+		t.Fatalf("deferred %q; want ip mangle ISTIO_OUTPUT, for the one connection", res.Deferred)
+	}
+	if len(res.Chains) != 11 {
+		t.Errorf("removed %v; want every chain but ip mangle ISTIO_OUTPUT", res.Chains)
+	}
+	got := save(t, ns.Path, false)
+	if !strings.Contains(got, "-A OUTPUT -j ISTIO_OUTPUT") || strings.Contains(got, ChainPrerouting) {
+		t.Errorf("want mangle OUTPUT's jump to ISTIO_OUTPUT alone left:\n%s", got)
+	}
+
+	c.Close()
+	server.Close()
+	poll := time.Now().Add(10 * time.Second)
+	for {
+		res, err = Remove(f)
+		if err != nil {
+			t.Fatalf("Remove after the close: %v", err)
+		}
+		if !res.Pending() {
+			break
+		}
+		if time.Now().After(poll) {
+			t.Fatalf("still deferred after the connection closed: %v", res.Deferred)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if !slices.Equal(res.Chains, []string{"ip mangle ISTIO_OUTPUT"}) {
+		t.Errorf("removed %v after the close; want ip mangle ISTIO_OUTPUT", res.Chains)
+	}
+	if got := save(t, ns.Path, false); strings.Contains(got, "ISTIO_") {
+		t.Errorf("left:\n%s", got)
 	}
 }
 

@@ -81,6 +81,7 @@ type ambientNode struct {
 	ambient  string // a namespace labelled istio.io/dataplane-mode=ambient
 	plain    string // a namespace outside the mesh
 	listName string
+	istioCNI *harness.Process // istio-cni's node agent, once started
 }
 
 // newAmbientNode starts the cluster and the node; the node agent is the caller's.
@@ -310,7 +311,7 @@ func (n *ambientNode) startIstioCNI(t *testing.T) *libcni.NetworkConfigList {
 	selector := `[{"podSelector":{"matchLabels":{"istio.io/dataplane-mode":"ambient"}}},` +
 		`{"podSelector":{"matchExpressions":[{"key":"istio.io/dataplane-mode","operator":"NotIn","values":["none"]}]},` +
 		`"namespaceSelector":{"matchLabels":{"istio.io/dataplane-mode":"ambient"}}}]`
-	harness.StartProcess(t, harness.ProcessOptions{
+	n.istioCNI = harness.StartProcess(t, harness.ProcessOptions{
 		Path:      "unshare",
 		Args:      []string{"--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--propagation", "slave", "--", "sh", "-c", istioCNIRoot, "istio-cni-root", root, sa, src, n.node.BinDir, istioBins(t)},
 		Name:      "istio-cni",
@@ -377,19 +378,28 @@ exec chroot "$root" /istio/install-cni
 // host network). The node proxy is known by its cgroup only (no mark).
 func (n *ambientNode) startMeshAgent(t *testing.T) *libcni.NetworkConfigList {
 	t.Helper()
+	a := n.runMeshAgent(t)
+	return n.node.Conflist(t, n.listName, a.meshEntry())
+}
+
+// runMeshAgent starts mesh-agent as startMeshAgent describes, with extra
+// arguments, and returns it once ready.
+func (n *ambientNode) runMeshAgent(t *testing.T, extra ...string) *agent {
+	t.Helper()
 	a := prepareAgent(t)
 	// Metrics and health on their default address, in the node's namespace.
 	a.Args = slices.DeleteFunc(a.Args, func(arg string) bool { return arg == "--metrics-addr=" })
 	a.Kubeconfig = n.api.WriteKubeconfig(t, kubeenv.AgentUser, filepath.Join(a.dir, "kubeconfig"))
 	a.Args = append(a.Args, "--enrollment", "kubernetes", "--kubeconfig", a.Kubeconfig, "--node-name", n.name,
 		"--selector-profile", "istio", "--zds-socket", n.zds, "--proxy-mark", "0", "--probe-cgroups", n.kubelet)
+	a.Args = append(a.Args, extra...)
 	a.Proc = harness.StartProcess(t, harness.ProcessOptions{Path: harness.Bins(t).Path("mesh-agent"), Args: a.Args, Name: "mesh-agent", NetNSPath: n.node.NetNSPath})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	if err := harness.WaitForHealthy(ctx, a.Socket); err != nil {
 		t.Fatalf("agent did not become ready: %v\n%s", err, a.Proc.Output())
 	}
-	return n.node.Conflist(t, n.listName, a.meshEntry())
+	return a
 }
 
 // ambientPod is a pod in the API and on the node.
