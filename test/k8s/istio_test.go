@@ -82,6 +82,8 @@ type ambientNode struct {
 	plain    string // a namespace outside the mesh
 	listName string
 	istioCNI *harness.Process // istio-cni's node agent, once started
+	// istioCNIEnv is added to istio-cni's environment.
+	istioCNIEnv []string
 }
 
 // newAmbientNode starts the cluster and the node; the node agent is the caller's.
@@ -316,14 +318,14 @@ func (n *ambientNode) startIstioCNI(t *testing.T) *libcni.NetworkConfigList {
 		Args:      []string{"--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--propagation", "slave", "--", "sh", "-c", istioCNIRoot, "istio-cni-root", root, sa, src, n.node.BinDir, istioBins(t)},
 		Name:      "istio-cni",
 		NetNSPath: n.node.NetNSPath,
-		Env: []string{
+		Env: append([]string{
 			"KUBERNETES_SERVICE_HOST=" + host, "KUBERNETES_SERVICE_PORT=" + port, "KUBECONFIG=",
 			"NODE_NAME=" + n.name, "KUBERNETES_NODE_NAME=" + n.name, "POD_NAMESPACE=istio-system",
 			"MOUNTED_CNI_NET_DIR=" + n.node.ConfDir, "CNI_AGENT_RUN_DIR=" + run, "ZTUNNEL_UDS_ADDRESS=" + n.zds,
 			"AMBIENT_ENABLED=true", "AMBIENT_DNS_CAPTURE=true", "AMBIENT_IPV6=true",
 			"AMBIENT_ENABLEMENT_SELECTOR=" + selector, "EXCLUDE_NAMESPACES=kube-system,istio-system",
 			"REPAIR_ENABLED=false", "MONITORING_PORT=15014", "PLUGIN_LOG_LEVEL=debug",
-		},
+		}, n.istioCNIEnv...),
 	})
 	var list *libcni.NetworkConfigList
 	poll(t, time.Minute, "istio-cni chained into the primary's conflist", func() bool {

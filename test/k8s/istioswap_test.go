@@ -66,12 +66,12 @@ func inPod(t *testing.T, p *ambientPod, args ...string) string {
 	return string(out)
 }
 
-// istioChains lists the lines of the pod's iptables-nft rules, both families,
-// that name istio-cni's in-pod chains.
-func istioChains(t *testing.T, p *ambientPod) []string {
+// istioChains lists the lines of the pod's iptables rules of a backend (nft
+// or legacy), both families, that name istio-cni's in-pod chains.
+func istioChains(t *testing.T, p *ambientPod, backend string) []string {
 	t.Helper()
 	var out []string
-	for _, save := range []string{"iptables-nft-save", "ip6tables-nft-save"} {
+	for _, save := range []string{"iptables-" + backend + "-save", "ip6tables-" + backend + "-save"} {
 		for l := range strings.Lines(inPod(t, p, save)) {
 			if strings.Contains(l, istiorules.ChainPrerouting) || strings.Contains(l, istiorules.ChainOutput) {
 				out = append(out, save+": "+strings.TrimSpace(l))
@@ -245,8 +245,25 @@ func (n *ambientNode) hostLeftovers(t *testing.T) []string {
 // pod's root made of its own. A pod whose root added its own jump to
 // ISTIO_OUTPUT is captured all the same, the chain kept empty, the agent
 // saying so.
+//
+// Both of istio-cni's iptables backends: with iptables-nft its chains are
+// removed; with iptables-legacy, which the agent cannot change, they stay, the
+// agent says so, and the same assertions hold with both captures in place for
+// the rest of the test: the eBPF capture sends a connection to ztunnel's
+// ports before istio-cni's rules see it, and those rules leave alone what
+// goes to loopback or carries ztunnel's mark.
 func TestIstioSwap(t *testing.T) {
+	for _, backend := range []string{"nft", "legacy"} {
+		t.Run("iptables-"+backend, func(t *testing.T) {
+			t.Parallel()
+			testIstioSwap(t, backend)
+		})
+	}
+}
+
+func testIstioSwap(t *testing.T, backend string) {
 	n := newAmbientNode(t)
+	n.istioCNIEnv = []string{"FORCE_IPTABLES_BINARY=" + backend}
 	pods, adoptArgs := n.podCgroups(t)
 	list := n.startIstioCNI(t)
 	zt := n.startZtunnel(t)
@@ -296,18 +313,18 @@ func TestIstioSwap(t *testing.T) {
 	}
 	hbone("istio-cni")
 
-	// istio-cni captured each pod with its iptables-nft chains (the backend
-	// whose removal this shows) and its policy route.
+	// istio-cni captured each pod with its chains in the backend it was
+	// told, and its policy route.
 	for _, p := range all {
-		if rules := istioChains(t, p); len(rules) == 0 {
-			t.Fatalf("%s: no istio-cni chain in iptables-nft: %s", p.api.Name, inPod(t, p, "iptables-nft-save"))
+		if rules := istioChains(t, p, backend); len(rules) == 0 {
+			t.Fatalf("%s: no istio-cni chain in iptables-%s: %s", p.api.Name, backend, inPod(t, p, "iptables-"+backend+"-save"))
 		}
 		if v4, v6 := replyRules(t, p); v4 != 1 || v6 != 1 {
 			t.Fatalf("%s: %d and %d fwmark rules, want istio-cni's one of each family", p.api.Name, v4, v6)
 		}
 	}
 	// The pod's root adds a jump of its own to istio-cni's chain.
-	inPod(t, rooted, "iptables-nft", "-t", "nat", "-I", "OUTPUT", "-p", "tcp", "--dport", "9", "-j", istiorules.ChainOutput)
+	inPod(t, rooted, "iptables-"+backend, "-t", "nat", "-I", "OUTPUT", "-p", "tcp", "--dport", "9", "-j", istiorules.ChainOutput)
 
 	n.node.WaitAddressesUsable(apiContext(t), t)
 	var targets []streamTarget
@@ -442,34 +459,51 @@ func TestIstioSwap(t *testing.T) {
 		}
 	}
 
-	// istio-cni's rules are gone, but for mangle ISTIO_OUTPUT in the pods at
-	// both ends of the held connection, which ztunnel carried before the
-	// switch (its sockets' mark gave it istio-cni's connmark): the chain
-	// restores its replies' mark. It goes once that closes. The policy route
-	// is mesh-cni's, once per family. The rooted pod keeps its own jump and
-	// the chain it names, empty, and the agent said so.
-	for _, p := range []*ambientPod{client, server} {
-		want := []string{"iptables-nft-save: :ISTIO_OUTPUT - [0:0]", "iptables-nft-save: -A OUTPUT -j ISTIO_OUTPUT"}
-		if left := istioChains(t, p); len(left) != 3 || !slices.Equal(left[:2], want) || !strings.Contains(left[2], "CONNMARK --restore-mark") {
-			t.Errorf("%s with the held connection open: left %q, want mangle ISTIO_OUTPUT alone", p.api.Name, left)
+	if backend == "legacy" {
+		// Nothing removed, nothing of istio-cni's in nftables, and the
+		// agent said why.
+		for _, p := range all {
+			if len(istioChains(t, p, "legacy")) == 0 {
+				t.Errorf("%s: istio-cni's iptables-legacy chains are gone; nothing here removes them", p.api.Name)
+			}
+			if left := istioChains(t, p, "nft"); len(left) > 0 {
+				t.Errorf("%s: istio-cni's chains in iptables-nft: %v", p.api.Name, left)
+			}
+		}
+		if got := strings.Count(a.Proc.Output(), istiorules.ErrLegacyTables.Error()); got < len(all) {
+			t.Errorf("the agent reported iptables-legacy tables %d times, want once for each of the %d pods", got, len(all))
+		}
+	} else {
+		// istio-cni's rules are gone, but for mangle ISTIO_OUTPUT in the pods
+		// at both ends of the held connection, which ztunnel carried before
+		// the switch (its sockets' mark gave it istio-cni's connmark): the
+		// chain restores its replies' mark. It goes once that closes. The
+		// rooted pod keeps its own jump and the chain it names, empty, and
+		// the agent said so.
+		for _, p := range []*ambientPod{client, server} {
+			want := []string{"iptables-nft-save: :ISTIO_OUTPUT - [0:0]", "iptables-nft-save: -A OUTPUT -j ISTIO_OUTPUT"}
+			if left := istioChains(t, p, backend); len(left) != 3 || !slices.Equal(left[:2], want) || !strings.Contains(left[2], "CONNMARK --restore-mark") {
+				t.Errorf("%s with the held connection open: left %q, want mangle ISTIO_OUTPUT alone", p.api.Name, left)
+			}
+		}
+		held.Close()
+		for _, p := range []*ambientPod{client, server} {
+			poll(t, 30*time.Second, p.api.Name+"'s mangle ISTIO_OUTPUT removed once the held connection closed", func() bool {
+				return len(istioChains(t, p, backend)) == 0
+			})
+		}
+		wantRooted := []string{
+			"iptables-nft-save: :" + istiorules.ChainOutput + " - [0:0]",
+			"iptables-nft-save: -A OUTPUT -p tcp -m tcp --dport 9 -j " + istiorules.ChainOutput,
+		}
+		if left := istioChains(t, rooted, backend); !slices.Equal(left, wantRooted) {
+			t.Errorf("rooted: left %q, want only %q", left, wantRooted)
+		}
+		if !strings.Contains(a.Proc.Output(), "ip nat ISTIO_OUTPUT emptied but kept") {
+			t.Error("the agent did not report the rooted pod's kept chain")
 		}
 	}
-	held.Close()
-	for _, p := range []*ambientPod{client, server} {
-		poll(t, 30*time.Second, p.api.Name+"'s mangle ISTIO_OUTPUT removed once the held connection closed", func() bool {
-			return len(istioChains(t, p)) == 0
-		})
-	}
-	wantRooted := []string{
-		"iptables-nft-save: :" + istiorules.ChainOutput + " - [0:0]",
-		"iptables-nft-save: -A OUTPUT -p tcp -m tcp --dport 9 -j " + istiorules.ChainOutput,
-	}
-	if left := istioChains(t, rooted); !slices.Equal(left, wantRooted) {
-		t.Errorf("rooted: left %q, want only %q", left, wantRooted)
-	}
-	if !strings.Contains(a.Proc.Output(), "ip nat ISTIO_OUTPUT emptied but kept") {
-		t.Error("the agent did not report the rooted pod's kept chain")
-	}
+	// The policy route is mesh-cni's, once per family.
 	for _, p := range all {
 		if v4, v6 := replyRules(t, p); v4 != 1 || v6 != 1 {
 			t.Errorf("%s: %d and %d fwmark rules, want one of each family", p.api.Name, v4, v6)
