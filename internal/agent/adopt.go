@@ -236,6 +236,7 @@ func (s *Service) adoptOne(ctx context.Context, p RunningPod, sb hostproc.Sandbo
 			return false, err
 		}
 		s.adopted(p.Pod.GetUid())
+		s.releaseReplaced(ctx, p.Pod, rec, ns, fields)
 		s.report(ctx, p.Pod, OutcomeDisabled, nil)
 		s.log.Info("running pod recorded, not enrolled", append(fields, zap.String("reason", decision.Reason))...)
 		return false, nil
@@ -264,7 +265,7 @@ func (s *Service) removeReplaced(pod *gatepb.PodIdentity, ns *netns.Handle, fiel
 	if t == nil || t.Remove == nil || !t.HandedOver(pod) {
 		return
 	}
-	again := s.runRemove(ns.File, fields)
+	again, _ := s.runRemove(ns.File, fields)
 	s.adoptMu.Lock()
 	defer s.adoptMu.Unlock()
 	if !again {
@@ -277,6 +278,28 @@ func (s *Service) removeReplaced(pod *gatepb.PodIdentity, ns *netns.Handle, fiel
 	s.takeoverLeft[pod.GetUid()] = leftover{path: ns.Path, cookie: ns.Cookie, fields: fields}
 }
 
+// releaseReplaced takes a pod the replaced node agent handed over, and which
+// the policy now leaves out of the mesh, out of it as that agent would have:
+// its capture removed first (new connections go directly), then the node
+// proxy told to drop it. Otherwise the proxy would go on serving it only
+// until its next snapshot, which no longer keeps it, while the old rules still
+// sent the pod's traffic there. When the capture cannot all be removed the
+// proxy keeps the pod: the rules left still send its traffic there.
+func (s *Service) releaseReplaced(ctx context.Context, pod *gatepb.PodIdentity, rec podstore.Record, ns *netns.Handle, fields []zap.Field) {
+	t := s.takeover
+	if t == nil || t.Remove == nil || !t.HandedOver(pod) {
+		return
+	}
+	if _, err := s.runRemove(ns.File, fields); err != nil {
+		s.log.Warn("a pod the replaced node agent handed over, left out of the mesh, keeps what is left of its capture, and the node proxy keeps serving it", append(fields, zap.Error(err))...)
+		return
+	}
+	if s.handoff != nil {
+		s.handoff.PodDeleted(ctx, rec)
+		s.log.Info("a pod the replaced node agent handed over, left out of the mesh: its capture removed, the node proxy told to drop it", fields...)
+	}
+}
+
 // leftover is an adopted pod whose replaced capture is not all removed yet.
 type leftover struct {
 	path   string
@@ -284,16 +307,16 @@ type leftover struct {
 	fields []zap.Field
 }
 
-func (s *Service) runRemove(ns *os.File, fields []zap.Field) (again bool) {
+func (s *Service) runRemove(ns *os.File, fields []zap.Field) (again bool, err error) {
 	removed, again, err := s.takeover.Remove(ns)
 	fields = append(fields, zap.String("removed", removed), zap.Bool("more later", again))
 	if err != nil {
-		s.log.Warn("the replaced node agent's capture not fully removed from an adopted pod; the pod is captured all the same",
+		s.log.Warn("the replaced node agent's capture not fully removed from an adopted pod",
 			append(fields, zap.Error(err))...)
-		return again
+		return again, err
 	}
 	s.log.Info("the replaced node agent's capture removed from an adopted pod", fields...)
-	return again
+	return again, nil
 }
 
 // retryRemovals tries again what removeReplaced left, for the pods still
@@ -306,7 +329,7 @@ func (s *Service) retryRemovals() {
 		again := false
 		if s.captured(uid) {
 			if ns, err := netns.OpenExpected(l.path, l.cookie); err == nil {
-				again = s.runRemove(ns.File, l.fields)
+				again, _ = s.runRemove(ns.File, l.fields)
 				ns.Close()
 			}
 		}
