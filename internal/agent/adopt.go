@@ -4,8 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net/netip"
+	"os"
 	"slices"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -57,6 +60,7 @@ type AdoptResult struct {
 // or by network namespace, is left alone. find locates the namespaces; a pod it
 // cannot place is reported failed and tried again on the next pass.
 func (s *Service) Adopt(ctx context.Context, pods []RunningPod, find SandboxFinder, exclude []string) (AdoptResult, error) {
+	s.retryRemovals()
 	var res AdoptResult
 	var todo []RunningPod
 	var uids []string
@@ -77,7 +81,18 @@ func (s *Service) Adopt(ctx context.Context, pods []RunningPod, find SandboxFind
 	s.logRefused(scan.Refused)
 	found, problems := scan.Found, scan.Problems
 	var errs []error
+	// Not a failure of the pods: they are served as they were, their
+	// annotations stay the replaced agent's, and the next pass tries again.
+	proxyErr := s.waitProxyForTakeover(ctx, todo)
+	if proxyErr != nil {
+		s.log.Warn("pods the replaced node agent handed over are left for the next pass", zap.Error(proxyErr))
+		errs = append(errs, proxyErr)
+	}
 	for _, p := range todo {
+		if proxyErr != nil && s.takeover.HandedOver(p.Pod) {
+			res.Failed++
+			continue
+		}
 		sb, ok := found[p.CgroupUID]
 		if !ok {
 			err := problems[p.CgroupUID]
@@ -101,6 +116,30 @@ func (s *Service) Adopt(ctx context.Context, pods []RunningPod, find SandboxFind
 		}
 	}
 	return res, errors.Join(errs...)
+}
+
+// takeoverProxyWait bounds an adoption pass's wait for the node proxy.
+const takeoverProxyWait = 30 * time.Second
+
+// waitProxyForTakeover waits, when pods contain one the replaced node agent
+// handed over, until the node proxy is connected and known. The proxy already
+// runs in such a pod: captured before the agent knows the proxy's cgroup, the
+// proxy's own connections there would be sent back to itself. An error
+// leaves those pods to the next pass, still served under the old capture.
+func (s *Service) waitProxyForTakeover(ctx context.Context, pods []RunningPod) error {
+	if s.takeover == nil || !slices.ContainsFunc(pods, func(p RunningPod) bool { return s.takeover.HandedOver(p.Pod) }) {
+		return nil
+	}
+	w, ok := s.handoff.(ProxyWaiter)
+	if !ok {
+		return errors.New("the node proxy runs in pods the replaced node agent handed over, and this agent hands none over")
+	}
+	ctx, cancel := context.WithTimeout(ctx, takeoverProxyWait)
+	defer cancel()
+	if err := w.WaitForProxy(ctx); err != nil {
+		return fmt.Errorf("not captured before the node proxy that serves it is known: %w", err)
+	}
+	return nil
 }
 
 // adoptFailed reports a running pod the agent could not adopt. Passes repeat
@@ -197,6 +236,7 @@ func (s *Service) adoptOne(ctx context.Context, p RunningPod, sb hostproc.Sandbo
 			return false, err
 		}
 		s.adopted(p.Pod.GetUid())
+		s.releaseReplaced(ctx, p.Pod, rec, ns, fields)
 		s.report(ctx, p.Pod, OutcomeDisabled, nil)
 		s.log.Info("running pod recorded, not enrolled", append(fields, zap.String("reason", decision.Reason))...)
 		return false, nil
@@ -210,7 +250,95 @@ func (s *Service) adoptOne(ctx context.Context, p RunningPod, sb hostproc.Sandbo
 	s.report(ctx, p.Pod, OutcomeEnabled, nil)
 	s.log.Info("running pod enrolled in place", append(fields,
 		zap.Uint64("netnsCookie", rec.NetnsCookie), zap.String("netns", rec.NetnsPath), zap.Ints("pids", sb.PIDs))...)
+	s.removeReplaced(p.Pod, ns, fields)
 	return true, nil
+}
+
+// removeReplaced removes the replaced node agent's capture from an adopted
+// pod's namespace. It runs only once the pod is captured and handed over, so
+// a connection the old rules still redirect meets the new capture first
+// (docs/istio.md, "Switching a cluster"), and what the namespace holds never
+// decides whether the pod is captured: a failure is logged, the pod stays
+// enrolled. What is left for later is tried again on each adoption pass.
+func (s *Service) removeReplaced(pod *gatepb.PodIdentity, ns *netns.Handle, fields []zap.Field) {
+	t := s.takeover
+	if t == nil || t.Remove == nil || !t.HandedOver(pod) {
+		return
+	}
+	again, _ := s.runRemove(ns.File, fields)
+	s.adoptMu.Lock()
+	defer s.adoptMu.Unlock()
+	if !again {
+		delete(s.takeoverLeft, pod.GetUid())
+		return
+	}
+	if s.takeoverLeft == nil {
+		s.takeoverLeft = map[string]leftover{}
+	}
+	s.takeoverLeft[pod.GetUid()] = leftover{path: ns.Path, cookie: ns.Cookie, fields: fields}
+}
+
+// releaseReplaced takes a pod the replaced node agent handed over, and which
+// the policy now leaves out of the mesh, out of it as that agent would have:
+// its capture removed first (new connections go directly), then the node
+// proxy told to drop it. Otherwise the proxy would go on serving it only
+// until its next snapshot, which no longer keeps it, while the old rules still
+// sent the pod's traffic there. When the capture cannot all be removed the
+// proxy keeps the pod: the rules left still send its traffic there.
+func (s *Service) releaseReplaced(ctx context.Context, pod *gatepb.PodIdentity, rec podstore.Record, ns *netns.Handle, fields []zap.Field) {
+	t := s.takeover
+	if t == nil || t.Remove == nil || !t.HandedOver(pod) {
+		return
+	}
+	if _, err := s.runRemove(ns.File, fields); err != nil {
+		s.log.Warn("a pod the replaced node agent handed over, left out of the mesh, keeps what is left of its capture, and the node proxy keeps serving it", append(fields, zap.Error(err))...)
+		return
+	}
+	if s.handoff != nil {
+		s.handoff.PodDeleted(ctx, rec)
+		s.log.Info("a pod the replaced node agent handed over, left out of the mesh: its capture removed, the node proxy told to drop it", fields...)
+	}
+}
+
+// leftover is an adopted pod whose replaced capture is not all removed yet.
+type leftover struct {
+	path   string
+	cookie uint64
+	fields []zap.Field
+}
+
+func (s *Service) runRemove(ns *os.File, fields []zap.Field) (again bool, err error) {
+	removed, again, err := s.takeover.Remove(ns)
+	fields = append(fields, zap.String("removed", removed), zap.Bool("more later", again))
+	if err != nil {
+		s.log.Warn("the replaced node agent's capture not fully removed from an adopted pod",
+			append(fields, zap.Error(err))...)
+		return again, err
+	}
+	s.log.Info("the replaced node agent's capture removed from an adopted pod", fields...)
+	return again, nil
+}
+
+// retryRemovals tries again what removeReplaced left, for the pods still
+// enrolled in the same namespace.
+func (s *Service) retryRemovals() {
+	s.adoptMu.Lock()
+	left := maps.Clone(s.takeoverLeft)
+	s.adoptMu.Unlock()
+	for uid, l := range left {
+		again := false
+		if s.captured(uid) {
+			if ns, err := netns.OpenExpected(l.path, l.cookie); err == nil {
+				again, _ = s.runRemove(ns.File, l.fields)
+				ns.Close()
+			}
+		}
+		if !again {
+			s.adoptMu.Lock()
+			delete(s.takeoverLeft, uid)
+			s.adoptMu.Unlock()
+		}
+	}
 }
 
 // knownUID: a record of the pod exists, enrolled or skipped.

@@ -69,8 +69,13 @@ type OutcomeReporter interface {
 // says whether the agent has the pod of a uid redirected, and rewrites what
 // disagrees. captured waits for an Add or DEL of the pod in progress, so it
 // never answers from a state whose outcome is still being reported.
+//
+// pending says which pods are the adoption's to decide, not the audit's: a
+// running pod the replaced node agent handed to the node proxy (see
+// Takeover), which the agent has no record of yet. Its annotations are the
+// replaced agent's, and true: the node proxy serves it under the old capture.
 type OutcomeAuditor interface {
-	AuditOutcomes(ctx context.Context, captured func(uid string) bool)
+	AuditOutcomes(ctx context.Context, captured, pending func(uid string) bool)
 }
 
 // Outcomes passed to OutcomeReporter: what became of a pod's enrollment. The

@@ -71,7 +71,7 @@ func (s *Service) Reconcile(ctx context.Context) (ReconcileResult, error) {
 	}
 	s.reportRefusals(ctx)
 	if a, ok := s.policy.(OutcomeAuditor); ok {
-		a.AuditOutcomes(ctx, s.captured)
+		a.AuditOutcomes(ctx, s.captured, s.pendingTakeover())
 	}
 	s.metrics.reconciled(res)
 	return res, errors.Join(errs...)
@@ -137,6 +137,17 @@ func (s *Service) reportRefusals(ctx context.Context) {
 		}
 		s.log.Warn("proxy listener not captured: the pod's inbound connections fail closed (an MPTCP listener? the proxy must listen with plain TCP)", fields...)
 	}
+}
+
+// pendingTakeover reports the running pods the replaced node agent handed
+// over that the agent has not adopted yet; with no takeover, or while they
+// cannot be listed, none.
+func (s *Service) pendingTakeover() func(uid string) bool {
+	var uids []string
+	if s.handedOver != nil {
+		uids, _ = s.handedOver()
+	}
+	return func(uid string) bool { return slices.Contains(uids, uid) }
 }
 
 // captured reports whether a record of the pod with this uid has its traffic

@@ -4,10 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"slices"
 	"sync"
 	"time"
 
 	"go.uber.org/zap"
+	"k8s.io/apimachinery/pkg/util/wait"
 
 	"github.com/mesh-cni/mesh-cni/internal/podstore"
 	"github.com/mesh-cni/mesh-cni/pkg/gate/gatepb"
@@ -61,6 +64,26 @@ type AdoptConfig struct {
 	// ExcludeNamespaces are the namespaces whose pods never reach the gate:
 	// they are not adopted either.
 	ExcludeNamespaces []string
+	// Takeover, when set, is the node agent this one replaces on a running
+	// node (istio-cni under the istio profile).
+	Takeover *Takeover
+}
+
+// Takeover is what the agent needs to know of the node agent it replaces on
+// a running node, whose pods it adopts.
+type Takeover struct {
+	// HandedOver reports whether the replaced agent captured the pod and
+	// handed it to the node proxy. The first snapshot a proxy gets lists each
+	// such running pod the agent has not adopted yet as one to keep, so the
+	// proxy goes on serving it until the adoption hands it over again.
+	HandedOver func(pod *gatepb.PodIdentity) bool
+	// Remove removes the replaced agent's capture from such a pod's network
+	// namespace, once the agent has captured the pod and handed it over; it
+	// says what it removed, and whether something is left that it will
+	// remove when called again (what connections made before the switch
+	// still need): it is then called again on each adoption pass while the
+	// pod is enrolled. Its failure is logged: the pod stays captured.
+	Remove func(ns *os.File) (removed string, again bool, err error)
 }
 
 // EntryPoint starts a server that admits pods through gate; the returned func
@@ -96,6 +119,12 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 	lazy := &lazyDatapath{}
 	svc := NewService(log, readiness, policy, lazy, store)
 	svc.datapathName = cfg.DatapathName
+	if cfg.Adopt != nil && cfg.Adopt.Takeover != nil {
+		if lister, ok := policy.(RunningPodLister); ok {
+			svc.takeover = cfg.Adopt.Takeover
+			svc.handedOver = handedOver(lister, *cfg.Adopt, svc)
+		}
+	}
 	metrics := NewMetrics(func() int { return len(svc.enrolled()) }, func() bool { ok, _ := readiness.Ready(); return ok }, func() CounterReader {
 		dp, err := lazy.get()
 		if err != nil {
@@ -170,7 +199,11 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 		if pi, ok := dp.(ProxyIdentifier); ok {
 			proxies = pi.SetProxyProcesses
 		}
-		h, err := NewZDSHandoff(ctx, log.Named("zds"), cfg.ZDSSocket, cfg.ZDSAllowedUIDs, cfg.ZDSWait, cfg.StateDir, svc.enrolled, metrics, proxies)
+		var keep func(context.Context) []string
+		if svc.handedOver != nil {
+			keep = svc.waitHandedOver
+		}
+		h, err := NewZDSHandoff(ctx, log.Named("zds"), cfg.ZDSSocket, cfg.ZDSAllowedUIDs, cfg.ZDSWait, cfg.StateDir, svc.enrolled, keep, metrics, proxies)
 		if err != nil {
 			return err
 		}
@@ -305,4 +338,40 @@ func adoptLoop(ctx context.Context, log *zap.Logger, svc *Service, lister Runnin
 		case <-t.C:
 		}
 	}
+}
+
+// handedOver lists the uids of the running pods the replaced node agent
+// handed to the node proxy and this one has no record of yet: the adoption's
+// to decide. It fails while the enrollment source cannot list them.
+func handedOver(lister RunningPodLister, cfg AdoptConfig, svc *Service) func() ([]string, error) {
+	return func() ([]string, error) {
+		pods, err := lister.RunningPods()
+		if err != nil {
+			return nil, err
+		}
+		var uids []string
+		for _, p := range pods {
+			if slices.Contains(cfg.ExcludeNamespaces, p.Pod.GetNamespace()) || !cfg.Takeover.HandedOver(p.Pod) || svc.knownUID(p.Pod.GetUid()) {
+				continue
+			}
+			uids = append(uids, p.Pod.GetUid())
+		}
+		return uids, nil
+	}
+}
+
+// waitHandedOver is handedOver once the enrollment source can list the pods:
+// until then a proxy's snapshot waits, and the proxy keeps serving what it
+// has. It is nil when ctx ends first.
+func (s *Service) waitHandedOver(ctx context.Context) []string {
+	var uids []string
+	err := wait.PollUntilContextCancel(ctx, 100*time.Millisecond, true, func(context.Context) (bool, error) {
+		var err error
+		uids, err = s.handedOver()
+		return err == nil, nil
+	})
+	if err != nil {
+		return nil
+	}
+	return uids
 }

@@ -46,9 +46,16 @@ type Service struct {
 	refusalsMu sync.Mutex
 	refusals   map[redirect.Refusal]bool // proxy listeners already reported
 
+	// takeover and handedOver (its pods not adopted yet) are set when the
+	// agent replaces another node agent on a running node, before Run
+	// starts anything.
+	takeover   *Takeover
+	handedOver func() ([]string, error)
+
 	adoptMu       sync.Mutex
-	adoptFailures map[string]string // by pod uid: the last reported adoption failure
-	adoptRefused  map[string]bool   // processes refused for their cgroup, logged once
+	adoptFailures map[string]string   // by pod uid: the last reported adoption failure
+	adoptRefused  map[string]bool     // processes refused for their cgroup, logged once
+	takeoverLeft  map[string]leftover // by pod uid: the replaced capture left for later
 }
 
 // NewService wires the gate to its collaborators.

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"time"
 
 	"go.uber.org/zap"
@@ -26,6 +27,12 @@ type Handoff interface {
 	// PodDeleted is called after the pod's record is gone; it never fails the
 	// caller.
 	PodDeleted(ctx context.Context, rec podstore.Record)
+}
+
+// ProxyWaiter is a Handoff that can wait for a node proxy: connected, told
+// apart from the pods (its cgroup) and past its snapshot.
+type ProxyWaiter interface {
+	WaitForProxy(ctx context.Context) error
 }
 
 // WaitMode says when gate Add waits for the node proxy's ack.
@@ -55,10 +62,12 @@ type ZDSHandoff struct {
 // proxySeenFile records that a node proxy has connected, for WaitAuto.
 const proxySeenFile = "zds-proxy-seen"
 
-// NewZDSHandoff creates the ZDS server; snapshot lists the enrolled pods. It does
-// not serve until Serve.
+// NewZDSHandoff creates the ZDS server; enrolled lists the enrolled pods, keep
+// (when not nil) the uids of pods a proxy connecting is to keep serving
+// though they are not enrolled yet (see Takeover). It does not serve until
+// Serve.
 // proxies, when not nil, is told the process ids of the connected node proxies.
-func NewZDSHandoff(ctx context.Context, log *zap.Logger, socketPath string, allowedUIDs []int, mode WaitMode, stateDir string, enrolled func() []podstore.Record, metrics *Metrics, proxies func([]int32) error) (*ZDSHandoff, error) {
+func NewZDSHandoff(ctx context.Context, log *zap.Logger, socketPath string, allowedUIDs []int, mode WaitMode, stateDir string, enrolled func() []podstore.Record, keep func(context.Context) []string, metrics *Metrics, proxies func([]int32) error) (*ZDSHandoff, error) {
 	switch mode {
 	case WaitAuto, WaitAlways, WaitNever:
 	default:
@@ -70,9 +79,19 @@ func NewZDSHandoff(ctx context.Context, log *zap.Logger, socketPath string, allo
 		AllowedUIDs:    allowedUIDs,
 		Logger:         log,
 		ProxiesChanged: proxies,
-		Snapshot: zds.SnapshotFunc(func(context.Context) ([]zds.Pod, error) {
+		Snapshot: zds.SnapshotFunc(func(ctx context.Context) ([]zds.Pod, error) {
 			h.markSeen()
-			return zdsPods(enrolled()), nil
+			var kept []string
+			if keep != nil {
+				kept = keep(ctx) // first: it may wait, and the records are read after it
+			}
+			pods := zdsPods(enrolled())
+			for _, uid := range kept {
+				if !slices.ContainsFunc(pods, func(p zds.Pod) bool { return p.UID == uid }) {
+					pods = append(pods, zds.Pod{UID: uid, Keep: true})
+				}
+			}
+			return pods, nil
 		}),
 	})
 	if err != nil {
@@ -132,6 +151,9 @@ func (h *ZDSHandoff) Serve(ctx context.Context) error {
 	}
 	return h.srv.Serve(ctx)
 }
+
+// WaitForProxy implements ProxyWaiter.
+func (h *ZDSHandoff) WaitForProxy(ctx context.Context) error { return h.srv.WaitForProxy(ctx) }
 
 // Close stops serving and removes the socket.
 func (h *ZDSHandoff) Close() error { return h.srv.Close() }

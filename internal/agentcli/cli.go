@@ -536,6 +536,9 @@ func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {
 			return cfg, err
 		}
 		cfg.Adopt = &agent.AdoptConfig{Find: find, ExcludeNamespaces: opts.excludeNamespaces}
+		if opts.enroll.profile == enroll.ProfileIstio {
+			cfg.Adopt.Takeover = istioCNITakeover()
+		}
 	}
 	if opts.cniInstall {
 		inst, err := newCNIInstaller(opts, log)

@@ -437,8 +437,9 @@ func (k *KubeSource) Decide(ctx context.Context, pod *gatepb.PodIdentity) (agent
 // istio profile ambient.istio.io/redirection must be enabled on a captured
 // pod and absent on any other: istiod sends HBONE to a pod that has it.
 // Pods being deleted are left alone: their records go with their DEL; so are
-// terminated pods the agent still has, which re-deciding releases.
-func (k *KubeSource) AuditOutcomes(_ context.Context, captured func(uid string) bool) {
+// terminated pods the agent still has, which re-deciding releases, and pods
+// pending(uid), which the adoption decides and reports.
+func (k *KubeSource) AuditOutcomes(_ context.Context, captured, pending func(uid string) bool) {
 	if ok, _ := k.Synced(); !ok {
 		return
 	}
@@ -448,7 +449,7 @@ func (k *KubeSource) AuditOutcomes(_ context.Context, captured func(uid string) 
 		return
 	}
 	for _, p := range pods {
-		if p.Spec.NodeName != k.cfg.NodeName || p.DeletionTimestamp != nil || k.reporter.behind(p) {
+		if p.Spec.NodeName != k.cfg.NodeName || p.DeletionTimestamp != nil || k.reporter.behind(p) || pending(string(p.UID)) {
 			continue
 		}
 		outcome := p.Annotations[AnnotationRedirection]

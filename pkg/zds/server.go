@@ -67,6 +67,11 @@ type Pod struct {
 	// duplicate of it instead of opening the path again (the cookie check
 	// applies to it all the same). The caller keeps and closes it.
 	Netns *os.File
+	// Keep, in a snapshot, sends the pod as KeepWorkload: the proxy keeps
+	// whatever it runs for the uid (a pod another node agent handed it, which
+	// this one is about to take over) instead of dropping it at
+	// SnapshotSent, and the pod's AddWorkload follows. Only UID is used.
+	Keep bool
 }
 
 func (p Pod) check() error {
@@ -571,7 +576,15 @@ func (s *Server) sendSnapshot(c *conn) error {
 			log.Error("enrolled pod left out of the snapshot", zap.Error(err))
 			continue
 		}
-		err := s.snapshotPod(c, pod)
+		var err error
+		if pod.Keep {
+			err = c.keepPod(pod.UID)
+			if err == nil {
+				err = errKept
+			}
+		} else {
+			err = s.snapshotPod(c, pod)
+		}
 		var ae *AckError
 		switch {
 		case errors.As(err, &ae):

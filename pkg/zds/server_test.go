@@ -230,6 +230,34 @@ func TestSnapshot(t *testing.T) {
 	}
 }
 
+// TestSnapshotKeep: a pod listed with Keep goes out as KeepWorkload without a
+// descriptor, though its namespace opens (the proxy keeps what it runs for
+// it); the AddWorkload that follows the snapshot carries its namespace.
+func TestSnapshotKeep(t *testing.T) {
+	fixtures.RequireRoot(t, rootReason)
+	ctx := fixtures.Context(t, time.Minute)
+	a, kept := pod(t, "a"), pod(t, "kept")
+	keep := kept
+	keep.Keep = true
+	srv, path := startServer(t, zdstest.NewPods(a, keep), zds.Config{})
+
+	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
+	got := takeSnapshot(t, ctx, pc)
+	if len(got) != 2 {
+		t.Fatalf("snapshot has %d requests, want 2: %v", len(got), got)
+	}
+	checkAdd(t, got[0], a)
+	if got[1].GetKeep().GetUid() != kept.UID || got[1].Netns != nil {
+		t.Fatalf("want KeepWorkload %s without fd, got %v", kept.UID, got[1].WorkloadRequest)
+	}
+	done := async(func() error { return srv.AddPod(ctx, kept) })
+	checkAdd(t, recv(t, ctx, pc), kept)
+	ack(t, pc, "")
+	if err := wait(t, ctx, done); err != nil {
+		t.Fatalf("AddPod of the kept pod: %v", err)
+	}
+}
+
 // TestAddToNewestDeleteToAll: with two proxies connected (an upgrade in progress),
 // a new pod goes to the newest only, a pod both have is deleted on both, a pod
 // only the newest has is deleted there only, and a pod a proxy already has is

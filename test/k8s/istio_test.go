@@ -89,6 +89,9 @@ type ambientNode struct {
 	ambient  string       // a namespace labelled istio.io/dataplane-mode=ambient
 	plain    string       // a namespace outside the mesh
 	listName string
+	istioCNI *harness.Process // istio-cni's node agent, once started
+	// istioCNIEnv is added to istio-cni's environment.
+	istioCNIEnv []string
 }
 
 // newAmbientNode starts the cluster and the node; the node agent is the caller's.
@@ -319,19 +322,19 @@ func (n *ambientNode) startIstioCNI(t *testing.T) *libcni.NetworkConfigList {
 	selector := `[{"podSelector":{"matchLabels":{"istio.io/dataplane-mode":"ambient"}}},` +
 		`{"podSelector":{"matchExpressions":[{"key":"istio.io/dataplane-mode","operator":"NotIn","values":["none"]}]},` +
 		`"namespaceSelector":{"matchLabels":{"istio.io/dataplane-mode":"ambient"}}}]`
-	harness.StartProcess(t, harness.ProcessOptions{
+	n.istioCNI = harness.StartProcess(t, harness.ProcessOptions{
 		Path:      "unshare",
 		Args:      []string{"--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--propagation", "slave", "--", "sh", "-c", istioCNIRoot, "istio-cni-root", root, sa, src, n.node.BinDir, istioBins(t)},
 		Name:      "istio-cni",
 		NetNSPath: n.node.NetNSPath,
-		Env: []string{
+		Env: append([]string{
 			"KUBERNETES_SERVICE_HOST=" + host, "KUBERNETES_SERVICE_PORT=" + port, "KUBECONFIG=",
 			"NODE_NAME=" + n.name, "KUBERNETES_NODE_NAME=" + n.name, "POD_NAMESPACE=istio-system",
 			"MOUNTED_CNI_NET_DIR=" + n.node.ConfDir, "CNI_AGENT_RUN_DIR=" + run, "ZTUNNEL_UDS_ADDRESS=" + n.zds,
 			"AMBIENT_ENABLED=true", "AMBIENT_DNS_CAPTURE=true", "AMBIENT_IPV6=true",
 			"AMBIENT_ENABLEMENT_SELECTOR=" + selector, "EXCLUDE_NAMESPACES=kube-system,istio-system",
 			"REPAIR_ENABLED=false", "MONITORING_PORT=15014", "PLUGIN_LOG_LEVEL=debug",
-		},
+		}, n.istioCNIEnv...),
 	})
 	var list *libcni.NetworkConfigList
 	fixtures.WaitFor(t, time.Minute, "istio-cni chained into the primary's conflist", func() bool {
@@ -386,19 +389,28 @@ exec chroot "$root" /istio/install-cni
 // host network). The node proxy is known by its cgroup only (no mark).
 func (n *ambientNode) startMeshAgent(t *testing.T) *libcni.NetworkConfigList {
 	t.Helper()
+	a := n.runMeshAgent(t)
+	return n.node.Conflist(t, n.listName, a.meshEntry())
+}
+
+// runMeshAgent starts mesh-agent as startMeshAgent describes, with extra
+// arguments, and returns it once ready.
+func (n *ambientNode) runMeshAgent(t *testing.T, extra ...string) *agent {
+	t.Helper()
 	a := prepareAgent(t)
 	// Metrics and health on their default address, in the node's namespace.
 	a.Args = slices.DeleteFunc(a.Args, func(arg string) bool { return arg == "--metrics-addr=" })
 	a.Kubeconfig = n.api.WriteKubeconfig(t, kubeenv.AgentUser, filepath.Join(a.dir, "kubeconfig"))
 	a.Args = append(a.Args, "--enrollment", "kubernetes", "--kubeconfig", a.Kubeconfig, "--node-name", n.name,
 		"--selector-profile", "istio", "--zds-socket", n.zds, "--proxy-mark", "0", "--probe-cgroups", n.kubelet)
+	a.Args = append(a.Args, extra...)
 	a.Proc = harness.StartProcess(t, harness.ProcessOptions{Path: harness.Bins(t).Path("mesh-agent"), Args: a.Args, Name: "mesh-agent", NetNSPath: n.node.NetNSPath})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	if err := harness.WaitForHealthy(ctx, a.Socket); err != nil {
 		t.Fatalf("agent did not become ready: %v\n%s", err, a.Proc.Output())
 	}
-	return n.node.Conflist(t, n.listName, a.meshEntry())
+	return a
 }
 
 // ambientPod is a pod in the API and on the node.
