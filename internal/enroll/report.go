@@ -412,11 +412,7 @@ func (r *reporter) annotate(ctx context.Context, key podKey, uid, outcome string
 	}
 	ctx, cancel := context.WithTimeout(ctx, reportTimeout)
 	defer cancel()
-	// Through pods/status, as istio-cni writes its annotation: that
-	// subresource may change the metadata but never the spec, so the agent's
-	// credential needs no patch of the pod object (which could change its
-	// containers' images) even where the admission policy is not installed.
-	p, err := r.client.CoreV1().Pods(key.namespace).Patch(ctx, key.name, types.MergePatchType, body, metav1.PatchOptions{FieldManager: "mesh-agent"}, "status")
+	p, err := r.client.CoreV1().Pods(key.namespace).Patch(ctx, key.name, types.MergePatchType, body, metav1.PatchOptions{FieldManager: "mesh-agent"})
 	if err != nil {
 		return "", err
 	}

@@ -312,7 +312,7 @@ func (pc *policyCluster) waitForPolicy(ctx context.Context, t *testing.T) {
 	t.Helper()
 	p := pc.workload(t, "probe", pc.nodeA)
 	pollPolicy(t, time.Minute, "the ValidatingAdmissionPolicy to be enforced", func() (bool, error) {
-		_, err := agentPatchMeta(ctx, pc.agent, p, map[string]any{"labels": map[string]any{"probe": randomHex(t, 2)}})
+		_, err := patchMeta(ctx, pc.agent, p, map[string]any{"labels": map[string]any{"probe": randomHex(t, 2)}})
 		switch {
 		case err == nil:
 			return false, nil
@@ -331,19 +331,12 @@ func patchMeta(ctx context.Context, c kubernetes.Interface, p *corev1.Pod, meta 
 	return patch(ctx, c, p, map[string]any{"metadata": meta})
 }
 
-// agentPatchMeta is patchMeta through the pods/status subresource, the way
-// the agent's reporter writes (its RBAC has no patch of the pod object).
-func agentPatchMeta(ctx context.Context, c kubernetes.Interface, p *corev1.Pod, meta map[string]any) (*corev1.Pod, error) {
-	meta["uid"] = string(p.UID)
-	return patch(ctx, c, p, map[string]any{"metadata": meta}, "status")
-}
-
-func patch(ctx context.Context, c kubernetes.Interface, p *corev1.Pod, body map[string]any, subresource ...string) (*corev1.Pod, error) {
+func patch(ctx context.Context, c kubernetes.Interface, p *corev1.Pod, body map[string]any) (*corev1.Pod, error) {
 	data, err := json.Marshal(body)
 	if err != nil {
 		return nil, fmt.Errorf("encode patch: %w", err)
 	}
-	return c.CoreV1().Pods(p.Namespace).Patch(ctx, p.Name, types.MergePatchType, data, metav1.PatchOptions{FieldManager: "mesh-agent"}, subresource...)
+	return c.CoreV1().Pods(p.Namespace).Patch(ctx, p.Name, types.MergePatchType, data, metav1.PatchOptions{FieldManager: "mesh-agent"})
 }
 
 func redirection(value any) map[string]any {
@@ -420,7 +413,7 @@ func testPolicyAnnotationOnOwnNode(t *testing.T, pc *policyCluster) {
 	ctx := apiContext(t)
 	p := pc.workload(t, "own", pc.nodeA)
 	for _, outcome := range []string{enroll.OutcomeEnabled, enroll.OutcomeDisabled, enroll.OutcomeFailed, enroll.OutcomeEnabled} {
-		got, err := agentPatchMeta(ctx, pc.agent, p, redirection(outcome))
+		got, err := patchMeta(ctx, pc.agent, p, redirection(outcome))
 		if err != nil {
 			t.Fatalf("%s=%s on a pod of node A: %v", enroll.AnnotationRedirection, outcome, err)
 		}
@@ -429,9 +422,9 @@ func testPolicyAnnotationOnOwnNode(t *testing.T, pc *policyCluster) {
 		}
 	}
 	before := pc.get(ctx, t, p)
-	_, err := agentPatchMeta(ctx, pc.agent, p, redirection("bogus"))
+	_, err := patchMeta(ctx, pc.agent, p, redirection("bogus"))
 	expectRefused(t, "a value the agent never writes", err, "only set "+enroll.AnnotationRedirection+" to enabled, disabled or failed")
-	_, err = agentPatchMeta(ctx, pc.agent, p, redirection(nil))
+	_, err = patchMeta(ctx, pc.agent, p, redirection(nil))
 	expectRefused(t, "removing the annotation", err, "only set "+enroll.AnnotationRedirection)
 	pc.unchanged(ctx, t, before)
 }
@@ -450,13 +443,13 @@ func (pc *policyCluster) get(ctx context.Context, t *testing.T, p *corev1.Pod) *
 func testPolicyAnnotationOnOtherNode(t *testing.T, pc *policyCluster) {
 	ctx := apiContext(t)
 	b := pc.workload(t, "elsewhere", pc.nodeB)
-	_, err := agentPatchMeta(ctx, pc.agent, b, redirection(enroll.OutcomeEnabled))
+	_, err := patchMeta(ctx, pc.agent, b, redirection(enroll.OutcomeEnabled))
 	expectRefused(t, "the annotation on a pod of node B", err,
 		"the mesh-agent of node "+pc.nodeA+" may only change pods on that node", "is on node "+pc.nodeB)
 	pc.unchanged(ctx, t, b)
 
 	pending := pc.workload(t, "pending", "")
-	_, err = agentPatchMeta(ctx, pc.agent, pending, redirection(enroll.OutcomeEnabled))
+	_, err = patchMeta(ctx, pc.agent, pending, redirection(enroll.OutcomeEnabled))
 	expectRefused(t, "the annotation on a pod not yet scheduled", err, "is on no node")
 	pc.unchanged(ctx, t, pending)
 }
@@ -475,7 +468,7 @@ func testPolicyOtherAnnotation(t *testing.T, pc *policyCluster) {
 		{"removing another annotation", map[string]any{"team": nil}},
 		{"another annotation next to the agent's", map[string]any{enroll.AnnotationRedirection: enroll.OutcomeEnabled, "example.com/owner": "someone"}},
 	} {
-		_, err := agentPatchMeta(ctx, pc.agent, p, map[string]any{"annotations": tc.annos})
+		_, err := patchMeta(ctx, pc.agent, p, map[string]any{"annotations": tc.annos})
 		say := "example.com/owner"
 		if _, ok := tc.annos["team"]; ok {
 			say = "team"
@@ -494,16 +487,16 @@ func testPolicyIstioAnnotation(t *testing.T, pc *policyCluster) {
 	both := func(outcome string, istio any) map[string]any {
 		return map[string]any{"annotations": map[string]any{enroll.AnnotationRedirection: outcome, enroll.IstioAnnotationRedirection: istio}}
 	}
-	got, err := agentPatchMeta(ctx, pc.agent, p, both(enroll.OutcomeEnabled, "enabled"))
+	got, err := patchMeta(ctx, pc.agent, p, both(enroll.OutcomeEnabled, "enabled"))
 	if err != nil || got.Annotations[enroll.IstioAnnotationRedirection] != "enabled" {
 		t.Fatalf("setting %s=enabled: %v (annotations %v)", enroll.IstioAnnotationRedirection, err, got.Annotations)
 	}
-	got, err = agentPatchMeta(ctx, pc.agent, p, both(enroll.OutcomeDisabled, nil))
+	got, err = patchMeta(ctx, pc.agent, p, both(enroll.OutcomeDisabled, nil))
 	if _, still := got.Annotations[enroll.IstioAnnotationRedirection]; err != nil || still {
 		t.Fatalf("removing %s: %v (annotations %v)", enroll.IstioAnnotationRedirection, err, got.Annotations)
 	}
 	before := pc.get(ctx, t, p)
-	_, err = agentPatchMeta(ctx, pc.agent, p, both(enroll.OutcomeEnabled, "pending"))
+	_, err = patchMeta(ctx, pc.agent, p, both(enroll.OutcomeEnabled, "pending"))
 	expectRefused(t, "a value the agent never writes", err, "only set "+enroll.IstioAnnotationRedirection+" to enabled, or remove it")
 	pc.unchanged(ctx, t, before)
 }
@@ -513,36 +506,26 @@ func testPolicyIstioAnnotation(t *testing.T, pc *policyCluster) {
 func testPolicyLabel(t *testing.T, pc *policyCluster) {
 	ctx := apiContext(t)
 	p := pc.workload(t, "labels", pc.nodeA)
-	_, err := agentPatchMeta(ctx, pc.agent, p, map[string]any{"labels": map[string]any{"mesh-cni.io/dataplane-mode": "disabled"}})
+	_, err := patchMeta(ctx, pc.agent, p, map[string]any{"labels": map[string]any{"mesh-cni.io/dataplane-mode": "disabled"}})
 	expectRefused(t, "a label", err, "may not change a pod's labels")
-	_, err = agentPatchMeta(ctx, pc.agent, p, map[string]any{"labels": map[string]any{"app": nil}, "annotations": map[string]any{enroll.AnnotationRedirection: enroll.OutcomeEnabled}})
+	_, err = patchMeta(ctx, pc.agent, p, map[string]any{"labels": map[string]any{"app": nil}, "annotations": map[string]any{enroll.AnnotationRedirection: enroll.OutcomeEnabled}})
 	expectRefused(t, "removing a label next to the annotation", err, "may not change a pod's labels")
-	_, err = agentPatchMeta(ctx, pc.agent, p, map[string]any{"finalizers": []string{"example.com/hold"}})
+	_, err = patchMeta(ctx, pc.agent, p, map[string]any{"finalizers": []string{"example.com/hold"}})
 	expectRefused(t, "a finalizer", err, "finalizers")
 	pc.unchanged(ctx, t, p)
 }
 
-// testPolicySpec: the agent cannot patch the pod object at all (RBAC grants
-// it pods/status only), so no spec change, although the API server accepts
-// the same change from the admin; through pods/status a change of the pod's
-// status is refused by the policy, with or without the annotation.
+// testPolicySpec: a change of the spec is refused, although the API server
+// accepts the same change from the admin.
 func testPolicySpec(t *testing.T, pc *policyCluster) {
 	ctx := apiContext(t)
 	p := pc.workload(t, "spec", pc.nodeA)
 	change := map[string]any{"spec": map[string]any{"activeDeadlineSeconds": 3600}}
-	for what, body := range map[string]map[string]any{
-		"spec.activeDeadlineSeconds":                        change,
-		"spec.activeDeadlineSeconds next to the annotation": {"spec": change["spec"], "metadata": redirection(enroll.OutcomeEnabled)},
-	} {
-		if _, err := patch(ctx, pc.agent, p, body); !apierrors.IsForbidden(err) {
-			t.Errorf("%s by the agent, on the pod object: %v, want forbidden (RBAC grants no patch of pods)", what, err)
-		}
-	}
-	condition := []any{map[string]any{"type": "example.com/Gate", "status": "True"}}
-	_, err := patch(ctx, pc.agent, p, map[string]any{"status": map[string]any{"conditions": condition}}, "status")
-	expectRefused(t, "a status condition", err, "may not change a pod's status")
-	_, err = patch(ctx, pc.agent, p, map[string]any{"status": map[string]any{"conditions": condition}, "metadata": redirection(enroll.OutcomeEnabled)}, "status")
-	expectRefused(t, "a status condition next to the annotation", err, "may not change a pod's status")
+	_, err := patch(ctx, pc.agent, p, change)
+	expectRefused(t, "spec.activeDeadlineSeconds", err, "may not change a pod's spec")
+	withAnno := map[string]any{"spec": map[string]any{"activeDeadlineSeconds": 3600}, "metadata": redirection(enroll.OutcomeEnabled)}
+	_, err = patch(ctx, pc.agent, p, withAnno)
+	expectRefused(t, "spec.activeDeadlineSeconds next to the annotation", err, "may not change a pod's spec")
 	pc.unchanged(ctx, t, p)
 
 	got, err := patch(ctx, pc.admin, p, change)
@@ -580,7 +563,7 @@ func testPolicyTokenWithoutNode(t *testing.T, pc *policyCluster) {
 		if _, ok := who.Extra[nodeNameExtra]; ok || who.Username != "system:serviceaccount:"+meshinstall.Namespace+":"+meshinstall.ServiceAccount {
 			t.Fatalf("%s authenticates as %+v: want the agent's service account without %s", what, who, nodeNameExtra)
 		}
-		_, err := agentPatchMeta(ctx, c, p, redirection(enroll.OutcomeEnabled))
+		_, err := patchMeta(ctx, c, p, redirection(enroll.OutcomeEnabled))
 		expectRefused(t, what, err, "this request's credential names none")
 	}
 	pc.unchanged(ctx, t, p)

@@ -130,7 +130,7 @@ func testPolicyRedirectionAnnotations(t *testing.T, pc *policyCluster) {
 
 	// The agent marks the pod captured; the editor may not undo or change that.
 	both := annotations(enroll.AnnotationRedirection, enroll.OutcomeEnabled, enroll.IstioAnnotationRedirection, enroll.OutcomeEnabled)
-	if _, err := agentPatchMeta(ctx, pc.agent, p, both); err != nil {
+	if _, err := patchMeta(ctx, pc.agent, p, both); err != nil {
 		t.Fatalf("the agent setting both annotations: %v", err)
 	}
 	marked := pc.get(ctx, t, p)
@@ -154,7 +154,7 @@ func testPolicyRedirectionAnnotations(t *testing.T, pc *policyCluster) {
 	}
 
 	// The agent takes the pod out again: both go.
-	got, err = agentPatchMeta(ctx, pc.agent, p, annotations(enroll.AnnotationRedirection, enroll.OutcomeDisabled, enroll.IstioAnnotationRedirection, nil))
+	got, err = patchMeta(ctx, pc.agent, p, annotations(enroll.AnnotationRedirection, enroll.OutcomeDisabled, enroll.IstioAnnotationRedirection, nil))
 	if _, still := got.Annotations[enroll.IstioAnnotationRedirection]; err != nil || still || got.Annotations[enroll.AnnotationRedirection] != enroll.OutcomeDisabled {
 		t.Fatalf("the agent removing %s: %v (annotations %v)", enroll.IstioAnnotationRedirection, err, got.Annotations)
 	}
