@@ -51,30 +51,30 @@ func (d *Datapath) KeepProxyCgroups(paths []string) error {
 	if err != nil {
 		return fmt.Errorf("proxy cgroups: %w", err)
 	}
-	d.mu.RLock()
-	defer d.mu.RUnlock()
-	if d.closed {
-		return ErrClosed
-	}
 	var pinned redirectNodeConfig
-	if err := d.objs.Node.Lookup(uint32(0), &pinned); err != nil {
+	if err := d.readCgroupConfig(d.objs.Node, &pinned); err != nil {
 		return fmt.Errorf("read proxy cgroups: %w", err)
 	}
-	kept := 0
 	for _, c := range pinned.ProxyCgroups[:min(int(pinned.NrProxyCgroups), len(pinned.ProxyCgroups))] {
 		if int(n) == len(cfg.ProxyCgroups) || c.Id == 0 || slices.Contains(cfg.ProxyCgroups[:n], c) {
 			continue
 		}
 		cfg.ProxyCgroups[n] = c
+		names = append(names, fmt.Sprintf("id %d (kept from before)", c.Id))
 		n++
-		kept++
 	}
 	cfg.NrProxyCgroups = n
-	if err := d.objs.Node.Put(uint32(0), cfg); err != nil {
-		return fmt.Errorf("write proxy cgroups: %w", err)
+	return d.putCgroupConfig(d.objs.Node, cfg, "proxy cgroups", names)
+}
+
+// readCgroupConfig reads the one entry of config map m into cfg.
+func (d *Datapath) readCgroupConfig(m *ebpf.Map, cfg any) error {
+	d.mu.RLock()
+	defer d.mu.RUnlock()
+	if d.closed {
+		return ErrClosed
 	}
-	d.log.Info("proxy cgroups", zap.Strings("cgroups", names), zap.Int("keptFromBefore", kept))
-	return nil
+	return m.Lookup(uint32(0), cfg)
 }
 
 // SetProbeCgroups names the cgroups whose processes probe pods: the kubelet's.
