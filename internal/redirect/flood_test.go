@@ -12,9 +12,14 @@ import (
 )
 
 // floodSYNs is how many SYNs the flooding pod sends at least: more than the
-// data path's largest node-wide map holds (TestSecurityFigures checks it
-// against the maps).
-const floodSYNs = 70000
+// data path's largest node-wide map holds. floodConnects is how many outbound
+// connects it makes at least: more than the node-wide hand-over map
+// (orig_dsts) their connections pass through holds, so that entries they left
+// behind would fill it. TestSecurityFigures checks both against the maps.
+const (
+	floodSYNs     = 70000
+	floodConnects = 70000
+)
 
 // One pod floods: SYNs from a raw socket at its neighbour's proxy (each one a new
 // connection the kernel looks a listener up for) and outbound connects as fast as
@@ -37,6 +42,7 @@ func TestFloodDoesNotDisturbOtherPods(t *testing.T) {
 		stop    atomic.Bool
 		wg      sync.WaitGroup
 		flooded atomic.Int64
+		dialed  atomic.Int64
 	)
 	wg.Go(func() {
 		var raw int
@@ -56,23 +62,24 @@ func TestFloodDoesNotDisturbOtherPods(t *testing.T) {
 			}
 		}
 	})
-	for range 2 {
+	for range 4 {
 		wg.Go(func() {
 			for !stop.Load() {
 				dst := netip.AddrFrom4([4]byte{10, 99, byte(rand.IntN(256)), byte(rand.IntN(256))})
 				if conn, err := a.dial(hostPort(dst, 80), dialOpts{timeout: time.Second}); err == nil {
 					conn.Close()
+					dialed.Add(1)
 				}
 			}
 		})
 	}
 
-	// Until the flood has created more new connections than the node's largest
-	// shared map holds, and for a while at least.
+	// Until the flood has created more new connections than the node's shared
+	// maps hold, and for a while at least.
 	var wrong []string
-	minEnd, maxEnd := time.Now().Add(2*time.Second), time.Now().Add(150*time.Second)
+	minEnd, maxEnd := time.Now().Add(2*time.Second), time.Now().Add(240*time.Second)
 	n := 0
-	for ; (time.Now().Before(minEnd) || n < 100 || flooded.Load() < floodSYNs) && time.Now().Before(maxEnd); n++ {
+	for ; (time.Now().Before(minEnd) || n < 100 || flooded.Load() < floodSYNs || dialed.Load() < floodConnects) && time.Now().Before(maxEnd); n++ {
 		dst := e.addr4
 		if n%2 == 1 {
 			dst = e.addr6
@@ -85,9 +92,12 @@ func TestFloodDoesNotDisturbOtherPods(t *testing.T) {
 	}
 	stop.Store(true)
 	wg.Wait()
-	t.Logf("%d SYNs flooded, %d connections of the other pods checked", flooded.Load(), n)
+	t.Logf("%d SYNs flooded, %d connects, %d connections of the other pods checked", flooded.Load(), dialed.Load(), n)
 	if flooded.Load() < floodSYNs {
 		t.Errorf("only %d SYNs flooded, fewer than %d", flooded.Load(), floodSYNs)
+	}
+	if dialed.Load() < floodConnects {
+		t.Errorf("only %d connects flooded, fewer than %d", dialed.Load(), floodConnects)
 	}
 	if len(wrong) > 0 {
 		t.Errorf("%d of %d connections of the other pods went wrong during the flood, e.g. %q", len(wrong), n, wrong[0])

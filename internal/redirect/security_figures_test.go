@@ -26,6 +26,10 @@ func TestSecurityFigures(t *testing.T) {
 	if floodSYNs <= largest {
 		t.Errorf("the SYN flood sends %d, no more than the %d entries of the largest map", floodSYNs, largest)
 	}
+	handover := int(spec.Maps["orig_dsts"].MaxEntries)
+	if floodConnects <= handover {
+		t.Errorf("the flood connects %d times, no more than the %d entries of the hand-over map", floodConnects, handover)
+	}
 	listeners := int(spec.Maps["listeners"].MaxEntries)
 	if floodNamespaces*floodListeners <= listeners {
 		t.Errorf("the listener flood makes %d listeners, no more than the listeners map's %d entries", floodNamespaces*floodListeners, listeners)
@@ -45,6 +49,7 @@ func TestSecurityFigures(t *testing.T) {
 		fmt.Sprintf("with %s listeners on the inbound port take no entry", fixtures.Thousands(floodNamespaces*floodListeners)),
 		fmt.Sprintf("%s connects reset against a proxy that defers accepting", fixtures.Thousands(handoffConnects)),
 		fmt.Sprintf("at least %s raw SYNs (more than the %s entries of the data path's largest map)", fixtures.Thousands(floodSYNs), fixtures.Thousands(largest)),
+		fmt.Sprintf("and %s outbound connects (more than the %s hand-over entries their connections pass through)", fixtures.Thousands(floodConnects), fixtures.Thousands(handover)),
 		fmt.Sprintf("(`%#x` under `%#x`, with `CAP_NET_RAW`)", ReplyMark, ReplyMarkMask),
 	)
 }
