@@ -195,7 +195,7 @@ func platformLayout(t *testing.T, platform kubernetes.Platform, current nodeenv.
 		}
 		for _, c := range append(p.Status.InitContainerStatuses, p.Status.ContainerStatuses...) {
 			if c.RestartCount != 0 {
-				t.Errorf("pod %s: container %s restarted %d times", name, c.Name, c.RestartCount)
+				t.Errorf("pod %s: container %s restarted %d times (last end: %s; events: %s)", name, c.Name, c.RestartCount, lastEnd(c), s.warnings(ctx, "shop", name))
 			}
 		}
 	}

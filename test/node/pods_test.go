@@ -247,6 +247,32 @@ func describe(p *corev1.Pod) string {
 	return b.String()
 }
 
+// lastEnd says how a container's previous run ended, for failure messages:
+// an exit of its own, or the kubelet's kill after a failed probe.
+func lastEnd(cs corev1.ContainerStatus) string {
+	t := cs.LastTerminationState.Terminated
+	if t == nil {
+		return "unknown"
+	}
+	return fmt.Sprintf("exit %d (%s) after %s, %q", t.ExitCode, t.Reason, t.FinishedAt.Sub(t.StartedAt.Time).Round(time.Second), t.Message)
+}
+
+// warnings joins the Warning events about pod ns/name (failed probes, kills),
+// for failure messages.
+func (c *cluster) warnings(ctx context.Context, ns, name string) string {
+	c.t.Helper()
+	var w []string
+	for _, e := range c.events(ctx, ns, name) {
+		if e.Type == corev1.EventTypeWarning {
+			w = append(w, fmt.Sprintf("%s x%d: %s", e.Reason, max(e.Count, 1), e.Message))
+		}
+	}
+	if len(w) == 0 {
+		return "none"
+	}
+	return strings.Join(w, "; ")
+}
+
 // events lists the events about pod ns/name.
 func (c *cluster) events(ctx context.Context, ns, name string) []corev1.Event {
 	c.t.Helper()
