@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
@@ -524,9 +525,25 @@ func (d *Datapath) closeAll() error {
 	return errors.Join(errs...)
 }
 
+// uninstallGrace is how long Uninstall keeps the programs that answer for a
+// redirected connection after those that redirect are gone, while pods are
+// enrolled.
+const uninstallGrace = time.Second
+
+// redirects says whether the cgroup hook named h sends connections or
+// datagrams to the proxy (the others answer for what it sent).
+func redirects(h string) bool {
+	switch h {
+	case "connect4", "connect6", "sendmsg4", "sendmsg6":
+		return true
+	}
+	return false
+}
+
 // Uninstall removes everything Open and Enroll put in place under cfg.PinRoot:
-// it detaches the pods' links and the cgroup links (connect programs first, so no
-// connection is redirected without the programs that answer for it), removes the
+// it detaches the pods' links and the cgroup links (the redirecting programs
+// first, and the ones that answer for what they redirected a grace period later,
+// so no connection is redirected without them), removes the
 // pins and, when PinRoot is a bpffs mount of its own, unmounts it and removes the
 // directory. A PinRoot inside a shared bpffs (such as /sys/fs/bpf) is removed, the
 // mount left alone. Nothing there is fine. Any open Datapath on this PinRoot stops
@@ -561,8 +578,32 @@ func Uninstall(ctx context.Context, cfg Config) error {
 		}
 		errs = append(errs, removeLinkDir(filepath.Join(pins.pods(), e.Name())))
 	}
+	// The hooks that redirect go first. A connection one of them sent to the
+	// proxy's port just before is handed over by sockops when its side is
+	// established and answered for by getsockopt when the proxy accepts it,
+	// which under load comes later: those stay for uninstallGrace, so the
+	// proxy does not find the connection addressed to itself.
+	redirected := false
 	for i := len(cgroupHooks) - 1; i >= 0; i-- {
-		errs = append(errs, detachPinned(filepath.Join(pins.links(), cgroupHooks[i].name)))
+		if h := cgroupHooks[i].name; redirects(h) {
+			path := filepath.Join(pins.links(), h)
+			if _, err := os.Stat(path); err == nil {
+				redirected = true
+			}
+			errs = append(errs, detachPinned(path))
+		}
+	}
+	if redirected && len(podDirs) > 0 {
+		select {
+		case <-time.After(uninstallGrace):
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	for i := len(cgroupHooks) - 1; i >= 0; i-- {
+		if h := cgroupHooks[i].name; !redirects(h) {
+			errs = append(errs, detachPinned(filepath.Join(pins.links(), h)))
+		}
 	}
 	// Then whatever else is pinned there: the hooks of another build (an
 	// uninstall by a build older or newer than the one that attached them).

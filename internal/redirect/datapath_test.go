@@ -11,11 +11,14 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"go.uber.org/zap/zaptest"
 	"golang.org/x/sys/unix"
+
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 // lookupLinkID is the ID of the pod's pinned sk_lookup link.
@@ -266,4 +269,41 @@ func ownNetnsPath(t *testing.T) string {
 		t.Fatal(ownNetnsErr)
 	}
 	return fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), ownNetns.Fd())
+}
+
+// TestUninstallAnswersRedirected: a connection the connect hook sent to the
+// proxy's port just before the uninstall, which the proxy accepts only once
+// the redirecting programs are gone, still gets its original destination.
+func TestUninstallAnswersRedirected(t *testing.T) {
+	t.Parallel()
+	requireRoot(t)
+	d, cfg := testDatapath(t)
+	a, b := newPodPair(t)
+	s := testSettings()
+	enroll(t, d, a, s)
+	ln := a.listen(t, fmt.Sprintf("[::]:%d", s.OutboundPort))
+	want := netip.AddrPortFrom(b.addr4, 8080)
+	conn, err := a.dial(want.String(), dialOpts{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+
+	done := make(chan error, 1)
+	go func() { done <- Uninstall(context.Background(), cfg) }()
+	fixtures.WaitFor(t, 10*time.Second, "the connect hooks detached", func() bool {
+		_, err := os.Stat(filepath.Join(layout(cfg.PinRoot).links(), "connect4"))
+		return errors.Is(err, os.ErrNotExist)
+	})
+	accepted, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer accepted.Close()
+	if got, err := originalDst(accepted); err != nil || got != want {
+		t.Errorf("original destination after the connect hooks went: %v (%v), want %v", got, err, want)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
 }

@@ -90,6 +90,10 @@ type ambientNode struct {
 	plain    string       // a namespace outside the mesh
 	listName string
 	istioCNI *harness.Process // istio-cni's node agent, once started
+	// pidNS is the node's PID namespace, whose process 1 runs in the node's
+	// network namespace as a node's init does; hostProc is a procfs of it,
+	// istio-cni's /host/proc (its DaemonSet runs with the host's).
+	pidNS, hostProc string
 	// istioCNIEnv is added to istio-cni's environment.
 	istioCNIEnv []string
 }
@@ -127,6 +131,7 @@ func newAmbientNode(t *testing.T) *ambientNode {
 		t.Fatalf("loopback of the node: %v", err)
 	}
 	n.upstream = serveResolver(t, n.node.Do, upstreamResolver, resolverAnswer)
+	n.nodePIDNamespace(t)
 	// The API server listens on a link between the test's namespace and the
 	// node's: istiod reaches it from here, the node's agents from there.
 	hostAddr := apiLink(t, n.node)
@@ -153,6 +158,44 @@ func newAmbientNode(t *testing.T) *ambientNode {
 	}
 	n.istiod, n.xds = startIstiod(t, n.api)
 	return n
+}
+
+// nodePIDNamespace gives the node a PID namespace of its own, its process 1
+// in the node's network namespace, and a procfs of it: istio-cni finds the
+// host's network namespace at /host/proc/1 and the running pods' namespaces
+// through their processes there, which runContainer starts in it.
+func (n *ambientNode) nodePIDNamespace(t *testing.T) {
+	t.Helper()
+	sleep, err := exec.LookPath("sleep")
+	if err != nil {
+		t.Fatal(err)
+	}
+	init := harness.StartProcess(t, harness.ProcessOptions{Path: "unshare", Args: []string{"--pid", "--fork", "--kill-child", "--", sleep, "infinity"},
+		NetNSPath: n.node.NetNSPath, Name: "node-init", Launcher: true})
+	var pid int
+	fixtures.WaitFor(t, 30*time.Second, "the node's init", func() bool {
+		kids := init.Children()
+		if len(kids) != 1 {
+			return false
+		}
+		pid = kids[0]
+		return true
+	})
+	n.pidNS = fmt.Sprintf("/proc/%d/ns/pid", pid)
+	n.hostProc = filepath.Join(n.dir, "hostproc")
+	if err := os.Mkdir(n.hostProc, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	// Mounted by a process of that namespace: a procfs shows the PID
+	// namespace of the process that mounts it.
+	if out, err := exec.Command("nsenter", "--pid="+n.pidNS, "--", "mount", "-t", "proc", "proc", n.hostProc).CombinedOutput(); err != nil {
+		t.Fatalf("the node's procfs: %v\n%s", err, out)
+	}
+	t.Cleanup(func() {
+		if err := syscall.Unmount(n.hostProc, syscall.MNT_DETACH); err != nil {
+			t.Errorf("unmount the node's procfs: %v", err)
+		}
+	})
 }
 
 // apiLink makes a veth pair between the test's network namespace and the node's
@@ -274,11 +317,12 @@ func (n *ambientNode) startZtunnel(t *testing.T) *harness.Process {
 // startIstioCNI runs istio-cni's node agent (install-cni) on the node as its
 // DaemonSet runs it: in the node's network namespace, with the host paths it
 // expects under /host and its service account's files (in a PID namespace of its
-// own, where it is process 1: it reads the "host" namespace from /host/proc/1, and
-// the node here is the test's namespace, not the machine's), ambient on with DNS
-// capture and IPv6, and the chart's enablement selector. It installs its plugin
-// into the node's bin dir and chains it into the primary's conflist, which it
-// returns once it is there.
+// own, its /host/proc the node's: it reads the host's namespace from
+// /host/proc/1 and finds running pods through their processes there), ambient on
+// with DNS capture and IPv6, and the chart's enablement selector. It installs its
+// plugin into the node's bin dir and chains it into the node's conflist (the
+// primary's alone unless another entry is there already), which it returns once
+// it is there.
 func (n *ambientNode) startIstioCNI(t *testing.T) *libcni.NetworkConfigList {
 	t.Helper()
 	primary, err := n.node.ConflistJSON(n.listName)
@@ -286,7 +330,11 @@ func (n *ambientNode) startIstioCNI(t *testing.T) *libcni.NetworkConfigList {
 		t.Fatal(err)
 	}
 	conf := filepath.Join(n.node.ConfDir, "10-"+n.listName+".conflist")
-	if err := os.WriteFile(conf, primary, 0o644); err != nil {
+	if _, err := os.Stat(conf); errors.Is(err, os.ErrNotExist) {
+		if err := os.WriteFile(conf, primary, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	} else if err != nil {
 		t.Fatal(err)
 	}
 	// The files of its service account, and the plugin alone in its image's
@@ -324,7 +372,7 @@ func (n *ambientNode) startIstioCNI(t *testing.T) *libcni.NetworkConfigList {
 		`"namespaceSelector":{"matchLabels":{"istio.io/dataplane-mode":"ambient"}}}]`
 	n.istioCNI = harness.StartProcess(t, harness.ProcessOptions{
 		Path:      "unshare",
-		Args:      []string{"--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--propagation", "slave", "--", "sh", "-c", istioCNIRoot, "istio-cni-root", root, sa, src, n.node.BinDir, istioBins(t)},
+		Args:      []string{"--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--propagation", "slave", "--", "sh", "-c", istioCNIRoot, "istio-cni-root", root, sa, src, n.node.BinDir, istioBins(t), n.hostProc},
 		Name:      "istio-cni",
 		NetNSPath: n.node.NetNSPath,
 		Env: append([]string{
@@ -358,11 +406,11 @@ func (n *ambientNode) startIstioCNI(t *testing.T) *libcni.NetworkConfigList {
 
 // istioCNIRoot is the root install-cni sees, as its DaemonSet's mounts make it: a
 // tmpfs with the machine's system directories, its service account's files, its
-// image's /opt/cni/bin, and the node's CNI bin dir, /proc and namespaces under
+// image's /opt/cni/bin, and the node's CNI bin dir, procfs and namespaces under
 // /host. Arguments: root, service account dir, plugin source dir, node bin dir,
-// the directory of install-cni.
+// the directory of install-cni, the node's procfs.
 const istioCNIRoot = `set -eu
-root=$1 sa=$2 src=$3 bin=$4 istio=$5
+root=$1 sa=$2 src=$3 bin=$4 istio=$5 proc=$6
 mkdir -p "$root"
 mount -t tmpfs tmpfs "$root"
 for d in bin sbin lib lib64 usr etc dev proc sys tmp run; do
@@ -376,7 +424,7 @@ mkdir -p "$root/var/run/secrets/kubernetes.io/serviceaccount" "$root/opt/cni/bin
 mount --bind "$sa" "$root/var/run/secrets/kubernetes.io/serviceaccount"
 mount --bind "$src" "$root/opt/cni/bin"
 mount --bind "$bin" "$root/host/opt/cni/bin"
-mount --rbind /proc "$root/host/proc"
+mount --rbind "$proc" "$root/host/proc"
 mount --rbind /run/netns "$root/host/run/netns"
 mount --rbind /run/netns "$root/host/var/run/netns"
 mount --bind "$istio" "$root/istio"

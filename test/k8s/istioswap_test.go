@@ -28,8 +28,8 @@ import (
 	"github.com/mesh-cni/mesh-cni/test/ztunnel"
 )
 
-// Switching a running Istio ambient node from istio-cni to mesh-cni: the
-// pods keep running, ztunnel keeps serving them, and every connection goes
+// Switching a running Istio ambient node from istio-cni to mesh-cni and back:
+// the pods keep running, ztunnel keeps serving them, and every connection goes
 // through ztunnel exactly once while the node agents change hands.
 
 // podCgroups gives the node a pod cgroup tree at the kubelet's cgroupfs
@@ -46,16 +46,18 @@ func (n *ambientNode) podCgroups(t *testing.T) (dir string, args []string) {
 	return dir, []string{"--netns-dir", harness.NetnsDir, "--pod-cgroup-driver=cgroupfs", "--pod-cgroup-root", strings.TrimPrefix(root, mount)}
 }
 
-// runContainer puts a container process in the pod: in its network namespace
-// and in the cgroup the kubelet names after the pod and the container.
-func runContainer(t *testing.T, pods string, p *ambientPod) *harness.Process {
+// runContainer puts a container process in the pod: in its network namespace,
+// in the cgroup the kubelet names after the pod and the container, and in the
+// node's PID namespace.
+func (n *ambientNode) runContainer(t *testing.T, pods string, p *ambientPod) *harness.Process {
 	t.Helper()
 	dir := harness.MkCgroup(t, filepath.Join(harness.MkCgroup(t, filepath.Join(pods, "pod"+p.cni.UID)), p.cni.ContainerID))
 	sleep, err := exec.LookPath("sleep")
 	if err != nil {
 		t.Fatal(err)
 	}
-	return harness.StartProcess(t, harness.ProcessOptions{Path: sleep, Args: []string{"10000"}, Cgroup: dir, NetNSPath: p.cni.NetNSPath, Name: "container-" + p.api.Name})
+	return harness.StartProcess(t, harness.ProcessOptions{Path: "nsenter", Args: []string{"--pid=" + n.pidNS, "--", sleep, "10000"},
+		Cgroup: dir, NetNSPath: p.cni.NetNSPath, Name: "container-" + p.api.Name, Launcher: true})
 }
 
 // inPod runs a command in the pod's network namespace and returns its output.
@@ -236,6 +238,63 @@ func (n *ambientNode) hostLeftovers(t *testing.T) []string {
 	return left
 }
 
+// streamRecords counts ztunnel's records of the stream's connections (to the
+// server's port 8080, completed): outbound HBONE by client pod, and the
+// server's inbound HBONE.
+func (n *ambientNode) streamRecords(t *testing.T) (out map[string]int, in int) {
+	t.Helper()
+	recs, err := ztunnel.ReadRecords(n.records)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out = map[string]int{}
+	for _, r := range recs {
+		if r.Dst.Port() != 8080 || r.Err != "" {
+			continue
+		}
+		switch {
+		case r.Dir == "outbound" && r.Proto == "hbone":
+			out[strings.TrimPrefix(r.Pod, n.ambient+"/")]++
+		case r.Dir == "inbound" && r.Proto == "hbone" && r.Pod == n.ambient+"/server":
+			in++
+		}
+	}
+	return out, in
+}
+
+// checkHBONE checks istiod's view of the pods: HBONE for each, as its
+// redirection annotation says.
+func (n *ambientNode) checkHBONE(t *testing.T, phase string, all []*ambientPod) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(apiContext(t), 30*time.Second)
+	defer cancel()
+	err := harness.PollUntil(ctx, nil, 200*time.Millisecond, func(ctx context.Context) error {
+		ws, err := ztunnel.FetchAmbient(ctx, n.istiod)
+		if err != nil {
+			return err
+		}
+		for _, p := range all {
+			i := slices.IndexFunc(ws, func(w ztunnel.Workload) bool { return w.Namespace == p.api.Namespace && w.Name == p.api.Name })
+			if i < 0 || !ws[i].HBONE {
+				return fmt.Errorf("%s: not an HBONE workload", p.api.Name)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Errorf("%s: istiod's ambient index: %v", phase, err)
+	}
+	for _, p := range all {
+		got, err := n.admin.CoreV1().Pods(p.api.Namespace).Get(apiContext(t), p.api.Name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if v := got.Annotations[enroll.IstioAnnotationRedirection]; v != "enabled" {
+			t.Errorf("%s: %s: %s=%q, want enabled", phase, p.api.Name, enroll.IstioAnnotationRedirection, v)
+		}
+	}
+}
+
 // TestIstioSwap switches a running ambient node from istio-cni to mesh-cni:
 // a node on istio-cni with meshed pods, a connection held open and a steady
 // stream of new ones; istio-cni's node agent stopped as its DaemonSet's
@@ -254,6 +313,9 @@ func (n *ambientNode) hostLeftovers(t *testing.T) []string {
 // the rest of the test: the eBPF capture sends a connection to ztunnel's
 // ports before istio-cni's rules see it, and those rules leave alone what
 // goes to loopback or carries ztunnel's mark.
+//
+// Then the node switches back to istio-cni (switchBack), with the same
+// assertions.
 func TestIstioSwap(t *testing.T) {
 	for _, backend := range []string{"nft", "legacy"} {
 		t.Run("iptables-"+backend, func(t *testing.T) {
@@ -276,45 +338,15 @@ func testIstioSwap(t *testing.T, backend string) {
 	all := []*ambientPod{client, server, rooted}
 	// Labelled out of the mesh while no node agent runs.
 	leaver := n.addPod(t, list, n.ambient, "leaver")
-	runContainer(t, pods, leaver)
+	n.runContainer(t, pods, leaver)
 	inodes := map[string]uint64{}
 	for _, p := range all {
-		runContainer(t, pods, p)
+		n.runContainer(t, pods, p)
 		inodes[p.api.Name] = netnsInode(t, p.cni.NetNSPath)
 	}
 	server.cni.ServeEcho(t, 8081)
 
-	// istiod's view: HBONE for every pod, as istio-cni said on each.
-	hbone := func(phase string) {
-		t.Helper()
-		ctx, cancel := context.WithTimeout(apiContext(t), 30*time.Second)
-		defer cancel()
-		err := harness.PollUntil(ctx, nil, 200*time.Millisecond, func(ctx context.Context) error {
-			ws, err := ztunnel.FetchAmbient(ctx, n.istiod)
-			if err != nil {
-				return err
-			}
-			for _, p := range all {
-				i := slices.IndexFunc(ws, func(w ztunnel.Workload) bool { return w.Namespace == p.api.Namespace && w.Name == p.api.Name })
-				if i < 0 || !ws[i].HBONE {
-					return fmt.Errorf("%s: not an HBONE workload", p.api.Name)
-				}
-			}
-			return nil
-		})
-		if err != nil {
-			t.Errorf("%s: istiod's ambient index: %v", phase, err)
-		}
-		for _, p := range all {
-			got, err := n.admin.CoreV1().Pods(p.api.Namespace).Get(apiContext(t), p.api.Name, metav1.GetOptions{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			if v := got.Annotations[enroll.IstioAnnotationRedirection]; v != "enabled" {
-				t.Errorf("%s: %s: %s=%q, want enabled", phase, p.api.Name, enroll.IstioAnnotationRedirection, v)
-			}
-		}
-	}
+	hbone := func(phase string) { t.Helper(); n.checkHBONE(t, phase, all) }
 	hbone("istio-cni")
 
 	// istio-cni captured each pod with its chains in the backend it was
@@ -379,7 +411,8 @@ func testIstioSwap(t *testing.T, backend string) {
 	// mesh-cni in its place: the agent with the istio profile, installing its
 	// chain entry, adopting the pods.
 	st.setPhase("swap")
-	a := n.runMeshAgent(t, append(append(installArgs(t, n.node), "--owned-config=false", "--reconcile-interval", "2s"), adoptArgs...)...)
+	install := append(installArgs(t, n.node), "--owned-config=false")
+	a := n.runMeshAgent(t, append(append(slices.Clone(install), "--reconcile-interval", "2s"), adoptArgs...)...)
 	waitChainEntry(t, n.node, true)
 	fixtures.WaitFor(t, time.Minute, "the running pods adopted", func() bool {
 		return a.enrolledUID(client.cni.UID) && a.enrolledUID(server.cni.UID) && a.enrolledUID(rooted.cni.UID)
@@ -404,26 +437,7 @@ func testIstioSwap(t *testing.T, backend string) {
 	// records of the server, as connections made, and as many connections
 	// at the server's application: none went around ztunnel, none through
 	// it twice.
-	serverPort := uint16(8080)
-	counts := func() (out map[string]int, in int) {
-		recs, err := ztunnel.ReadRecords(n.records)
-		if err != nil {
-			t.Fatal(err)
-		}
-		out = map[string]int{}
-		for _, r := range recs {
-			if r.Dst.Port() != serverPort || r.Err != "" {
-				continue
-			}
-			switch {
-			case r.Dir == "outbound" && r.Proto == "hbone":
-				out[strings.TrimPrefix(r.Pod, n.ambient+"/")]++
-			case r.Dir == "inbound" && r.Proto == "hbone" && r.Pod == n.ambient+"/server":
-				in++
-			}
-		}
-		return out, in
-	}
+	counts := func() (map[string]int, int) { return n.streamRecords(t) }
 	total := okTotal["client"] + okTotal["rooted"]
 	st.mu.Lock()
 	t.Logf("connections made, by phase and client: %v", st.ok)
@@ -571,6 +585,189 @@ func testIstioSwap(t *testing.T, backend string) {
 	for _, p := range all {
 		if v4, v6 := replyRules(t, p); v4 != 1 || v6 != 1 {
 			t.Errorf("%s: %d and %d fwmark rules, want one of each family", p.api.Name, v4, v6)
+		}
+	}
+
+	n.switchBack(t, a, zt, install, backend, server, client, rooted)
+}
+
+// switchBack switches the node from mesh-cni back to istio-cni in the order
+// docs/istio.md gives: mesh-agent stopped as its DaemonSet's deletion stops
+// it (no uninstall: its pinned capture stays, and with it the proxy's
+// exemption), istio-cni installed again with its in-pod rules reconciled on
+// startup (both captures in place), then mesh-cni's node state removed by
+// `mesh-agent uninstall`. A connection held open across it and a steady
+// stream of new ones each go through the client's and the server's ztunnel
+// exactly once; no pod restarts, ztunnel drops no pod's proxy and has every
+// pod in its records in every phase, and istiod keeps the pods HBONE.
+func (n *ambientNode) switchBack(t *testing.T, a *agent, zt *harness.Process, install []string, backend string, server, client, rooted *ambientPod) {
+	t.Helper()
+	all := []*ambientPod{client, server, rooted}
+	inodes := map[string]uint64{}
+	for _, p := range all {
+		inodes[p.api.Name] = netnsInode(t, p.cni.NetNSPath)
+	}
+	outBefore, inBefore := n.streamRecords(t)
+	appBefore := server.app.count()
+
+	var targets []streamTarget
+	for _, from := range []*ambientPod{client, rooted} {
+		targets = append(targets,
+			streamTarget{from, from.cni.IPv4(t), netip.AddrPortFrom(server.cni.IPv4(t), 8080)},
+			streamTarget{from, from.cni.IPv6(t), netip.AddrPortFrom(server.cni.IPv6(t), 8080)})
+	}
+	held, err := client.cni.Dial(apiContext(t), "tcp", netip.AddrPortFrom(server.cni.IPv4(t), 8081).String())
+	if err != nil {
+		t.Fatalf("client -> server, held: %v", err)
+	}
+	defer held.Close()
+	if err := echoOn(held, "back: on mesh-cni"); err != nil {
+		t.Fatalf("held connection: %v", err)
+	}
+	phases := []string{"back: mesh-cni", "back: no node agent", "back: both", "back: istio-cni"}
+	marks := []int{n.recordCount(t)}
+	st := startStream(t, phases[0], targets)
+	st.waitOK(t, 3, "client", "rooted")
+	marks = append(marks, n.recordCount(t))
+	step := func(phase string) {
+		t.Helper()
+		st.waitOK(t, 3, "client", "rooted")
+		if err := echoOn(held, phase); err != nil {
+			t.Errorf("held connection, %s: %v", phase, err)
+		}
+		n.checkHBONE(t, phase, all)
+		marks = append(marks, n.recordCount(t))
+	}
+
+	// mesh-agent's DaemonSet deleted: the agent stops, its pins stay.
+	st.setPhase(phases[1])
+	ctx, cancel := context.WithTimeout(apiContext(t), time.Minute)
+	defer cancel()
+	if err := a.Proc.Stop(ctx); err != nil {
+		t.Fatalf("stop mesh-agent: %v", err)
+	}
+	if pins, err := os.ReadDir(a.BPFFS); err != nil || len(pins) == 0 {
+		t.Fatalf("mesh-agent's pins after it stopped: %v (%v)", pins, err)
+	}
+	step(phases[1])
+
+	// istio-cni installed again: it serves ZDS, its snapshot lists the
+	// annotated pods it finds through the node's procfs, and it writes its
+	// rules into each pod's namespace.
+	st.setPhase(phases[2])
+	connected := strings.Count(zt.Output(), "connected to the node agent")
+	n.istioCNIEnv = append(n.istioCNIEnv, "AMBIENT_RECONCILE_POD_RULES_ON_STARTUP=true")
+	n.startIstioCNI(t)
+	fixtures.WaitFor(t, time.Minute, "ztunnel connected to istio-cni", func() bool {
+		return strings.Count(zt.Output(), "connected to the node agent") > connected
+	})
+	for _, p := range all {
+		fixtures.WaitFor(t, time.Minute, p.api.Name+"'s in-pod rules from istio-cni", func() bool {
+			return strings.Contains(inPod(t, p, "iptables-"+backend+"-save", "-t", "nat"), "--to-ports 15001")
+		})
+	}
+	step(phases[2])
+
+	// mesh-cni's node state removed: chain entry, plugin, pins and programs;
+	// the pods' annotations are istio-cni's now.
+	st.setPhase(phases[3])
+	args := append([]string{"uninstall", "--socket", a.Socket, "--bpffs-root", a.BPFFS, "--log-level", "info"}, install[1:]...)
+	if out, err := exec.CommandContext(ctx, harness.Bins(t).Path("mesh-agent"), args...).CombinedOutput(); err != nil {
+		t.Fatalf("mesh-agent uninstall: %v\n%s", err, out)
+	}
+	l, _, err := n.node.LoadConflist()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var chain []string
+	for _, p := range l.Plugins {
+		chain = append(chain, p.Network.Type)
+	}
+	if slices.Contains(chain, "mesh-cni") || chain[len(chain)-1] != "istio-cni" {
+		t.Errorf("the node's chain after the uninstall: %v, want istio-cni's entry last and none of mesh-cni's", chain)
+	}
+	if pins, err := os.ReadDir(a.BPFFS); err == nil && len(pins) > 0 {
+		t.Errorf("mesh-agent's pins after the uninstall: %v", pins)
+	}
+	step(phases[3])
+	st.end()
+
+	// Refused connections: with iptables-legacy, whose chains the switch to
+	// mesh-cni left, both captures are in place until the uninstall, and
+	// there ztunnel at times finds no original destination mesh-cni handed
+	// over for a connection its connect hook sent to ztunnel's port, takes it
+	// for a call to itself and refuses it. Such a connection fails and
+	// reaches no server, around ztunnel or through it. Each failure in those
+	// phases must be one of ztunnel's refusals; any other failure is an
+	// error.
+	var exposed []string
+	if backend == "legacy" {
+		exposed = phases[:3]
+	}
+	recs, err := ztunnel.ReadRecords(n.records)
+	if err != nil {
+		t.Fatal(err)
+	}
+	selfCalls := 0
+	for _, r := range recs[marks[0]:] {
+		if r.Dir == "outbound" && r.Proto == "refused" && r.Err == "self call" {
+			selfCalls++
+			t.Logf("ztunnel refused a call to itself: %+v", r)
+		}
+	}
+	st.mu.Lock()
+	refused := 0
+	for _, f := range st.fails {
+		if slices.ContainsFunc(exposed, func(p string) bool { return strings.HasPrefix(f, p+": ") }) {
+			refused++
+			t.Logf("connection refused: %s", f)
+			continue
+		}
+		t.Errorf("connection failed: %s", f)
+	}
+	okTotal := maps.Clone(st.okTotal)
+	t.Logf("switching back: connections made, by phase and client: %v; refused: %d", st.ok, refused)
+	st.mu.Unlock()
+	if selfCalls != refused {
+		t.Errorf("%v: %d connections failed, ztunnel refused %d as calls to itself: want each failure to be one", exposed, refused, selfCalls)
+	}
+
+	// Exactly once, as on the way there.
+	total := okTotal["client"] + okTotal["rooted"]
+	delta := func() (out map[string]int, in, app int) {
+		o, i := n.streamRecords(t)
+		out = map[string]int{}
+		for k, v := range o {
+			out[k] = v - outBefore[k]
+		}
+		return out, i - inBefore, server.app.count() - appBefore
+	}
+	fixtures.WaitFor(t, 20*time.Second, "ztunnel's records of every connection", func() bool {
+		out, in, _ := delta()
+		return out["client"] >= okTotal["client"] && out["rooted"] >= okTotal["rooted"] && in >= total
+	})
+	if out, in, app := delta(); out["client"] != okTotal["client"] || out["rooted"] != okTotal["rooted"] || in != total || app != total {
+		t.Errorf("switching back: connections: client %d, rooted %d; ztunnel: outbound %v, the server's inbound %d; the server's application accepted %d: want each once",
+			okTotal["client"], okTotal["rooted"], out, in, app)
+	}
+
+	// Every pod in ztunnel's records in every phase; no pod restarted; no
+	// proxy dropped.
+	for i, phase := range phases {
+		for _, p := range all {
+			if !slices.ContainsFunc(recs[marks[i]:marks[i+1]], func(r ztunnel.Record) bool { return r.Pod == p.api.Namespace+"/"+p.api.Name && r.Err == "" }) {
+				t.Errorf("%s: no record of %s in ztunnel", phase, p.api.Name)
+			}
+		}
+	}
+	for _, p := range all {
+		if got := netnsInode(t, p.cni.NetNSPath); got != inodes[p.api.Name] {
+			t.Errorf("%s: network namespace changed", p.api.Name)
+		}
+		for line := range strings.Lines(zt.Output()) {
+			if strings.Contains(line, "pod proxy stopped") && strings.Contains(line, p.cni.UID) {
+				t.Errorf("ztunnel stopped %s's proxy: %s", p.api.Name, line)
+			}
 		}
 	}
 }
