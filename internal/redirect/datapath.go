@@ -50,6 +50,10 @@ type Config struct {
 	// pods enrolled with DenyPacketSockets (the node's kernel must run the BPF
 	// LSM); without it such pods are refused (ErrNoPacketHook).
 	PacketSockets bool
+	// UninstallGrace is how long Uninstall keeps the programs that answer for a
+	// redirected connection (the hand-over, SO_ORIGINAL_DST) after those that
+	// redirect are gone, while pods are enrolled; zero means one second.
+	UninstallGrace time.Duration
 	// Logger receives what the data path does; nil means no logging.
 	Logger *zap.Logger
 }
@@ -61,6 +65,9 @@ func (c Config) withDefaults() Config {
 	c.PinRoot = filepath.Clean(c.PinRoot)
 	if c.Logger == nil {
 		c.Logger = zap.NewNop()
+	}
+	if c.UninstallGrace <= 0 {
+		c.UninstallGrace = time.Second
 	}
 	return c
 }
@@ -525,11 +532,6 @@ func (d *Datapath) closeAll() error {
 	return errors.Join(errs...)
 }
 
-// uninstallGrace is how long Uninstall keeps the programs that answer for a
-// redirected connection after those that redirect are gone, while pods are
-// enrolled.
-const uninstallGrace = time.Second
-
 // redirects says whether the cgroup hook named h sends connections or
 // datagrams to the proxy (the others answer for what it sent).
 func redirects(h string) bool {
@@ -581,7 +583,7 @@ func Uninstall(ctx context.Context, cfg Config) error {
 	// The hooks that redirect go first. A connection one of them sent to the
 	// proxy's port just before is handed over by sockops when its side is
 	// established and answered for by getsockopt when the proxy accepts it,
-	// which under load comes later: those stay for uninstallGrace, so the
+	// which under load comes later: those stay for cfg.UninstallGrace, so the
 	// proxy does not find the connection addressed to itself.
 	redirected := false
 	for i := len(cgroupHooks) - 1; i >= 0; i-- {
@@ -594,10 +596,11 @@ func Uninstall(ctx context.Context, cfg Config) error {
 		}
 	}
 	if redirected && len(podDirs) > 0 {
+		// A caller that stops waiting still gets everything removed: nothing
+		// redirects any more, and what answers for it goes now.
 		select {
-		case <-time.After(uninstallGrace):
+		case <-time.After(cfg.UninstallGrace):
 		case <-ctx.Done():
-			return ctx.Err()
 		}
 	}
 	for i := len(cgroupHooks) - 1; i >= 0; i-- {

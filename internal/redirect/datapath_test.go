@@ -289,8 +289,13 @@ func TestUninstallAnswersRedirected(t *testing.T) {
 	}
 	defer conn.Close()
 
+	// A grace longer than any wait here, so the check does not race it; the
+	// cancel below ends it, and the uninstall must still finish.
+	cfg.UninstallGrace = time.Hour
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
 	done := make(chan error, 1)
-	go func() { done <- Uninstall(context.Background(), cfg) }()
+	go func() { done <- Uninstall(ctx, cfg) }()
 	fixtures.WaitFor(t, 10*time.Second, "the connect hooks detached", func() bool {
 		_, err := os.Stat(filepath.Join(layout(cfg.PinRoot).links(), "connect4"))
 		return errors.Is(err, os.ErrNotExist)
@@ -303,7 +308,11 @@ func TestUninstallAnswersRedirected(t *testing.T) {
 	if got, err := originalDst(accepted); err != nil || got != want {
 		t.Errorf("original destination after the connect hooks went: %v (%v), want %v", got, err, want)
 	}
+	cancel()
 	if err := <-done; err != nil {
 		t.Fatal(err)
+	}
+	if _, err := os.Stat(cfg.PinRoot); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the pin root is still there after an uninstall whose wait was cut short: %v", err)
 	}
 }
