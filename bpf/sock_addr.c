@@ -171,6 +171,28 @@ static __always_inline bool is_proxy_socket(struct bpf_sock *sk, const struct po
 	return is_proxy_task();
 }
 
+// uncaptured decides a socket whose proxy listener is (not) there: with the
+// listener it is redirected; without it, a pod that fails open lets it go to its
+// destination (true, its original destination forgotten), and one that fails
+// closed still has it rewritten, so its connect gets ECONNREFUSED from the closed
+// proxy port just like an iptables REDIRECT would. Counts which, with the
+// counters given.
+static __always_inline bool uncaptured(struct bpf_sock *sk, bool listening, bool fail_open, __u32 passed,
+				       __u32 dropped, __u32 redirected)
+{
+	if (listening) {
+		count(redirected);
+		return false;
+	}
+	if (fail_open) {
+		bpf_sk_storage_delete(&sock_orig, sk);
+		count(passed);
+		return true;
+	}
+	count(dropped);
+	return false;
+}
+
 // dns_redirect sends a DNS query (UDP datagram or connect, or TCP connect, to port
 // 53) to the proxy's DNS listener on loopback. With nothing listening there it is
 // left alone (a pod must not lose name resolution while its proxy restarts) unless
@@ -183,16 +205,9 @@ static __always_inline int dns_redirect(struct bpf_sock_addr *ctx, const struct 
 	bool v4 = d->family == AF_INET;
 	__u32 a[4];
 	proxy_addr(sk, n, v4, a);
-	if (!proxy_listening(ctx, a, v4, s->dns_port, udp)) {
-		if (!(s->flags & SETTING_DNS_FAIL_CLOSED)) {
-			bpf_sk_storage_delete(&sock_orig, sk);
-			count(COUNTER_DNS_PASSED);
-			return 1;
-		}
-		count(COUNTER_DNS_DROPPED);
-	} else {
-		count(COUNTER_DNS_REDIRECTED);
-	}
+	if (uncaptured(sk, proxy_listening(ctx, a, v4, s->dns_port, udp), !(s->flags & SETTING_DNS_FAIL_CLOSED),
+		       COUNTER_DNS_PASSED, COUNTER_DNS_DROPPED, COUNTER_DNS_REDIRECTED))
+		return 1;
 	struct orig_dst *st = bpf_sk_storage_get(&sock_orig, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
 	if (!st)
 		return 0;
@@ -265,18 +280,9 @@ static __always_inline int redirect_common(struct bpf_sock_addr *ctx, bool v6, b
 	bool v4 = d.family == AF_INET;
 	__u32 a[4];
 	proxy_addr(sk, n, v4, a);
-	if (!proxy_listening(ctx, a, v4, s->outbound_port, false)) {
-		if (s->flags & SETTING_FAIL_OPEN) {
-			bpf_sk_storage_delete(&sock_orig, sk);
-			count(COUNTER_OUT_PASSED);
-			return 1;
-		}
-		// Fail closed: still rewrite, the connect gets ECONNREFUSED from the
-		// closed proxy port just like an iptables REDIRECT would.
-		count(COUNTER_OUT_DROPPED);
-	} else {
-		count(COUNTER_OUT_REDIRECTED);
-	}
+	if (uncaptured(sk, proxy_listening(ctx, a, v4, s->outbound_port, false), s->flags & SETTING_FAIL_OPEN,
+		       COUNTER_OUT_PASSED, COUNTER_OUT_DROPPED, COUNTER_OUT_REDIRECTED))
+		return 1;
 
 	struct orig_dst *st = bpf_sk_storage_get(&sock_orig, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
 	if (!st) {
