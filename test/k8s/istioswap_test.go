@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"maps"
+	"net"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -363,20 +364,9 @@ func testIstioSwap(t *testing.T, backend string) {
 	inPod(t, rooted, "iptables-"+backend, "-t", "nat", "-I", "OUTPUT", "-p", "tcp", "--dport", "9", "-j", istiorules.ChainOutput)
 
 	n.node.WaitAddressesUsable(apiContext(t), t)
-	var targets []streamTarget
-	for _, from := range []*ambientPod{client, rooted} {
-		targets = append(targets,
-			streamTarget{from, from.cni.IPv4(t), netip.AddrPortFrom(server.cni.IPv4(t), 8080)},
-			streamTarget{from, from.cni.IPv6(t), netip.AddrPortFrom(server.cni.IPv6(t), 8080)})
-	}
-	held, err := client.cni.Dial(apiContext(t), "tcp", netip.AddrPortFrom(server.cni.IPv4(t), 8081).String())
-	if err != nil {
-		t.Fatalf("client -> server, held: %v", err)
-	}
+	targets := swapTargets(t, server, client, rooted)
+	held := holdConnection(t, client, server, "on istio-cni")
 	defer held.Close()
-	if err := echoOn(held, "on istio-cni"); err != nil {
-		t.Fatalf("held connection: %v", err)
-	}
 	st := startStream(t, "istio-cni", targets)
 	st.waitOK(t, 3, "client", "rooted")
 	marks := []int{n.recordCount(t)}
@@ -610,20 +600,9 @@ func (n *ambientNode) switchBack(t *testing.T, a *agent, zt *harness.Process, in
 	outBefore, inBefore := n.streamRecords(t)
 	appBefore := server.app.count()
 
-	var targets []streamTarget
-	for _, from := range []*ambientPod{client, rooted} {
-		targets = append(targets,
-			streamTarget{from, from.cni.IPv4(t), netip.AddrPortFrom(server.cni.IPv4(t), 8080)},
-			streamTarget{from, from.cni.IPv6(t), netip.AddrPortFrom(server.cni.IPv6(t), 8080)})
-	}
-	held, err := client.cni.Dial(apiContext(t), "tcp", netip.AddrPortFrom(server.cni.IPv4(t), 8081).String())
-	if err != nil {
-		t.Fatalf("client -> server, held: %v", err)
-	}
+	targets := swapTargets(t, server, client, rooted)
+	held := holdConnection(t, client, server, "back: on mesh-cni")
 	defer held.Close()
-	if err := echoOn(held, "back: on mesh-cni"); err != nil {
-		t.Fatalf("held connection: %v", err)
-	}
 	phases := []string{"back: mesh-cni", "back: no node agent", "back: both", "back: istio-cni"}
 	marks := []int{n.recordCount(t)}
 	st := startStream(t, phases[0], targets)
@@ -770,4 +749,32 @@ func (n *ambientNode) switchBack(t *testing.T, a *agent, zt *harness.Process, in
 			}
 		}
 	}
+}
+
+// swapTargets is the stream of a switch: each client to the server's 8080,
+// from its own address of each family.
+func swapTargets(t *testing.T, server *ambientPod, clients ...*ambientPod) []streamTarget {
+	t.Helper()
+	var targets []streamTarget
+	for _, from := range clients {
+		targets = append(targets,
+			streamTarget{from, from.cni.IPv4(t), netip.AddrPortFrom(server.cni.IPv4(t), 8080)},
+			streamTarget{from, from.cni.IPv6(t), netip.AddrPortFrom(server.cni.IPv6(t), 8080)})
+	}
+	return targets
+}
+
+// holdConnection opens the connection a switch holds open, client to the
+// server's 8081, and checks that it carries data (marked with what).
+func holdConnection(t *testing.T, client, server *ambientPod, what string) net.Conn {
+	t.Helper()
+	held, err := client.cni.Dial(apiContext(t), "tcp", netip.AddrPortFrom(server.cni.IPv4(t), 8081).String())
+	if err != nil {
+		t.Fatalf("client -> server, held: %v", err)
+	}
+	if err := echoOn(held, what); err != nil {
+		held.Close()
+		t.Fatalf("held connection: %v", err)
+	}
+	return held
 }

@@ -14,18 +14,13 @@ import (
 	"io"
 	"net"
 	"os"
-	"os/signal"
 	"sync"
-	"syscall"
 	"time"
+
+	"github.com/mesh-cni/mesh-cni/test/cmd/internal/cmdmain"
 )
 
-func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
-	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
-	stop()
-	os.Exit(code)
-}
+func main() { cmdmain.Run(run) }
 
 // Accepted is one line of the record file.
 type Accepted struct {

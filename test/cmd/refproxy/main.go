@@ -21,10 +21,9 @@ import (
 	"fmt"
 	"io"
 	"net/netip"
-	"os"
-	"os/signal"
 	"strconv"
-	"syscall"
+
+	"github.com/mesh-cni/mesh-cni/test/cmd/internal/cmdmain"
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -33,12 +32,7 @@ import (
 	"github.com/mesh-cni/mesh-cni/test/proxy"
 )
 
-func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
-	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
-	stop()
-	os.Exit(code)
-}
+func main() { cmdmain.Run(run) }
 
 // run serves until ctx is done and returns the exit status: 0 after a clean stop,
 // 1 when the proxy fails, 2 for bad flags.

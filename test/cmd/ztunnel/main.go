@@ -17,10 +17,9 @@ import (
 	"fmt"
 	"io"
 	"net/netip"
-	"os"
-	"os/signal"
 	"strings"
-	"syscall"
+
+	"github.com/mesh-cni/mesh-cni/test/cmd/internal/cmdmain"
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -30,10 +29,7 @@ import (
 )
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
-	code := run(ctx, os.Args[1:], os.Stderr)
-	stop()
-	os.Exit(code)
+	cmdmain.Run(func(ctx context.Context, args []string, _, stderr io.Writer) int { return run(ctx, args, stderr) })
 }
 
 // dnsFlag is -dns: comma-separated name=address entries.
