@@ -140,10 +140,9 @@ func roundTrip(conn net.Conn, req, resp []byte) error {
 	return nil
 }
 
-// upload is one bulk transfer of size bytes to the sink: connect, send, half
-// close, wait for the server's count. It returns the time from connect to the
-// count.
-func (c client) upload(ctx context.Context, size int64, buf []byte) (took time.Duration, err error) {
+// transfer runs one timed bulk transfer on a new connection to the target:
+// xfer sends and reads on it; the time is from the connect to xfer's end.
+func (c client) transfer(ctx context.Context, xfer func(conn *net.TCPConn) error) (took time.Duration, err error) {
 	err = netns.Do(c.netns, func() error {
 		start := time.Now()
 		var d net.Dialer
@@ -154,46 +153,49 @@ func (c client) upload(ctx context.Context, size int64, buf []byte) (took time.D
 		defer conn.Close()
 		stop := context.AfterFunc(ctx, func() { conn.Close() })
 		defer stop()
+		if err := xfer(conn.(*net.TCPConn)); err != nil {
+			return err
+		}
+		took = time.Since(start)
+		return nil
+	})
+	return took, err
+}
+
+// upload is one bulk transfer of size bytes to the sink: connect, send, half
+// close, wait for the server's count. It returns the time from connect to the
+// count.
+func (c client) upload(ctx context.Context, size int64, buf []byte) (time.Duration, error) {
+	return c.transfer(ctx, func(conn *net.TCPConn) error {
 		buf[0] = sinkMode
 		if _, err := io.Copy(conn, io.LimitReader(repeatReader(buf), size)); err != nil {
 			return fmt.Errorf("send: %w", err)
 		}
-		if err := conn.(*net.TCPConn).CloseWrite(); err != nil {
+		if err := conn.CloseWrite(); err != nil {
 			return fmt.Errorf("half close: %w", err)
 		}
 		var reply [8]byte
 		if _, err := io.ReadFull(conn, reply[:]); err != nil {
 			return fmt.Errorf("read count: %w", err)
 		}
-		took = time.Since(start)
 		if got := int64(binary.BigEndian.Uint64(reply[:])); got != size {
 			return fmt.Errorf("server counted %d bytes, sent %d", got, size)
 		}
 		return nil
 	})
-	return took, err
 }
 
 // echoTransfer sends size bytes and reads them back at the same time, for a
 // proxy that answers itself (echo mode): the capture's cost on a bulk stream
 // in both directions.
-func (c client) echoTransfer(ctx context.Context, size int64, buf []byte) (took time.Duration, err error) {
-	err = netns.Do(c.netns, func() error {
-		start := time.Now()
-		var d net.Dialer
-		conn, err := d.DialContext(ctx, "tcp", c.target.String())
-		if err != nil {
-			return fmt.Errorf("dial %s: %w", c.target, err)
-		}
-		defer conn.Close()
-		stop := context.AfterFunc(ctx, func() { conn.Close() })
-		defer stop()
+func (c client) echoTransfer(ctx context.Context, size int64, buf []byte) (time.Duration, error) {
+	return c.transfer(ctx, func(conn *net.TCPConn) error {
 		buf[0] = 'E'
 		sent := make(chan error, 1)
 		go func() {
 			_, err := io.Copy(conn, io.LimitReader(repeatReader(buf), size))
 			if err == nil {
-				err = conn.(*net.TCPConn).CloseWrite()
+				err = conn.CloseWrite()
 			}
 			sent <- err
 		}()
@@ -201,13 +203,11 @@ func (c client) echoTransfer(ctx context.Context, size int64, buf []byte) (took 
 		if err := errors.Join(<-sent, readErr); err != nil {
 			return fmt.Errorf("echo transfer: %w", err)
 		}
-		took = time.Since(start)
 		if got != size {
 			return fmt.Errorf("echo returned %d bytes, sent %d", got, size)
 		}
 		return nil
 	})
-	return took, err
 }
 
 // repeatReader reads buf over and over.

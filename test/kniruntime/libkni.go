@@ -2,10 +2,8 @@ package kniruntime
 
 import (
 	"context"
-	"errors"
 	"net"
 
-	"go.uber.org/zap"
 	"google.golang.org/grpc"
 )
 
@@ -56,15 +54,5 @@ func unary[Req, Resp any](name string, call func(*Runtime, context.Context, *Req
 func (r *Runtime) ServeLibkni(l net.Listener) (stop func()) {
 	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(r.intercept))
 	srv.RegisterService(&libkniService, r)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		if err := srv.Serve(l); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
-			r.cfg.Log.Error("kniruntime serve", zap.Error(err))
-		}
-	}()
-	return func() {
-		srv.Stop()
-		<-done
-	}
+	return r.serve(srv, l)
 }

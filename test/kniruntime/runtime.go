@@ -220,6 +220,11 @@ func (r *Runtime) Serve(l net.Listener) (stop func()) {
 	knipb.RegisterKNIServer(srv, r)
 	hs := health.NewServer()
 	healthpb.RegisterHealthServer(srv, hs)
+	return r.serve(srv, l)
+}
+
+// serve runs srv on l until the returned stop is called.
+func (r *Runtime) serve(srv *grpc.Server, l net.Listener) (stop func()) {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)

@@ -415,20 +415,14 @@ func (s *scenario) podWaitsForAgent(t *testing.T, ctx context.Context) {
 	}) {
 		t.Fatalf("the pods' ADDs are not both held at the gate (%d mesh-cni processes)", len(s.n.Processes("mesh-cni")))
 	}
-	readyCh := make(chan time.Time, 1)
-	errCh := make(chan error, 1)
-	go func() {
-		at, err := s.agentReady(ctx)
-		errCh <- err
-		readyCh <- at
-	}()
+	agentReady := s.agentReadyLater(ctx)
 	s.kubectl(t, ctx, "-n", kubernetes.Namespace, "patch", "ds/mesh-agent", "--type=json",
 		"-p", `[{"op":"remove","path":"/spec/template/spec/nodeSelector/mesh-cni.test~1away"}]`)
 	s.kubectl(t, ctx, "-n", kubernetes.Namespace, "rollout", "status", "ds/mesh-agent", "--timeout=3m")
-	if err := <-errCh; err != nil {
+	ready, err := agentReady()
+	if err != nil {
 		t.Fatal(err)
 	}
-	ready := <-readyCh
 	for _, name := range late {
 		_, runningAt := s.until(ctx, "shop", name, "running", running)
 		wait := runningAt.Sub(ready)

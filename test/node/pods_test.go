@@ -298,6 +298,24 @@ func (c *cluster) podIP(ctx context.Context, ns, name string) string {
 // readLines reads a record file of the node's pods (fixtures.MustReadJSONL).
 func readLines[T any](t *testing.T, path string) []T { return fixtures.MustReadJSONL[T](t, path) }
 
+// agentReadyLater starts agentReady now, for a step that makes the agent ready
+// meanwhile; what it returns waits for its answer.
+func (c *cluster) agentReadyLater(ctx context.Context) func() (time.Time, error) {
+	type answer struct {
+		at  time.Time
+		err error
+	}
+	ch := make(chan answer, 1)
+	go func() {
+		at, err := c.agentReady(ctx)
+		ch <- answer{at, err}
+	}()
+	return func() (time.Time, error) {
+		a := <-ch
+		return a.at, a.err
+	}
+}
+
 // agentReady polls the agent's /readyz from inside the node every 20 ms and
 // returns when it first answers 200.
 func (c *cluster) agentReady(ctx context.Context) (time.Time, error) {

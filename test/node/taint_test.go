@@ -46,18 +46,12 @@ func TestStartupTaint(t *testing.T) {
 		})
 	})
 
-	readyCh := make(chan time.Time, 1)
-	errCh := make(chan error, 1)
-	go func() {
-		at, err := s.agentReady(ctx)
-		errCh <- err
-		readyCh <- at
-	}()
+	agentReady := s.agentReadyLater(ctx)
 	op.run(ctx, dir, "startup-taint")
-	if err := <-errCh; err != nil {
+	ready, err := agentReady()
+	if err != nil {
 		t.Fatal(err)
 	}
-	ready := <-readyCh
 	_, scheduled := s.until(ctx, "shop", "server", "scheduled", func(p *corev1.Pod) bool { return p.Spec.NodeName == n.Name })
 	if scheduled.Before(ready) {
 		t.Errorf("the meshed server was scheduled %v before the agent answered ready", ready.Sub(scheduled))

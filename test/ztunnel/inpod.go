@@ -213,14 +213,7 @@ func (p *pod) outbound(c *net.TCPConn, src netip.AddrPort) {
 		return
 	}
 	rec.Proto = "tcp"
-	up, err := p.dial(dst, netip.Addr{})
-	if err != nil {
-		p.record(rec.failed(err))
-		return
-	}
-	defer up.Close()
-	p.record(rec)
-	pipe(c, up)
+	p.forward(c, rec, dst, netip.Addr{})
 }
 
 // inboundPlain is the 15006 listener: plaintext from a peer without HBONE, carried
@@ -237,7 +230,13 @@ func (p *pod) inboundPlain(c *net.TCPConn, src netip.AddrPort) {
 	if !p.admit(&rec) {
 		return
 	}
-	up, err := p.dial(dst, p.sourceFor(src.Addr(), dst.Addr()))
+	p.forward(c, rec, dst, p.sourceFor(src.Addr(), dst.Addr()))
+}
+
+// forward carries c to dst, from src when it is valid, and records the
+// connection, or its failure to reach dst.
+func (p *pod) forward(c *net.TCPConn, rec Record, dst netip.AddrPort, src netip.Addr) {
+	up, err := p.dial(dst, src)
 	if err != nil {
 		p.record(rec.failed(err))
 		return
