@@ -51,12 +51,26 @@ func TestWaitForHealthy(t *testing.T) {
 	hs.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
 	serveGRPC(t, socket, func(s *grpc.Server) { healthpb.RegisterHealthServer(s, hs) })
 
-	// While NOT_SERVING, a bounded wait ends with the status in its error. The
-	// bound leaves room for the client's first connection on a loaded machine:
-	// with less, a run under make test's load ended before the first answer
-	// and saw only the deadline.
-	short, cancelShort := context.WithTimeout(ctx, 3*time.Second)
-	err := harness.WaitForHealthy(short, socket)
+	// While NOT_SERVING, a wait that ends names the status in its error. It is
+	// cut once its server has been asked twice, so the client has had an
+	// answer, however slow the machine (a timed bound ended before the first
+	// answer under load): a server of its own counts its checks alone.
+	counted := &countingHealth{Server: health.NewServer(), checks: make(chan struct{}, 16)}
+	counted.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
+	notServing := filepath.Join(t.TempDir(), "not-serving.sock")
+	serveGRPC(t, notServing, func(s *grpc.Server) { healthpb.RegisterHealthServer(s, counted) })
+	short, cancelShort := context.WithCancel(ctx)
+	go func() {
+		defer cancelShort()
+		for range 2 {
+			select {
+			case <-counted.checks:
+			case <-short.Done():
+				return
+			}
+		}
+	}()
+	err := harness.WaitForHealthy(short, notServing)
 	cancelShort()
 	if err == nil || !strings.Contains(err.Error(), "NOT_SERVING") {
 		t.Fatalf("WaitForHealthy while NOT_SERVING = %v, want an error naming the status", err)
@@ -69,6 +83,21 @@ func TestWaitForHealthy(t *testing.T) {
 	if err := harness.WaitForHealthy(ctx, socket); err != nil {
 		t.Fatalf("WaitForHealthy on a serving server: %v", err)
 	}
+}
+
+// countingHealth is a health server that signals each check it answers.
+type countingHealth struct {
+	*health.Server
+	checks chan struct{}
+}
+
+func (h *countingHealth) Check(ctx context.Context, req *healthpb.HealthCheckRequest) (*healthpb.HealthCheckResponse, error) {
+	resp, err := h.Server.Check(ctx, req)
+	select {
+	case h.checks <- struct{}{}:
+	default:
+	}
+	return resp, err
 }
 
 func TestWaitForHealthyNoHealthService(t *testing.T) {
