@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"maps"
+	"net"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -173,14 +174,26 @@ func (s *stream) end() {
 	<-s.done
 }
 
-// netnsInode is the inode of the network namespace at path.
-func netnsInode(t *testing.T, path string) uint64 {
+// swapTraffic is what a swap keeps up: client and rooted each stream to
+// server's port 8080 over IPv4 and IPv6, and client holds one connection to
+// its port 8081, open (echoing first) until the test ends.
+func swapTraffic(t *testing.T, client, server, rooted *ambientPod, first string) ([]streamTarget, net.Conn) {
 	t.Helper()
-	var st syscall.Stat_t
-	if err := syscall.Stat(path, &st); err != nil {
-		t.Fatal(err)
+	var targets []streamTarget
+	for _, from := range []*ambientPod{client, rooted} {
+		targets = append(targets,
+			streamTarget{from, from.cni.IPv4(t), netip.AddrPortFrom(server.cni.IPv4(t), 8080)},
+			streamTarget{from, from.cni.IPv6(t), netip.AddrPortFrom(server.cni.IPv6(t), 8080)})
 	}
-	return st.Ino
+	held, err := client.cni.Dial(apiContext(t), "tcp", netip.AddrPortFrom(server.cni.IPv4(t), 8081).String())
+	if err != nil {
+		t.Fatalf("client -> server, held: %v", err)
+	}
+	t.Cleanup(func() { held.Close() })
+	if err := echoOn(held, first); err != nil {
+		t.Fatalf("held connection: %v", err)
+	}
+	return targets, held
 }
 
 // stopIstioCNI stops istio-cni's node agent as the kubelet does when its
@@ -342,7 +355,7 @@ func testIstioSwap(t *testing.T, backend string) {
 	inodes := map[string]uint64{}
 	for _, p := range all {
 		n.runContainer(t, pods, p)
-		inodes[p.api.Name] = netnsInode(t, p.cni.NetNSPath)
+		inodes[p.api.Name] = fixtures.Inode(t, p.cni.NetNSPath)
 	}
 	server.cni.ServeEcho(t, 8081)
 
@@ -363,20 +376,7 @@ func testIstioSwap(t *testing.T, backend string) {
 	inPod(t, rooted, "iptables-"+backend, "-t", "nat", "-I", "OUTPUT", "-p", "tcp", "--dport", "9", "-j", istiorules.ChainOutput)
 
 	n.node.WaitAddressesUsable(apiContext(t), t)
-	var targets []streamTarget
-	for _, from := range []*ambientPod{client, rooted} {
-		targets = append(targets,
-			streamTarget{from, from.cni.IPv4(t), netip.AddrPortFrom(server.cni.IPv4(t), 8080)},
-			streamTarget{from, from.cni.IPv6(t), netip.AddrPortFrom(server.cni.IPv6(t), 8080)})
-	}
-	held, err := client.cni.Dial(apiContext(t), "tcp", netip.AddrPortFrom(server.cni.IPv4(t), 8081).String())
-	if err != nil {
-		t.Fatalf("client -> server, held: %v", err)
-	}
-	defer held.Close()
-	if err := echoOn(held, "on istio-cni"); err != nil {
-		t.Fatalf("held connection: %v", err)
-	}
+	targets, held := swapTraffic(t, client, server, rooted, "on istio-cni")
 	st := startStream(t, "istio-cni", targets)
 	st.waitOK(t, 3, "client", "rooted")
 	marks := []int{n.recordCount(t)}
@@ -518,7 +518,7 @@ func testIstioSwap(t *testing.T, backend string) {
 	// No pod restarted, none handed to ztunnel in another namespace, no
 	// proxy dropped and started again.
 	for _, p := range all {
-		if got := netnsInode(t, p.cni.NetNSPath); got != inodes[p.api.Name] {
+		if got := fixtures.Inode(t, p.cni.NetNSPath); got != inodes[p.api.Name] {
 			t.Errorf("%s: network namespace changed", p.api.Name)
 		}
 		if got := a.enrolledNetns(p.cni.UID); got != p.cni.NetNSPath {
@@ -605,25 +605,12 @@ func (n *ambientNode) switchBack(t *testing.T, a *agent, zt *harness.Process, in
 	all := []*ambientPod{client, server, rooted}
 	inodes := map[string]uint64{}
 	for _, p := range all {
-		inodes[p.api.Name] = netnsInode(t, p.cni.NetNSPath)
+		inodes[p.api.Name] = fixtures.Inode(t, p.cni.NetNSPath)
 	}
 	outBefore, inBefore := n.streamRecords(t)
 	appBefore := server.app.count()
 
-	var targets []streamTarget
-	for _, from := range []*ambientPod{client, rooted} {
-		targets = append(targets,
-			streamTarget{from, from.cni.IPv4(t), netip.AddrPortFrom(server.cni.IPv4(t), 8080)},
-			streamTarget{from, from.cni.IPv6(t), netip.AddrPortFrom(server.cni.IPv6(t), 8080)})
-	}
-	held, err := client.cni.Dial(apiContext(t), "tcp", netip.AddrPortFrom(server.cni.IPv4(t), 8081).String())
-	if err != nil {
-		t.Fatalf("client -> server, held: %v", err)
-	}
-	defer held.Close()
-	if err := echoOn(held, "back: on mesh-cni"); err != nil {
-		t.Fatalf("held connection: %v", err)
-	}
+	targets, held := swapTraffic(t, client, server, rooted, "back: on mesh-cni")
 	phases := []string{"back: mesh-cni", "back: no node agent", "back: both", "back: istio-cni"}
 	marks := []int{n.recordCount(t)}
 	st := startStream(t, phases[0], targets)
@@ -761,7 +748,7 @@ func (n *ambientNode) switchBack(t *testing.T, a *agent, zt *harness.Process, in
 		}
 	}
 	for _, p := range all {
-		if got := netnsInode(t, p.cni.NetNSPath); got != inodes[p.api.Name] {
+		if got := fixtures.Inode(t, p.cni.NetNSPath); got != inodes[p.api.Name] {
 			t.Errorf("%s: network namespace changed", p.api.Name)
 		}
 		for line := range strings.Lines(zt.Output()) {
