@@ -106,15 +106,7 @@ func (c client) cycles(ctx context.Context, n int) (lat []time.Duration, total t
 // requests makes one connection (not timed) and n request/responses on it,
 // returning each one's duration.
 func (c client) requests(ctx context.Context, n int) (lat []time.Duration, err error) {
-	err = netns.Do(c.netns, func() error {
-		var d net.Dialer
-		conn, err := d.DialContext(ctx, "tcp", c.target.String())
-		if err != nil {
-			return fmt.Errorf("dial %s: %w", c.target, err)
-		}
-		defer conn.Close()
-		stop := context.AfterFunc(ctx, func() { conn.Close() })
-		defer stop()
+	err = c.connected(ctx, func(conn *net.TCPConn, _ time.Time) error {
 		req := make([]byte, rrSize)
 		resp := make([]byte, rrSize)
 		lat = make([]time.Duration, 0, n)
@@ -128,6 +120,23 @@ func (c client) requests(ctx context.Context, n int) (lat []time.Duration, err e
 		return nil
 	})
 	return lat, err
+}
+
+// connected runs fn on one connection to the target, dialled from c's netns
+// at start and closed when fn returns or ctx ends.
+func (c client) connected(ctx context.Context, fn func(conn *net.TCPConn, start time.Time) error) error {
+	return netns.Do(c.netns, func() error {
+		start := time.Now()
+		var d net.Dialer
+		conn, err := d.DialContext(ctx, "tcp", c.target.String())
+		if err != nil {
+			return fmt.Errorf("dial %s: %w", c.target, err)
+		}
+		defer conn.Close()
+		stop := context.AfterFunc(ctx, func() { conn.Close() })
+		defer stop()
+		return fn(conn.(*net.TCPConn), start)
+	})
 }
 
 func roundTrip(conn net.Conn, req, resp []byte) error {
@@ -144,21 +153,12 @@ func roundTrip(conn net.Conn, req, resp []byte) error {
 // close, wait for the server's count. It returns the time from connect to the
 // count.
 func (c client) upload(ctx context.Context, size int64, buf []byte) (took time.Duration, err error) {
-	err = netns.Do(c.netns, func() error {
-		start := time.Now()
-		var d net.Dialer
-		conn, err := d.DialContext(ctx, "tcp", c.target.String())
-		if err != nil {
-			return fmt.Errorf("dial %s: %w", c.target, err)
-		}
-		defer conn.Close()
-		stop := context.AfterFunc(ctx, func() { conn.Close() })
-		defer stop()
+	err = c.connected(ctx, func(conn *net.TCPConn, start time.Time) error {
 		buf[0] = sinkMode
 		if _, err := io.Copy(conn, io.LimitReader(repeatReader(buf), size)); err != nil {
 			return fmt.Errorf("send: %w", err)
 		}
-		if err := conn.(*net.TCPConn).CloseWrite(); err != nil {
+		if err := conn.CloseWrite(); err != nil {
 			return fmt.Errorf("half close: %w", err)
 		}
 		var reply [8]byte
@@ -178,22 +178,13 @@ func (c client) upload(ctx context.Context, size int64, buf []byte) (took time.D
 // proxy that answers itself (echo mode): the capture's cost on a bulk stream
 // in both directions.
 func (c client) echoTransfer(ctx context.Context, size int64, buf []byte) (took time.Duration, err error) {
-	err = netns.Do(c.netns, func() error {
-		start := time.Now()
-		var d net.Dialer
-		conn, err := d.DialContext(ctx, "tcp", c.target.String())
-		if err != nil {
-			return fmt.Errorf("dial %s: %w", c.target, err)
-		}
-		defer conn.Close()
-		stop := context.AfterFunc(ctx, func() { conn.Close() })
-		defer stop()
+	err = c.connected(ctx, func(conn *net.TCPConn, start time.Time) error {
 		buf[0] = 'E'
 		sent := make(chan error, 1)
 		go func() {
 			_, err := io.Copy(conn, io.LimitReader(repeatReader(buf), size))
 			if err == nil {
-				err = conn.(*net.TCPConn).CloseWrite()
+				err = conn.CloseWrite()
 			}
 			sent <- err
 		}()
