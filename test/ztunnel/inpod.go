@@ -213,14 +213,7 @@ func (p *pod) outbound(c *net.TCPConn, src netip.AddrPort) {
 		return
 	}
 	rec.Proto = "tcp"
-	up, err := p.dial(dst, netip.Addr{})
-	if err != nil {
-		p.record(rec.failed(err))
-		return
-	}
-	defer up.Close()
-	p.record(rec)
-	pipe(c, up)
+	p.carry(c, rec, dst, netip.Addr{})
 }
 
 // inboundPlain is the 15006 listener: plaintext from a peer without HBONE, carried
@@ -237,7 +230,13 @@ func (p *pod) inboundPlain(c *net.TCPConn, src netip.AddrPort) {
 	if !p.admit(&rec) {
 		return
 	}
-	up, err := p.dial(dst, p.sourceFor(src.Addr(), dst.Addr()))
+	p.carry(c, rec, dst, p.sourceFor(src.Addr(), dst.Addr()))
+}
+
+// carry connects to dst from src (any address when unset) and pipes c to it
+// in plaintext, recording rec once connected, or as failed.
+func (p *pod) carry(c *net.TCPConn, rec Record, dst netip.AddrPort, src netip.Addr) {
+	up, err := p.dial(dst, src)
 	if err != nil {
 		p.record(rec.failed(err))
 		return
