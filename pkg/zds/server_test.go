@@ -433,7 +433,7 @@ func TestMisbehavingProxies(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			ino := inode(t, spare)
+			ino := fixtures.Inode(t, spare)
 			hello := []byte{0x08, 0x01} // ZdsHello{version: V1}
 			err = pc.SendRaw(hello, int(f.Fd()))
 			f.Close()
@@ -471,7 +471,7 @@ func TestMisbehavingProxies(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			ino := inode(t, spare)
+			ino := fixtures.Inode(t, spare)
 			ackWithFd := []byte{0x0a, 0x00} // WorkloadResponse{ack: {}}
 			err = pc.SendRaw(ackWithFd, int(f.Fd()))
 			f.Close()
@@ -502,15 +502,6 @@ func TestMisbehavingProxies(t *testing.T) {
 	if err := wait(t, ctx, done); err != nil {
 		t.Fatalf("add to the good proxy: %v", err)
 	}
-}
-
-func inode(t *testing.T, path string) uint64 {
-	t.Helper()
-	var st unix.Stat_t
-	if err := unix.Stat(path, &st); err != nil {
-		t.Fatal(err)
-	}
-	return st.Ino
 }
 
 // openFdsTo counts this process's fds that refer to the network namespace with

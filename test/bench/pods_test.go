@@ -97,15 +97,12 @@ func (ps *pods) create(namespace, name string) (*pod, error) {
 // add runs CNI ADD of list for p through libcni in the node netns, as a runtime
 // does, and returns how long the ADD took.
 func (ps *pods) add(ctx context.Context, p *pod, list *libcni.NetworkConfigList) (time.Duration, error) {
-	var took time.Duration
-	err := ps.node.Do(func() error {
-		start := time.Now()
+	took, err := ps.timedAdd(p, list.Name, func() error {
 		_, err := ps.node.CNI.AddNetworkList(ctx, list, p.rt)
-		took = time.Since(start)
 		return err
 	})
 	if err != nil {
-		return 0, fmt.Errorf("CNI ADD %s for pod %s: %w", list.Name, p.Name, err)
+		return 0, err
 	}
 	p.Attached = append(p.Attached, list)
 	return took, nil
@@ -113,15 +110,24 @@ func (ps *pods) add(ctx context.Context, p *pod, list *libcni.NetworkConfigList)
 
 // addConf runs ADD of a single plugin config (see meshOnly) for p.
 func (ps *pods) addConf(ctx context.Context, p *pod, conf *libcni.PluginConfig) (time.Duration, error) {
+	return ps.timedAdd(p, conf.Network.Name, func() error {
+		_, err := ps.node.CNI.AddNetwork(ctx, conf, p.rt)
+		return err
+	})
+}
+
+// timedAdd runs add, the ADD of network name for p, in the node netns and
+// times it: the time spent in the netns switch is not the plugin's.
+func (ps *pods) timedAdd(p *pod, name string, add func() error) (time.Duration, error) {
 	var took time.Duration
 	err := ps.node.Do(func() error {
 		start := time.Now()
-		_, err := ps.node.CNI.AddNetwork(ctx, conf, p.rt)
+		err := add()
 		took = time.Since(start)
 		return err
 	})
 	if err != nil {
-		return 0, fmt.Errorf("CNI ADD %s for pod %s: %w", conf.Network.Name, p.Name, err)
+		return 0, fmt.Errorf("CNI ADD %s for pod %s: %w", name, p.Name, err)
 	}
 	return took, nil
 }

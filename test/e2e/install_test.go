@@ -15,7 +15,6 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
@@ -722,7 +721,7 @@ func TestAgentRestartInstallKeepsEntry(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	inode := fileInode(t, path)
+	inode := fixtures.Inode(t, path)
 	binary := filepath.Join(node.BinDir, "mesh-cni")
 
 	// checkInPlace: the entry, the binary and the data path are all still there.
@@ -731,7 +730,7 @@ func TestAgentRestartInstallKeepsEntry(t *testing.T) {
 		if got, err := os.ReadFile(path); err != nil || !bytes.Equal(got, installed) {
 			t.Fatalf("%s: the conf file changed (%v):\n%s", when, err, got)
 		}
-		if fileInode(t, path) != inode {
+		if fixtures.Inode(t, path) != inode {
 			t.Fatalf("%s: the conf file was rewritten (new inode)", when)
 		}
 		if _, err := os.Stat(binary); err != nil {
@@ -784,19 +783,6 @@ func TestAgentRestartInstallKeepsEntry(t *testing.T) {
 		}
 		checkInPlace("after restart from " + stop.name)
 	}
-}
-
-func fileInode(t testing.TB, path string) uint64 {
-	t.Helper()
-	fi, err := os.Stat(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	st, ok := fi.Sys().(*syscall.Stat_t)
-	if !ok {
-		t.Fatalf("stat %s: no inode", path)
-	}
-	return st.Ino
 }
 
 // TestUninstallRestoresNode: `mesh-agent uninstall` with the agent's flags puts

@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -143,12 +144,7 @@ func testAgentZDSEntryPoints(t *testing.T, c *cluster) {
 	}
 	// Released at the end, or here if the test stops early (while the agent
 	// that enrolled it still runs).
-	detached := false
-	detach := func() {
-		if detached {
-			return
-		}
-		detached = true
+	detach := sync.OnceFunc(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
 		if _, err := knipb.NewKNIClient(kconn).DetachNetwork(ctx, &knipb.DetachInterfaceRequest{
@@ -156,7 +152,7 @@ func testAgentZDSEntryPoints(t *testing.T, c *cluster) {
 		}); err != nil {
 			t.Errorf("DetachNetwork: %v", err)
 		}
-	}
+	})
 	t.Cleanup(detach)
 
 	// Hook: containerd runs the primary, then the chain [primary, hook].
@@ -185,18 +181,13 @@ func testAgentZDSEntryPoints(t *testing.T, c *cluster) {
 	if err != nil {
 		t.Fatalf("containerd's chain with the hook: %v", err)
 	}
-	tornDown := false
-	teardown := func() {
-		if tornDown {
-			return
-		}
-		tornDown = true
+	teardown := sync.OnceFunc(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
 		if err := chain.Teardown(ctx, sandbox, merged); err != nil {
 			t.Errorf("hook teardown: %v", err)
 		}
-	}
+	})
 	t.Cleanup(teardown)
 	ip, more, err := containerdhook.PodIPs(merged)
 	if err != nil {

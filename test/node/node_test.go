@@ -379,9 +379,11 @@ func (s *scenario) podWaitsForAgent(t *testing.T, ctx context.Context) {
 
 	// Held: no container starts, and kubelet reports the gate's reason when
 	// the plugin's ADD gives up after gateTimeout (and tries again).
-	deadline := time.Now().Add(2 * time.Minute)
+	const held = 2 * time.Minute
+	heldFrom := time.Now()
 	events := map[string]corev1.Event{}
-	for len(events) < len(late) {
+	var pending *corev1.Pod
+	if !fixtures.Eventually(ctx, held, time.Second, func() bool {
 		for _, name := range late {
 			for _, e := range s.events(ctx, "shop", name) {
 				if e.Reason == "FailedCreatePodSandBox" && strings.Contains(e.Message, gateEvent) {
@@ -395,11 +397,13 @@ func (s *scenario) podWaitsForAgent(t *testing.T, ctx context.Context) {
 			if p.Status.Phase != corev1.PodPending {
 				t.Fatalf("with no agent pod %s is %s: %s", name, p.Status.Phase, describe(p))
 			}
-			if time.Now().After(deadline) {
-				t.Fatalf("no FailedCreatePodSandBox event with the gate's reason for %s after %v: %s", name, time.Since(created).Round(time.Second), describe(p))
+			if _, ok := events[name]; !ok {
+				pending = p
 			}
 		}
-		time.Sleep(time.Second)
+		return len(events) == len(late)
+	}) {
+		t.Fatalf("no FailedCreatePodSandBox event with the gate's reason for %s after %v: %s", pending.Name, time.Since(created).Round(time.Second), describe(pending))
 	}
 	kubectlSays := strings.TrimSpace(s.kubectl(t, ctx, "-n", "shop", "get", "pods", "late", "late-app", "--no-headers"))
 	t.Logf("%v after creation:\n%s\nevent %s: %s", time.Since(created).Round(time.Second), kubectlSays, events["late-app"].Reason, events["late-app"].Message)
@@ -410,7 +414,7 @@ func (s *scenario) podWaitsForAgent(t *testing.T, ctx context.Context) {
 	// and jitter), each ADD held up to gateTimeout: bring the agent back
 	// while both pods' ADDs are held at the gate (a mesh-cni process for
 	// each), the case the gate is for.
-	if !fixtures.Eventually(ctx, time.Until(deadline.Add(time.Minute)), 50*time.Millisecond, func() bool {
+	if !fixtures.Eventually(ctx, time.Until(heldFrom.Add(held+time.Minute)), 50*time.Millisecond, func() bool {
 		return len(s.n.Processes("mesh-cni")) >= len(late)
 	}) {
 		t.Fatalf("the pods' ADDs are not both held at the gate (%d mesh-cni processes)", len(s.n.Processes("mesh-cni")))
@@ -540,8 +544,7 @@ func (s *scenario) nodePortAndProbes(t *testing.T, ctx context.Context) {
 	// The proxy writes its record once both sides have closed, which can be
 	// after the client has its echo: wait for the last one a little.
 	var viaProxy int
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	fixtures.Eventually(ctx, 10*time.Second, 200*time.Millisecond, func() bool {
 		viaProxy = 0
 		for _, r := range readLines[proxy.Record](t, filepath.Join(s.records(), "probed-proxy.jsonl")) {
 			if r.Direction != proxy.Inbound || !slices.Contains(nodeAddrs, r.Client.Addr()) || r.OriginalDst.Port() != serverPort {
@@ -553,11 +556,8 @@ func (s *scenario) nodePortAndProbes(t *testing.T, ctx context.Context) {
 			}
 			viaProxy++
 		}
-		if viaProxy >= through || time.Now().After(deadline) || t.Failed() {
-			break
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+		return viaProxy >= through || t.Failed()
+	})
 	var probes int
 	for _, r := range readLines[accepted](t, filepath.Join(s.records(), "probed.jsonl")) {
 		client := netip.MustParseAddrPort(r.Client).Addr()

@@ -108,8 +108,7 @@ func TestReboot(t *testing.T) {
 	// closed, so wait a little for the last ones.
 	cut := time.Now()
 	var trips, proxied int
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	fixtures.Eventually(ctx, 10*time.Second, 200*time.Millisecond, func() bool {
 		trips = 0
 		for _, c := range fixtures.MustReadJSONL[connection](t, filepath.Join(s.records(), "client.jsonl")) {
 			if c.Error == "" && c.Time.After(down) && c.Time.Before(cut) {
@@ -122,11 +121,8 @@ func TestReboot(t *testing.T) {
 				proxied++
 			}
 		}
-		if proxied >= trips || time.Now().After(deadline) {
-			break
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+		return proxied >= trips
+	})
 	if trips == 0 || proxied < trips {
 		t.Errorf("after the reboot the meshed client made %d round trips, its proxy took %d: %d went around it", trips, proxied, trips-proxied)
 	}

@@ -188,9 +188,9 @@ func (s *scenario) startsMeshed(t *testing.T, ctx context.Context, name, target 
 func (s *scenario) sourcesSeen(t *testing.T, ctx context.Context, pod string, since time.Time, src string) {
 	t.Helper()
 	want := netip.MustParseAddr(src)
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		var seen, other []netip.Addr
+	var seen, other []netip.Addr
+	if !fixtures.Eventually(ctx, 30*time.Second, 200*time.Millisecond, func() bool {
+		seen, other = nil, nil
 		for _, r := range s.proxied(t, pod, proxy.Outbound) {
 			if r.Time.Before(since) {
 				continue
@@ -200,17 +200,12 @@ func (s *scenario) sourcesSeen(t *testing.T, ctx context.Context, pod string, si
 				other = append(other, r.Client.Addr())
 			}
 		}
-		if len(other) > 0 {
-			t.Errorf("%s's proxy accepted %d connections since %s, %d not from %s: %v", pod, len(seen), since.Format("15:04:05.000"), len(other), src, other)
-			return
-		}
-		if len(seen) >= 5 {
-			return
-		}
-		if time.Now().After(deadline) || ctx.Err() != nil {
-			t.Errorf("%s's proxy accepted %d connections since %s, want 5", pod, len(seen), since.Format("15:04:05.000"))
-			return
-		}
-		time.Sleep(200 * time.Millisecond)
+		return len(other) > 0 || len(seen) >= 5
+	}) {
+		t.Errorf("%s's proxy accepted %d connections since %s, want 5", pod, len(seen), since.Format("15:04:05.000"))
+		return
+	}
+	if len(other) > 0 {
+		t.Errorf("%s's proxy accepted %d connections since %s, %d not from %s: %v", pod, len(seen), since.Format("15:04:05.000"), len(other), src, other)
 	}
 }

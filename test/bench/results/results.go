@@ -146,24 +146,24 @@ func (m *Metric) Find(variant string, x float64) *Series {
 
 // Variants lists the metric's variants in first-seen order.
 func (m *Metric) Variants() []string {
-	var out []string
-	for _, s := range m.Series {
-		if !slices.Contains(out, s.Variant) {
-			out = append(out, s.Variant)
-		}
-	}
-	return out
+	return distinct(m.Series, func(s Series) string { return s.Variant })
 }
 
 // Xs lists the metric's X values, ascending.
 func (m *Metric) Xs() []float64 {
-	var out []float64
-	for _, s := range m.Series {
-		if !slices.Contains(out, s.X) {
-			out = append(out, s.X)
+	out := distinct(m.Series, func(s Series) float64 { return s.X })
+	slices.Sort(out)
+	return out
+}
+
+// distinct lists key of each series, once each, in first-seen order.
+func distinct[K comparable](series []Series, key func(Series) K) []K {
+	var out []K
+	for _, s := range series {
+		if k := key(s); !slices.Contains(out, k) {
+			out = append(out, k)
 		}
 	}
-	slices.Sort(out)
 	return out
 }
 

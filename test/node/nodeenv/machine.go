@@ -244,15 +244,19 @@ func killPidsIn(procs string) {
 	}
 }
 
-// rmdirRetry removes an empty cgroup, waiting for killed tasks to be gone.
+// rmdirRetry removes an empty cgroup, waiting up to 5 s for killed tasks to
+// be gone. It runs in cleanups, after the test's context has ended: the
+// wait has its own bound.
 func rmdirRetry(dir string) error {
 	var err error
-	for range 50 {
+	if fixtures.Eventually(context.Background(), 5*time.Second, 100*time.Millisecond, func() bool {
 		if err = os.Remove(dir); err == nil || errors.Is(err, os.ErrNotExist) {
-			return nil
+			return true
 		}
 		killPidsIn(filepath.Join(dir, "cgroup.procs"))
-		time.Sleep(100 * time.Millisecond)
+		return false
+	}) {
+		return nil
 	}
 	return fmt.Errorf("remove cgroup %s: %w", dir, err)
 }
@@ -360,7 +364,9 @@ func (m *Machine) killLeftovers(tb testing.TB, keepInit bool) {
 			keep[pid] = true
 		}
 	}
-	for range 50 {
+	// A cleanup, or a reboot: tb's context may have ended, so the wait has
+	// only its own bound.
+	if fixtures.Eventually(context.Background(), 5*time.Second, 100*time.Millisecond, func() bool {
 		var left []int
 		entries, _ := os.ReadDir("/proc")
 		for _, e := range entries {
@@ -373,10 +379,9 @@ func (m *Machine) killLeftovers(tb testing.TB, keepInit bool) {
 				_ = syscall.Kill(pid, syscall.SIGKILL)
 			}
 		}
-		if len(left) == 0 {
-			return
-		}
-		time.Sleep(100 * time.Millisecond)
+		return len(left) == 0
+	}) {
+		return
 	}
 	tb.Errorf("cleanup: processes still in node %s's mount namespace", m.Name)
 }
