@@ -148,9 +148,8 @@ func (d *Datapath) migratePods(l *legacyMaps) error {
 		if !ok {
 			break
 		}
-		var cur redirectPodSettings
-		if d.objs.Pods.Lookup(cookie, &cur) == nil {
-			continue // migrated by an earlier, interrupted start
+		if d.migratedBefore(cookie) {
+			continue
 		}
 		v.Flags &^= earlierProbeNode | earlierCopied
 		// pod_net first: the pods entry is what the programs key on.
@@ -164,10 +163,23 @@ func (d *Datapath) migratePods(l *legacyMaps) error {
 		}
 		n++
 	}
+	return d.migrated(it, "an earlier socket-lookup layout", n)
+}
+
+// migratedBefore reports whether the pod is in this layout's map already: put
+// there by an earlier start that was interrupted, or enrolled since.
+func (d *Datapath) migratedBefore(cookie uint64) bool {
+	var cur redirectPodSettings
+	return d.objs.Pods.Lookup(cookie, &cur) == nil
+}
+
+// migrated ends a migration that read its pods through it: the iteration's
+// error, or a log of how many pods came from layout.
+func (d *Datapath) migrated(it *ebpf.MapIterator, layout string, n int) error {
 	if err := it.Err(); err != nil {
-		return fmt.Errorf("read legacy pods: %w", err)
+		return fmt.Errorf("read the pods of %s: %w", layout, err)
 	}
-	d.log.Info("migrated pods from an earlier socket-lookup layout", zap.Int("pods", n))
+	d.log.Info("migrated pods from "+layout, zap.Int("pods", n))
 	return nil
 }
 
@@ -285,8 +297,7 @@ func (d *Datapath) migrate(l *legacyMaps) error {
 	)
 	it := settings.Iterate()
 	for it.Next(&cookie, &v) {
-		var cur redirectPodSettings
-		if d.objs.Pods.Lookup(cookie, &cur) == nil {
+		if d.migratedBefore(cookie) {
 			continue
 		}
 		ports := portsFromBPF(v.ExcludedPorts[:], v.NrExcludedPorts)
@@ -316,11 +327,7 @@ func (d *Datapath) migrate(l *legacyMaps) error {
 		}
 		n++
 	}
-	if err := it.Err(); err != nil {
-		return fmt.Errorf("read legacy settings: %w", err)
-	}
-	d.log.Info("migrated pods from an earlier layout", zap.Int("pods", n))
-	return nil
+	return d.migrated(it, "an earlier layout", n)
 }
 
 func legacyCIDRs(m *ebpf.Map) (map[uint64][]netip.Prefix, error) {
