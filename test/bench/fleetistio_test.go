@@ -53,7 +53,8 @@ type istioNodeNet struct {
 }
 
 // newIstioNet makes n node namespaces, their links and the API server's
-// address. It runs before any long-lived process starts (see spawner).
+// address. It runs before any long-lived process of the level starts (see
+// spawner).
 func newIstioNet(ctx context.Context, b *testing.B, n int) *istioNet {
 	b.Helper()
 	bins, err := harness.IstioBinDir(ctx)
@@ -124,6 +125,8 @@ type istioNode struct {
 	// pods the agent handed over.
 	synced atomic.Bool
 	adds   atomic.Int64
+	// notReady says why the last readiness check failed.
+	notReady string
 }
 
 // istioFleet is istio-cni's side of one level.
@@ -260,9 +263,11 @@ func (n *istioNode) launch(b *testing.B, api netip.AddrPort, src, bins string) {
 // on the node's address), its ZDS session with the double is synced, and its
 // plugin is chained into the node's conflist.
 func (n *istioNode) ready(ctx context.Context) bool {
+	n.notReady = "no ZDS session with the double"
 	if !n.synced.Load() {
 		return false
 	}
+	n.notReady = "its readiness endpoint does not answer 200"
 	rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
 	req, err := http.NewRequestWithContext(rctx, http.MethodGet, "http://"+netip.AddrPortFrom(n.net.addr, 8000).String()+"/readyz", nil)
@@ -277,6 +282,7 @@ func (n *istioNode) ready(ctx context.Context) bool {
 	if resp.StatusCode != http.StatusOK {
 		return false
 	}
+	n.notReady = "its plugin is not in the conflist"
 	raw, err := os.ReadFile(filepath.Join(n.conf, "10-fleet.conflist"))
 	if err != nil {
 		return false
@@ -301,7 +307,7 @@ func (f *istioFleet) launchAll(ctx context.Context, b *testing.B, api netip.Addr
 	for _, n := range f.nodes {
 		n.launch(b, api, f.src, f.net.bins)
 	}
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
 	errs := make([]error, len(f.nodes))
 	var wg sync.WaitGroup
@@ -313,7 +319,7 @@ func (f *istioFleet) launchAll(ctx context.Context, b *testing.B, api netip.Addr
 					errs[i] = fmt.Errorf("istio-cni on %s exited before it was ready:\n%s", n.name, n.proc.Output())
 					return
 				case <-ctx.Done():
-					errs[i] = fmt.Errorf("istio-cni on %s not ready: %w\n%s", n.name, ctx.Err(), n.proc.Output())
+					errs[i] = fmt.Errorf("istio-cni on %s not ready (%s): %w", n.name, n.notReady, ctx.Err())
 					return
 				case <-time.After(100 * time.Millisecond):
 				}
