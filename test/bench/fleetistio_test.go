@@ -156,6 +156,9 @@ func (f *istioFleet) prepare(ctx context.Context, b *testing.B, api *kubeenv.API
 	if err != nil {
 		return err
 	}
+	// The doubles' sessions end with the level.
+	ctx, cancel := context.WithCancel(ctx)
+	b.Cleanup(cancel)
 	for i, name := range names {
 		// Short: socket paths are limited to 107 bytes.
 		dir, err := os.MkdirTemp("", "mfi-")
