@@ -90,7 +90,7 @@ func BenchmarkFleet(b *testing.B) {
 		"each in a network namespace of its own (where it writes its host rules), its own PID and mount namespace and chroot with its service account's token (a user of its own), "+
 		"and a ztunnel double's ZDS session (test/ztunnel's, serving no data path) acking the pods it hands over. "+
 		"Namespaces in the mesh are labelled `istio.io/dataplane-mode=ambient`. Each pod start runs istio-cni's real plugin's ADD as the kubelet's chain would, right after the create returns "+
-		"(the CNI environment, its entry of the conflist install-cni wrote, the primary network's result), tried again a second later when it fails, as the kubelet does. "+
+		"(the CNI environment, its entry of the conflist install-cni wrote, the primary network's result), tried again 10 s later when it fails, as the kubelet's pod worker does. "+
 		"The plugin is given a kubeconfig of its own (in a cluster it uses its agent's token) so the audit log tells its requests from the agent's. "+
 		"Every pod shares one network namespace: the agent's in-pod rules are written there over and over, and no traffic is redirected.", levels[0]))
 
@@ -782,7 +782,12 @@ func (f *fleet) podStart(ctx context.Context, gate bool) (time.Duration, error) 
 	f.mu.Unlock()
 	node := i % len(f.nodes)
 	name := fmt.Sprintf("pod-%06d", i)
-	cctx, cancel := context.WithTimeout(ctx, time.Minute)
+	limit := time.Minute
+	if f.istio != nil {
+		// Its plugin's ADD is tried again for as long.
+		limit += istioAddLimit
+	}
+	cctx, cancel := context.WithTimeout(ctx, limit)
 	defer cancel()
 	p, err := f.admin.CoreV1().Pods(ns).Create(cctx, &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Labels: map[string]string{"app": "fleet"}},

@@ -356,10 +356,10 @@ func (f *istioFleet) stopAll(ctx context.Context) error {
 // add runs istio-cni's plugin's ADD for the pod on node i as the kubelet's
 // chain would, after the primary network (whose result it is given): the
 // plugin's own binary, installed by its agent, with the CNI environment and its
-// entry of the conflist. A failed ADD is tried again a second later, as the
-// kubelet retries a sandbox (the plugin fails while its agent has not seen the
-// pod yet, or its work for the pods before has it past the plugin's 5 s
-// timeout), for up to 2 minutes.
+// entry of the conflist. A failed ADD is tried again 10 s later, as the
+// kubelet's pod worker requeues a failed sync (the plugin fails while its agent
+// has not seen the pod yet, or while its work for the pods before keeps it past
+// the plugin's 5 s timeout), for up to istioAddLimit.
 func (f *istioFleet) add(ctx context.Context, i int, namespace, name, uid string, seq int, netnsPath string) error {
 	n := f.nodes[i]
 	conf := map[string]any{}
@@ -381,7 +381,7 @@ func (f *istioFleet) add(ctx context.Context, i int, namespace, name, uid string
 		return err
 	}
 	cid := strings.ReplaceAll(uid, "-", "")
-	deadline := time.Now().Add(2 * time.Minute)
+	deadline := time.Now().Add(istioAddLimit)
 	for {
 		cmd := exec.CommandContext(ctx, filepath.Join(n.bin, "istio-cni"))
 		cmd.Env = []string{"CNI_COMMAND=ADD", "CNI_CONTAINERID=" + cid, "CNI_NETNS=" + netnsPath, "CNI_IFNAME=eth0", "CNI_PATH=" + n.bin,
@@ -397,11 +397,18 @@ func (f *istioFleet) add(ctx context.Context, i int, namespace, name, uid string
 			return fmt.Errorf("istio-cni ADD %s/%s on %s: %w: %s %s", namespace, name, n.name, err, out, stderr.String())
 		}
 		f.failed.Add(1)
-		if err := sleepCtx(ctx, time.Second); err != nil {
+		if err := sleepCtx(ctx, istioAddRetry); err != nil {
 			return err
 		}
 	}
 }
+
+// istioAddRetry is the kubelet's back-off after a failed pod sync
+// (backOffPeriod), and istioAddLimit how long a pod's ADD is tried.
+const (
+	istioAddRetry = 10 * time.Second
+	istioAddLimit = 5 * time.Minute
+)
 
 // rss is every agent's resident memory, in MiB.
 func (f *istioFleet) rss() ([]float64, error) {
