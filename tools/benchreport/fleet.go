@@ -67,6 +67,18 @@ func fleetVsIstio(m *results.Metric, variant string) (mesh, istio, x float64) {
 	return med(m.Find(variant, x)), med(m.Find(istioVariant+variant, x)), x
 }
 
+// vsIstio starts a fleet target that compares mesh-cni with istio-cni: the
+// two values of variant in the fleet's metric (see fleetVsIstio) and the fleet
+// size, NaN unless both were measured and istio-cni's is not 0.
+func (d data) vsIstio(goal, metric, variant string) (t target, mesh, istio, x float64) {
+	t, m := d.target(goal, "fleet", metric)
+	mesh, istio, x = fleetVsIstio(m, variant)
+	if !ok(mesh, istio) || istio == 0 {
+		x = math.NaN()
+	}
+	return t, mesh, istio, x
+}
+
 // fleetTop is the largest fleet measured, and whether the base size was too.
 func fleetTop(m *results.Metric) (top float64, hasBase bool) {
 	xs := m.Xs()
@@ -105,14 +117,13 @@ func fleetWrites(d data) target {
 }
 
 func fleetRequestsVsIstio(d data) target {
-	t, m := d.target("API requests per pod start, node agent and plugin together: ≤ 0.5× istio-cni's, none from mesh-cni's plugin", "fleet", "requests-per-pod")
-	mesh, istio, x := fleetVsIstio(m, "all")
-	if !ok(mesh, istio) || istio == 0 {
+	t, mesh, istio, x := d.vsIstio("API requests per pod start, node agent and plugin together: ≤ 0.5× istio-cni's, none from mesh-cni's plugin", "requests-per-pod", "all")
+	if !ok(x) {
 		return t
 	}
 	r := mesh / istio
 	t.measured = fmt.Sprintf("%.2f× (%s against %s requests per pod start at %s nodes", r, num(mesh), num(istio), numX(x))
-	if _, plugin, _ := fleetVsIstio(m, "plugin"); ok(plugin) {
+	if _, plugin, _ := fleetVsIstio(d.metric("fleet", "requests-per-pod"), "plugin"); ok(plugin) {
 		t.measured += fmt.Sprintf("; %s of istio-cni's from its plugin", num(plugin))
 	}
 	t.measured += "); mesh-cni's plugin holds no credential: the benchmark calls the gate as it would"
@@ -122,9 +133,8 @@ func fleetRequestsVsIstio(d data) target {
 }
 
 func fleetWatchVsIstio(d data) target {
-	t, m := d.target("watch events the API server sends per pod start ≤ istio-cni's", "fleet", "watch-events")
-	mesh, istio, x := fleetVsIstio(m, "per-pod")
-	if !ok(mesh, istio) || istio == 0 {
+	t, mesh, istio, x := d.vsIstio("watch events the API server sends per pod start ≤ istio-cni's", "watch-events", "per-pod")
+	if !ok(x) {
 		return t
 	}
 	t.measured = fmt.Sprintf("%.2f× (%s against %s per pod created at %s nodes; every watcher counted)", mesh/istio, num(mesh), num(istio), numX(x))
@@ -134,10 +144,9 @@ func fleetWatchVsIstio(d data) target {
 }
 
 func fleetCPUVsIstio(d data) target {
-	t, m := d.target("API server CPU per pod start and per agent start ≤ 0.7× istio-cni's", "fleet", "apiserver-cpu-per-pod")
-	pod, ipod, x := fleetVsIstio(m, "agents")
+	t, pod, ipod, x := d.vsIstio("API server CPU per pod start and per agent start ≤ 0.7× istio-cni's", "apiserver-cpu-per-pod", "agents")
 	start, istart, _ := fleetVsIstio(d.metric("fleet", "agent-start-cpu"), "first-start")
-	if !ok(pod, ipod, start, istart) || ipod == 0 || istart == 0 {
+	if !ok(x, start, istart) || istart == 0 {
 		return t
 	}
 	rp, rs := pod/ipod, start/istart
