@@ -23,6 +23,10 @@ import (
 // for the scale benchmark), for checking that everything runs end to end.
 const envQuick = "MESH_BENCH_QUICK"
 
+// envFleetLevels names the environment variable that replaces BenchmarkFleet's
+// fleet sizes: comma-separated, e.g. "10" (istio-cni's side runs at the first).
+const envFleetLevels = "MESH_BENCH_FLEET_LEVELS"
+
 // quickMode reports whether MESH_BENCH_QUICK is set to something true.
 func quickMode() bool {
 	v, err := strconv.ParseBool(os.Getenv(envQuick))

@@ -4,8 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
+	"net/url"
+	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -38,7 +42,9 @@ const fleetAgentPrefix = "mesh-agent-"
 // then in a burst; each pod's start reaches its node's agent over the gate,
 // as the plugin's call does, right after the create returns. The audit log
 // attributes every request to its agent; /proc gives the API server's and
-// etcd's CPU time and memory.
+// etcd's CPU time and memory. At the smallest fleet, istio-cni's real node
+// agent and plugin take the same phases (but the outage) on a control plane of
+// their own, so the report compares the two from one run.
 func BenchmarkFleet(b *testing.B) {
 	requireRoot(b)
 	ctx := fixtures.Context(b, 50*time.Minute)
@@ -49,6 +55,16 @@ func BenchmarkFleet(b *testing.B) {
 	levels := []int{10, 40, 100}
 	if quickMode() {
 		levels = []int{3}
+	}
+	if v := os.Getenv(envFleetLevels); v != "" {
+		levels = nil
+		for f := range strings.SplitSeq(v, ",") {
+			n, err := strconv.Atoi(strings.TrimSpace(f))
+			if err != nil || n < 1 {
+				b.Fatalf("$%s=%q: want fleet sizes, comma-separated", envFleetLevels, v)
+			}
+			levels = append(levels, n)
+		}
 	}
 	cfg := fleetConfig{
 		namespaces: size(400, 40), steady: size(400, 40), rate: 20,
@@ -69,8 +85,14 @@ func BenchmarkFleet(b *testing.B) {
 			"CPU is the processes' user+system time from /proc over each phase; the machine is shared, so ratios and counts hold better than absolute times. "+
 			"The burst of the largest fleet runs under a machine profile (perf, every CPU), which shows what its latency is bound by.",
 			cfg.namespaces, cfg.baseline, cfg.rate, cfg.steady, cfg.rate, cfg.burstPerNode, cfg.churn))
-	res.Notes = append(res.Notes, "No istio-cni variant yet: its node agent and plugin per node (a chroot and PID namespace each, as test/k8s runs one) "+
-		"are not in this benchmark; the counts here stand alone.")
+	res.Notes = append(res.Notes, fmt.Sprintf("istio-cni's side, at %d nodes (the smallest fleet; it runs after mesh-cni's, on an API server and etcd of its own): "+
+		"the same phases but the outage, with istio-cni's real node agent (`install-cni` from istio.io/istio, ambient on with its chart's enablement selector, repair off) on every node, "+
+		"each in a network namespace of its own (where it writes its host rules), its own PID and mount namespace and chroot with its service account's token (a user of its own), "+
+		"and a ztunnel double's ZDS session (test/ztunnel's, serving no data path) acking the pods it hands over. "+
+		"Namespaces in the mesh are labelled `istio.io/dataplane-mode=ambient`. Each pod start runs istio-cni's real plugin's ADD as the kubelet's chain would, right after the create returns "+
+		"(the CNI environment, its entry of the conflist install-cni wrote, the primary network's result), tried again 10 s later when it fails, as the kubelet's pod worker does. "+
+		"The plugin is given a kubeconfig of its own (in a cluster it uses its agent's token) so the audit log tells its requests from the agent's. "+
+		"Every pod shares one network namespace: the agent's in-pod rules are written there over and over, and no traffic is redirected.", levels[0]))
 
 	// The pods' network namespace, shared: the agent records each pod by its
 	// attachment; with no data path nothing is put inside it. Made before any
@@ -89,10 +111,19 @@ func BenchmarkFleet(b *testing.B) {
 		// The largest burst, profiled.
 		lc.profile = i == len(levels)-1
 		b.Run(fmt.Sprintf("agents=%d", n), func(b *testing.B) {
-			runFleetLevel(ctx, b, bins, podNS.Path, n, lc, m)
+			runFleetLevel(ctx, b, bins, podNS.Path, n, lc, m, false)
 		})
 		if b.Failed() {
 			return
+		}
+		if i == 0 {
+			ic := cfg
+			b.Run(fmt.Sprintf("istio-cni/agents=%d", n), func(b *testing.B) {
+				runFleetLevel(ctx, b, bins, podNS.Path, n, ic, m, true)
+			})
+			if b.Failed() {
+				return
+			}
 		}
 	}
 	res.Metrics = append(res.Metrics, m.all()...)
@@ -139,7 +170,7 @@ type fleetMetrics struct {
 func newFleetMetrics() *fleetMetrics {
 	const x = "agents (nodes)"
 	return &fleetMetrics{
-		requests:    results.Metric{Name: "requests-per-pod", Title: "Agents' API requests per pod start, by verb", Unit: "req", XLabel: x},
+		requests:    results.Metric{Name: "requests-per-pod", Title: "Node agents' (and istio-cni's plugins') API requests per pod start, by verb", Unit: "req", XLabel: x},
 		writes:      results.Metric{Name: "writes-per-pod", Title: "Agents' API writes per pod start, meshed and not", Unit: "req", XLabel: x},
 		misses:      results.Metric{Name: "cache-misses", Title: "Decisions that had to ask the API server (pod GETs per pod start)", Unit: "req", XLabel: x},
 		watchEvents: results.Metric{Name: "watch-events", Title: "Watch events the API server sent, per object created", Unit: "events", XLabel: x},
@@ -148,7 +179,7 @@ func newFleetMetrics() *fleetMetrics {
 		idle:        results.Metric{Name: "idle-cpu-per-agent", Title: "API server CPU per idle agent", Unit: "ms/s", XLabel: x},
 		startReqs:   results.Metric{Name: "agent-start-requests", Title: "API requests per agent start, and refused", Unit: "req", XLabel: x},
 		startCPU:    results.Metric{Name: "agent-start-cpu", Title: "API server CPU per agent start", Unit: "ms", XLabel: x},
-		latency:     results.Metric{Name: "decision-latency", Title: "Pod create → the gate's decision", Unit: "ms", XLabel: x},
+		latency:     results.Metric{Name: "decision-latency", Title: "Pod create → the gate's decision (istio-cni: its plugin's ADD returned, its process start included)", Unit: "ms", XLabel: x},
 		restart:     results.Metric{Name: "fleet-restart", Title: "Whole-fleet restart: until every agent is ready", Unit: "s", XLabel: x},
 		restartRate: results.Metric{Name: "restart-request-rate", Title: "Agents' requests in the busiest second of a start all at once", Unit: "req/s", XLabel: x},
 		memory:      results.Metric{Name: "control-plane-memory", Title: "API server and etcd memory (VmRSS) at the end", Unit: "MiB", XLabel: x},
@@ -178,20 +209,72 @@ type fleet struct {
 	seq        int
 	// createdLog lists the pods created in the current phase.
 	createdLog []createdPod
+	// istio, when set, is istio-cni's side in place of mesh-cni's.
+	istio *istioFleet
+	// apiAddr is the API server's address for istio-cni's agents.
+	apiAddr netip.AddrPort
 }
 
-func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, netnsPath string, n int, cfg fleetConfig, m *fleetMetrics) {
+// series names a series of the fleet's variant.
+func (f *fleet) series(name string) string {
+	if f.istio != nil {
+		return istioSeries + name
+	}
+	return name
+}
+
+// label labels a series of the fleet's variant.
+func (f *fleet) label(l string) string {
+	if f.istio != nil {
+		return "istio-cni: " + l
+	}
+	return l
+}
+
+// counted reports whether user is one of the variant's node agents or plugins.
+func (f *fleet) counted(user string) bool {
+	if f.istio != nil {
+		return f.istio.counted(user)
+	}
+	return strings.HasPrefix(user, fleetAgentPrefix)
+}
+
+// runFleetLevel runs one level: mesh-cni's agents, or istio-cni's.
+func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, netnsPath string, n int, cfg fleetConfig, m *fleetMetrics, istio bool) {
 	x := float64(n)
 	f := &fleet{netns: netnsPath, meshed: map[string]bool{}}
-	users := map[string][]string{}
+	opts := kubeenv.APIServerOptions{Users: map[string][]string{}, PriorityAndFairness: true, Audit: true}
+	if istio {
+		// The nodes' namespaces are made before this level's first
+		// process starts (see spawner); the levels before have ended theirs.
+		inet := newIstioNet(ctx, b, n)
+		f.istio = &istioFleet{net: inet}
+		opts.Address = inet.api.String()
+	}
 	for i := range n {
 		node := fmt.Sprintf("node-%03d", i)
 		f.nodes = append(f.nodes, node)
-		users[fleetAgentPrefix+node] = []string{kubeenv.AgentGroup}
+		if f.istio != nil {
+			opts.Users[istioAgentPrefix+node] = []string{istioCNIGroup}
+			opts.Users[istioPluginPrefix+node] = []string{istioCNIGroup}
+		} else {
+			opts.Users[fleetAgentPrefix+node] = []string{kubeenv.AgentGroup}
+		}
 	}
 	f.etcd = kubeenv.StartEtcd(b, bins)
-	f.api = kubeenv.StartAPIServerWith(b, bins, f.etcd, "fleet", kubeenv.APIServerOptions{Users: users, PriorityAndFairness: true, Audit: true})
-	f.api.GrantAgent(b)
+	f.api = kubeenv.StartAPIServerWith(b, bins, f.etcd, "fleet", opts)
+	if f.istio != nil {
+		f.api.GrantIstioCNI(b, istioCNIGroup)
+		u, err := url.Parse(f.api.URL)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if f.apiAddr, err = netip.ParseAddrPort(u.Host); err != nil {
+			b.Fatal(err)
+		}
+	} else {
+		f.api.GrantAgent(b)
+	}
 	rc := f.api.RestConfig(kubeenv.AdminUser)
 	// The benchmark's own creates must not be what limits the rate.
 	rc.QPS, rc.Burst = 1000, 2000
@@ -214,23 +297,30 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 	if err != nil {
 		b.Fatal(err)
 	}
-	point(&m.cpuPerPod, "no-agents", "no agents (the create alone)", x, base.apiCPU/float64(cfg.baseline))
-	point(&m.etcdPerPod, "no-agents", "no agents (the create alone)", x, base.etcdCPU/float64(cfg.baseline))
+	point(&m.cpuPerPod, f.series("no-agents"), f.label("no agents (the create alone)"), x, base.apiCPU/float64(cfg.baseline))
+	point(&m.etcdPerPod, f.series("no-agents"), f.label("no agents (the create alone)"), x, base.etcdCPU/float64(cfg.baseline))
 
 	// The agents start together.
 	var startTook time.Duration
 	start, err := f.phase(ctx, func() error {
 		t0 := time.Now()
-		err := f.startAgents(ctx, b, n)
+		var err error
+		if f.istio != nil {
+			if err = f.istio.prepare(ctx, b, f.api, f.nodes); err == nil {
+				err = f.istio.launchAll(ctx, b, f.apiAddr)
+			}
+		} else {
+			err = f.startAgents(ctx, b, n)
+		}
 		startTook = time.Since(t0)
 		return err
 	})
 	if err != nil {
 		b.Fatal(err)
 	}
-	point(&m.startReqs, "first-start", "first start, all at once", x, float64(len(start.agentReqs))/x)
-	point(&m.startCPU, "first-start", "first start, all at once", x, start.apiCPU/x)
-	point(&m.restart, "first-start", "first start, all at once", x, startTook.Seconds())
+	point(&m.startReqs, f.series("first-start"), f.label("first start, all at once"), x, float64(len(start.agentReqs))/x)
+	point(&m.startCPU, f.series("first-start"), f.label("first start, all at once"), x, start.apiCPU/x)
+	point(&m.restart, f.series("first-start"), f.label("first start, all at once"), x, startTook.Seconds())
 
 	idle, err := f.phase(ctx, func() error { return sleepCtx(ctx, fleetIdle) })
 	if err != nil {
@@ -238,7 +328,7 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 	}
 	// What the idle agents add to the idle API server's own background work.
 	perAgentIdle := (idle.apiCPU/idle.took.Seconds() - idleBase.apiCPU/idleBase.took.Seconds()) / x
-	point(&m.idle, "apiserver", "API server CPU per agent, idle (above the API server's own)", x, perAgentIdle)
+	point(&m.idle, f.series("apiserver"), f.label("API server CPU per agent, idle (above the API server's own)"), x, perAgentIdle)
 
 	// Steady pod starts.
 	var steadyLat []float64
@@ -286,8 +376,8 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 	if err != nil {
 		b.Fatal(err)
 	}
-	point(&m.latency, "steady", fmt.Sprintf("steady, %d pods/s", cfg.rate), x, steadyLat...)
-	point(&m.latency, "burst", "burst, every node's pods at once", x, burstLat...)
+	point(&m.latency, f.series("steady"), f.label(fmt.Sprintf("steady, %d pods/s", cfg.rate)), x, steadyLat...)
+	point(&m.latency, f.series("burst"), f.label("burst, every node's pods at once"), x, burstLat...)
 	pods := float64(cfg.steady + cfg.burstPerNode*n)
 	both := append(slices.Clone(steady.agentReqs), burst.agentReqs...)
 	for _, verb := range []string{"get", "patch", "create", "list", "watch"} {
@@ -297,16 +387,25 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 				count++
 			}
 		}
-		point(&m.requests, verb, verb, x, float64(count)/pods)
+		point(&m.requests, f.series(verb), f.label(verb), x, float64(count)/pods)
 	}
-	point(&m.requests, "all", "all verbs", x, float64(len(both))/pods)
+	point(&m.requests, f.series("all"), f.label("all verbs"), x, float64(len(both))/pods)
+	if f.istio != nil {
+		plugin := 0
+		for _, e := range both {
+			if strings.HasPrefix(e.User.Username, istioPluginPrefix) {
+				plugin++
+			}
+		}
+		point(&m.requests, f.series("plugin"), f.label("of which the plugin's"), x, float64(plugin)/pods)
+	}
 	refusedPods := 0
 	for _, e := range both {
 		if e.ResponseStatus.Code == 429 {
 			refusedPods++
 		}
 	}
-	point(&m.requests, "refused", "of which refused (429)", x, float64(refusedPods)/pods)
+	point(&m.requests, f.series("refused"), f.label("of which refused (429)"), x, float64(refusedPods)/pods)
 	meshedPods, plainPods := f.podsByMesh(append(slices.Clone(steady.created), burst.created...))
 	meshedW, plainW := 0, 0
 	for _, e := range both {
@@ -320,8 +419,8 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 			}
 		}
 	}
-	point(&m.writes, "meshed", "per meshed pod start", x, float64(meshedW)/float64(meshedPods))
-	point(&m.writes, "unmeshed", "per pod start outside the mesh", x, float64(plainW)/float64(plainPods))
+	point(&m.writes, f.series("meshed"), f.label("per meshed pod start"), x, float64(meshedW)/float64(meshedPods))
+	point(&m.writes, f.series("unmeshed"), f.label("per pod start outside the mesh"), x, float64(plainW)/float64(plainPods))
 	for _, ph := range []struct {
 		name string
 		p    phaseResult
@@ -329,25 +428,36 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 	}{{"steady", steady, cfg.steady}, {"burst", burst, cfg.burstPerNode * n}} {
 		gets := 0
 		for _, e := range ph.p.agentReqs {
-			if e.Verb == "get" && e.ObjectRef.Resource == "pods" {
+			// istio-cni's plugin reads every pod it is called for: not a
+			// decision its agent's cache missed.
+			if e.Verb == "get" && e.ObjectRef.Resource == "pods" && !strings.HasPrefix(e.User.Username, istioPluginPrefix) {
 				gets++
 			}
 		}
-		point(&m.misses, ph.name, ph.name, x, float64(gets)/float64(ph.pods))
+		point(&m.misses, f.series(ph.name), f.label(ph.name), x, float64(gets)/float64(ph.pods))
 	}
-	point(&m.cpuPerPod, "agents", "with the agents", x, (steady.apiCPU+burst.apiCPU)/pods)
-	point(&m.etcdPerPod, "agents", "with the agents", x, (steady.etcdCPU+burst.etcdCPU)/pods)
-	point(&m.watchEvents, "per-pod", "per pod created (pods)", x, (steady.podEvents+burst.podEvents)/pods)
+	point(&m.cpuPerPod, f.series("agents"), f.label("with the agents"), x, (steady.apiCPU+burst.apiCPU)/pods)
+	point(&m.etcdPerPod, f.series("agents"), f.label("with the agents"), x, (steady.etcdCPU+burst.etcdCPU)/pods)
+	point(&m.watchEvents, f.series("per-pod"), f.label("per pod created (pods)"), x, (steady.podEvents+burst.podEvents)/pods)
 
 	churn, err := f.phase(ctx, func() error { return f.makeNamespaces(ctx, "churn", cfg.churn) })
 	if err != nil {
 		b.Fatal(err)
 	}
-	point(&m.watchEvents, "per-namespace", "per namespace created (namespaces)", x, churn.nsEvents/float64(cfg.churn))
+	point(&m.watchEvents, f.series("per-namespace"), f.label("per namespace created (namespaces)"), x, churn.nsEvents/float64(cfg.churn))
 
 	// Every agent restarted at once.
 	var restartTook time.Duration
 	restart, err := f.phase(ctx, func() error {
+		if f.istio != nil {
+			if err := f.istio.stopAll(ctx); err != nil {
+				return err
+			}
+			t0 := time.Now()
+			err := f.istio.launchAll(ctx, b, f.apiAddr)
+			restartTook = time.Since(t0)
+			return err
+		}
 		errs := make([]error, len(f.agents))
 		var wg sync.WaitGroup
 		for i, a := range f.agents {
@@ -371,19 +481,19 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 			refused++
 		}
 	}
-	point(&m.restart, "restart", "SIGTERM all, start all, until every gate is ready", x, restartTook.Seconds())
-	point(&m.startReqs, "restart", "fleet restart", x, float64(len(restart.agentReqs))/x)
-	point(&m.startReqs, "refused", "refused (429) in the fleet restart", x, float64(refused)/x)
-	point(&m.startCPU, "restart", "fleet restart", x, restart.apiCPU/x)
-	point(&m.restartRate, "restart", "fleet restart: the busiest second", x, peakPerSecond(restart.agentReqs))
-	point(&m.restartRate, "first-start", "first start: the busiest second", x, peakPerSecond(start.agentReqs))
+	point(&m.restart, f.series("restart"), f.label("SIGTERM all, start all, until every gate is ready"), x, restartTook.Seconds())
+	point(&m.startReqs, f.series("restart"), f.label("fleet restart"), x, float64(len(restart.agentReqs))/x)
+	point(&m.startReqs, f.series("refused"), f.label("refused (429) in the fleet restart"), x, float64(refused)/x)
+	point(&m.startCPU, f.series("restart"), f.label("fleet restart"), x, restart.apiCPU/x)
+	point(&m.restartRate, f.series("restart"), f.label("fleet restart: the busiest second"), x, peakPerSecond(restart.agentReqs))
+	point(&m.restartRate, f.series("first-start"), f.label("first start: the busiest second"), x, peakPerSecond(start.agentReqs))
 
 	if cfg.outage > 0 {
 		ready, reconnect, err := f.outage(ctx, b, cfg.outage)
 		if err != nil {
 			b.Fatal(err)
 		}
-		point(&m.restart, "outage-reconnect", fmt.Sprintf("after a %s API server outage: from its start until every agent is back", cfg.outage), x, reconnect.Seconds())
+		point(&m.restart, f.series("outage-reconnect"), f.label(fmt.Sprintf("after a %s API server outage: from its start until every agent is back", cfg.outage)), x, reconnect.Seconds())
 		if ready < n {
 			b.Errorf("%d of %d agents stopped being ready during the API server outage: a node's agent must keep deciding from its cache", n-ready, n)
 		}
@@ -400,8 +510,8 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 	if err != nil {
 		b.Fatal(err)
 	}
-	point(&m.memory, "apiserver", "kube-apiserver", x, apiRSS/1024)
-	point(&m.memory, "etcd", "etcd", x, etcdRSS/1024)
+	point(&m.memory, f.series("apiserver"), f.label("kube-apiserver"), x, apiRSS/1024)
+	point(&m.memory, f.series("etcd"), f.label("etcd"), x, etcdRSS/1024)
 	var agentRSS []float64
 	for _, a := range f.agents {
 		rss, err := procStatusKiB(a.pid(), "VmRSS")
@@ -410,10 +520,25 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 		}
 		agentRSS = append(agentRSS, rss/1024)
 	}
-	point(&m.memory, "agent", "one mesh-agent (each node's)", x, agentRSS...)
-	b.Logf("N=%d: %.2f agent requests per pod start (%d pods), writes %.2f meshed / %.2f unmeshed, API server CPU %.1f ms per pod (%.1f without agents), "+
+	agentName, variant := "one mesh-agent (each node's)", "mesh-cni"
+	if f.istio != nil {
+		if agentRSS, err = f.istio.rss(); err != nil {
+			b.Fatal(err)
+		}
+		agentName, variant = "one install-cni (each node's)", "istio-cni"
+		if retried := f.istio.failed.Load(); retried > 0 {
+			m.notes = append(m.notes, fmt.Sprintf("istio-cni at %d nodes: %d plugin ADDs failed and were tried again a second later, as the kubelet would (their requests are counted).", n, retried))
+		}
+		var adds int64
+		for _, node := range f.istio.nodes {
+			adds += node.adds.Load()
+		}
+		b.Logf("istio-cni: %d pods handed over to the ztunnel doubles", adds)
+	}
+	point(&m.memory, f.series("agent"), f.label(agentName), x, agentRSS...)
+	b.Logf("%s N=%d: %.2f agent requests per pod start (%d pods), writes %.2f meshed / %.2f unmeshed, API server CPU %.1f ms per pod (%.1f without agents), "+
 		"decision p50 %.1f ms p99 %.1f ms (burst p99 %.1f ms), idle %.2f ms/s per agent, start %.1f s, restart %.1f s with %d refused",
-		n, float64(len(both))/pods, int(pods), float64(meshedW)/float64(meshedPods), float64(plainW)/float64(plainPods),
+		variant, n, float64(len(both))/pods, int(pods), float64(meshedW)/float64(meshedPods), float64(plainW)/float64(plainPods),
 		(steady.apiCPU+burst.apiCPU)/pods, base.apiCPU/float64(cfg.baseline),
 		results.Median(steadyLat), results.Quantile(steadyLat, 0.99), results.Quantile(burstLat, 0.99),
 		perAgentIdle, startTook.Seconds(), restartTook.Seconds(), refused)
@@ -465,7 +590,7 @@ func (f *fleet) phase(ctx context.Context, fn func() error) (phaseResult, error)
 	}
 	r.podEvents, r.nsEvents = podEv1-podEv0, nsEv1-nsEv0
 	for _, e := range after[len(before):] {
-		if strings.HasPrefix(e.User.Username, fleetAgentPrefix) {
+		if f.counted(e.User.Username) {
 			r.agentReqs = append(r.agentReqs, e)
 		}
 	}
@@ -533,6 +658,9 @@ func (f *fleet) makeNamespaces(ctx context.Context, prefix string, count int) er
 		ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("%s-%04d", prefix, i)}}
 		if i%2 == 0 {
 			ns.Labels = map[string]string{enroll.LabelDataplaneMode: enroll.ValueEnabled}
+			if f.istio != nil {
+				ns.Labels = map[string]string{enroll.IstioLabelDataplaneMode: enroll.IstioValueAmbient}
+			}
 		}
 		cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 		_, err := f.admin.CoreV1().Namespaces().Create(cctx, ns, metav1.CreateOptions{})
@@ -654,7 +782,12 @@ func (f *fleet) podStart(ctx context.Context, gate bool) (time.Duration, error) 
 	f.mu.Unlock()
 	node := i % len(f.nodes)
 	name := fmt.Sprintf("pod-%06d", i)
-	cctx, cancel := context.WithTimeout(ctx, time.Minute)
+	limit := time.Minute
+	if f.istio != nil {
+		// Its plugin's ADD is tried again for as long.
+		limit += istioAddLimit
+	}
+	cctx, cancel := context.WithTimeout(ctx, limit)
 	defer cancel()
 	p, err := f.admin.CoreV1().Pods(ns).Create(cctx, &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Labels: map[string]string{"app": "fleet"}},
@@ -673,6 +806,12 @@ func (f *fleet) podStart(ctx context.Context, gate bool) (time.Duration, error) 
 	}
 	created := time.Now()
 	uid := string(p.UID)
+	if f.istio != nil {
+		if err := f.istio.add(cctx, node, ns, name, uid, i, f.netns); err != nil {
+			return 0, err
+		}
+		return time.Since(created), nil
+	}
 	_, err = f.gates[node].Add(cctx, &gatepb.AddRequest{
 		Pod:        &gatepb.PodIdentity{Namespace: ns, Name: name, Uid: uid},
 		Attachment: &gatepb.Attachment{ContainerId: strings.ReplaceAll(uid, "-", ""), Ifname: "eth0", Network: "fleet"},

@@ -367,12 +367,9 @@ func (n *ambientNode) startIstioCNI(t *testing.T) *libcni.NetworkConfigList {
 	root := filepath.Join(n.dir, "root")
 	apiURL := strings.TrimPrefix(n.api.URL, "https://")
 	host, port, _ := net.SplitHostPort(apiURL)
-	selector := `[{"podSelector":{"matchLabels":{"istio.io/dataplane-mode":"ambient"}}},` +
-		`{"podSelector":{"matchExpressions":[{"key":"istio.io/dataplane-mode","operator":"NotIn","values":["none"]}]},` +
-		`"namespaceSelector":{"matchLabels":{"istio.io/dataplane-mode":"ambient"}}}]`
 	n.istioCNI = harness.StartProcess(t, harness.ProcessOptions{
 		Path:      "unshare",
-		Args:      []string{"--mount", "--pid", "--fork", "--kill-child", "--mount-proc", "--propagation", "slave", "--", "sh", "-c", istioCNIRoot, "istio-cni-root", root, sa, src, n.node.BinDir, istioBins(t), n.hostProc},
+		Args:      kubeenv.IstioCNIArgs(root, sa, src, n.node.BinDir, istioBins(t), n.hostProc),
 		Name:      "istio-cni",
 		NetNSPath: n.node.NetNSPath,
 		Env: append([]string{
@@ -380,7 +377,7 @@ func (n *ambientNode) startIstioCNI(t *testing.T) *libcni.NetworkConfigList {
 			"NODE_NAME=" + n.name, "KUBERNETES_NODE_NAME=" + n.name, "POD_NAMESPACE=istio-system",
 			"MOUNTED_CNI_NET_DIR=" + n.node.ConfDir, "CNI_AGENT_RUN_DIR=" + run, "ZTUNNEL_UDS_ADDRESS=" + n.zds,
 			"AMBIENT_ENABLED=true", "AMBIENT_DNS_CAPTURE=true", "AMBIENT_IPV6=true",
-			"AMBIENT_ENABLEMENT_SELECTOR=" + selector, "EXCLUDE_NAMESPACES=kube-system,istio-system",
+			"AMBIENT_ENABLEMENT_SELECTOR=" + kubeenv.IstioAmbientSelector, "EXCLUDE_NAMESPACES=kube-system,istio-system",
 			"REPAIR_ENABLED=false", "MONITORING_PORT=15014", "PLUGIN_LOG_LEVEL=debug",
 		}, n.istioCNIEnv...),
 	})
@@ -403,33 +400,6 @@ func (n *ambientNode) startIstioCNI(t *testing.T) *libcni.NetworkConfigList {
 	})
 	return list
 }
-
-// istioCNIRoot is the root install-cni sees, as its DaemonSet's mounts make it: a
-// tmpfs with the machine's system directories, its service account's files, its
-// image's /opt/cni/bin, and the node's CNI bin dir, procfs and namespaces under
-// /host. Arguments: root, service account dir, plugin source dir, node bin dir,
-// the directory of install-cni, the node's procfs.
-const istioCNIRoot = `set -eu
-root=$1 sa=$2 src=$3 bin=$4 istio=$5 proc=$6
-mkdir -p "$root"
-mount -t tmpfs tmpfs "$root"
-for d in bin sbin lib lib64 usr etc dev proc sys tmp run; do
-	[ -e "/$d" ] || continue
-	if [ -L "/$d" ]; then ln -s "$(readlink "/$d")" "$root/$d"; continue; fi
-	mkdir -p "$root/$d"
-	mount --rbind "/$d" "$root/$d"
-done
-mkdir -p "$root/var/run/secrets/kubernetes.io/serviceaccount" "$root/opt/cni/bin" "$root/host/opt/cni/bin" \
-	"$root/host/proc" "$root/host/run/netns" "$root/host/var/run/netns" "$root/istio"
-mount --bind "$sa" "$root/var/run/secrets/kubernetes.io/serviceaccount"
-mount --bind "$src" "$root/opt/cni/bin"
-mount --bind "$bin" "$root/host/opt/cni/bin"
-mount --rbind "$proc" "$root/host/proc"
-mount --rbind /run/netns "$root/host/run/netns"
-mount --rbind /run/netns "$root/host/var/run/netns"
-mount --bind "$istio" "$root/istio"
-exec chroot "$root" /istio/install-cni
-`
 
 // startMeshAgent runs mesh-agent in istio-cni's place: the Kubernetes source
 // with the istio profile, ZDS on the socket the double connects to, the kubelet

@@ -89,7 +89,7 @@ func writeFixture(t *testing.T, dir string) {
 			},
 			Profiles: []results.Profile{{Name: "agent-add", Title: "agent", File: "profiles/agent.pprof", Command: "go tool pprof", Operations: 2, Operation: "ADD"}}},
 	}
-	fleet := fleetResult(0.5, 1.5)
+	fleet := fleetResult(0.5, 1.5, 0)
 	fleet.Title, fleet.Command, fleet.Started, fleet.Finished, fleet.Env = "Fleet", "make bench", start, start, env
 	fleet.Profiles = []results.Profile{{Name: machinePrefix + "fleet", Title: "machine", File: "profiles/machine.pprof", Command: "go tool pprof"}}
 	rs = append(rs, fleet)

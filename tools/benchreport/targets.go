@@ -436,6 +436,17 @@ func partial(t target, top float64) target {
 	return t
 }
 
+// scaled starts a target on a metric of the scaling benchmark: m is nil when
+// the run has none; top is its largest number of pods and full whether that is
+// the 1000 the targets are set at.
+func (d data) scaled(goal, metric string) (t target, m *results.Metric, top float64, full bool) {
+	t, m = d.target(goal, "scale", metric)
+	if m != nil {
+		top, full = topLevel(m)
+	}
+	return t, m, top, full
+}
+
 // topLevel is the largest X of a scaling metric and whether it is 1000.
 func topLevel(m *results.Metric) (float64, bool) {
 	xs := m.Xs()
@@ -446,11 +457,10 @@ func topLevel(m *results.Metric) (float64, bool) {
 }
 
 func enrollRelease(d data) target {
-	t, m := d.target("per-pod enroll+release ≤ 1 ms at 1000 pods", "scale", "enroll-per-pod")
+	t, m, top, full := d.scaled("per-pod enroll+release ≤ 1 ms at 1000 pods", "enroll-per-pod")
 	if m == nil {
 		return t
 	}
-	top, full := topLevel(m)
 	er := med(m.Find("enroll-release", top))
 	if !ok(er) {
 		return t
@@ -474,11 +484,10 @@ func enrollRelease(d data) target {
 }
 
 func enrollVsIPTables(d data) target {
-	t, m := d.target("… ≥ 4× faster than the in-pod iptables way (same run)", "scale", "enroll-per-pod")
+	t, m, top, full := d.scaled("… ≥ 4× faster than the in-pod iptables way (same run)", "enroll-per-pod")
 	if m == nil {
 		return t
 	}
-	top, full := topLevel(m)
 	er, ipt := m.Find("enroll-release", top), m.Find("iptables", top)
 	if !ok(med(er), med(ipt)) {
 		return t
@@ -661,11 +670,10 @@ func throughputVsLimit(d data) target {
 }
 
 func enrollScaling(d data) target {
-	t, m := d.target("per-pod enroll+release at 1000 pods within 1.5× of at 10", "scale", "enroll-per-pod")
+	t, m, top, full := d.scaled("per-pod enroll+release at 1000 pods within 1.5× of at 10", "enroll-per-pod")
 	if m == nil {
 		return t
 	}
-	top, full := topLevel(m)
 	at10, atTop := med(m.Find("enroll-release", 10)), med(m.Find("enroll-release", top))
 	if !ok(at10, atTop) {
 		return t
@@ -680,11 +688,10 @@ func enrollScaling(d data) target {
 }
 
 func agentMemory(d data) target {
-	t, m := d.target("agent RSS < 64 MiB at 1000 pods", "scale", "agent-memory")
+	t, m, top, full := d.scaled("agent RSS < 64 MiB at 1000 pods", "agent-memory")
 	if m == nil {
 		return t
 	}
-	top, full := topLevel(m)
 	rss := math.Max(med(m.Find("rss", top)), med(m.Find("rss-restarted", top)))
 	if !ok(rss) {
 		return t
@@ -702,11 +709,10 @@ func agentMemory(d data) target {
 }
 
 func restartReady(d data) target {
-	t, m := d.target("agent restart-to-ready with 1000 pods < 2 s", "scale", "restart-ready")
+	t, m, top, full := d.scaled("agent restart-to-ready with 1000 pods < 2 s", "restart-ready")
 	if m == nil {
 		return t
 	}
-	top, full := topLevel(m)
 	s := m.Find("restart", top)
 	worst := maxOf(s)
 	if !ok(worst) {
