@@ -311,19 +311,28 @@ func (p Plugin) Check(args *skel.CmdArgs) error {
 	if err != nil {
 		return err
 	}
-	client, ctx, done, err := p.connect(conf, time.Duration(conf.DelTimeout))
+	return p.ask(conf, "CHECK", func(ctx context.Context, client *gateclient.Client) error {
+		return client.Check(ctx, &gateclient.CheckRequest{
+			Pod:        pod.identity(),
+			Attachment: conf.attachment(args),
+			NetnsPath:  args.Netns,
+			Interfaces: ifs,
+		})
+	})
+}
+
+// ask makes one call of op to the agent, bounded by the configuration's
+// delTimeout (CHECK and GC, which hold no pod's start), and turns its failure
+// into the CNI error the runtime acts on.
+func (p Plugin) ask(conf *NetConf, op string, call func(context.Context, *gateclient.Client) error) error {
+	timeout := time.Duration(conf.DelTimeout)
+	client, ctx, done, err := p.connect(conf, timeout)
 	if err != nil {
 		return err
 	}
 	defer done()
-	err = client.Check(ctx, &gateclient.CheckRequest{
-		Pod:        pod.identity(),
-		Attachment: conf.attachment(args),
-		NetnsPath:  args.Netns,
-		Interfaces: ifs,
-	})
-	if err != nil {
-		return gateError("CHECK", conf.SocketPath, time.Duration(conf.DelTimeout), err)
+	if err := call(ctx, client); err != nil {
+		return gateError(op, conf.SocketPath, timeout, err)
 	}
 	return nil
 }
@@ -341,17 +350,13 @@ func (p Plugin) GC(args *skel.CmdArgs) error {
 	for _, a := range valid {
 		req.Valid = append(req.Valid, gateclient.Attachment{ContainerID: a.ContainerID, Ifname: a.IfName, Network: conf.Name})
 	}
-	client, ctx, done, err := p.connect(conf, time.Duration(conf.DelTimeout))
-	if err != nil {
+	return p.ask(conf, "GC", func(ctx context.Context, client *gateclient.Client) error {
+		resp, err := client.GC(ctx, req)
+		if err == nil {
+			log.Info("gc done", fInt("valid", len(valid)), fInt("released", len(resp.Released)))
+		}
 		return err
-	}
-	defer done()
-	resp, err := client.GC(ctx, req)
-	if err != nil {
-		return gateError("GC", conf.SocketPath, time.Duration(conf.DelTimeout), err)
-	}
-	log.Info("gc done", fInt("valid", len(valid)), fInt("released", len(resp.Released)))
-	return nil
+	})
 }
 
 // Status implements CNI STATUS. It fails only for what no restart of the agent
