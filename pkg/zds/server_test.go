@@ -190,6 +190,18 @@ func checkAdd(t *testing.T, req *zds.Request, want zds.Pod) {
 	}
 }
 
+// addAcked adds p, which the proxy on pc must receive as an AddWorkload and
+// ack, and fails the test unless the add then returns without error.
+func addAcked(t *testing.T, ctx context.Context, srv *zds.Server, pc *zds.ProxyConn, p zds.Pod) {
+	t.Helper()
+	done := async(func() error { return srv.AddPod(ctx, p) })
+	checkAdd(t, recv(t, ctx, pc), p)
+	ack(t, pc, "")
+	if err := wait(t, ctx, done); err != nil {
+		t.Fatalf("add %s: %v", p.UID, err)
+	}
+}
+
 func checkDel(t *testing.T, req *zds.Request, uid string) {
 	t.Helper()
 	if req.GetDel().GetUid() != uid || req.Netns != nil {
@@ -250,12 +262,7 @@ func TestSnapshotKeep(t *testing.T) {
 	if got[1].GetKeep().GetUid() != kept.UID || got[1].Netns != nil {
 		t.Fatalf("want KeepWorkload %s without fd, got %v", kept.UID, got[1].WorkloadRequest)
 	}
-	done := async(func() error { return srv.AddPod(ctx, kept) })
-	checkAdd(t, recv(t, ctx, pc), kept)
-	ack(t, pc, "")
-	if err := wait(t, ctx, done); err != nil {
-		t.Fatalf("AddPod of the kept pod: %v", err)
-	}
+	addAcked(t, ctx, srv, pc, kept)
 }
 
 // TestAddToNewestDeleteToAll: with two proxies connected (an upgrade in progress),
@@ -282,17 +289,12 @@ func TestAddToNewestDeleteToAll(t *testing.T) {
 	}
 
 	st.Add(p2)
-	done := async(func() error { return srv.AddPod(ctx, p2) })
-	checkAdd(t, recv(t, ctx, newer), p2)
-	ack(t, newer, "")
-	if err := wait(t, ctx, done); err != nil {
-		t.Fatalf("add p2: %v", err)
-	}
+	addAcked(t, ctx, srv, newer, p2)
 
 	// p1 goes from both. The old proxy's next request is this delete, so it was
 	// never sent p2.
 	st.Del(p1.UID)
-	done = async(func() error { return srv.DelPod(ctx, p1.UID) })
+	done := async(func() error { return srv.DelPod(ctx, p1.UID) })
 	for _, pc := range []*zds.ProxyConn{old, newer} {
 		checkDel(t, recv(t, ctx, pc), p1.UID)
 		ack(t, pc, "")
@@ -315,12 +317,7 @@ func TestAddToNewestDeleteToAll(t *testing.T) {
 	newer.Close()
 	fixtures.WaitFor(t, time.Minute, "the closed proxy to be dropped", func() bool { return srv.Connected() == 1 })
 	st.Add(p3)
-	done = async(func() error { return srv.AddPod(ctx, p3) })
-	checkAdd(t, recv(t, ctx, old), p3)
-	ack(t, old, "")
-	if err := wait(t, ctx, done); err != nil {
-		t.Fatalf("add p3: %v", err)
-	}
+	addAcked(t, ctx, srv, old, p3)
 	if err := srv.DelPod(ctx, "never-added"); err != nil {
 		t.Errorf("delete of an unknown pod: %v", err)
 	}
@@ -373,12 +370,7 @@ func TestAckError(t *testing.T) {
 	if err := wait(t, ctx, done); !errors.As(err, &ae) || ae.UID != p.UID || ae.Msg != "cannot bind 15001" {
 		t.Fatalf("refused add: %v, want an AckError", err)
 	}
-	done = async(func() error { return srv.AddPod(ctx, p) })
-	checkAdd(t, recv(t, ctx, pc), p)
-	ack(t, pc, "")
-	if err := wait(t, ctx, done); err != nil {
-		t.Fatalf("second add: %v", err)
-	}
+	addAcked(t, ctx, srv, pc, p)
 	done = async(func() error { return srv.DelPod(ctx, p.UID) })
 	checkDel(t, recv(t, ctx, pc), p.UID)
 	ack(t, pc, "still draining")
@@ -496,12 +488,7 @@ func TestMisbehavingProxies(t *testing.T) {
 	fixtures.WaitFor(t, time.Minute, "only the good proxy left", func() bool { return srv.Connected() == 1 })
 	p2 := pod(t, "p2")
 	st.Add(p2)
-	done := async(func() error { return srv.AddPod(ctx, p2) })
-	checkAdd(t, recv(t, ctx, good), p2)
-	ack(t, good, "")
-	if err := wait(t, ctx, done); err != nil {
-		t.Fatalf("add to the good proxy: %v", err)
-	}
+	addAcked(t, ctx, srv, good, p2)
 }
 
 // openFdsTo counts this process's fds that refer to the network namespace with
@@ -602,12 +589,7 @@ func TestAddPodErrors(t *testing.T) {
 		t.Error("DelPod without uid accepted")
 	}
 	// None of it reached the proxy: its next request is this add.
-	done := async(func() error { return srv.AddPod(ctx, good) })
-	checkAdd(t, recv(t, ctx, pc), good)
-	ack(t, pc, "")
-	if err := wait(t, ctx, done); err != nil {
-		t.Fatal(err)
-	}
+	addAcked(t, ctx, srv, pc, good)
 }
 
 // TestSocket checks the socket's mode and directory and that only a stale socket
@@ -759,12 +741,7 @@ func TestNetnsSwappedBehindPath(t *testing.T) {
 	// Nothing reached the proxy: its next request is this add.
 	again := intact
 	again.UID = "again-" + intact.UID
-	done := async(func() error { return srv.AddPod(ctx, again) })
-	checkAdd(t, recv(t, ctx, pc), again)
-	ack(t, pc, "")
-	if err := wait(t, ctx, done); err != nil {
-		t.Fatal(err)
-	}
+	addAcked(t, ctx, srv, pc, again)
 }
 
 // A pod whose namespace the caller already opened for its request is handed
