@@ -202,6 +202,21 @@ func addAcked(t *testing.T, ctx context.Context, srv *zds.Server, pc *zds.ProxyC
 	}
 }
 
+// delAcked deletes the pod uid, which each of pcs must receive as a
+// DelWorkload and ack, and fails the test unless the delete then returns
+// without error.
+func delAcked(t *testing.T, ctx context.Context, srv *zds.Server, uid string, pcs ...*zds.ProxyConn) {
+	t.Helper()
+	done := async(func() error { return srv.DelPod(ctx, uid) })
+	for _, pc := range pcs {
+		checkDel(t, recv(t, ctx, pc), uid)
+		ack(t, pc, "")
+	}
+	if err := wait(t, ctx, done); err != nil {
+		t.Fatalf("delete %s: %v", uid, err)
+	}
+}
+
 func checkDel(t *testing.T, req *zds.Request, uid string) {
 	t.Helper()
 	if req.GetDel().GetUid() != uid || req.Netns != nil {
@@ -294,23 +309,11 @@ func TestAddToNewestDeleteToAll(t *testing.T) {
 	// p1 goes from both. The old proxy's next request is this delete, so it was
 	// never sent p2.
 	st.Del(p1.UID)
-	done := async(func() error { return srv.DelPod(ctx, p1.UID) })
-	for _, pc := range []*zds.ProxyConn{old, newer} {
-		checkDel(t, recv(t, ctx, pc), p1.UID)
-		ack(t, pc, "")
-	}
-	if err := wait(t, ctx, done); err != nil {
-		t.Fatalf("delete p1: %v", err)
-	}
+	delAcked(t, ctx, srv, p1.UID, old, newer)
 
 	// p2 only went to the newer proxy, so only it hears of the delete.
 	st.Del(p2.UID)
-	done = async(func() error { return srv.DelPod(ctx, p2.UID) })
-	checkDel(t, recv(t, ctx, newer), p2.UID)
-	ack(t, newer, "")
-	if err := wait(t, ctx, done); err != nil {
-		t.Fatalf("delete p2: %v", err)
-	}
+	delAcked(t, ctx, srv, p2.UID, newer)
 
 	// The newer proxy goes away: the old one is the newest again, and its next
 	// request is p3's add (no delete of p2 came before it).
@@ -553,12 +556,7 @@ func TestAddPodWait(t *testing.T) {
 	}
 	// The next request is the delete, not a second add.
 	st.Del(p.UID)
-	done = async(func() error { return srv.DelPod(ctx, p.UID) })
-	checkDel(t, recv(t, ctx, pc), p.UID)
-	ack(t, pc, "")
-	if err := wait(t, ctx, done); err != nil {
-		t.Fatal(err)
-	}
+	delAcked(t, ctx, srv, p.UID, pc)
 }
 
 // TestAddPodErrors: pods that cannot be handed off fail before any proxy sees them.
