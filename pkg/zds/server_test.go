@@ -121,6 +121,16 @@ func takeSnapshot(t *testing.T, ctx context.Context, pc *zds.ProxyConn) []*zds.R
 	}
 }
 
+// snapshotOf is takeSnapshot for a snapshot of n requests.
+func snapshotOf(t *testing.T, ctx context.Context, pc *zds.ProxyConn, n int) []*zds.Request {
+	t.Helper()
+	got := takeSnapshot(t, ctx, pc)
+	if len(got) != n {
+		t.Fatalf("snapshot has %d requests, want %d: %v", len(got), n, got)
+	}
+	return got
+}
+
 // expectEOF reads until the server closes the connection; any request on the
 // way is a failure.
 func expectEOF(t *testing.T, ctx context.Context, pc *zds.ProxyConn) {
@@ -130,6 +140,25 @@ func expectEOF(t *testing.T, ctx context.Context, pc *zds.ProxyConn) {
 	if !errors.Is(err, io.EOF) && !errors.Is(err, unix.ECONNRESET) {
 		t.Fatalf("want the server to close the connection, got request %v, error %v", req, err)
 	}
+}
+
+// sendFdRefused sends msg with an fd of the file at path attached where the
+// protocol carries none: the server must hang up, and close its copy of the fd
+// too.
+func sendFdRefused(t *testing.T, ctx context.Context, pc *zds.ProxyConn, msg []byte, path string) {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ino := fixtures.Inode(t, path)
+	err = pc.SendRaw(msg, int(f.Fd()))
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	expectEOF(t, ctx, pc)
+	fixtures.WaitFor(t, time.Minute, "the server to close the fd it was sent", func() bool { return openFdsTo(t, ino) == 0 })
 }
 
 // async runs fn and returns a channel with its error.
@@ -224,6 +253,13 @@ func checkDel(t *testing.T, req *zds.Request, uid string) {
 	}
 }
 
+func checkKeep(t *testing.T, req *zds.Request, uid string) {
+	t.Helper()
+	if req.GetKeep().GetUid() != uid || req.Netns != nil {
+		t.Fatalf("want KeepWorkload %s without fd, got %v", uid, req.WorkloadRequest)
+	}
+}
+
 // TestSnapshot connects a proxy to an agent with enrolled pods: it gets every
 // pod with its real netns fd, a KeepWorkload for the pod whose namespace is gone,
 // nothing for an invalid entry, and SnapshotSent; then it counts as connected.
@@ -239,14 +275,9 @@ func TestSnapshot(t *testing.T) {
 	}
 
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
-	got := takeSnapshot(t, ctx, pc)
-	if len(got) != 3 {
-		t.Fatalf("snapshot has %d requests, want 3: %v", len(got), got)
-	}
+	got := snapshotOf(t, ctx, pc, 3)
 	checkAdd(t, got[0], a)
-	if got[1].GetKeep().GetUid() != gone.UID || got[1].Netns != nil {
-		t.Errorf("want KeepWorkload %s without fd, got %v", gone.UID, got[1].WorkloadRequest)
-	}
+	checkKeep(t, got[1], gone.UID)
 	checkAdd(t, got[2], b)
 
 	if err := srv.WaitForProxy(ctx); err != nil {
@@ -269,14 +300,9 @@ func TestSnapshotKeep(t *testing.T) {
 	srv, path := startServer(t, zdstest.NewPods(a, keep), zds.Config{})
 
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
-	got := takeSnapshot(t, ctx, pc)
-	if len(got) != 2 {
-		t.Fatalf("snapshot has %d requests, want 2: %v", len(got), got)
-	}
+	got := snapshotOf(t, ctx, pc, 2)
 	checkAdd(t, got[0], a)
-	if got[1].GetKeep().GetUid() != kept.UID || got[1].Netns != nil {
-		t.Fatalf("want KeepWorkload %s without fd, got %v", kept.UID, got[1].WorkloadRequest)
-	}
+	checkKeep(t, got[1], kept.UID)
 	addAcked(t, ctx, srv, pc, kept)
 }
 
@@ -424,20 +450,8 @@ func TestMisbehavingProxies(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer pc.Close()
-			f, err := os.Open(spare)
-			if err != nil {
-				t.Fatal(err)
-			}
-			ino := fixtures.Inode(t, spare)
 			hello := []byte{0x08, 0x01} // ZdsHello{version: V1}
-			err = pc.SendRaw(hello, int(f.Fd()))
-			f.Close()
-			if err != nil {
-				t.Fatal(err)
-			}
-			expectEOF(t, ctx, pc)
-			// The server's copy of the fd must be closed too.
-			fixtures.WaitFor(t, time.Minute, "the server to close the fd it was sent", func() bool { return openFdsTo(t, ino) == 0 })
+			sendFdRefused(t, ctx, pc, hello, spare)
 		}},
 		{"close without hello", func(t *testing.T) {
 			pc, err := zds.Dial(ctx, path)
@@ -462,19 +476,8 @@ func TestMisbehavingProxies(t *testing.T) {
 		{"fd with ack", func(t *testing.T) {
 			pc := dialProxy(t, ctx, path, zdspb.Version_V1)
 			checkAdd(t, recv(t, ctx, pc), p1)
-			f, err := os.Open(spare)
-			if err != nil {
-				t.Fatal(err)
-			}
-			ino := fixtures.Inode(t, spare)
 			ackWithFd := []byte{0x0a, 0x00} // WorkloadResponse{ack: {}}
-			err = pc.SendRaw(ackWithFd, int(f.Fd()))
-			f.Close()
-			if err != nil {
-				t.Fatal(err)
-			}
-			expectEOF(t, ctx, pc)
-			fixtures.WaitFor(t, time.Minute, "the server to close the fd it was sent", func() bool { return openFdsTo(t, ino) == 0 })
+			sendFdRefused(t, ctx, pc, ackWithFd, spare)
 		}},
 		{"speaks out of turn", func(t *testing.T) {
 			pc := dialProxy(t, ctx, path, zdspb.Version_V1)
@@ -546,11 +549,7 @@ func TestAddPodWait(t *testing.T) {
 	}
 	done := async(func() error { return srv.AddPodWait(ctx, p) })
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
-	snap := takeSnapshot(t, ctx, pc)
-	if len(snap) != 1 {
-		t.Fatalf("snapshot %v", snap)
-	}
-	checkAdd(t, snap[0], p)
+	checkAdd(t, snapshotOf(t, ctx, pc, 1)[0], p)
 	if err := wait(t, ctx, done); err != nil {
 		t.Fatalf("AddPodWait: %v", err)
 	}
