@@ -612,57 +612,55 @@ func concurrentReader(t *testing.T, owned bool) {
 	}
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
-	wg.Add(2)
-	// The file carrying the entry, read and parsed as libcni does.
-	go func() {
-		defer wg.Done()
-		for {
-			select {
-			case <-stop:
-				return
-			default:
-			}
-			data, err := os.ReadFile(entryFile)
-			fileStats.reads.Add(1)
-			if err != nil {
-				fail(&fileStats, err.Error())
-				continue
-			}
-			if _, err := libcni.ConfListFromBytes(data); err != nil {
-				fail(&fileStats, fmt.Sprintf("%v: %q", err, data))
-				continue
-			}
-			if parseConf(data).meshLast() {
-				fileStats.withEntry.Add(1)
-			} else {
-				fileStats.withoutEntry.Add(1)
-			}
-		}
-	}()
-	// The whole directory, picked as a runtime picks its network.
-	go func() {
-		defer wg.Done()
-		for {
-			select {
-			case <-stop:
-				return
-			default:
-			}
-			list, _, err := node.LoadConflist()
-			dirStats.reads.Add(1)
-			switch {
-			case err != nil:
-				fail(&dirStats, err.Error())
-			case listHasMesh(list):
-				dirStats.withEntry.Add(1)
-			default:
-				dirStats.withoutEntry.Add(1)
-				if owned {
-					fail(&dirStats, "owned mode: the runtime's config has no mesh-cni")
+	// reader calls read in a loop of its own until the readers are stopped.
+	reader := func(read func()) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
 				}
+				read()
+			}
+		}()
+	}
+	// The file carrying the entry, read and parsed as libcni does.
+	reader(func() {
+		data, err := os.ReadFile(entryFile)
+		fileStats.reads.Add(1)
+		if err != nil {
+			fail(&fileStats, err.Error())
+			return
+		}
+		if _, err := libcni.ConfListFromBytes(data); err != nil {
+			fail(&fileStats, fmt.Sprintf("%v: %q", err, data))
+			return
+		}
+		if parseConf(data).meshLast() {
+			fileStats.withEntry.Add(1)
+		} else {
+			fileStats.withoutEntry.Add(1)
+		}
+	})
+	// The whole directory, picked as a runtime picks its network.
+	reader(func() {
+		list, _, err := node.LoadConflist()
+		dirStats.reads.Add(1)
+		switch {
+		case err != nil:
+			fail(&dirStats, err.Error())
+		case listHasMesh(list):
+			dirStats.withEntry.Add(1)
+		default:
+			dirStats.withoutEntry.Add(1)
+			if owned {
+				fail(&dirStats, "owned mode: the runtime's config has no mesh-cni")
 			}
 		}
-	}()
+	})
 	stopReaders := sync.OnceFunc(func() {
 		close(stop)
 		wg.Wait()
