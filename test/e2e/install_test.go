@@ -836,26 +836,10 @@ func TestUninstallRestoresNode(t *testing.T) {
 			if fi, err := os.Stat(path); err != nil || fi.Mode().Perm() != 0o640 {
 				t.Fatalf("primary file mode not restored: %v %v", fi.Mode(), err)
 			}
-			entries, err := os.ReadDir(node.ConfDir)
-			if err != nil {
-				t.Fatal(err)
-			}
-			var names []string
-			for _, e := range entries {
-				names = append(names, e.Name())
-			}
-			if !slices.Equal(names, []string{tc.file}) {
+			if names := dirNames(t, node.ConfDir); !slices.Equal(names, []string{tc.file}) {
 				t.Fatalf("conf dir holds %v after uninstall, want only %s", names, tc.file)
 			}
-			bins, err := os.ReadDir(node.BinDir)
-			if err != nil {
-				t.Fatal(err)
-			}
-			var binNames []string
-			for _, e := range bins {
-				binNames = append(binNames, e.Name())
-			}
-			if !slices.Equal(binNames, harness.ReferencePluginNames()) {
+			if binNames := dirNames(t, node.BinDir); !slices.Equal(binNames, harness.ReferencePluginNames()) {
 				t.Fatalf("bin dir holds %v after uninstall, want only the reference plugins %v", binNames, harness.ReferencePluginNames())
 			}
 			if _, err := os.Stat(filepath.Join(a.installStateDir(), "cni-install.json")); !errors.Is(err, os.ErrNotExist) {
@@ -903,6 +887,20 @@ func originalPrimary(t testing.TB, node *harness.Node, name string) []byte {
 		return fmt.Appendf(nil, "{\n\t\"name\":   \"meshnet\",\n\t\"cniVersion\": %q,%s\n\n", harness.CNIVersion, plugin)
 	}
 	return fmt.Appendf(nil, "{\n\t\"plugins\": [\n\t%s\n\t],\n\t\"name\":   \"meshnet\",\n\t\"cniVersion\": %q\n}\n\n", bridge.String(), harness.CNIVersion)
+}
+
+// dirNames is the names in dir, sorted as os.ReadDir sorts them.
+func dirNames(t testing.TB, dir string) []string {
+	t.Helper()
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, e := range entries {
+		names = append(names, e.Name())
+	}
+	return names
 }
 
 // assertNoPins checks that the bpffs directory is gone, or empty and no longer
