@@ -184,10 +184,7 @@ func TestTwoDatapaths(t *testing.T) {
 	d1, _ := testDatapath(t)
 	d2, _ := testDatapath(t)
 	a, b := newPodPair(t)
-	for _, p := range []*pod{a, b} {
-		startOutboundProxy(t, p, 15001)
-		startInboundProxy(t, p, 15006)
-	}
+	startProxies(t, a, b)
 	enroll(t, d1, a, testSettings())
 	enroll(t, d2, b, testSettings())
 
