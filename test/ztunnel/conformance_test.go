@@ -20,7 +20,6 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/encoding/protowire"
 
-	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/pkg/zds"
 	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/ztunnel"
@@ -45,16 +44,7 @@ func suffix(t *testing.T) string {
 
 func newNetns(t *testing.T) string {
 	t.Helper()
-	path := filepath.Join("/run/netns", fmt.Sprintf("ztunnel-%d-%s", os.Getpid(), suffix(t)))
-	if err := netns.Create(path); err != nil {
-		t.Fatalf("create netns: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := netns.Remove(path); err != nil {
-			t.Errorf("remove netns: %v", err)
-		}
-	})
-	return path
+	return fixtures.NewNetns(t, filepath.Join("/run/netns", fmt.Sprintf("ztunnel-%d-%s", os.Getpid(), suffix(t)))).Path
 }
 
 // pods is the agent's list of enrolled pods.
