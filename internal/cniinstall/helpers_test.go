@@ -61,8 +61,10 @@ func newInstaller(t *testing.T, cfg Config) *Installer {
 	return in
 }
 
-// startRun runs in.Run until the test ends and checks that it returned nil.
-func startRun(t *testing.T, in *Installer) {
+// startRun runs in.Run until the test ends and checks that it returned nil;
+// it returns the status once the first install is done, where every test
+// starts from.
+func startRun(t *testing.T, in *Installer) Status {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
@@ -79,6 +81,7 @@ func startRun(t *testing.T, in *Installer) {
 			t.Errorf("Run: %v", runErr)
 		}
 	})
+	return waitFor(t, in, "first install", func(s Status) bool { return s.Ready })
 }
 
 // waitFor waits for the installer's status to satisfy cond, woken by status

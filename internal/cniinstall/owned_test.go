@@ -178,7 +178,6 @@ func TestOwnedFollowsPrimary(t *testing.T) {
 	primary := filepath.Join(dir, "10-bridge.conflist")
 	in := newInstaller(t, Config{ConfDir: dir, Mode: ModeOwned, StateDir: t.TempDir()})
 	startRun(t, in)
-	waitFor(t, in, "ready", func(s Status) bool { return s.Ready })
 
 	// The primary changes its config: the owned copy follows.
 	edited := strings.Replace(string(readFile(t, primary)), `"cni0"`, `"cni7"`, 1)
