@@ -121,6 +121,14 @@ func takeSnapshot(t *testing.T, ctx context.Context, pc *zds.ProxyConn) []*zds.R
 	}
 }
 
+// syncedProxy is a V1 proxy on path that has taken the snapshot.
+func syncedProxy(t *testing.T, ctx context.Context, path string) *zds.ProxyConn {
+	t.Helper()
+	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
+	takeSnapshot(t, ctx, pc)
+	return pc
+}
+
 // snapshotOf is takeSnapshot for a snapshot of n requests.
 func snapshotOf(t *testing.T, ctx context.Context, pc *zds.ProxyConn, n int) []*zds.Request {
 	t.Helper()
@@ -360,8 +368,7 @@ func TestAckDeadline(t *testing.T) {
 	p := pod(t, "slow")
 	st := zdstest.NewPods()
 	srv, path := startServer(t, st, zds.Config{AckTimeout: 300 * time.Millisecond})
-	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
-	takeSnapshot(t, ctx, pc)
+	pc := syncedProxy(t, ctx, path)
 	fixtures.WaitFor(t, time.Minute, "the proxy", func() bool { return srv.Connected() == 1 })
 
 	st.Add(p)
@@ -389,8 +396,7 @@ func TestAckError(t *testing.T) {
 	ctx := fixtures.Context(t, time.Minute)
 	p := pod(t, "refused")
 	srv, path := startServer(t, zdstest.NewPods(), zds.Config{})
-	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
-	takeSnapshot(t, ctx, pc)
+	pc := syncedProxy(t, ctx, path)
 
 	done := async(func() error { return srv.AddPod(ctx, p) })
 	checkAdd(t, recv(t, ctx, pc), p)
@@ -420,8 +426,7 @@ func TestMisbehavingProxies(t *testing.T) {
 	p1 := pod(t, "p1")
 	st := zdstest.NewPods(p1)
 	srv, path := startServer(t, st, zds.Config{AckTimeout: 2 * time.Second})
-	good := dialProxy(t, ctx, path, zdspb.Version_V1)
-	takeSnapshot(t, ctx, good)
+	good := syncedProxy(t, ctx, path)
 
 	spare := fixtures.NewNetns(t, filepath.Join(t.TempDir(), "spare")).Path
 	for _, tc := range []struct {
@@ -480,8 +485,7 @@ func TestMisbehavingProxies(t *testing.T) {
 			sendFdRefused(t, ctx, pc, ackWithFd, spare)
 		}},
 		{"speaks out of turn", func(t *testing.T) {
-			pc := dialProxy(t, ctx, path, zdspb.Version_V1)
-			takeSnapshot(t, ctx, pc)
+			pc := syncedProxy(t, ctx, path)
 			// An ack nobody asked for: the liveness check finds it.
 			ack(t, pc, "")
 			expectEOF(t, ctx, pc)
@@ -520,8 +524,7 @@ func TestLiveness(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	ctx := fixtures.Context(t, time.Minute)
 	srv, path := startServer(t, zdstest.NewPods(), zds.Config{})
-	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
-	takeSnapshot(t, ctx, pc)
+	pc := syncedProxy(t, ctx, path)
 	fixtures.WaitFor(t, time.Minute, "the proxy", func() bool { return srv.Connected() == 1 })
 	pc.Close()
 	fixtures.WaitFor(t, time.Minute, "the proxy to be dropped", func() bool { return srv.Connected() == 0 })
@@ -563,8 +566,7 @@ func TestAddPodErrors(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	ctx := fixtures.Context(t, time.Minute)
 	srv, path := startServer(t, zdstest.NewPods(), zds.Config{})
-	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
-	takeSnapshot(t, ctx, pc)
+	pc := syncedProxy(t, ctx, path)
 	regular := filepath.Join(t.TempDir(), "file")
 	if err := os.WriteFile(regular, nil, 0o600); err != nil {
 		t.Fatal(err)
@@ -820,8 +822,7 @@ func TestProxiesKeptWhenServerCloses(t *testing.T) {
 		return nil
 	}})
 	connect := func() *zds.ProxyConn {
-		pc := dialProxy(t, ctx, path, zdspb.Version_V1)
-		takeSnapshot(t, ctx, pc)
+		pc := syncedProxy(t, ctx, path)
 		if err := srv.WaitForProxy(ctx); err != nil {
 			t.Fatal(err)
 		}
