@@ -2,8 +2,6 @@ package zds_test
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -28,17 +26,9 @@ import (
 // rootReason is why these tests need root.
 const rootReason = "creates network namespaces"
 
-func randomSuffix(t *testing.T) string {
-	var b [4]byte
-	if _, err := rand.Read(b[:]); err != nil {
-		t.Fatal(err)
-	}
-	return hex.EncodeToString(b[:])
-}
-
 func pod(t *testing.T, name string) zds.Pod {
 	return zds.Pod{
-		UID:            name + "-uid-" + randomSuffix(t),
+		UID:            name + "-uid-" + fixtures.RandomHex(4),
 		Name:           name,
 		Namespace:      "ns-" + name,
 		ServiceAccount: "sa-" + name,

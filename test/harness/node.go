@@ -3,7 +3,6 @@ package harness
 import (
 	"context"
 	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -167,7 +166,7 @@ func NewNode(tb testing.TB, opts NodeOptions) *Node {
 			}
 		}
 	})
-	n.NetNSPath = fixtures.NewNetns(tb, filepath.Join(NetnsDir, NetnsPrefix()+"node-"+randomHex(tb, 4))).Path
+	n.NetNSPath = fixtures.NewNetns(tb, filepath.Join(NetnsDir, NetnsPrefix()+"node-"+fixtures.RandomHex(4))).Path
 	switch {
 	case n.Primary == PrimaryBridge && !opts.PluginCreatesBridge:
 		if err := n.createBridge(tb); err != nil {
@@ -421,11 +420,6 @@ func randomBytes(tb testing.TB, n int) []byte {
 		tb.Fatalf("random bytes: %v", err)
 	}
 	return b
-}
-
-func randomHex(tb testing.TB, n int) string {
-	tb.Helper()
-	return hex.EncodeToString(randomBytes(tb, n))
 }
 
 // WaitAddressesUsable waits until none of the node's IPv6 addresses is still

@@ -112,7 +112,7 @@ func newAmbientNode(t *testing.T) *ambientNode {
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	n := &ambientNode{
 		node:     harness.NewNode(t, harness.NodeOptions{Plugins: append(harness.ReferencePluginNames(), "mesh-cni")}),
-		name:     "ambient-" + randomHex(t, 3),
+		name:     "ambient-" + fixtures.RandomHex(3),
 		dir:      dir,
 		zds:      filepath.Join(dir, "ztunnel.sock"),
 		records:  filepath.Join(dir, "ztunnel.jsonl"),
@@ -142,8 +142,8 @@ func newAmbientNode(t *testing.T) *ambientNode {
 	ctx := apiContext(t)
 	for _, ns := range []*corev1.Namespace{
 		{ObjectMeta: metav1.ObjectMeta{Name: "istio-system"}},
-		{ObjectMeta: metav1.ObjectMeta{Name: "ambient-" + randomHex(t, 3), Labels: map[string]string{enroll.IstioLabelDataplaneMode: enroll.IstioValueAmbient}}},
-		{ObjectMeta: metav1.ObjectMeta{Name: "plain-" + randomHex(t, 3)}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "ambient-" + fixtures.RandomHex(3), Labels: map[string]string{enroll.IstioLabelDataplaneMode: enroll.IstioValueAmbient}}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "plain-" + fixtures.RandomHex(3)}},
 	} {
 		created, err := n.admin.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{})
 		if err != nil {
@@ -202,7 +202,7 @@ func (n *ambientNode) nodePIDNamespace(t *testing.T) {
 // with a random /30 of 169.254.0.0/16 and returns the test side's address.
 func apiLink(t *testing.T, node *harness.Node) netip.Addr {
 	t.Helper()
-	r := randomHex(t, 2)
+	r := fixtures.RandomHex(2)
 	b, _ := strconv.ParseUint(r, 16, 16)
 	base := netip.AddrFrom4([4]byte{169, 254, byte(64 + b%128), byte(b>>7) &^ 3})
 	host, peer := base.Next(), base.Next().Next()

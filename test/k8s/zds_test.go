@@ -70,7 +70,7 @@ type nodeProxyLine struct {
 // new snapshot carries the same service accounts, from the agent's records.
 func testAgentZDSEntryPoints(t *testing.T, c *cluster) {
 	ctx := apiContext(t)
-	kubeNode := "node-" + randomHex(t, 4)
+	kubeNode := "node-" + fixtures.RandomHex(4)
 	mesh := c.namespace(t, "zds", enabled)
 	plain := c.namespace(t, "zds-plain", nil)
 	serverPod := c.podWithSA(t, plain, "server", kubeNode, "server-sa")
