@@ -19,6 +19,7 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/internal/atomicfile"
 	"github.com/mesh-cni/mesh-cni/internal/cniinstall/cniconf"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 var update = flag.Bool("update", false, "rewrite the golden files under testdata/golden")
@@ -106,17 +107,8 @@ func waitFor(t *testing.T, in *Installer, what string, cond func(Status) bool) S
 func copyCase(t *testing.T, name string) string {
 	t.Helper()
 	dir := t.TempDir()
-	src := filepath.Join("testdata", "cases", name)
-	ents, err := os.ReadDir(src)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, e := range ents {
-		data, err := os.ReadFile(filepath.Join(src, e.Name()))
-		if err != nil {
-			t.Fatal(err)
-		}
-		writeFile(t, filepath.Join(dir, e.Name()), data)
+	for file, data := range fixtures.ReadFiles(t, filepath.Join("testdata", "cases", name)) {
+		writeFile(t, filepath.Join(dir, file), data)
 	}
 	return dir
 }
