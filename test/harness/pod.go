@@ -50,7 +50,7 @@ type attachment struct {
 // namespace is removed.
 func (n *Node) NewPod(tb testing.TB, namespace, name string) *Pod {
 	tb.Helper()
-	u := randomBytes(tb, 16)
+	u := fixtures.RandomBytes(16)
 	p := &Pod{
 		Node:        n,
 		Namespace:   namespace,
