@@ -103,6 +103,20 @@ func waitFor(t *testing.T, in *Installer, what string, cond func(Status) bool) S
 	}
 }
 
+// restartUnchanged is a new installer for cfg, as after the agent's restart:
+// its Install must change nothing, the file at path keeping inode ino.
+func restartUnchanged(t *testing.T, ctx context.Context, cfg Config, path string, ino uint64) *Installer {
+	t.Helper()
+	in := newInstaller(t, cfg)
+	if changed, err := in.Install(ctx); err != nil || changed {
+		t.Errorf("Install after restart = %v, %v", changed, err)
+	}
+	if inode(t, path) != ino {
+		t.Errorf("%s rewritten after restart", path)
+	}
+	return in
+}
+
 // copyCase copies testdata/cases/<name> into a fresh directory.
 func copyCase(t *testing.T, name string) string {
 	t.Helper()

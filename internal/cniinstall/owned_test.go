@@ -76,13 +76,7 @@ func TestOwnedInstall(t *testing.T) {
 		t.Error("primary touched in owned mode")
 	}
 	ino := inode(t, owned)
-	restarted := newInstaller(t, Config{ConfDir: dir, Mode: ModeOwned, StateDir: stateDir})
-	if changed, err := restarted.Install(ctx); err != nil || changed {
-		t.Errorf("Install after restart = %v, %v", changed, err)
-	}
-	if inode(t, owned) != ino {
-		t.Error("owned config rewritten")
-	}
+	restarted := restartUnchanged(t, ctx, Config{ConfDir: dir, Mode: ModeOwned, StateDir: stateDir}, owned, ino)
 	if err := restarted.Remove(ctx); err != nil {
 		t.Fatal(err)
 	}
