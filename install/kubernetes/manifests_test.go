@@ -27,6 +27,7 @@ import (
 	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/serializer"
@@ -207,33 +208,13 @@ func TestManifestKinds(t *testing.T) {
 	}
 	var got []key
 	for _, o := range objs {
-		var k key
-		switch v := o.obj.(type) {
-		case *corev1.Namespace:
-			k = key{"Namespace", v.Namespace, v.Name}
-		case *corev1.ServiceAccount:
-			k = key{"ServiceAccount", v.Namespace, v.Name}
-		case *corev1.ResourceQuota:
-			k = key{"ResourceQuota", v.Namespace, v.Name}
-		case *rbacv1.ClusterRole:
-			k = key{"ClusterRole", v.Namespace, v.Name}
-		case *rbacv1.ClusterRoleBinding:
-			k = key{"ClusterRoleBinding", v.Namespace, v.Name}
-		case *rbacv1.Role:
-			k = key{"Role", v.Namespace, v.Name}
-		case *rbacv1.RoleBinding:
-			k = key{"RoleBinding", v.Namespace, v.Name}
-		case *appsv1.DaemonSet:
-			k = key{"DaemonSet", v.Namespace, v.Name}
-		case *admissionregistrationv1.ValidatingAdmissionPolicy:
-			k = key{"ValidatingAdmissionPolicy", v.Namespace, v.Name}
-		case *admissionregistrationv1.ValidatingAdmissionPolicyBinding:
-			k = key{"ValidatingAdmissionPolicyBinding", v.Namespace, v.Name}
-		default:
-			t.Errorf("%v: unexpected %T", o, o.obj)
+		m, err := meta.Accessor(o.obj)
+		if err != nil {
+			t.Errorf("%v: %v", o, err)
 			continue
 		}
-		got = append(got, k)
+		// The decoder knows each kind by its Go type, named as the kind.
+		got = append(got, key{reflect.TypeOf(o.obj).Elem().Name(), m.GetNamespace(), m.GetName()})
 	}
 	less := func(a, b key) int { return strings.Compare(a.kind+"/"+a.name, b.kind+"/"+b.name) }
 	slices.SortFunc(got, less)

@@ -19,6 +19,7 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/internal/atomicfile"
 	"github.com/mesh-cni/mesh-cni/internal/cniinstall/cniconf"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 )
 
 var update = flag.Bool("update", false, "rewrite the golden files under testdata/golden")
@@ -61,8 +62,10 @@ func newInstaller(t *testing.T, cfg Config) *Installer {
 	return in
 }
 
-// startRun runs in.Run until the test ends and checks that it returned nil.
-func startRun(t *testing.T, in *Installer) {
+// startRun runs in.Run until the test ends and checks that it returned nil;
+// it returns the status once the first install is done, where every test
+// starts from.
+func startRun(t *testing.T, in *Installer) Status {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
@@ -79,6 +82,7 @@ func startRun(t *testing.T, in *Installer) {
 			t.Errorf("Run: %v", runErr)
 		}
 	})
+	return waitFor(t, in, "first install", func(s Status) bool { return s.Ready })
 }
 
 // waitFor waits for the installer's status to satisfy cond, woken by status
@@ -99,21 +103,26 @@ func waitFor(t *testing.T, in *Installer, what string, cond func(Status) bool) S
 	}
 }
 
+// restartUnchanged is a new installer for cfg, as after the agent's restart:
+// its Install must change nothing, the file at path keeping inode ino.
+func restartUnchanged(t *testing.T, ctx context.Context, cfg Config, path string, ino uint64) *Installer {
+	t.Helper()
+	in := newInstaller(t, cfg)
+	if changed, err := in.Install(ctx); err != nil || changed {
+		t.Errorf("Install after restart = %v, %v", changed, err)
+	}
+	if inode(t, path) != ino {
+		t.Errorf("%s rewritten after restart", path)
+	}
+	return in
+}
+
 // copyCase copies testdata/cases/<name> into a fresh directory.
 func copyCase(t *testing.T, name string) string {
 	t.Helper()
 	dir := t.TempDir()
-	src := filepath.Join("testdata", "cases", name)
-	ents, err := os.ReadDir(src)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, e := range ents {
-		data, err := os.ReadFile(filepath.Join(src, e.Name()))
-		if err != nil {
-			t.Fatal(err)
-		}
-		writeFile(t, filepath.Join(dir, e.Name()), data)
+	for file, data := range fixtures.ReadFiles(t, filepath.Join("testdata", "cases", name)) {
+		writeFile(t, filepath.Join(dir, file), data)
 	}
 	return dir
 }

@@ -96,13 +96,7 @@ func TestChainInstall(t *testing.T) {
 			if changed, err := in.Install(ctx); err != nil || changed {
 				t.Errorf("second Install = %v, %v", changed, err)
 			}
-			restarted := newInstaller(t, Config{ConfDir: dir, StateDir: stateDir})
-			if changed, err := restarted.Install(ctx); err != nil || changed {
-				t.Errorf("Install after restart = %v, %v", changed, err)
-			}
-			if inode(t, targetPath) != ino {
-				t.Error("the file was rewritten")
-			}
+			restarted := restartUnchanged(t, ctx, Config{ConfDir: dir, StateDir: stateDir}, targetPath, ino)
 
 			// Remove, from the restarted installer (so through the
 			// record), gives back the original directory.

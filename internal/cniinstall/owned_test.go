@@ -76,13 +76,7 @@ func TestOwnedInstall(t *testing.T) {
 		t.Error("primary touched in owned mode")
 	}
 	ino := inode(t, owned)
-	restarted := newInstaller(t, Config{ConfDir: dir, Mode: ModeOwned, StateDir: stateDir})
-	if changed, err := restarted.Install(ctx); err != nil || changed {
-		t.Errorf("Install after restart = %v, %v", changed, err)
-	}
-	if inode(t, owned) != ino {
-		t.Error("owned config rewritten")
-	}
+	restarted := restartUnchanged(t, ctx, Config{ConfDir: dir, Mode: ModeOwned, StateDir: stateDir}, owned, ino)
 	if err := restarted.Remove(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -178,7 +172,6 @@ func TestOwnedFollowsPrimary(t *testing.T) {
 	primary := filepath.Join(dir, "10-bridge.conflist")
 	in := newInstaller(t, Config{ConfDir: dir, Mode: ModeOwned, StateDir: t.TempDir()})
 	startRun(t, in)
-	waitFor(t, in, "ready", func(s Status) bool { return s.Ready })
 
 	// The primary changes its config: the owned copy follows.
 	edited := strings.Replace(string(readFile(t, primary)), `"cni0"`, `"cni7"`, 1)

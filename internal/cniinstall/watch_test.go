@@ -29,7 +29,6 @@ func TestRunRepairsRewrites(t *testing.T) {
 	orig := readFile(t, path)
 	in := newInstaller(t, Config{ConfDir: dir, StateDir: t.TempDir()})
 	startRun(t, in)
-	waitFor(t, in, "first install", func(s Status) bool { return s.Ready })
 
 	var slowest time.Duration
 	for i := range 100 {
@@ -72,7 +71,6 @@ func TestRunReadersSeeWholeFiles(t *testing.T) {
 			orig := readFile(t, filepath.Join(dir, tc.primary))
 			in := newInstaller(t, Config{ConfDir: dir, StateDir: t.TempDir()})
 			startRun(t, in)
-			waitFor(t, in, "first install", func(s Status) bool { return s.Ready })
 
 			var stop atomic.Bool
 			var wg sync.WaitGroup
@@ -137,7 +135,6 @@ func TestRunFollowsNewFirstFile(t *testing.T) {
 	orig := readFile(t, oldPath)
 	in := newInstaller(t, Config{ConfDir: dir, StateDir: t.TempDir()})
 	startRun(t, in)
-	waitFor(t, in, "first install", func(s Status) bool { return s.Ready })
 
 	newPath := filepath.Join(dir, "05-other.conflist")
 	writeAtomic(t, newPath, []byte(`{"cniVersion":"1.0.0","name":"other","plugins":[{"type":"ptp"}]}`))
@@ -202,7 +199,6 @@ func TestRunWarnsWhenReverted(t *testing.T) {
 	orig := readFile(t, path)
 	in := newInstaller(t, Config{ConfDir: dir, Logger: zap.New(core), RepairWarnCount: 5, RepairWarnWindow: time.Hour})
 	startRun(t, in)
-	waitFor(t, in, "first install", func(s Status) bool { return s.Ready })
 	for i := range 7 {
 		prev := in.Status().Repairs
 		writeAtomic(t, path, orig)
@@ -221,8 +217,7 @@ func TestRunWarnsWhenReverted(t *testing.T) {
 func TestRunQuietAfterInstall(t *testing.T) {
 	dir := copyCase(t, "single-conf")
 	in := newInstaller(t, Config{ConfDir: dir})
-	startRun(t, in)
-	st := waitFor(t, in, "first install", func(s Status) bool { return s.Ready })
+	st := startRun(t, in)
 	// Trigger a few no-op passes: a chmod-free event on an unrelated file
 	// and a resync-like pass through Install.
 	writeAtomic(t, filepath.Join(dir, "99-unrelated.conflist"), []byte(`{"cniVersion":"1.0.0","name":"z","plugins":[{"type":"ptp"}]}`))

@@ -24,6 +24,13 @@ import (
 // lookupLinkID is the ID of the pod's pinned sk_lookup link.
 func lookupLinkID(t *testing.T, d *Datapath, cookie uint64) link.ID {
 	t.Helper()
+	return lookupLinkInfo(t, d, cookie).ID
+}
+
+// lookupLinkInfo is the info of the pod's pinned sk_lookup link, which must be
+// its only link.
+func lookupLinkInfo(t *testing.T, d *Datapath, cookie uint64) *link.Info {
+	t.Helper()
 	pp, err := readPodPins(d.pins.pod(cookie))
 	if err != nil {
 		t.Fatal(err)
@@ -40,7 +47,7 @@ func lookupLinkID(t *testing.T, d *Datapath, cookie uint64) link.ID {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return info.ID
+	return info
 }
 
 func TestEnrollIdempotentAndUpdate(t *testing.T) {
@@ -184,10 +191,7 @@ func TestTwoDatapaths(t *testing.T) {
 	d1, _ := testDatapath(t)
 	d2, _ := testDatapath(t)
 	a, b := newPodPair(t)
-	for _, p := range []*pod{a, b} {
-		startOutboundProxy(t, p, 15001)
-		startInboundProxy(t, p, 15006)
-	}
+	startProxies(t, a, b)
 	enroll(t, d1, a, testSettings())
 	enroll(t, d2, b, testSettings())
 

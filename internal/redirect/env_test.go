@@ -140,6 +140,16 @@ func startInboundProxy(t testing.TB, p *pod, port uint16) {
 	fixtures.Serve(t, ln, func(conn net.Conn) { announce(conn, "IN") })
 }
 
+// startProxies starts each pod's outbound proxy on 15001 and inbound proxy on
+// 15006, the ports testSettings names.
+func startProxies(t testing.TB, pods ...*pod) {
+	t.Helper()
+	for _, p := range pods {
+		startOutboundProxy(t, p, 15001)
+		startInboundProxy(t, p, 15006)
+	}
+}
+
 // announce writes what a test proxy says first: "<tag> <original
 // destination>", or "<tag> ERR <why>" when there is none (ok false).
 func announce(conn net.Conn, tag string) (orig netip.AddrPort, ok bool) {

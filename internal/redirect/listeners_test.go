@@ -139,17 +139,7 @@ func TestMPTCPListenerRefused(t *testing.T) {
 
 func isMPTCP(t *testing.T, ln net.Listener) bool {
 	t.Helper()
-	rc, err := ln.(*net.TCPListener).SyscallConn()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var proto int
-	if err := rc.Control(func(fd uintptr) {
-		proto, _ = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_PROTOCOL)
-	}); err != nil {
-		t.Fatal(err)
-	}
-	return proto == unix.IPPROTO_MPTCP
+	return listenerSockopt(t, ln, unix.GetsockoptInt, unix.SO_PROTOCOL) == unix.IPPROTO_MPTCP
 }
 
 // The inbound proxy forwards to the application inside the pod from another local

@@ -8,7 +8,6 @@ import (
 	"testing"
 
 	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
 )
 
@@ -61,16 +60,7 @@ func capturedProxyPorts() []uint16 { return []uint16{15001, 15006, 15020, 15021,
 // enrolled pod's namespace, as its pinned link runs it.
 func podLookupProgram(t *testing.T, d *Datapath, cookie uint64) *ebpf.Program {
 	t.Helper()
-	l, err := link.NewFromID(lookupLinkID(t, d, cookie))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	info, err := l.Info()
-	if err != nil {
-		t.Fatal(err)
-	}
-	p, err := ebpf.NewProgramFromID(info.Program)
+	p, err := ebpf.NewProgramFromID(lookupLinkInfo(t, d, cookie).Program)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -82,16 +72,22 @@ func podLookupProgram(t *testing.T, d *Datapath, cookie uint64) *ebpf.Program {
 // gives back.
 func socketCookie(t *testing.T, ln net.Listener) uint64 {
 	t.Helper()
+	return listenerSockopt(t, ln, unix.GetsockoptUint64, unix.SO_COOKIE)
+}
+
+// listenerSockopt reads the SOL_SOCKET option opt of ln's socket with get.
+func listenerSockopt[T any](t *testing.T, ln net.Listener, get func(fd, level, opt int) (T, error), opt int) T {
+	t.Helper()
 	rc, err := ln.(*net.TCPListener).SyscallConn()
 	if err != nil {
 		t.Fatal(err)
 	}
-	var cookie uint64
-	var serr error
-	if err := rc.Control(func(fd uintptr) { cookie, serr = unix.GetsockoptUint64(int(fd), unix.SOL_SOCKET, unix.SO_COOKIE) }); err != nil || serr != nil {
-		t.Fatal(errors.Join(err, serr))
+	var v T
+	var gerr error
+	if err := rc.Control(func(fd uintptr) { v, gerr = get(int(fd), unix.SOL_SOCKET, opt) }); err != nil || gerr != nil {
+		t.Fatal(errors.Join(err, gerr))
 	}
-	return cookie
+	return v
 }
 
 // TestLookupDecisions runs each enrolled pod's own sk_lookup program, as the

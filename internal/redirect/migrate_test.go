@@ -106,18 +106,9 @@ var earlierProxyPorts = []uint16{15001, 15006, 15008, 15020, 15021, 15053, 15090
 // them.
 func TestMigrateFromTCXLayout(t *testing.T) {
 	t.Parallel()
-	requireRoot(t)
 	ctx := context.Background()
-	cgroup, err := findCgroup2()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg := pinnedConfig(t)
-	a, b := newPodPair(t)
-	for _, p := range []*pod{a, b} {
-		startOutboundProxy(t, p, 15001)
-		startInboundProxy(t, p, 15006)
-	}
+	cgroup, cfg, a, b := migrationRig(t)
+	startProxies(t, a, b)
 	installTCXLayout(t, cfg, cgroup, a, b)
 	target := hostPort(b.addr4, appPort)
 	expectLines(t, a, target, dialOpts{}, "OUT "+target, "IN "+target)
@@ -330,20 +321,11 @@ func TestMigrateFromSkLookup(t *testing.T) {
 }
 
 func testMigrateFromSkLookup(t *testing.T, rel release, failedRollback bool) {
-	requireRoot(t)
 	ctx := context.Background()
-	cgroup, err := findCgroup2()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg := pinnedConfig(t)
-	a, b := newPodPair(t)
+	cgroup, cfg, a, b := migrationRig(t)
 	installRelease(t, rel, cfg, cgroup, a, b)
 	// The proxies start once the release runs: its sockops collects their listeners.
-	for _, p := range []*pod{a, b} {
-		startOutboundProxy(t, p, 15001)
-		startInboundProxy(t, p, 15006)
-	}
+	startProxies(t, a, b)
 	target := hostPort(b.addr4, appPort)
 	expectLines(t, a, target, dialOpts{}, "OUT "+target, "IN "+target)
 
@@ -441,6 +423,20 @@ func loadRelease(t *testing.T, rel release, spec *ebpf.CollectionSpec, pins layo
 		}
 	}
 	return coll, perPod
+}
+
+// migrationRig is what a migration test starts from: the cgroup to attach to,
+// a Config pinning in a bpffs of its own, and two pods.
+func migrationRig(t *testing.T) (cgroup string, cfg Config, a, b *pod) {
+	t.Helper()
+	requireRoot(t)
+	cgroup, err := findCgroup2()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg = pinnedConfig(t)
+	a, b = newPodPair(t)
+	return cgroup, cfg, a, b
 }
 
 // pinnedConfig is a Config whose PinRoot is a bpffs of its own in a temporary

@@ -305,10 +305,7 @@ func TestRollbackToRelease(t *testing.T) {
 	a, b := newPodPair(t)
 	c, e := newPodPair(t)
 	gone := newNetns(t, "gone")
-	for _, p := range []*pod{a, b} {
-		startOutboundProxy(t, p, 15001)
-		startInboundProxy(t, p, 15006)
-	}
+	startProxies(t, a, b)
 	for _, p := range []*pod{c, e} {
 		startPeerProxy(t, p, 15001)
 	}

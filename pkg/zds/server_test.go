@@ -2,8 +2,6 @@ package zds_test
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -28,17 +26,9 @@ import (
 // rootReason is why these tests need root.
 const rootReason = "creates network namespaces"
 
-func randomSuffix(t *testing.T) string {
-	var b [4]byte
-	if _, err := rand.Read(b[:]); err != nil {
-		t.Fatal(err)
-	}
-	return hex.EncodeToString(b[:])
-}
-
 func pod(t *testing.T, name string) zds.Pod {
 	return zds.Pod{
-		UID:            name + "-uid-" + randomSuffix(t),
+		UID:            name + "-uid-" + fixtures.RandomHex(4),
 		Name:           name,
 		Namespace:      "ns-" + name,
 		ServiceAccount: "sa-" + name,
@@ -121,6 +111,24 @@ func takeSnapshot(t *testing.T, ctx context.Context, pc *zds.ProxyConn) []*zds.R
 	}
 }
 
+// syncedProxy is a V1 proxy on path that has taken the snapshot.
+func syncedProxy(t *testing.T, ctx context.Context, path string) *zds.ProxyConn {
+	t.Helper()
+	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
+	takeSnapshot(t, ctx, pc)
+	return pc
+}
+
+// snapshotOf is takeSnapshot for a snapshot of n requests.
+func snapshotOf(t *testing.T, ctx context.Context, pc *zds.ProxyConn, n int) []*zds.Request {
+	t.Helper()
+	got := takeSnapshot(t, ctx, pc)
+	if len(got) != n {
+		t.Fatalf("snapshot has %d requests, want %d: %v", len(got), n, got)
+	}
+	return got
+}
+
 // expectEOF reads until the server closes the connection; any request on the
 // way is a failure.
 func expectEOF(t *testing.T, ctx context.Context, pc *zds.ProxyConn) {
@@ -130,6 +138,25 @@ func expectEOF(t *testing.T, ctx context.Context, pc *zds.ProxyConn) {
 	if !errors.Is(err, io.EOF) && !errors.Is(err, unix.ECONNRESET) {
 		t.Fatalf("want the server to close the connection, got request %v, error %v", req, err)
 	}
+}
+
+// sendFdRefused sends msg with an fd of the file at path attached where the
+// protocol carries none: the server must hang up, and close its copy of the fd
+// too.
+func sendFdRefused(t *testing.T, ctx context.Context, pc *zds.ProxyConn, msg []byte, path string) {
+	t.Helper()
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ino := fixtures.Inode(t, path)
+	err = pc.SendRaw(msg, int(f.Fd()))
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	expectEOF(t, ctx, pc)
+	fixtures.WaitFor(t, time.Minute, "the server to close the fd it was sent", func() bool { return openFdsTo(t, ino) == 0 })
 }
 
 // async runs fn and returns a channel with its error.
@@ -190,10 +217,44 @@ func checkAdd(t *testing.T, req *zds.Request, want zds.Pod) {
 	}
 }
 
+// addAcked adds p, which the proxy on pc must receive as an AddWorkload and
+// ack, and fails the test unless the add then returns without error.
+func addAcked(t *testing.T, ctx context.Context, srv *zds.Server, pc *zds.ProxyConn, p zds.Pod) {
+	t.Helper()
+	done := async(func() error { return srv.AddPod(ctx, p) })
+	checkAdd(t, recv(t, ctx, pc), p)
+	ack(t, pc, "")
+	if err := wait(t, ctx, done); err != nil {
+		t.Fatalf("add %s: %v", p.UID, err)
+	}
+}
+
+// delAcked deletes the pod uid, which each of pcs must receive as a
+// DelWorkload and ack, and fails the test unless the delete then returns
+// without error.
+func delAcked(t *testing.T, ctx context.Context, srv *zds.Server, uid string, pcs ...*zds.ProxyConn) {
+	t.Helper()
+	done := async(func() error { return srv.DelPod(ctx, uid) })
+	for _, pc := range pcs {
+		checkDel(t, recv(t, ctx, pc), uid)
+		ack(t, pc, "")
+	}
+	if err := wait(t, ctx, done); err != nil {
+		t.Fatalf("delete %s: %v", uid, err)
+	}
+}
+
 func checkDel(t *testing.T, req *zds.Request, uid string) {
 	t.Helper()
 	if req.GetDel().GetUid() != uid || req.Netns != nil {
 		t.Fatalf("want DelWorkload %s without fd, got %v (fd %v)", uid, req.WorkloadRequest, req.Netns)
+	}
+}
+
+func checkKeep(t *testing.T, req *zds.Request, uid string) {
+	t.Helper()
+	if req.GetKeep().GetUid() != uid || req.Netns != nil {
+		t.Fatalf("want KeepWorkload %s without fd, got %v", uid, req.WorkloadRequest)
 	}
 }
 
@@ -212,14 +273,9 @@ func TestSnapshot(t *testing.T) {
 	}
 
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
-	got := takeSnapshot(t, ctx, pc)
-	if len(got) != 3 {
-		t.Fatalf("snapshot has %d requests, want 3: %v", len(got), got)
-	}
+	got := snapshotOf(t, ctx, pc, 3)
 	checkAdd(t, got[0], a)
-	if got[1].GetKeep().GetUid() != gone.UID || got[1].Netns != nil {
-		t.Errorf("want KeepWorkload %s without fd, got %v", gone.UID, got[1].WorkloadRequest)
-	}
+	checkKeep(t, got[1], gone.UID)
 	checkAdd(t, got[2], b)
 
 	if err := srv.WaitForProxy(ctx); err != nil {
@@ -242,20 +298,10 @@ func TestSnapshotKeep(t *testing.T) {
 	srv, path := startServer(t, zdstest.NewPods(a, keep), zds.Config{})
 
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
-	got := takeSnapshot(t, ctx, pc)
-	if len(got) != 2 {
-		t.Fatalf("snapshot has %d requests, want 2: %v", len(got), got)
-	}
+	got := snapshotOf(t, ctx, pc, 2)
 	checkAdd(t, got[0], a)
-	if got[1].GetKeep().GetUid() != kept.UID || got[1].Netns != nil {
-		t.Fatalf("want KeepWorkload %s without fd, got %v", kept.UID, got[1].WorkloadRequest)
-	}
-	done := async(func() error { return srv.AddPod(ctx, kept) })
-	checkAdd(t, recv(t, ctx, pc), kept)
-	ack(t, pc, "")
-	if err := wait(t, ctx, done); err != nil {
-		t.Fatalf("AddPod of the kept pod: %v", err)
-	}
+	checkKeep(t, got[1], kept.UID)
+	addAcked(t, ctx, srv, pc, kept)
 }
 
 // TestAddToNewestDeleteToAll: with two proxies connected (an upgrade in progress),
@@ -282,45 +328,23 @@ func TestAddToNewestDeleteToAll(t *testing.T) {
 	}
 
 	st.Add(p2)
-	done := async(func() error { return srv.AddPod(ctx, p2) })
-	checkAdd(t, recv(t, ctx, newer), p2)
-	ack(t, newer, "")
-	if err := wait(t, ctx, done); err != nil {
-		t.Fatalf("add p2: %v", err)
-	}
+	addAcked(t, ctx, srv, newer, p2)
 
 	// p1 goes from both. The old proxy's next request is this delete, so it was
 	// never sent p2.
 	st.Del(p1.UID)
-	done = async(func() error { return srv.DelPod(ctx, p1.UID) })
-	for _, pc := range []*zds.ProxyConn{old, newer} {
-		checkDel(t, recv(t, ctx, pc), p1.UID)
-		ack(t, pc, "")
-	}
-	if err := wait(t, ctx, done); err != nil {
-		t.Fatalf("delete p1: %v", err)
-	}
+	delAcked(t, ctx, srv, p1.UID, old, newer)
 
 	// p2 only went to the newer proxy, so only it hears of the delete.
 	st.Del(p2.UID)
-	done = async(func() error { return srv.DelPod(ctx, p2.UID) })
-	checkDel(t, recv(t, ctx, newer), p2.UID)
-	ack(t, newer, "")
-	if err := wait(t, ctx, done); err != nil {
-		t.Fatalf("delete p2: %v", err)
-	}
+	delAcked(t, ctx, srv, p2.UID, newer)
 
 	// The newer proxy goes away: the old one is the newest again, and its next
 	// request is p3's add (no delete of p2 came before it).
 	newer.Close()
 	fixtures.WaitFor(t, time.Minute, "the closed proxy to be dropped", func() bool { return srv.Connected() == 1 })
 	st.Add(p3)
-	done = async(func() error { return srv.AddPod(ctx, p3) })
-	checkAdd(t, recv(t, ctx, old), p3)
-	ack(t, old, "")
-	if err := wait(t, ctx, done); err != nil {
-		t.Fatalf("add p3: %v", err)
-	}
+	addAcked(t, ctx, srv, old, p3)
 	if err := srv.DelPod(ctx, "never-added"); err != nil {
 		t.Errorf("delete of an unknown pod: %v", err)
 	}
@@ -334,8 +358,7 @@ func TestAckDeadline(t *testing.T) {
 	p := pod(t, "slow")
 	st := zdstest.NewPods()
 	srv, path := startServer(t, st, zds.Config{AckTimeout: 300 * time.Millisecond})
-	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
-	takeSnapshot(t, ctx, pc)
+	pc := syncedProxy(t, ctx, path)
 	fixtures.WaitFor(t, time.Minute, "the proxy", func() bool { return srv.Connected() == 1 })
 
 	st.Add(p)
@@ -363,8 +386,7 @@ func TestAckError(t *testing.T) {
 	ctx := fixtures.Context(t, time.Minute)
 	p := pod(t, "refused")
 	srv, path := startServer(t, zdstest.NewPods(), zds.Config{})
-	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
-	takeSnapshot(t, ctx, pc)
+	pc := syncedProxy(t, ctx, path)
 
 	done := async(func() error { return srv.AddPod(ctx, p) })
 	checkAdd(t, recv(t, ctx, pc), p)
@@ -373,12 +395,7 @@ func TestAckError(t *testing.T) {
 	if err := wait(t, ctx, done); !errors.As(err, &ae) || ae.UID != p.UID || ae.Msg != "cannot bind 15001" {
 		t.Fatalf("refused add: %v, want an AckError", err)
 	}
-	done = async(func() error { return srv.AddPod(ctx, p) })
-	checkAdd(t, recv(t, ctx, pc), p)
-	ack(t, pc, "")
-	if err := wait(t, ctx, done); err != nil {
-		t.Fatalf("second add: %v", err)
-	}
+	addAcked(t, ctx, srv, pc, p)
 	done = async(func() error { return srv.DelPod(ctx, p.UID) })
 	checkDel(t, recv(t, ctx, pc), p.UID)
 	ack(t, pc, "still draining")
@@ -399,8 +416,7 @@ func TestMisbehavingProxies(t *testing.T) {
 	p1 := pod(t, "p1")
 	st := zdstest.NewPods(p1)
 	srv, path := startServer(t, st, zds.Config{AckTimeout: 2 * time.Second})
-	good := dialProxy(t, ctx, path, zdspb.Version_V1)
-	takeSnapshot(t, ctx, good)
+	good := syncedProxy(t, ctx, path)
 
 	spare := fixtures.NewNetns(t, filepath.Join(t.TempDir(), "spare")).Path
 	for _, tc := range []struct {
@@ -429,20 +445,8 @@ func TestMisbehavingProxies(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer pc.Close()
-			f, err := os.Open(spare)
-			if err != nil {
-				t.Fatal(err)
-			}
-			ino := fixtures.Inode(t, spare)
 			hello := []byte{0x08, 0x01} // ZdsHello{version: V1}
-			err = pc.SendRaw(hello, int(f.Fd()))
-			f.Close()
-			if err != nil {
-				t.Fatal(err)
-			}
-			expectEOF(t, ctx, pc)
-			// The server's copy of the fd must be closed too.
-			fixtures.WaitFor(t, time.Minute, "the server to close the fd it was sent", func() bool { return openFdsTo(t, ino) == 0 })
+			sendFdRefused(t, ctx, pc, hello, spare)
 		}},
 		{"close without hello", func(t *testing.T) {
 			pc, err := zds.Dial(ctx, path)
@@ -467,23 +471,11 @@ func TestMisbehavingProxies(t *testing.T) {
 		{"fd with ack", func(t *testing.T) {
 			pc := dialProxy(t, ctx, path, zdspb.Version_V1)
 			checkAdd(t, recv(t, ctx, pc), p1)
-			f, err := os.Open(spare)
-			if err != nil {
-				t.Fatal(err)
-			}
-			ino := fixtures.Inode(t, spare)
 			ackWithFd := []byte{0x0a, 0x00} // WorkloadResponse{ack: {}}
-			err = pc.SendRaw(ackWithFd, int(f.Fd()))
-			f.Close()
-			if err != nil {
-				t.Fatal(err)
-			}
-			expectEOF(t, ctx, pc)
-			fixtures.WaitFor(t, time.Minute, "the server to close the fd it was sent", func() bool { return openFdsTo(t, ino) == 0 })
+			sendFdRefused(t, ctx, pc, ackWithFd, spare)
 		}},
 		{"speaks out of turn", func(t *testing.T) {
-			pc := dialProxy(t, ctx, path, zdspb.Version_V1)
-			takeSnapshot(t, ctx, pc)
+			pc := syncedProxy(t, ctx, path)
 			// An ack nobody asked for: the liveness check finds it.
 			ack(t, pc, "")
 			expectEOF(t, ctx, pc)
@@ -496,12 +488,7 @@ func TestMisbehavingProxies(t *testing.T) {
 	fixtures.WaitFor(t, time.Minute, "only the good proxy left", func() bool { return srv.Connected() == 1 })
 	p2 := pod(t, "p2")
 	st.Add(p2)
-	done := async(func() error { return srv.AddPod(ctx, p2) })
-	checkAdd(t, recv(t, ctx, good), p2)
-	ack(t, good, "")
-	if err := wait(t, ctx, done); err != nil {
-		t.Fatalf("add to the good proxy: %v", err)
-	}
+	addAcked(t, ctx, srv, good, p2)
 }
 
 // openFdsTo counts this process's fds that refer to the network namespace with
@@ -527,8 +514,7 @@ func TestLiveness(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	ctx := fixtures.Context(t, time.Minute)
 	srv, path := startServer(t, zdstest.NewPods(), zds.Config{})
-	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
-	takeSnapshot(t, ctx, pc)
+	pc := syncedProxy(t, ctx, path)
 	fixtures.WaitFor(t, time.Minute, "the proxy", func() bool { return srv.Connected() == 1 })
 	pc.Close()
 	fixtures.WaitFor(t, time.Minute, "the proxy to be dropped", func() bool { return srv.Connected() == 0 })
@@ -556,22 +542,13 @@ func TestAddPodWait(t *testing.T) {
 	}
 	done := async(func() error { return srv.AddPodWait(ctx, p) })
 	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
-	snap := takeSnapshot(t, ctx, pc)
-	if len(snap) != 1 {
-		t.Fatalf("snapshot %v", snap)
-	}
-	checkAdd(t, snap[0], p)
+	checkAdd(t, snapshotOf(t, ctx, pc, 1)[0], p)
 	if err := wait(t, ctx, done); err != nil {
 		t.Fatalf("AddPodWait: %v", err)
 	}
 	// The next request is the delete, not a second add.
 	st.Del(p.UID)
-	done = async(func() error { return srv.DelPod(ctx, p.UID) })
-	checkDel(t, recv(t, ctx, pc), p.UID)
-	ack(t, pc, "")
-	if err := wait(t, ctx, done); err != nil {
-		t.Fatal(err)
-	}
+	delAcked(t, ctx, srv, p.UID, pc)
 }
 
 // TestAddPodErrors: pods that cannot be handed off fail before any proxy sees them.
@@ -579,8 +556,7 @@ func TestAddPodErrors(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	ctx := fixtures.Context(t, time.Minute)
 	srv, path := startServer(t, zdstest.NewPods(), zds.Config{})
-	pc := dialProxy(t, ctx, path, zdspb.Version_V1)
-	takeSnapshot(t, ctx, pc)
+	pc := syncedProxy(t, ctx, path)
 	regular := filepath.Join(t.TempDir(), "file")
 	if err := os.WriteFile(regular, nil, 0o600); err != nil {
 		t.Fatal(err)
@@ -602,12 +578,7 @@ func TestAddPodErrors(t *testing.T) {
 		t.Error("DelPod without uid accepted")
 	}
 	// None of it reached the proxy: its next request is this add.
-	done := async(func() error { return srv.AddPod(ctx, good) })
-	checkAdd(t, recv(t, ctx, pc), good)
-	ack(t, pc, "")
-	if err := wait(t, ctx, done); err != nil {
-		t.Fatal(err)
-	}
+	addAcked(t, ctx, srv, pc, good)
 }
 
 // TestSocket checks the socket's mode and directory and that only a stale socket
@@ -759,12 +730,7 @@ func TestNetnsSwappedBehindPath(t *testing.T) {
 	// Nothing reached the proxy: its next request is this add.
 	again := intact
 	again.UID = "again-" + intact.UID
-	done := async(func() error { return srv.AddPod(ctx, again) })
-	checkAdd(t, recv(t, ctx, pc), again)
-	ack(t, pc, "")
-	if err := wait(t, ctx, done); err != nil {
-		t.Fatal(err)
-	}
+	addAcked(t, ctx, srv, pc, again)
 }
 
 // A pod whose namespace the caller already opened for its request is handed
@@ -846,8 +812,7 @@ func TestProxiesKeptWhenServerCloses(t *testing.T) {
 		return nil
 	}})
 	connect := func() *zds.ProxyConn {
-		pc := dialProxy(t, ctx, path, zdspb.Version_V1)
-		takeSnapshot(t, ctx, pc)
+		pc := syncedProxy(t, ctx, path)
 		if err := srv.WaitForProxy(ctx); err != nil {
 			t.Fatal(err)
 		}

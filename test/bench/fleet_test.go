@@ -98,7 +98,7 @@ func BenchmarkFleet(b *testing.B) {
 	// attachment; with no data path nothing is put inside it. Made before any
 	// process starts: netns.Create ends the thread it ran on, and a child
 	// forked from that thread would die with it (see spawner).
-	nsPath := filepath.Join(harness.NetnsDir, harness.NetnsPrefix()+"fleet-"+randHex(4))
+	nsPath := filepath.Join(harness.NetnsDir, harness.NetnsPrefix()+"fleet-"+fixtures.RandomHex(4))
 	podNS := fixtures.NewNetns(b, nsPath)
 
 	m := newFleetMetrics()

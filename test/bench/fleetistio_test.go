@@ -64,7 +64,7 @@ func newIstioNet(ctx context.Context, b *testing.B, n int) *istioNet {
 	if n > 60 {
 		b.Fatalf("istio-cni fleet of %d nodes: the links' /24 holds 60", n)
 	}
-	tag := randHex(3)
+	tag := fixtures.RandomHex(3)
 	// 169.254.0.0/16 is link-local: nothing outside this machine is reached.
 	third := byte(64 + int(tag[0])%128)
 	base := netip.AddrFrom4([4]byte{169, 254, third, 0})

@@ -2,8 +2,6 @@ package bench
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"fmt"
 	"path/filepath"
 	"sync"
@@ -58,20 +56,14 @@ func newPods(tb testing.TB, node *harness.Node) *pods {
 	return ps
 }
 
-func randHex(n int) string {
-	b := make([]byte, n)
-	_, _ = rand.Read(b) // never fails (crypto/rand panics rather than return an error)
-	return hex.EncodeToString(b)
-}
-
 // create makes a pod namespace with loopback up, named with the harness's
 // per-process prefix so its leak check covers it.
 func (ps *pods) create(namespace, name string) (*pod, error) {
-	path := filepath.Join(harness.NetnsDir, harness.NetnsPrefix()+"b-"+randHex(5))
+	path := filepath.Join(harness.NetnsDir, harness.NetnsPrefix()+"b-"+fixtures.RandomHex(5))
 	if err := fixtures.CreateNetns(path); err != nil {
 		return nil, fmt.Errorf("pod: %w", err)
 	}
-	uid, cid := randHex(16), randHex(32)
+	uid, cid := fixtures.RandomHex(16), fixtures.RandomHex(32)
 	p := &pod{
 		NetNS: path,
 		Name:  name,

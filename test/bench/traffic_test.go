@@ -106,15 +106,7 @@ func (c client) cycles(ctx context.Context, n int) (lat []time.Duration, total t
 // requests makes one connection (not timed) and n request/responses on it,
 // returning each one's duration.
 func (c client) requests(ctx context.Context, n int) (lat []time.Duration, err error) {
-	err = netns.Do(c.netns, func() error {
-		var d net.Dialer
-		conn, err := d.DialContext(ctx, "tcp", c.target.String())
-		if err != nil {
-			return fmt.Errorf("dial %s: %w", c.target, err)
-		}
-		defer conn.Close()
-		stop := context.AfterFunc(ctx, func() { conn.Close() })
-		defer stop()
+	err = c.connected(ctx, func(conn *net.TCPConn, _ time.Time) error {
 		req := make([]byte, rrSize)
 		resp := make([]byte, rrSize)
 		lat = make([]time.Duration, 0, n)
@@ -130,6 +122,23 @@ func (c client) requests(ctx context.Context, n int) (lat []time.Duration, err e
 	return lat, err
 }
 
+// connected runs fn on one connection to the target, dialled from c's netns
+// at start and closed when fn returns or ctx ends.
+func (c client) connected(ctx context.Context, fn func(conn *net.TCPConn, start time.Time) error) error {
+	return netns.Do(c.netns, func() error {
+		start := time.Now()
+		var d net.Dialer
+		conn, err := d.DialContext(ctx, "tcp", c.target.String())
+		if err != nil {
+			return fmt.Errorf("dial %s: %w", c.target, err)
+		}
+		defer conn.Close()
+		stop := context.AfterFunc(ctx, func() { conn.Close() })
+		defer stop()
+		return fn(conn.(*net.TCPConn), start)
+	})
+}
+
 func roundTrip(conn net.Conn, req, resp []byte) error {
 	if _, err := conn.Write(req); err != nil {
 		return fmt.Errorf("write request: %w", err)
@@ -143,17 +152,8 @@ func roundTrip(conn net.Conn, req, resp []byte) error {
 // transfer runs one timed bulk transfer on a new connection to the target:
 // xfer sends and reads on it; the time is from the connect to xfer's end.
 func (c client) transfer(ctx context.Context, xfer func(conn *net.TCPConn) error) (took time.Duration, err error) {
-	err = netns.Do(c.netns, func() error {
-		start := time.Now()
-		var d net.Dialer
-		conn, err := d.DialContext(ctx, "tcp", c.target.String())
-		if err != nil {
-			return fmt.Errorf("dial %s: %w", c.target, err)
-		}
-		defer conn.Close()
-		stop := context.AfterFunc(ctx, func() { conn.Close() })
-		defer stop()
-		if err := xfer(conn.(*net.TCPConn)); err != nil {
+	err = c.connected(ctx, func(conn *net.TCPConn, start time.Time) error {
+		if err := xfer(conn); err != nil {
 			return err
 		}
 		took = time.Since(start)

@@ -2,7 +2,6 @@ package capture_test
 
 import (
 	"context"
-	"crypto/rand"
 	"flag"
 	"fmt"
 	"net/netip"
@@ -143,15 +142,6 @@ func startRefproxy(t *testing.T, ctx context.Context, pod *fixtures.Pod, extra .
 	return records
 }
 
-func randomPayload(t *testing.T, n int) []byte {
-	t.Helper()
-	b := make([]byte, n)
-	if _, err := rand.Read(b); err != nil {
-		t.Fatal(err)
-	}
-	return b
-}
-
 // TestCaptureThroughProxies sends A → B:8080 through the capture and a refproxy in
 // each pod, and checks the bytes and both proxies' records, for each capture
 // variant and address family.
@@ -176,7 +166,7 @@ func testThroughProxies(t *testing.T, install installer, v6 bool) {
 	installCapture(t, ctx, install, b)
 
 	dst := netip.AddrPortFrom(b.Addr(v6), appPort)
-	payload := randomPayload(t, 256<<10)
+	payload := fixtures.RandomBytes(256 << 10)
 	conn, err := a.DialTCP(ctx, dst)
 	if err != nil {
 		t.Fatal(err)

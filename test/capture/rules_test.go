@@ -18,9 +18,19 @@ func testRules() Rules {
 	return r
 }
 
+// wantLines fails t for each of wants that text, named what, does not hold.
+func wantLines(t *testing.T, what, text string, wants ...string) {
+	t.Helper()
+	for _, want := range wants {
+		if !strings.Contains(text, want) {
+			t.Errorf("%s: %q missing from\n%s", what, want, text)
+		}
+	}
+}
+
 func TestIPTablesRulesText(t *testing.T) {
 	v4 := iptablesRules(testRules(), false)
-	for _, want := range []string{
+	wantLines(t, "IPv4 rules", v4,
 		"-A OUTPUT -p tcp -j MESHCAP_OUTPUT\n",
 		"-A PREROUTING -p tcp -j MESHCAP_PREROUTING\n",
 		"-A MESHCAP_OUTPUT -m mark --mark 0x539 -j RETURN\n",
@@ -31,20 +41,12 @@ func TestIPTablesRulesText(t *testing.T) {
 		"-A MESHCAP_PREROUTING -s 169.254.7.127/32 -j RETURN\n",
 		"-A MESHCAP_PREROUTING -p tcp --dport 15006 -j RETURN\n",
 		"-A MESHCAP_PREROUTING -p tcp -j REDIRECT --to-ports 15006\nCOMMIT\n",
-	} {
-		if !strings.Contains(v4, want) {
-			t.Errorf("IPv4 rules lack %q:\n%s", want, v4)
-		}
-	}
+	)
 	if strings.Contains(v4, "fd00") {
 		t.Errorf("IPv4 rules hold IPv6 prefixes:\n%s", v4)
 	}
 	v6 := iptablesRules(testRules(), true)
-	for _, want := range []string{"-d fd00:96::/108 -j RETURN", "-s fd00:7::7/128 -j RETURN"} {
-		if !strings.Contains(v6, want) {
-			t.Errorf("IPv6 rules lack %q:\n%s", want, v6)
-		}
-	}
+	wantLines(t, "IPv6 rules", v6, "-d fd00:96::/108 -j RETURN", "-s fd00:7::7/128 -j RETURN")
 	if strings.Contains(v6, "10.96") || strings.Contains(v6, "169.254") {
 		t.Errorf("IPv6 rules hold IPv4 prefixes:\n%s", v6)
 	}
@@ -56,7 +58,7 @@ func TestIPTablesRulesText(t *testing.T) {
 
 func TestNFTRulesetText(t *testing.T) {
 	got := nftRuleset(testRules())
-	for _, want := range []string{
+	wantLines(t, "ruleset", got,
 		"delete table inet mesh_capture\n",
 		"meta mark 0x539 return\n",
 		"tcp dport { 15001, 15006, 15008, 15020, 15021, 15053, 15090 } return\n",
@@ -65,11 +67,7 @@ func TestNFTRulesetText(t *testing.T) {
 		"ip saddr 169.254.7.127/32 return\n",
 		"meta l4proto tcp redirect to :15001\n",
 		"meta l4proto tcp redirect to :15006\n",
-	} {
-		if !strings.Contains(got, want) {
-			t.Errorf("ruleset lacks %q:\n%s", want, got)
-		}
-	}
+	)
 	// Without exclusions no empty set (a syntax error) is written.
 	if bare := nftRuleset(Rules{}.withDefaults()); strings.Contains(bare, "{  }") || strings.Contains(bare, "dport") {
 		t.Errorf("ruleset without exclusions:\n%s", bare)
@@ -82,15 +80,11 @@ func TestDNSRulesText(t *testing.T) {
 	r := testRules()
 	r.DNSPort = 15053
 	ipt, cleanup := iptablesRules(r, false), iptablesCleanup(r)
-	for _, want := range []string{
+	wantLines(t, "iptables rules", ipt,
 		"-A OUTPUT -p udp -j MESHCAP_OUTPUT\n",
 		"-A MESHCAP_OUTPUT -p udp --dport 53 -j REDIRECT --to-ports 15053\n",
 		"-A MESHCAP_OUTPUT -p tcp --dport 53 -j REDIRECT --to-ports 15053\n",
-	} {
-		if !strings.Contains(ipt, want) {
-			t.Errorf("iptables rules lack %q:\n%s", want, ipt)
-		}
-	}
+	)
 	if strings.Index(ipt, "--dport 53") < strings.Index(ipt, "-o lo -j RETURN") {
 		t.Errorf("DNS redirect before the loopback exemption:\n%s", ipt)
 	}
@@ -98,11 +92,7 @@ func TestDNSRulesText(t *testing.T) {
 		t.Errorf("cleanup leaves the UDP jump:\n%s", cleanup)
 	}
 	nft := nftRuleset(r)
-	for _, want := range []string{"meta l4proto != { tcp, udp } return\n", "udp dport 53 redirect to :15053\n", "tcp dport 53 redirect to :15053\n"} {
-		if !strings.Contains(nft, want) {
-			t.Errorf("ruleset lacks %q:\n%s", want, nft)
-		}
-	}
+	wantLines(t, "ruleset", nft, "meta l4proto != { tcp, udp } return\n", "udp dport 53 redirect to :15053\n", "tcp dport 53 redirect to :15053\n")
 	plain := testRules()
 	for _, text := range []string{iptablesRules(plain, false), iptablesCleanup(plain), nftRuleset(plain)} {
 		if strings.Contains(text, "udp") {

@@ -4,9 +4,11 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/mesh-cni/mesh-cni/internal/nethook"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
 
@@ -71,4 +73,21 @@ func (h *Hook) Restart(tb testing.TB) *harness.Process {
 	}
 	h.Process = p
 	return p
+}
+
+// DialRegistered connects, as the runtime's loader does, to the hook that
+// registered as mesh-cni in pluginDir, at the address its registration names,
+// and returns the connection (closed in cleanup) with the registration.
+func DialRegistered(tb testing.TB, pluginDir string) (*GRPC, nethook.Registration) {
+	tb.Helper()
+	reg, err := nethook.ReadRegistration(nethook.RegistrationPath(pluginDir, "mesh-cni"))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	g, err := Dial(strings.TrimPrefix(reg.Address, "unix://"))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { g.Close() })
+	return g, reg
 }

@@ -612,57 +612,55 @@ func concurrentReader(t *testing.T, owned bool) {
 	}
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
-	wg.Add(2)
-	// The file carrying the entry, read and parsed as libcni does.
-	go func() {
-		defer wg.Done()
-		for {
-			select {
-			case <-stop:
-				return
-			default:
-			}
-			data, err := os.ReadFile(entryFile)
-			fileStats.reads.Add(1)
-			if err != nil {
-				fail(&fileStats, err.Error())
-				continue
-			}
-			if _, err := libcni.ConfListFromBytes(data); err != nil {
-				fail(&fileStats, fmt.Sprintf("%v: %q", err, data))
-				continue
-			}
-			if parseConf(data).meshLast() {
-				fileStats.withEntry.Add(1)
-			} else {
-				fileStats.withoutEntry.Add(1)
-			}
-		}
-	}()
-	// The whole directory, picked as a runtime picks its network.
-	go func() {
-		defer wg.Done()
-		for {
-			select {
-			case <-stop:
-				return
-			default:
-			}
-			list, _, err := node.LoadConflist()
-			dirStats.reads.Add(1)
-			switch {
-			case err != nil:
-				fail(&dirStats, err.Error())
-			case listHasMesh(list):
-				dirStats.withEntry.Add(1)
-			default:
-				dirStats.withoutEntry.Add(1)
-				if owned {
-					fail(&dirStats, "owned mode: the runtime's config has no mesh-cni")
+	// reader calls read in a loop of its own until the readers are stopped.
+	reader := func(read func()) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
 				}
+				read()
+			}
+		}()
+	}
+	// The file carrying the entry, read and parsed as libcni does.
+	reader(func() {
+		data, err := os.ReadFile(entryFile)
+		fileStats.reads.Add(1)
+		if err != nil {
+			fail(&fileStats, err.Error())
+			return
+		}
+		if _, err := libcni.ConfListFromBytes(data); err != nil {
+			fail(&fileStats, fmt.Sprintf("%v: %q", err, data))
+			return
+		}
+		if parseConf(data).meshLast() {
+			fileStats.withEntry.Add(1)
+		} else {
+			fileStats.withoutEntry.Add(1)
+		}
+	})
+	// The whole directory, picked as a runtime picks its network.
+	reader(func() {
+		list, _, err := node.LoadConflist()
+		dirStats.reads.Add(1)
+		switch {
+		case err != nil:
+			fail(&dirStats, err.Error())
+		case listHasMesh(list):
+			dirStats.withEntry.Add(1)
+		default:
+			dirStats.withoutEntry.Add(1)
+			if owned {
+				fail(&dirStats, "owned mode: the runtime's config has no mesh-cni")
 			}
 		}
-	}()
+	})
 	stopReaders := sync.OnceFunc(func() {
 		close(stop)
 		wg.Wait()
@@ -838,26 +836,10 @@ func TestUninstallRestoresNode(t *testing.T) {
 			if fi, err := os.Stat(path); err != nil || fi.Mode().Perm() != 0o640 {
 				t.Fatalf("primary file mode not restored: %v %v", fi.Mode(), err)
 			}
-			entries, err := os.ReadDir(node.ConfDir)
-			if err != nil {
-				t.Fatal(err)
-			}
-			var names []string
-			for _, e := range entries {
-				names = append(names, e.Name())
-			}
-			if !slices.Equal(names, []string{tc.file}) {
+			if names := dirNames(t, node.ConfDir); !slices.Equal(names, []string{tc.file}) {
 				t.Fatalf("conf dir holds %v after uninstall, want only %s", names, tc.file)
 			}
-			bins, err := os.ReadDir(node.BinDir)
-			if err != nil {
-				t.Fatal(err)
-			}
-			var binNames []string
-			for _, e := range bins {
-				binNames = append(binNames, e.Name())
-			}
-			if !slices.Equal(binNames, harness.ReferencePluginNames()) {
+			if binNames := dirNames(t, node.BinDir); !slices.Equal(binNames, harness.ReferencePluginNames()) {
 				t.Fatalf("bin dir holds %v after uninstall, want only the reference plugins %v", binNames, harness.ReferencePluginNames())
 			}
 			if _, err := os.Stat(filepath.Join(a.installStateDir(), "cni-install.json")); !errors.Is(err, os.ErrNotExist) {
@@ -905,6 +887,20 @@ func originalPrimary(t testing.TB, node *harness.Node, name string) []byte {
 		return fmt.Appendf(nil, "{\n\t\"name\":   \"meshnet\",\n\t\"cniVersion\": %q,%s\n\n", harness.CNIVersion, plugin)
 	}
 	return fmt.Appendf(nil, "{\n\t\"plugins\": [\n\t%s\n\t],\n\t\"name\":   \"meshnet\",\n\t\"cniVersion\": %q\n}\n\n", bridge.String(), harness.CNIVersion)
+}
+
+// dirNames is the names in dir, sorted as os.ReadDir sorts them.
+func dirNames(t testing.TB, dir string) []string {
+	t.Helper()
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, e := range entries {
+		names = append(names, e.Name())
+	}
+	return names
 }
 
 // assertNoPins checks that the bpffs directory is gone, or empty and no longer

@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/mesh-cni/mesh-cni/internal/nethook"
 	"github.com/mesh-cni/mesh-cni/test/containerdhook"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 )
@@ -39,15 +38,7 @@ func TestLargeAnnotation(t *testing.T) {
 	a.Args = append(a.Args, "--enrollment=file", "--policy-file", policy)
 	a.start(ctx)
 	h := containerdhook.StartHook(t, a.Socket, pluginDir)
-	reg, err := nethook.ReadRegistration(nethook.RegistrationPath(pluginDir, "mesh-cni"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	hook, err := containerdhook.Dial(strings.TrimPrefix(reg.Address, "unix://"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer hook.Close()
+	hook, _ := containerdhook.DialRegistered(t, pluginDir)
 
 	big := strings.Repeat("x", largeAnnotation)
 	many := map[string]string{}

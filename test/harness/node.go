@@ -2,8 +2,6 @@ package harness
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -128,7 +126,7 @@ func NewNode(tb testing.TB, opts NodeOptions) *Node {
 		n.BridgeName = DefaultBridge
 	}
 	if !n.IPv4Range.IsValid() || !n.IPv6Range.IsValid() {
-		r := randomBytes(tb, 2)
+		r := fixtures.RandomBytes(2)
 		if !n.IPv4Range.IsValid() {
 			n.IPv4Range = netip.PrefixFrom(netip.AddrFrom4([4]byte{10, r[0], r[1], 0}), 24)
 		}
@@ -167,7 +165,7 @@ func NewNode(tb testing.TB, opts NodeOptions) *Node {
 			}
 		}
 	})
-	n.NetNSPath = fixtures.NewNetns(tb, filepath.Join(NetnsDir, NetnsPrefix()+"node-"+randomHex(tb, 4))).Path
+	n.NetNSPath = fixtures.NewNetns(tb, filepath.Join(NetnsDir, NetnsPrefix()+"node-"+fixtures.RandomHex(4))).Path
 	switch {
 	case n.Primary == PrimaryBridge && !opts.PluginCreatesBridge:
 		if err := n.createBridge(tb); err != nil {
@@ -186,7 +184,7 @@ func NewNode(tb testing.TB, opts NodeOptions) *Node {
 // whose bridge is made by its provisioning looks like). The bridge plugin adopts an
 // existing bridge of its name.
 func (n *Node) createBridge(tb testing.TB) error {
-	mac := randomBytes(tb, 6)
+	mac := fixtures.RandomBytes(6)
 	mac[0] = mac[0]&^0x01 | 0x02 // unicast, locally administered
 	err := n.Do(func() error {
 		return netlink.LinkAdd(&netlink.Bridge{LinkAttrs: netlink.LinkAttrs{
@@ -412,20 +410,6 @@ func writeFileAtomic(path string, data []byte, mode os.FileMode) error {
 		return fmt.Errorf("write %s: %w", path, err)
 	}
 	return nil
-}
-
-func randomBytes(tb testing.TB, n int) []byte {
-	tb.Helper()
-	b := make([]byte, n)
-	if _, err := rand.Read(b); err != nil {
-		tb.Fatalf("random bytes: %v", err)
-	}
-	return b
-}
-
-func randomHex(tb testing.TB, n int) string {
-	tb.Helper()
-	return hex.EncodeToString(randomBytes(tb, n))
 }
 
 // WaitAddressesUsable waits until none of the node's IPv6 addresses is still

@@ -50,14 +50,14 @@ type attachment struct {
 // namespace is removed.
 func (n *Node) NewPod(tb testing.TB, namespace, name string) *Pod {
 	tb.Helper()
-	u := randomBytes(tb, 16)
+	u := fixtures.RandomBytes(16)
 	p := &Pod{
 		Node:        n,
 		Namespace:   namespace,
 		Name:        name,
 		UID:         fmt.Sprintf("%x-%x-%x-%x-%x", u[0:4], u[4:6], u[6:8], u[8:10], u[10:16]),
-		ContainerID: randomHex(tb, 32),
-		NetNSPath:   filepath.Join(NetnsDir, NetnsPrefix()+"pod-"+randomHex(tb, 4)),
+		ContainerID: fixtures.RandomHex(32),
+		NetNSPath:   filepath.Join(NetnsDir, NetnsPrefix()+"pod-"+fixtures.RandomHex(4)),
 		IfName:      "eth0",
 		attached:    map[string]attachment{},
 	}

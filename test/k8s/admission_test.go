@@ -37,6 +37,7 @@ import (
 
 	meshinstall "github.com/mesh-cni/mesh-cni/install/kubernetes"
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
 	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
 )
@@ -75,7 +76,7 @@ func TestAgentAdmissionPolicy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	suffix := randomHex(t, 3)
+	suffix := fixtures.RandomHex(3)
 	nodeA, nodeB := "node-a-"+suffix, "node-b-"+suffix
 	kubeletA := "system:node:" + nodeA
 	etcd := kubeenv.StartEtcd(t, bins)
@@ -312,7 +313,7 @@ func (pc *policyCluster) waitForPolicy(ctx context.Context, t *testing.T) {
 	t.Helper()
 	p := pc.workload(t, "probe", pc.nodeA)
 	pollPolicy(t, time.Minute, "the ValidatingAdmissionPolicy to be enforced", func() (bool, error) {
-		_, err := patchMeta(ctx, pc.agent, p, map[string]any{"labels": map[string]any{"probe": randomHex(t, 2)}})
+		_, err := patchMeta(ctx, pc.agent, p, map[string]any{"labels": map[string]any{"probe": fixtures.RandomHex(2)}})
 		switch {
 		case err == nil:
 			return false, nil
@@ -550,7 +551,7 @@ func testPolicyTokenWithoutNode(t *testing.T, pc *policyCluster) {
 		t.Fatal(err)
 	}
 	// Bound to an agent pod no scheduler has placed yet.
-	unscheduled := pc.agentPodOn(ctx, t, "mesh-agent-unscheduled-"+randomHex(t, 3), "")
+	unscheduled := pc.agentPodOn(ctx, t, "mesh-agent-unscheduled-"+fixtures.RandomHex(3), "")
 	bound, err := sas.CreateToken(ctx, meshinstall.ServiceAccount, &authenticationv1.TokenRequest{Spec: authenticationv1.TokenRequestSpec{
 		BoundObjectRef: &authenticationv1.BoundObjectReference{APIVersion: "v1", Kind: "Pod", Name: unscheduled.Name, UID: unscheduled.UID},
 	}}, metav1.CreateOptions{})

@@ -82,7 +82,7 @@ func (a *agent) enrolledUID(uid string) bool {
 // namespace, the one without is still reported failed.
 func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 	ctx := apiContext(t)
-	kubeNode := "node-" + randomHex(t, 4)
+	kubeNode := "node-" + fixtures.RandomHex(4)
 	lab := c.namespace(t, "adopt", enabled)
 	plain := c.namespace(t, "adopt-plain", nil)
 	node := harness.NewNode(t, harness.NodeOptions{Plugins: append(harness.ReferencePluginNames(), "mesh-cni")})
@@ -99,13 +99,13 @@ func testAgentAdoptsRunningPods(t *testing.T, c *cluster) {
 	cgroupRoot := harness.NewCgroup(t, "adopt")
 	cgroups := harness.MkCgroup(t, filepath.Join(harness.MkCgroup(t, filepath.Join(cgroupRoot, "kubepods")), "besteffort"))
 	asRuntime := func(p *harness.Pod) string { return p.ContainerID }
-	misread := func(*harness.Pod) string { return randomHex(t, 32) }
+	misread := func(*harness.Pod) string { return fixtures.RandomHex(32) }
 
 	client, _ := c.runningPod(t, node, primary, cgroups, lab, "client", kubeNode, nil, asRuntime)
 	worker, _ := c.runningPod(t, node, primary, cgroups, lab, "worker", kubeNode, nil, misread)
 	late, _ := c.runningPod(t, node, primary, cgroups, plain, "late", kubeNode, nil, asRuntime)
 	server, _ := c.runningPod(t, node, primary, cgroups, plain, "server", kubeNode, disabled, asRuntime)
-	system, _ := c.runningPod(t, node, primary, cgroups, "kube-system", "system-"+randomHex(t, 3), kubeNode, enabled, asRuntime)
+	system, _ := c.runningPod(t, node, primary, cgroups, "kube-system", "system-"+fixtures.RandomHex(3), kubeNode, enabled, asRuntime)
 	attacker, attackerCg := c.runningPod(t, node, primary, cgroups, plain, "attacker", kubeNode, disabled, asRuntime)
 	// Its one process runs in a network namespace it made itself.
 	lost := cniPod(t, node, c.pod(t, lab, "lost", kubeNode, nil, nil))

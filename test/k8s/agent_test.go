@@ -210,7 +210,7 @@ func waitEnrolled(t *testing.T, a *agent, p *harness.Pod, want bool, what string
 // them; each outcome is written back on the pod.
 func testAgentEnrollmentFollowsLabels(t *testing.T, c *cluster) {
 	ctx := apiContext(t)
-	kubeNode := "node-" + randomHex(t, 4)
+	kubeNode := "node-" + fixtures.RandomHex(4)
 	lab := c.namespace(t, "lab", enabled)
 	plain := c.namespace(t, "plain", nil)
 	clientPod := c.pod(t, lab, "client", kubeNode, nil, nil)
@@ -287,7 +287,7 @@ func testAgentEnrollmentFollowsLabels(t *testing.T, c *cluster) {
 // is still enrolled by labels through that chain.
 func testAgentPluginGetsNoCredential(t *testing.T, c *cluster) {
 	ctx := apiContext(t)
-	kubeNode := "node-" + randomHex(t, 4)
+	kubeNode := "node-" + fixtures.RandomHex(4)
 	ns := c.namespace(t, "cred", enabled)
 	apiPod := c.pod(t, ns, "web", kubeNode, nil, nil)
 	node := primaryNode(t)
@@ -380,10 +380,10 @@ func testAgentPluginGetsNoCredential(t *testing.T, c *cluster) {
 // record as an Event on it.
 func testAgentAddWithAPIServerDown(t *testing.T, c *cluster) {
 	ctx := apiContext(t)
-	api := kubeenv.StartAPIServer(t, c.bins, c.etcd, "agent-down-"+randomHex(t, 3))
+	api := kubeenv.StartAPIServer(t, c.bins, c.etcd, "agent-down-"+fixtures.RandomHex(3))
 	api.GrantAgent(t)
 	own := &cluster{bins: c.bins, etcd: c.etcd, api: api, admin: api.Client(t, kubeenv.AdminUser)}
-	kubeNode := "node-" + randomHex(t, 4)
+	kubeNode := "node-" + fixtures.RandomHex(4)
 	ns := own.namespace(t, "down", enabled)
 	cachedPod := own.pod(t, ns, "cached", kubeNode, nil, nil)
 

@@ -57,7 +57,7 @@ func (pc *policyCluster) waitForPodPolicies(ctx context.Context, t *testing.T) {
 	t.Helper()
 	p := pc.workload(t, "probe-annotations", pc.nodeA)
 	pollPolicy(t, time.Minute, "the "+redirectionPolicy+" policy to be enforced", func() (bool, error) {
-		_, err := patchMeta(ctx, pc.editor, p, map[string]any{"annotations": map[string]any{enroll.IstioAnnotationRedirection: "probe-" + randomHex(t, 2)}})
+		_, err := patchMeta(ctx, pc.editor, p, map[string]any{"annotations": map[string]any{enroll.IstioAnnotationRedirection: "probe-" + fixtures.RandomHex(2)}})
 		if err == nil {
 			return false, nil
 		}
@@ -108,7 +108,7 @@ func testPolicyRedirectionAnnotations(t *testing.T, pc *policyCluster) {
 		expectRefusedBy(t, redirectionPolicy, "a pod editor setting "+key+"=enabled on an uncaptured pod", err, says, podEditor+" may not")
 		_, err = patchMeta(ctx, pc.admin, p, annotations(key, enroll.OutcomeEnabled))
 		expectRefusedBy(t, redirectionPolicy, "the cluster admin setting "+key+"=enabled", err, says)
-		_, err = createPod(ctx, pc.editor, pc.apps, "forged-"+randomHex(t, 3), pc.nodeA, nil, map[string]string{key: enroll.OutcomeEnabled})
+		_, err = createPod(ctx, pc.editor, pc.apps, "forged-"+fixtures.RandomHex(3), pc.nodeA, nil, map[string]string{key: enroll.OutcomeEnabled})
 		expectRefusedBy(t, redirectionPolicy, "a pod editor creating a pod with "+key+"=enabled", err, says)
 	}
 	pending := pc.workload(t, "unbound", "")
@@ -182,7 +182,7 @@ func testPolicyEnforcedNamespace(t *testing.T, pc *policyCluster) {
 		{"inbound capture bypassed", nil, map[string]string{enroll.IstioAnnotationBypassInbound: "true"}, "annotation " + enroll.IstioAnnotationBypassInbound},
 		{"DNS capture turned off", nil, map[string]string{enroll.IstioAnnotationDNSCapture: "F"}, "annotation " + enroll.IstioAnnotationDNSCapture + "=F"},
 	} {
-		name := "opt-out-" + randomHex(t, 3)
+		name := "opt-out-" + fixtures.RandomHex(3)
 		_, err := createPod(ctx, pc.editor, enforced, name, pc.nodeA, tc.labels, tc.annotations)
 		expectRefusedBy(t, enforcePolicy, "a pod created with "+tc.what+" in an enforcing namespace", err,
 			"namespace "+enforced+" enforces the mesh", "pods may not opt out, refused "+tc.says)
@@ -213,7 +213,7 @@ func testPolicyEnforcedNamespace(t *testing.T, pc *policyCluster) {
 	}
 	pc.setLabel(t, later, "", enroll.LabelEnforce, enroll.ValueEnforce)
 	pollPolicy(t, 30*time.Second, "namespace "+later+" to be enforced", func() (bool, error) {
-		_, err := createPod(ctx, pc.editor, later, "probe-"+randomHex(t, 3), pc.nodeA, disabled, nil)
+		_, err := createPod(ctx, pc.editor, later, "probe-"+fixtures.RandomHex(3), pc.nodeA, disabled, nil)
 		if err == nil || isRefusalBy(err, enforcePolicy) {
 			return err != nil, nil
 		}
@@ -258,7 +258,7 @@ func (c *cluster) waitRedirection(t *testing.T, namespace, name, outcome string,
 // data path does, and logs it, without changing what it redirects.
 func testAgentCorrectsForgedAnnotations(t *testing.T, c *cluster) {
 	ctx := apiContext(t)
-	kubeNode := "node-" + randomHex(t, 4)
+	kubeNode := "node-" + fixtures.RandomHex(4)
 	amb := c.namespace(t, "ambient", map[string]string{enroll.IstioLabelDataplaneMode: enroll.IstioValueAmbient})
 	plain := c.namespace(t, "plain", nil)
 	meshedPod := c.pod(t, amb, "meshed", kubeNode, nil, nil)
@@ -327,7 +327,7 @@ func startIstioAgent(ctx context.Context, t *testing.T, c *cluster, kubeNode, re
 // is an hour). A running pod next to them keeps its annotations.
 func testAgentReleasesTerminatedPods(t *testing.T, c *cluster) {
 	ctx := apiContext(t)
-	kubeNode := "node-" + randomHex(t, 4)
+	kubeNode := "node-" + fixtures.RandomHex(4)
 	amb := c.namespace(t, "ambient", map[string]string{enroll.IstioLabelDataplaneMode: enroll.IstioValueAmbient})
 	a, node, list := startIstioAgent(ctx, t, c, kubeNode, "1h")
 	pods := map[string]*harness.Pod{}
@@ -370,7 +370,7 @@ func testAgentReleasesTerminatedPods(t *testing.T, c *cluster) {
 // that does not enforce stays out until its namespace is labelled enforcing.
 func testAgentEnforcedNamespace(t *testing.T, c *cluster) {
 	ctx := apiContext(t)
-	kubeNode := "node-" + randomHex(t, 4)
+	kubeNode := "node-" + fixtures.RandomHex(4)
 	enforced := c.namespace(t, "enforced", map[string]string{enroll.LabelDataplaneMode: enroll.ValueEnabled, enroll.LabelEnforce: enroll.ValueEnforce})
 	later := c.namespace(t, "later", enabled)
 	enforcedPod := c.pod(t, enforced, "opt-out", kubeNode, disabled, nil)

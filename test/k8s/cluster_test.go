@@ -2,8 +2,6 @@ package k8s
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"testing"
 	"time"
@@ -14,6 +12,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/util/retry"
 
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/k8s/kubeenv"
 )
 
@@ -35,7 +34,7 @@ func TestKubernetes(t *testing.T) {
 	}
 	etcd := kubeenv.StartEtcd(t, bins)
 	// The audit log lets a test count what its agent asked (by its user agent).
-	api := kubeenv.StartAPIServerWith(t, bins, etcd, "shared-"+randomHex(t, 3), kubeenv.APIServerOptions{Audit: true})
+	api := kubeenv.StartAPIServerWith(t, bins, etcd, "shared-"+fixtures.RandomHex(3), kubeenv.APIServerOptions{Audit: true})
 	api.GrantAgent(t)
 	c := &cluster{bins: bins, etcd: etcd, api: api, admin: api.Client(t, kubeenv.AdminUser)}
 
@@ -76,15 +75,6 @@ var (
 	disabled = map[string]string{"mesh-cni.io/dataplane-mode": "disabled"}
 )
 
-func randomHex(tb testing.TB, n int) string {
-	tb.Helper()
-	b := make([]byte, n)
-	if _, err := rand.Read(b); err != nil {
-		tb.Fatal(err)
-	}
-	return hex.EncodeToString(b)
-}
-
 func apiContext(t *testing.T) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	t.Cleanup(cancel)
@@ -97,7 +87,7 @@ func apiContext(t *testing.T) context.Context {
 func (c *cluster) namespace(t *testing.T, prefix string, labels map[string]string) string {
 	t.Helper()
 	ns, err := c.admin.CoreV1().Namespaces().Create(apiContext(t), &corev1.Namespace{
-		ObjectMeta: metav1.ObjectMeta{Name: prefix + "-" + randomHex(t, 3), Labels: labels},
+		ObjectMeta: metav1.ObjectMeta{Name: prefix + "-" + fixtures.RandomHex(3), Labels: labels},
 	}, metav1.CreateOptions{})
 	if err != nil {
 		t.Fatalf("create namespace: %v", err)

@@ -112,7 +112,7 @@ func newAmbientNode(t *testing.T) *ambientNode {
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	n := &ambientNode{
 		node:     harness.NewNode(t, harness.NodeOptions{Plugins: append(harness.ReferencePluginNames(), "mesh-cni")}),
-		name:     "ambient-" + randomHex(t, 3),
+		name:     "ambient-" + fixtures.RandomHex(3),
 		dir:      dir,
 		zds:      filepath.Join(dir, "ztunnel.sock"),
 		records:  filepath.Join(dir, "ztunnel.jsonl"),
@@ -142,8 +142,8 @@ func newAmbientNode(t *testing.T) *ambientNode {
 	ctx := apiContext(t)
 	for _, ns := range []*corev1.Namespace{
 		{ObjectMeta: metav1.ObjectMeta{Name: "istio-system"}},
-		{ObjectMeta: metav1.ObjectMeta{Name: "ambient-" + randomHex(t, 3), Labels: map[string]string{enroll.IstioLabelDataplaneMode: enroll.IstioValueAmbient}}},
-		{ObjectMeta: metav1.ObjectMeta{Name: "plain-" + randomHex(t, 3)}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "ambient-" + fixtures.RandomHex(3), Labels: map[string]string{enroll.IstioLabelDataplaneMode: enroll.IstioValueAmbient}}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "plain-" + fixtures.RandomHex(3)}},
 	} {
 		created, err := n.admin.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{})
 		if err != nil {
@@ -202,7 +202,7 @@ func (n *ambientNode) nodePIDNamespace(t *testing.T) {
 // with a random /30 of 169.254.0.0/16 and returns the test side's address.
 func apiLink(t *testing.T, node *harness.Node) netip.Addr {
 	t.Helper()
-	r := randomHex(t, 2)
+	r := fixtures.RandomHex(2)
 	b, _ := strconv.ParseUint(r, 16, 16)
 	base := netip.AddrFrom4([4]byte{169, 254, byte(64 + b%128), byte(b>>7) &^ 3})
 	host, peer := base.Next(), base.Next().Next()
@@ -552,6 +552,19 @@ func ask(t *testing.T, p *harness.Pod, target netip.AddrPort) (netip.Addr, error
 	return netip.ParseAddr(strings.TrimSpace(strings.TrimPrefix(line, "FROM ")))
 }
 
+// askRefused asks target from p and fails unless the connection is refused
+// before app, the application at target, sees it.
+func askRefused(t *testing.T, what string, p *harness.Pod, target netip.AddrPort, app *peerServer) {
+	t.Helper()
+	before := app.count()
+	if got, err := ask(t, p, target); err == nil {
+		t.Errorf("%s: the application saw %s, want the connection refused", what, got)
+	}
+	if app.count() != before {
+		t.Errorf("%s reached the application", what)
+	}
+}
+
 // probe connects to target from the node's namespace in the kubelet's cgroup and
 // returns the address the server saw.
 func (n *ambientNode) probe(t *testing.T, target netip.AddrPort) (netip.Addr, error) {
@@ -879,26 +892,14 @@ func testAmbientNode(t *testing.T, n *ambientNode, list *libcni.NetworkConfigLis
 			// A service account istiod does not have for the pod: its ztunnel
 			// finds no workload of its own and refuses its connections both
 			// ways, though istiod sends it HBONE.
-			before := server.app.count()
-			if got, err := ask(t, imp.cni, serverApp); err == nil {
-				t.Errorf("impostor -> server: the application saw %s, want the connection refused", got)
-			}
-			if server.app.count() != before {
-				t.Error("impostor -> server reached the server's application")
-			}
+			askRefused(t, "impostor -> server", imp.cni, serverApp, server.app)
 			n.waitRecord(t, "the impostor's outbound refused", func(r ztunnel.Record) bool {
 				return r.Pod == imp.api.Namespace+"/"+impostor && r.Dir == "outbound" && r.Proto == "refused" &&
 					r.Dst == serverApp && strings.Contains(r.Err, ztunnel.ErrUnknownWorkload.Error()) &&
 					strings.Contains(r.Err, misreportedSA)
 			})
 			impApp := netip.AddrPortFrom(impIP, 8080)
-			before = imp.app.count()
-			if got, err := ask(t, client.cni, impApp); err == nil {
-				t.Errorf("client -> impostor: the application saw %s, want the connection refused", got)
-			}
-			if imp.app.count() != before {
-				t.Error("client -> impostor reached the impostor's application")
-			}
+			askRefused(t, "client -> impostor", client.cni, impApp, imp.app)
 			n.waitRecord(t, "the impostor's inbound HBONE refused", func(r ztunnel.Record) bool {
 				return r.Pod == imp.api.Namespace+"/"+impostor && r.Dir == "inbound" && r.Proto == "refused" &&
 					r.Src.Addr() == clientIP && strings.Contains(r.Err, ztunnel.ErrUnknownWorkload.Error())

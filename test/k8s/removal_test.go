@@ -73,7 +73,7 @@ func (c *cluster) deployAgent(t *testing.T, namespace, node string, grant bool) 
 	}
 	pod, err := c.admin.CoreV1().Pods(namespace).Create(ctx, &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{
-			Name: agentDaemonSet + "-" + randomHex(t, 3), Namespace: namespace, Labels: labels,
+			Name: agentDaemonSet + "-" + fixtures.RandomHex(3), Namespace: namespace, Labels: labels,
 			OwnerReferences: []metav1.OwnerReference{*metav1.NewControllerRef(ds, appsv1.SchemeGroupVersion.WithKind("DaemonSet"))},
 		},
 		Spec: corev1.PodSpec{
@@ -166,7 +166,7 @@ func checkWithin(t *testing.T, client kubernetes.Interface, pod removal.Pod) rem
 // again under its name keeps (its agent takes over); a get RBAC refuses keeps.
 func testRemovalDecision(t *testing.T, c *cluster) {
 	agent := c.api.Client(t, kubeenv.AgentUser)
-	node := "node-" + randomHex(t, 4)
+	node := "node-" + fixtures.RandomHex(4)
 
 	t.Run("present", func(t *testing.T) {
 		d := c.deployAgent(t, c.namespace(t, "rm-present", nil), node, true)
@@ -237,7 +237,7 @@ func testRemovalDecision(t *testing.T, c *cluster) {
 func testRemovalWatch(t *testing.T, c *cluster) {
 	agent := c.api.Client(t, kubeenv.AgentUser)
 	ns := c.namespace(t, "rm-watch", nil)
-	d := c.deployAgent(t, ns, "node-"+randomHex(t, 4), true)
+	d := c.deployAgent(t, ns, "node-"+fixtures.RandomHex(4), true)
 	w := removal.NewWatcher(agent, d.ref(), zaptest.NewLogger(t))
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -274,7 +274,7 @@ func testRemovalWatch(t *testing.T, c *cluster) {
 	// let it go): the watch sees it gone, then back; the read at the stop
 	// answers that it is in place, and the node keeps everything.
 	ns2 := c.namespace(t, "rm-watch-again", nil)
-	d2 := c.deployAgent(t, ns2, "node-"+randomHex(t, 4), true)
+	d2 := c.deployAgent(t, ns2, "node-"+fixtures.RandomHex(4), true)
 	w2 := removal.NewWatcher(agent, d2.ref(), zaptest.NewLogger(t))
 	go w2.Run(ctx)
 	select {
@@ -302,10 +302,10 @@ func testRemovalWatch(t *testing.T, c *cluster) {
 // testRemovalDecisionAPIServerDown: an API server that cannot be reached is
 // no answer: the check keeps, although the DaemonSet is gone.
 func testRemovalDecisionAPIServerDown(t *testing.T, c *cluster) {
-	api := kubeenv.StartAPIServer(t, c.bins, c.etcd, "rm-down-"+randomHex(t, 3))
+	api := kubeenv.StartAPIServer(t, c.bins, c.etcd, "rm-down-"+fixtures.RandomHex(3))
 	api.GrantAgent(t)
 	own := &cluster{bins: c.bins, etcd: c.etcd, api: api, admin: api.Client(t, kubeenv.AdminUser)}
-	d := own.deployAgent(t, own.namespace(t, "rm-down", nil), "node-"+randomHex(t, 4), true)
+	d := own.deployAgent(t, own.namespace(t, "rm-down", nil), "node-"+fixtures.RandomHex(4), true)
 	agent := api.Client(t, kubeenv.AgentUser)
 	wantVerdict(t, "API server up, DaemonSet in place", checkWithin(t, agent, d.ref()), false, "in place")
 	own.deleteDaemonSet(t, d.ds, metav1.DeletePropagationBackground)
@@ -366,7 +366,7 @@ func testAgentStopOnRemoval(t *testing.T, c *cluster) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ctx := apiContext(t)
-			kubeNode := "node-" + randomHex(t, 4)
+			kubeNode := "node-" + fixtures.RandomHex(4)
 			d := c.deployAgent(t, c.namespace(t, "stop-sys", nil), kubeNode, true)
 			lab := c.namespace(t, "stop-lab", enabled)
 			plain := c.namespace(t, "stop-plain", nil)

@@ -26,7 +26,7 @@ import (
 // meshcni_enrollment_cache_misses_total.
 func testAgentPodStartRequests(t *testing.T, c *cluster) {
 	ctx := apiContext(t)
-	kubeNode := "node-" + randomHex(t, 4)
+	kubeNode := "node-" + fixtures.RandomHex(4)
 	lab := c.namespace(t, "lab", enabled)
 	plain := c.namespace(t, "plain", nil)
 	a := newAgent(t, c.api, kubeNode, "--metrics-addr", "127.0.0.1:0")

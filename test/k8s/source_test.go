@@ -97,7 +97,7 @@ func expectDecision(t *testing.T, src *enroll.KubeSource, ch <-chan struct{}, p 
 // testSourceFollowsLabels: the selector logic against real objects, and label
 // changes after the start reach the decisions through the informers.
 func testSourceFollowsLabels(t *testing.T, c *cluster) {
-	node := "node-" + randomHex(t, 4)
+	node := "node-" + fixtures.RandomHex(4)
 	on := c.namespace(t, "on", enabled)
 	off := c.namespace(t, "off", nil)
 	plain := c.pod(t, on, "plain", node, nil, nil)
@@ -168,7 +168,7 @@ func testSourceFollowsLabels(t *testing.T, c *cluster) {
 }
 
 func testSourceIstioProfile(t *testing.T, c *cluster) {
-	node := "node-" + randomHex(t, 4)
+	node := "node-" + fixtures.RandomHex(4)
 	ambient := map[string]string{enroll.IstioLabelDataplaneMode: enroll.IstioValueAmbient}
 	none := map[string]string{enroll.IstioLabelDataplaneMode: enroll.IstioValueNone}
 	amb := c.namespace(t, "ambient", ambient)
@@ -215,7 +215,7 @@ func testSourceIstioProfile(t *testing.T, c *cluster) {
 // server; a pod the API server has under another uid, or not at all, is an
 // error, never a guess.
 func testSourceDirectGet(t *testing.T, c *cluster) {
-	node := "node-" + randomHex(t, 4)
+	node := "node-" + fixtures.RandomHex(4)
 	ns := c.namespace(t, "get", enabled)
 	src := startSource(t, c.api, node, "", 2*time.Second)
 
@@ -254,7 +254,7 @@ func testSourceDirectGet(t *testing.T, c *cluster) {
 // failure also as a Warning Event, and nothing lands on a re-created pod of the
 // same name.
 func testSourceReportsOutcome(t *testing.T, c *cluster) {
-	node := "node-" + randomHex(t, 4)
+	node := "node-" + fixtures.RandomHex(4)
 	ns := c.namespace(t, "report", enabled)
 	a := c.pod(t, ns, "a", node, nil, nil)
 	b := c.pod(t, ns, "b", node, nil, nil)
@@ -317,10 +317,10 @@ func testSourceReportsOutcome(t *testing.T, c *cluster) {
 // cached pods are still answered, an uncached one waits for the API timeout and
 // fails with a clear error, and after a restart the source answers again.
 func testSourceAPIServerDown(t *testing.T, c *cluster) {
-	api := kubeenv.StartAPIServer(t, c.bins, c.etcd, "down-"+randomHex(t, 3))
+	api := kubeenv.StartAPIServer(t, c.bins, c.etcd, "down-"+fixtures.RandomHex(3))
 	api.GrantAgent(t)
 	admin := &cluster{bins: c.bins, etcd: c.etcd, api: api, admin: api.Client(t, kubeenv.AdminUser)}
-	node := "node-" + randomHex(t, 4)
+	node := "node-" + fixtures.RandomHex(4)
 	ns := admin.namespace(t, "down", enabled)
 	known := admin.pod(t, ns, "known", node, nil, nil)
 	const apiTimeout = 2 * time.Second

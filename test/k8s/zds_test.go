@@ -17,7 +17,6 @@ import (
 
 	"github.com/mesh-cni/mesh-cni/internal/kni"
 	"github.com/mesh-cni/mesh-cni/internal/kni/knipb"
-	"github.com/mesh-cni/mesh-cni/internal/nethook"
 	"github.com/mesh-cni/mesh-cni/test/containerdhook"
 	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/harness"
@@ -71,7 +70,7 @@ type nodeProxyLine struct {
 // new snapshot carries the same service accounts, from the agent's records.
 func testAgentZDSEntryPoints(t *testing.T, c *cluster) {
 	ctx := apiContext(t)
-	kubeNode := "node-" + randomHex(t, 4)
+	kubeNode := "node-" + fixtures.RandomHex(4)
 	mesh := c.namespace(t, "zds", enabled)
 	plain := c.namespace(t, "zds-plain", nil)
 	serverPod := c.podWithSA(t, plain, "server", kubeNode, "server-sa")
@@ -160,15 +159,7 @@ func testAgentZDSEntryPoints(t *testing.T, c *cluster) {
 	if _, err := node.Add(ctx, hookP, primary); err != nil {
 		t.Fatalf("primary network for %s: %v", hookP.Name, err)
 	}
-	reg, err := nethook.ReadRegistration(nethook.RegistrationPath(pluginDir, "mesh-cni"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	hook, err := containerdhook.Dial(strings.TrimPrefix(reg.Address, "unix://"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { hook.Close() }) // after the teardown below
+	hook, reg := containerdhook.DialRegistered(t, pluginDir) // closed after the teardown below
 	primaryRes, err := containerdhook.FromCNI(hookP.Result())
 	if err != nil {
 		t.Fatal(err)

@@ -13,6 +13,7 @@ import (
 
 	"github.com/cilium/ebpf/link"
 
+	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/node/nodeenv"
 )
 
@@ -27,34 +28,13 @@ type nodeSnapshot struct {
 
 func snapshotNode(t *testing.T, n *nodeenv.Node) nodeSnapshot {
 	t.Helper()
-	s := nodeSnapshot{conf: map[string][]byte{}, bins: map[string]string{}}
-	confDir := n.Path(n.CNIConfDir)
-	entries, err := os.ReadDir(confDir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, e := range entries {
-		data, err := os.ReadFile(filepath.Join(confDir, e.Name()))
-		if err != nil {
-			t.Fatal(err)
-		}
-		s.conf[e.Name()] = data
-	}
-	binDir := n.Path(n.CNIBinDir)
-	entries, err = os.ReadDir(binDir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, e := range entries {
-		data, err := os.ReadFile(filepath.Join(binDir, e.Name()))
-		if err != nil {
-			t.Fatal(err)
-		}
+	s := nodeSnapshot{conf: fixtures.ReadFiles(t, n.Path(n.CNIConfDir)), bins: map[string]string{}}
+	for name, data := range fixtures.ReadFiles(t, n.Path(n.CNIBinDir)) {
 		sum := sha256.Sum256(data)
-		s.bins[e.Name()] = hex.EncodeToString(sum[:])
+		s.bins[name] = hex.EncodeToString(sum[:])
 	}
 	root := n.Path("/sys/fs/bpf")
-	err = filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
 		}

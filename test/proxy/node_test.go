@@ -2,8 +2,6 @@ package proxy_test
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -28,11 +26,7 @@ import (
 )
 
 func zdsPod(t *testing.T, name string, p *fixtures.Pod) zds.Pod {
-	var b [4]byte
-	if _, err := rand.Read(b[:]); err != nil {
-		t.Fatal(err)
-	}
-	return zds.Pod{UID: name + "-" + hex.EncodeToString(b[:]), Name: name, Namespace: "default", ServiceAccount: "sa-" + name, NetnsPath: p.Path}
+	return zds.Pod{UID: name + "-" + fixtures.RandomHex(4), Name: name, Namespace: "default", ServiceAccount: "sa-" + name, NetnsPath: p.Path}
 }
 
 // startAgent runs a ZDS server at path until it is closed or the test ends.
@@ -123,7 +117,7 @@ func roundTrip(t *testing.T, ctx context.Context, from *fixtures.Pod, dst netip.
 	if err != nil {
 		t.Fatalf("dial %s: %v", dst, err)
 	}
-	if err := fixtures.EchoRoundTrip(ctx, conn, payload(t, size)); err != nil {
+	if err := fixtures.EchoRoundTrip(ctx, conn, fixtures.RandomBytes(size)); err != nil {
 		t.Fatalf("%s → %s: %v", from.Path, dst, err)
 	}
 }

@@ -2,7 +2,6 @@ package proxy_test
 
 import (
 	"context"
-	"crypto/rand"
 	"errors"
 	"io"
 	"net/netip"
@@ -39,15 +38,6 @@ func startProxy(t *testing.T, ctx context.Context, pod *fixtures.Pod, cfg proxy.
 	return p
 }
 
-func payload(t *testing.T, n int) []byte {
-	t.Helper()
-	b := make([]byte, n)
-	if _, err := rand.Read(b); err != nil {
-		t.Fatal(err)
-	}
-	return b
-}
-
 func loopback(v6 bool) netip.Addr {
 	if v6 {
 		return netip.IPv6Loopback()
@@ -79,7 +69,7 @@ func TestEchoDirect(t *testing.T) {
 
 		out := netip.AddrPortFrom(loopback(v6), proxy.DefaultOutboundPort)
 		in := netip.AddrPortFrom(pod.Addr(v6), proxy.DefaultInboundPort)
-		data := payload(t, 64<<10)
+		data := fixtures.RandomBytes(64 << 10)
 		for _, dst := range []netip.AddrPort{out, in} {
 			conn, err := pod.DialTCP(ctx, dst)
 			if err != nil {
@@ -173,7 +163,7 @@ func TestForwardThroughIPTables(t *testing.T) {
 		})
 
 		dst := netip.AddrPortFrom(b.Addr(v6), 9000)
-		data := payload(t, 1<<20)
+		data := fixtures.RandomBytes(1 << 20)
 		const conns = 3
 		for range conns {
 			conn, err := a.DialTCP(ctx, dst)

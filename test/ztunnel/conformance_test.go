@@ -2,8 +2,6 @@ package ztunnel_test
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"net"
@@ -20,7 +18,6 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/encoding/protowire"
 
-	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/pkg/zds"
 	"github.com/mesh-cni/mesh-cni/test/fixtures"
 	"github.com/mesh-cni/mesh-cni/test/ztunnel"
@@ -35,26 +32,9 @@ func testCtx(t *testing.T) context.Context {
 	return ctx
 }
 
-func suffix(t *testing.T) string {
-	var b [4]byte
-	if _, err := rand.Read(b[:]); err != nil {
-		t.Fatal(err)
-	}
-	return hex.EncodeToString(b[:])
-}
-
 func newNetns(t *testing.T) string {
 	t.Helper()
-	path := filepath.Join("/run/netns", fmt.Sprintf("ztunnel-%d-%s", os.Getpid(), suffix(t)))
-	if err := netns.Create(path); err != nil {
-		t.Fatalf("create netns: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := netns.Remove(path); err != nil {
-			t.Errorf("remove netns: %v", err)
-		}
-	})
-	return path
+	return fixtures.NewNetns(t, filepath.Join("/run/netns", fmt.Sprintf("ztunnel-%d-%s", os.Getpid(), fixtures.RandomHex(4)))).Path
 }
 
 // pods is the agent's list of enrolled pods.
@@ -195,7 +175,7 @@ func serve(t *testing.T, ctx context.Context, path string, h ztunnel.Handler, op
 }
 
 func zdsPod(t *testing.T, name string) zds.Pod {
-	return zds.Pod{UID: name + "-" + suffix(t), Name: name, Namespace: "shop", ServiceAccount: "sa-" + name, NetnsPath: newNetns(t)}
+	return zds.Pod{UID: name + "-" + fixtures.RandomHex(4), Name: name, Namespace: "shop", ServiceAccount: "sa-" + name, NetnsPath: newNetns(t)}
 }
 
 // TestConformance runs the agent's ZDS server against the client that behaves
@@ -207,7 +187,7 @@ func TestConformance(t *testing.T) {
 	fixtures.RequireRoot(t, rootReason)
 	ctx := testCtx(t)
 	a, b, c := zdsPod(t, "a"), zdsPod(t, "b"), zdsPod(t, "c")
-	gone := zds.Pod{UID: "gone-" + suffix(t), Name: "gone", Namespace: "shop", ServiceAccount: "sa-gone", NetnsPath: "/run/netns/ztunnel-no-such-" + suffix(t)}
+	gone := zds.Pod{UID: "gone-" + fixtures.RandomHex(4), Name: "gone", Namespace: "shop", ServiceAccount: "sa-gone", NetnsPath: "/run/netns/ztunnel-no-such-" + fixtures.RandomHex(4)}
 	snap := &pods{}
 	snap.set(a, b, gone)
 	path := filepath.Join(t.TempDir(), "ztunnel.sock")

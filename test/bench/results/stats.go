@@ -66,20 +66,7 @@ func Summarize(xs []float64, higherIsBetter bool) Summary {
 // PairedRatio is the median over rounds of a.Rounds[i]/b.Rounds[i], using the
 // rounds both have; ok is false when there are none.
 func PairedRatio(a, b *Series) (ratio float64, ok bool) {
-	if a == nil || b == nil {
-		return 0, false
-	}
-	n := min(len(a.Rounds), len(b.Rounds))
-	var rs []float64
-	for i := range n {
-		if b.Rounds[i] != 0 && !math.IsNaN(a.Rounds[i]) && !math.IsNaN(b.Rounds[i]) {
-			rs = append(rs, a.Rounds[i]/b.Rounds[i])
-		}
-	}
-	if len(rs) == 0 {
-		return 0, false
-	}
-	return Median(rs), true
+	return pairedMedian(a, b, func(x, y float64) (float64, bool) { return x / y, y != 0 })
 }
 
 // PairedWins counts the rounds in which a did better than b (higher when
@@ -102,18 +89,29 @@ func PairedWins(a, b *Series, higherIsBetter bool) (wins, rounds int) {
 // (variant minus baseline run back to back) it is what machine noise affects
 // least.
 func PairedDiff(a, b *Series) (diff float64, ok bool) {
+	return pairedMedian(a, b, func(x, y float64) (float64, bool) { return x - y, true })
+}
+
+// pairedMedian is the median of f over the rounds a and b both have, skipping
+// rounds where either is NaN or f says its value is undefined; ok is false
+// when no round is left.
+func pairedMedian(a, b *Series, f func(x, y float64) (float64, bool)) (median float64, ok bool) {
 	if a == nil || b == nil {
 		return 0, false
 	}
 	n := min(len(a.Rounds), len(b.Rounds))
-	var ds []float64
+	var vs []float64
 	for i := range n {
-		if !math.IsNaN(a.Rounds[i]) && !math.IsNaN(b.Rounds[i]) {
-			ds = append(ds, a.Rounds[i]-b.Rounds[i])
+		x, y := a.Rounds[i], b.Rounds[i]
+		if math.IsNaN(x) || math.IsNaN(y) {
+			continue
+		}
+		if v, ok := f(x, y); ok {
+			vs = append(vs, v)
 		}
 	}
-	if len(ds) == 0 {
+	if len(vs) == 0 {
 		return 0, false
 	}
-	return Median(ds), true
+	return Median(vs), true
 }

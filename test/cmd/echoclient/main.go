@@ -13,13 +13,11 @@ package main
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"net"
-	"os"
 	"time"
 
 	"github.com/mesh-cni/mesh-cni/test/cmd/internal/cmdmain"
@@ -37,11 +35,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	timeout := fs.Duration("timeout", 10*time.Second, "deadline of each connection")
 	record := fs.String("record", "", "append a JSON line per connection to this file")
 	hold := fs.Bool("hold", false, "make every round trip on one kept connection (dialed again after a failure)")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return 0
-		}
-		return 2
+	if code, done := cmdmain.Parse(fs, args); done {
+		return code
 	}
 	if *idle {
 		<-ctx.Done()
@@ -51,16 +46,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "echoclient: -connect HOST:PORT is required (or -idle), -n and -interval must not be negative")
 		return 2
 	}
-	var rec *os.File
-	if *record != "" {
-		f, err := os.OpenFile(*record, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o644)
-		if err != nil {
-			fmt.Fprintf(stderr, "echoclient: %v\n", err)
-			return 1
-		}
-		defer f.Close()
-		rec = f
+	rec, err := cmdmain.OpenRecord(*record)
+	if err != nil {
+		fmt.Fprintf(stderr, "echoclient: %v\n", err)
+		return 1
 	}
+	defer rec.Close()
 	failed := 0
 	var kept net.Conn
 	defer func() {
@@ -104,12 +95,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		} else {
 			fmt.Fprintf(stdout, "ok %s\n", local)
 		}
-		if rec != nil {
-			line, _ := json.Marshal(c)
-			// One write per line on an O_APPEND file: lines never interleave.
-			if _, err := rec.Write(append(line, '\n')); err != nil {
-				fmt.Fprintf(stderr, "echoclient: record: %v\n", err)
-			}
+		if err := rec.Write(c); err != nil {
+			fmt.Fprintf(stderr, "echoclient: record: %v\n", err)
 		}
 	}
 	if failed > 0 && *n > 0 {

@@ -7,13 +7,10 @@ package main
 
 import (
 	"context"
-	"encoding/json"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"net"
-	"os"
 	"sync"
 	"time"
 
@@ -34,22 +31,15 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.SetOutput(stderr)
 	listen := fs.String("listen", ":8080", "TCP address to listen on")
 	record := fs.String("record", "", "append a JSON line per accepted connection to this file")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return 0
-		}
-		return 2
+	if code, done := cmdmain.Parse(fs, args); done {
+		return code
 	}
-	var rec *os.File
-	if *record != "" {
-		f, err := os.OpenFile(*record, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o644)
-		if err != nil {
-			fmt.Fprintf(stderr, "echoserver: %v\n", err)
-			return 1
-		}
-		defer f.Close()
-		rec = f
+	rec, err := cmdmain.OpenRecord(*record)
+	if err != nil {
+		fmt.Fprintf(stderr, "echoserver: %v\n", err)
+		return 1
 	}
+	defer rec.Close()
 	var lc net.ListenConfig
 	ln, err := lc.Listen(ctx, "tcp", *listen)
 	if err != nil {
@@ -67,12 +57,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		if err != nil {
 			break
 		}
-		if rec != nil {
-			line, _ := json.Marshal(Accepted{Time: time.Now().UTC(), Client: c.RemoteAddr().String(), Local: c.LocalAddr().String()})
-			// One write per line on an O_APPEND file: lines never interleave.
-			if _, err := rec.Write(append(line, '\n')); err != nil {
-				fmt.Fprintf(stderr, "echoserver: record: %v\n", err)
-			}
+		if err := rec.Write(Accepted{Time: time.Now().UTC(), Client: c.RemoteAddr().String(), Local: c.LocalAddr().String()}); err != nil {
+			fmt.Fprintf(stderr, "echoserver: record: %v\n", err)
 		}
 		wg.Go(func() {
 			defer c.Close()

@@ -16,7 +16,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -49,11 +48,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	requireSA := fs.Bool("require-service-account", false, "with -zds: refuse (and hang up on) a pod handed over without a service account, which ztunnel could not serve")
 	level := zapcore.InfoLevel
 	fs.Var(&level, "log-level", "log level (debug, info, warn, error)")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return 0
-		}
-		return 2
+	if code, done := cmdmain.Parse(fs, args); done {
+		return code
 	}
 	if fs.NArg() != 0 {
 		fmt.Fprintf(stderr, "refproxy: unexpected arguments %q\n", fs.Args())

@@ -12,7 +12,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -89,11 +88,8 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 	})
 	level := zapcore.InfoLevel
 	fs.Var(&level, "log-level", "log level (debug, info, warn, error)")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return 0
-		}
-		return 2
+	if code, done := cmdmain.Parse(fs, args); done {
+		return code
 	}
 	if *xds == "" || *node == "" {
 		fmt.Fprintln(stderr, "ztunnel: -xds and -node are required")

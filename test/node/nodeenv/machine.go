@@ -5,7 +5,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/binary"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"net"
@@ -60,7 +59,7 @@ func overlays() []string { return []string{"/etc", "/home", "/opt", "/var/lib", 
 // everything is removed in tb's cleanup.
 func newMachine(tb testing.TB) *Machine {
 	tb.Helper()
-	suffix := randomHex(tb, 3)
+	suffix := fixtures.RandomHex(3)
 	m := &Machine{Name: "mesh-node-" + suffix, CgroupParent: "/mesh-node-" + suffix}
 	dir, err := os.MkdirTemp("", m.Name+"-")
 	if err != nil {
@@ -419,13 +418,4 @@ func HostProcesses(comm string, keep func(procDir string) bool) []int {
 		}
 	}
 	return out
-}
-
-func randomHex(tb testing.TB, n int) string {
-	tb.Helper()
-	b := make([]byte, n)
-	if _, err := rand.Read(b); err != nil {
-		tb.Fatal(err)
-	}
-	return hex.EncodeToString(b)
 }
