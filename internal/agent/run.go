@@ -255,17 +255,13 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 	background.Add(1)
 	go func() {
 		defer background.Done()
-		t := time.NewTicker(interval)
-		defer t.Stop()
-		for {
-			select {
-			case <-bgCtx.Done():
-				return
-			case <-t.C:
-				res, err := svc.Reconcile(bgCtx)
-				logReconcile(log, "periodic", res, err)
-			}
-		}
+		// The first pass is an interval after the start's own reconcile;
+		// the condition never holds, so only the agent's stop ends it.
+		_ = wait.PollUntilContextCancel(bgCtx, interval, false, func(ctx context.Context) (bool, error) {
+			res, err := svc.Reconcile(ctx)
+			logReconcile(log, "periodic", res, err)
+			return false, nil
+		})
 	}()
 
 	go func() {
