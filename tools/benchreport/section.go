@@ -106,7 +106,9 @@ func UpdateSection(opts Options, name string) error {
 	}
 	report := string(old)
 	if i, j := strings.Index(report, sectionBegin(name)), strings.Index(report, sectionEnd(name)); i >= 0 && j > i {
+		before := report[i : j+len(sectionEnd(name))]
 		report = report[:i] + w.String() + report[j+len(sectionEnd(name)):]
+		report = refreshSummary(report, before, w.String(), r)
 	} else {
 		report = strings.TrimRight(report, "\n") + "\n\n" + w.String()
 	}
@@ -115,4 +117,43 @@ func UpdateSection(opts Options, name string) error {
 		return fmt.Errorf("write report: %w", err)
 	}
 	return nil
+}
+
+// refreshSummary carries a rewritten section into the summary at the top of
+// report, where make bench's results have rows of their own: the result's row
+// of the table of runs, and its rows of the table of every target (the rows
+// its section's own target table had before, found there and replaced by the
+// new ones). A result the summary does not list leaves it as it was.
+func refreshSummary(report, before, after string, r *results.Result) string {
+	if old, cur := targetRows(before), targetRows(after); old != "" && cur != "" {
+		report = strings.Replace(report, old, cur, 1)
+	}
+	var run bytes.Buffer
+	writeRunLoad(&run, []*results.Result{r})
+	lines := strings.SplitAfter(run.String(), "\n")
+	prefix := "| " + r.Name + " | "
+	if i := strings.Index(report, "\n"+prefix); i >= 0 && len(lines) > 2 {
+		end := strings.IndexByte(report[i+1:], '\n')
+		report = report[:i+1] + lines[2] + report[i+1+end+1:]
+	}
+	return report
+}
+
+// targetRows is the rows of the first target table in text, "" without one.
+func targetRows(text string) string {
+	const head = "| target | measured | result |\n|---|---|---|\n"
+	i := strings.Index(text, head)
+	if i < 0 {
+		return ""
+	}
+	rest := text[i+len(head):]
+	n := 0
+	for strings.HasPrefix(rest[n:], "| ") {
+		end := strings.IndexByte(rest[n:], '\n')
+		if end < 0 {
+			break
+		}
+		n += end + 1
+	}
+	return rest[:n]
 }

@@ -89,3 +89,55 @@ func TestUpdateSectionAndKeep(t *testing.T) {
 		t.Error("UpdateSection of a result that is not there: no error")
 	}
 }
+
+// A result of make bench rewritten alone (a rerun of one benchmark) also
+// rewrites its rows of the summary: its line of the table of runs and its
+// rows of the table of every target, which must not keep the earlier run's.
+func TestUpdateSectionRefreshesSummary(t *testing.T) {
+	dir := t.TempDir()
+	in, rerun := filepath.Join(dir, "bench"), filepath.Join(dir, "rerun")
+	writeFixture(t, in)
+	start := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
+	first := fleetResult(0, 1, 0)
+	first.Title, first.Started, first.Finished = "Fleet", start, start.Add(time.Minute)
+	if err := results.Write(in, first); err != nil {
+		t.Fatal(err)
+	}
+	opts := Options{In: in, Out: filepath.Join(dir, "benchmarks.md"), FigDir: filepath.Join(dir, "figs"), Now: start}
+	if err := Generate(opts); err != nil {
+		t.Fatal(err)
+	}
+	second := fleetResult(0, 1, 10)
+	second.Title, second.Started, second.Finished = "Fleet", start.Add(time.Hour), start.Add(time.Hour+7*time.Minute)
+	if err := results.Write(rerun, second); err != nil {
+		t.Fatal(err)
+	}
+	opts.In = rerun
+	if err := UpdateSection(opts, "fleet"); err != nil {
+		t.Fatal(err)
+	}
+	out, err := os.ReadFile(opts.Out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	report := string(out)
+	top := report[:strings.Index(report, sectionBegin("chain-add"))]
+	var rows string
+	for _, s := range markedSections(report) {
+		if s.name == "fleet" {
+			rows = targetRows(s.text)
+		}
+	}
+	if !strings.Contains(rows, "istio-cni at 10 nodes") {
+		t.Fatalf("the rewritten section's targets are not the rerun's:\n%s", rows)
+	}
+	if !strings.Contains(top, rows) {
+		t.Errorf("the summary's targets do not hold the rerun's rows:\n%s", top)
+	}
+	if strings.Count(report, "| API writes per pod start") != 2 {
+		t.Errorf("the fleet's first target is in the report %d times, want 2 (summary and section)", strings.Count(report, "| API writes per pod start"))
+	}
+	if !strings.Contains(top, "| fleet | 2026-01-02 04:04 | 7m0s |") {
+		t.Errorf("the table of runs does not hold the rerun's start and time:\n%s", top)
+	}
+}
