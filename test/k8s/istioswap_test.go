@@ -416,10 +416,14 @@ func testIstioSwap(t *testing.T, backend string) {
 	hbone("mesh-cni")
 	st.end()
 
-	st.mu.Lock()
-	for _, f := range st.fails {
-		t.Errorf("connection failed: %s", f)
+	// With iptables-legacy, whose chains stay, both captures are in place
+	// from mesh-cni's start on: see refusedAsSelfCalls.
+	var exposed []string
+	if backend == "legacy" {
+		exposed = []string{"swap", "mesh-cni"}
 	}
+	refused := n.refusedAsSelfCalls(t, st, exposed, marks[0])
+	st.mu.Lock()
 	okTotal := maps.Clone(st.okTotal)
 	st.mu.Unlock()
 
@@ -430,7 +434,7 @@ func testIstioSwap(t *testing.T, backend string) {
 	counts := func() (map[string]int, int) { return n.streamRecords(t) }
 	total := okTotal["client"] + okTotal["rooted"]
 	st.mu.Lock()
-	t.Logf("connections made, by phase and client: %v", st.ok)
+	t.Logf("connections made, by phase and client: %v; refused: %d", st.ok, refused)
 	st.mu.Unlock()
 	fixtures.WaitFor(t, 20*time.Second, "ztunnel's records of every connection", func() bool {
 		out, in := counts()
@@ -590,6 +594,45 @@ func testIstioSwap(t *testing.T, backend string) {
 // stream of new ones each go through the client's and the server's ztunnel
 // exactly once; no pod restarts, ztunnel drops no pod's proxy and has every
 // pod in its records in every phase, and istiod keeps the pods HBONE.
+// refusedAsSelfCalls fails t for each connection of st that failed, but for
+// those made in the exposed phases, and returns how many of those there were.
+// While both captures are in place (istio-cni's iptables-legacy rules, which
+// the agent cannot remove, and mesh-cni's), ztunnel at times finds no original
+// destination mesh-cni handed over for a connection its connect hook sent to
+// ztunnel's port, takes it for a call to itself and refuses it: the connection
+// fails and reaches no server, around ztunnel or through it. So each failure
+// in an exposed phase must be one of ztunnel's refusals of a call to itself
+// (its records from mark on); any other failure is an error.
+func (n *ambientNode) refusedAsSelfCalls(t *testing.T, st *stream, exposed []string, mark int) int {
+	t.Helper()
+	recs, err := ztunnel.ReadRecords(n.records)
+	if err != nil {
+		t.Fatal(err)
+	}
+	selfCalls := 0
+	for _, r := range recs[mark:] {
+		if r.Dir == "outbound" && r.Proto == "refused" && r.Err == "self call" {
+			selfCalls++
+			t.Logf("ztunnel refused a call to itself: %+v", r)
+		}
+	}
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	refused := 0
+	for _, f := range st.fails {
+		if slices.ContainsFunc(exposed, func(p string) bool { return strings.HasPrefix(f, p+": ") }) {
+			refused++
+			t.Logf("connection refused: %s", f)
+			continue
+		}
+		t.Errorf("connection failed: %s", f)
+	}
+	if selfCalls != refused {
+		t.Errorf("%v: %d connections failed, ztunnel refused %d as calls to itself: want each failure to be one", exposed, refused, selfCalls)
+	}
+	return refused
+}
+
 func (n *ambientNode) switchBack(t *testing.T, a *agent, zt *harness.Process, install []string, backend string, server, client, rooted *ambientPod) {
 	t.Helper()
 	all := []*ambientPod{client, server, rooted}
@@ -671,45 +714,17 @@ func (n *ambientNode) switchBack(t *testing.T, a *agent, zt *harness.Process, in
 	step(phases[3])
 	st.end()
 
-	// Refused connections: with iptables-legacy, whose chains the switch to
-	// mesh-cni left, both captures are in place until the uninstall, and
-	// there ztunnel at times finds no original destination mesh-cni handed
-	// over for a connection its connect hook sent to ztunnel's port, takes it
-	// for a call to itself and refuses it. Such a connection fails and
-	// reaches no server, around ztunnel or through it. Each failure in those
-	// phases must be one of ztunnel's refusals; any other failure is an
-	// error.
+	// With iptables-legacy, whose chains the switch to mesh-cni left, both
+	// captures are in place until the uninstall: see refusedAsSelfCalls.
 	var exposed []string
 	if backend == "legacy" {
 		exposed = phases[:3]
 	}
-	recs, err := ztunnel.ReadRecords(n.records)
-	if err != nil {
-		t.Fatal(err)
-	}
-	selfCalls := 0
-	for _, r := range recs[marks[0]:] {
-		if r.Dir == "outbound" && r.Proto == "refused" && r.Err == "self call" {
-			selfCalls++
-			t.Logf("ztunnel refused a call to itself: %+v", r)
-		}
-	}
+	refused := n.refusedAsSelfCalls(t, st, exposed, marks[0])
 	st.mu.Lock()
-	refused := 0
-	for _, f := range st.fails {
-		if slices.ContainsFunc(exposed, func(p string) bool { return strings.HasPrefix(f, p+": ") }) {
-			refused++
-			t.Logf("connection refused: %s", f)
-			continue
-		}
-		t.Errorf("connection failed: %s", f)
-	}
 	okTotal := maps.Clone(st.okTotal)
 	t.Logf("switching back: connections made, by phase and client: %v; refused: %d", st.ok, refused)
 	st.mu.Unlock()
-	if selfCalls != refused {
-		t.Errorf("%v: %d connections failed, ztunnel refused %d as calls to itself: want each failure to be one", exposed, refused, selfCalls)
-	}
 
 	// Exactly once, as on the way there.
 	total := okTotal["client"] + okTotal["rooted"]
@@ -732,6 +747,10 @@ func (n *ambientNode) switchBack(t *testing.T, a *agent, zt *harness.Process, in
 
 	// Every pod in ztunnel's records in every phase; no pod restarted; no
 	// proxy dropped.
+	recs, err := ztunnel.ReadRecords(n.records)
+	if err != nil {
+		t.Fatal(err)
+	}
 	for i, phase := range phases {
 		for _, p := range all {
 			if !slices.ContainsFunc(recs[marks[i]:marks[i+1]], func(r ztunnel.Record) bool { return r.Pod == p.api.Namespace+"/"+p.api.Name && r.Err == "" }) {
