@@ -18,7 +18,10 @@ import (
 	"github.com/prometheus/procfs"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
 
 	"github.com/mesh-cni/mesh-cni/internal/enroll"
 	"github.com/mesh-cni/mesh-cni/internal/gaterpc"
@@ -74,10 +77,11 @@ func BenchmarkFleet(b *testing.B) {
 		fmt.Sprintf("N real `mesh-agent` processes (`--enrollment kubernetes --datapath none`: the data path is not what is measured), "+
 			"each with its own node name and bearer token, on one real kube-apiserver and etcd (API Priority and Fairness on, an audit log of every request's metadata). "+
 			"%d namespaces, every other one labelled `mesh-cni.io/dataplane-mode=enabled`. "+
-			"**Baseline**: before any agent starts, the API server sits idle for 15 s, then %d pods are created at %d/s with no agent at all: the API server's and etcd's own cost. "+
+			"Each node has a kubelet's watch of its pods (field selector `spec.nodeName`, one per node, from the start on). "+
+			"**Baseline**: before any agent starts, the API server sits idle for 15 s, then %d pods are created at %d/s with no agent at all: the API server's and etcd's own cost, the kubelets' watches included. "+
 			"Then the agents start together (**agent start**), sit idle for 15 s (**idle**, counted above the API server's own idle cost), and take **pod starts**: %d pods at %d/s across the nodes and namespaces, "+
-			"then a **burst** of %d pods per node created all at once; each pod's start reaches its node's agent over the gate socket right after its create returns, "+
-			"as the plugin's call would (the plugin itself makes no API request: it holds no credential). That is sooner than a kubelet calls CNI (after its own watch, the sandbox and the chain before mesh-cni), "+
+			"then a **burst** of %d pods per node created all at once; each pod's start reaches its node's agent over the gate socket as soon as its node's kubelet watch has the pod, "+
+			"as the plugin's call would (the plugin itself makes no API request: it holds no credential). That is still sooner than a kubelet calls CNI (after its watch, the pod's sandbox and the chain before mesh-cni), "+
 			"so a pod the agent's watch has not delivered yet, a cache miss, is more frequent here than on a node. "+
 			"Requests are the agents' own, from the audit log (by user); watch events are the API server's `apiserver_watch_events_total`, every watcher counted. "+
 			"Then %d namespaces are created (**namespace churn**), and every agent is restarted at once (**fleet restart**: SIGTERM, start, until every gate is ready). "+
@@ -162,7 +166,7 @@ type fleetConfig struct {
 // fleetMetrics collects every level's numbers.
 type fleetMetrics struct {
 	requests, writes, misses, watchEvents, cpuPerPod, etcdPerPod,
-	idle, startReqs, startCPU, latency, restart, restartRate, memory results.Metric
+	idle, startReqs, startCPU, latency, ownLatency, restart, restartRate, memory results.Metric
 	notes    []string
 	profiles []results.Profile
 }
@@ -180,6 +184,7 @@ func newFleetMetrics() *fleetMetrics {
 		startReqs:   results.Metric{Name: "agent-start-requests", Title: "API requests per agent start, and refused", Unit: "req", XLabel: x},
 		startCPU:    results.Metric{Name: "agent-start-cpu", Title: "API server CPU per agent start", Unit: "ms", XLabel: x},
 		latency:     results.Metric{Name: "decision-latency", Title: "Pod create → the gate's decision (istio-cni: its plugin's ADD returned, its process start included)", Unit: "ms", XLabel: x},
+		ownLatency:  results.Metric{Name: "decision-after-kubelet", Title: "The node's kubelet has the pod → the gate's decision (the node agent's and plugin's own share)", Unit: "ms", XLabel: x},
 		restart:     results.Metric{Name: "fleet-restart", Title: "Whole-fleet restart: until every agent is ready", Unit: "s", XLabel: x},
 		restartRate: results.Metric{Name: "restart-request-rate", Title: "Agents' requests in the busiest second of a start all at once", Unit: "req/s", XLabel: x},
 		memory:      results.Metric{Name: "control-plane-memory", Title: "API server and etcd memory (VmRSS) at the end", Unit: "MiB", XLabel: x},
@@ -187,7 +192,7 @@ func newFleetMetrics() *fleetMetrics {
 }
 
 func (m *fleetMetrics) all() []results.Metric {
-	return []results.Metric{m.requests, m.writes, m.misses, m.watchEvents, m.cpuPerPod, m.etcdPerPod, m.idle, m.startReqs, m.startCPU, m.latency, m.restart, m.restartRate, m.memory}
+	return []results.Metric{m.requests, m.writes, m.misses, m.watchEvents, m.cpuPerPod, m.etcdPerPod, m.idle, m.startReqs, m.startCPU, m.latency, m.ownLatency, m.restart, m.restartRate, m.memory}
 }
 
 func point(m *results.Metric, variant, label string, x float64, samples ...float64) {
@@ -213,6 +218,65 @@ type fleet struct {
 	istio *istioFleet
 	// apiAddr is the API server's address for istio-cni's agents.
 	apiAddr netip.AddrPort
+	// kubelets is each node's kubelet's watch of its pods: a pod's start
+	// goes on once it has delivered the pod, as a kubelet's sandbox and CNI
+	// ADD come after its watch.
+	kubelets *kubelets
+}
+
+// kubelets stands for the nodes' kubelets: one watch per node of the pods
+// bound to it (as a kubelet's), which tells each pod start when its node has
+// the pod.
+type kubelets struct {
+	mu      sync.Mutex
+	waiting map[string]chan struct{} // namespace/name → closed once delivered
+}
+
+// startKubelets starts a watch of its pods for every node, as the benchmark's
+// administrator (its requests are not the agents'), until the level ends.
+func startKubelets(ctx context.Context, b *testing.B, client kubernetes.Interface, nodes []string) *kubelets {
+	k := &kubelets{waiting: map[string]chan struct{}{}}
+	ctx, cancel := context.WithCancel(ctx)
+	for _, node := range nodes {
+		factory := informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+			o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", node).String()
+		}))
+		inf := factory.Core().V1().Pods().Informer()
+		if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: func(obj any) {
+			if p, ok := obj.(*corev1.Pod); ok {
+				k.deliver(p.Namespace + "/" + p.Name)
+			}
+		}}); err != nil {
+			b.Fatal(err)
+		}
+		factory.Start(ctx.Done())
+		b.Cleanup(factory.Shutdown)
+		if !cache.WaitForCacheSync(ctx.Done(), inf.HasSynced) {
+			b.Fatalf("node %s's kubelet watch did not sync", node)
+		}
+	}
+	// Before the factories' Shutdown, which waits for their informers.
+	b.Cleanup(cancel)
+	return k
+}
+
+// expect returns what is closed once the pod's node has it; call it before
+// the pod's create.
+func (k *kubelets) expect(key string) <-chan struct{} {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	ch := make(chan struct{})
+	k.waiting[key] = ch
+	return ch
+}
+
+func (k *kubelets) deliver(key string) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if ch, ok := k.waiting[key]; ok {
+		close(ch)
+		delete(k.waiting, key)
+	}
 }
 
 // series names a series of the fleet's variant.
@@ -286,6 +350,9 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 	if err := f.makeNamespaces(ctx, "fleet", cfg.namespaces); err != nil {
 		b.Fatal(err)
 	}
+	// The kubelets run from the baseline on: their watches are part of
+	// what a pod create costs the API server without any mesh.
+	f.kubelets = startKubelets(ctx, b, admin, f.nodes)
 
 	// Baseline: the API server idle, then taking pod creates, with no agent
 	// at all.
@@ -331,7 +398,7 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 	point(&m.idle, f.series("apiserver"), f.label("API server CPU per agent, idle (above the API server's own)"), x, perAgentIdle)
 
 	// Steady pod starts.
-	var steadyLat []float64
+	var steadyLat latencies
 	steady, err := f.phase(ctx, func() error {
 		var err error
 		steadyLat, err = f.steadyPodsLatency(ctx, cfg.steady, cfg.rate)
@@ -341,7 +408,7 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 		b.Fatal(err)
 	}
 	// A burst: every node's pods at once.
-	var burstLat []float64
+	var burstLat latencies
 	runBurst := func() error {
 		var err error
 		burstLat, err = f.burstPods(ctx, cfg.burstPerNode*n)
@@ -376,8 +443,10 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 	if err != nil {
 		b.Fatal(err)
 	}
-	point(&m.latency, f.series("steady"), f.label(fmt.Sprintf("steady, %d pods/s", cfg.rate)), x, steadyLat...)
-	point(&m.latency, f.series("burst"), f.label("burst, every node's pods at once"), x, burstLat...)
+	point(&m.latency, f.series("steady"), f.label(fmt.Sprintf("steady, %d pods/s", cfg.rate)), x, steadyLat.total...)
+	point(&m.latency, f.series("burst"), f.label("burst, every node's pods at once"), x, burstLat.total...)
+	point(&m.ownLatency, f.series("steady"), f.label(fmt.Sprintf("steady, %d pods/s", cfg.rate)), x, steadyLat.own...)
+	point(&m.ownLatency, f.series("burst"), f.label("burst, every node's pods at once"), x, burstLat.own...)
 	pods := float64(cfg.steady + cfg.burstPerNode*n)
 	both := append(slices.Clone(steady.agentReqs), burst.agentReqs...)
 	for _, verb := range []string{"get", "patch", "create", "list", "watch"} {
@@ -537,10 +606,10 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 	}
 	point(&m.memory, f.series("agent"), f.label(agentName), x, agentRSS...)
 	b.Logf("%s N=%d: %.2f agent requests per pod start (%d pods), writes %.2f meshed / %.2f unmeshed, API server CPU %.1f ms per pod (%.1f without agents), "+
-		"decision p50 %.1f ms p99 %.1f ms (burst p99 %.1f ms), idle %.2f ms/s per agent, start %.1f s, restart %.1f s with %d refused",
+		"decision p50 %.1f ms p99 %.1f ms (burst p99 %.1f ms; after the kubelet's watch %.1f ms), idle %.2f ms/s per agent, start %.1f s, restart %.1f s with %d refused",
 		variant, n, float64(len(both))/pods, int(pods), float64(meshedW)/float64(meshedPods), float64(plainW)/float64(plainPods),
 		(steady.apiCPU+burst.apiCPU)/pods, base.apiCPU/float64(cfg.baseline),
-		results.Median(steadyLat), results.Quantile(steadyLat, 0.99), results.Quantile(burstLat, 0.99),
+		results.Median(steadyLat.total), results.Quantile(steadyLat.total, 0.99), results.Quantile(burstLat.total, 0.99), results.Quantile(burstLat.own, 0.99),
 		perAgentIdle, startTook.Seconds(), restartTook.Seconds(), refused)
 }
 
@@ -723,7 +792,7 @@ func (f *fleet) podsByMesh(created []createdPod) (meshed, plain int) {
 
 // steadyPods creates count pods at rate per second, each followed by its
 // gate Add when gated; latencies are collected into lat when not nil.
-func (f *fleet) steadyPods(ctx context.Context, count, rate int, lat *[]float64) error {
+func (f *fleet) steadyPods(ctx context.Context, count, rate int, lat *latencies) error {
 	tick := time.NewTicker(time.Second / time.Duration(rate))
 	defer tick.Stop()
 	var mu sync.Mutex
@@ -736,11 +805,12 @@ func (f *fleet) steadyPods(ctx context.Context, count, rate int, lat *[]float64)
 		case <-tick.C:
 		}
 		wg.Go(func() {
-			d, err := f.podStart(ctx, lat != nil)
+			d, own, err := f.podStart(ctx, lat != nil)
 			errs[i] = err
 			if lat != nil && err == nil {
 				mu.Lock()
-				*lat = append(*lat, ms(d))
+				lat.total = append(lat.total, ms(d))
+				lat.own = append(lat.own, ms(own))
 				mu.Unlock()
 			}
 		})
@@ -749,21 +819,25 @@ func (f *fleet) steadyPods(ctx context.Context, count, rate int, lat *[]float64)
 	return errors.Join(errs...)
 }
 
-func (f *fleet) steadyPodsLatency(ctx context.Context, count, rate int) ([]float64, error) {
-	var lat []float64
+// latencies are pod starts' times to the decision, in ms: total from the
+// create's return, own from the node's kubelet having the pod.
+type latencies struct{ total, own []float64 }
+
+func (f *fleet) steadyPodsLatency(ctx context.Context, count, rate int) (latencies, error) {
+	var lat latencies
 	err := f.steadyPods(ctx, count, rate, &lat)
 	return lat, err
 }
 
 // burstPods creates count pods at once, each followed by its gate Add.
-func (f *fleet) burstPods(ctx context.Context, count int) ([]float64, error) {
-	lat := make([]float64, count)
+func (f *fleet) burstPods(ctx context.Context, count int) (latencies, error) {
+	lat := latencies{total: make([]float64, count), own: make([]float64, count)}
 	errs := make([]error, count)
 	var wg sync.WaitGroup
 	for i := range count {
 		wg.Go(func() {
-			d, err := f.podStart(ctx, true)
-			lat[i], errs[i] = ms(d), err
+			d, own, err := f.podStart(ctx, true)
+			lat.total[i], lat.own[i], errs[i] = ms(d), ms(own), err
 		})
 	}
 	wg.Wait()
@@ -771,9 +845,10 @@ func (f *fleet) burstPods(ctx context.Context, count int) ([]float64, error) {
 }
 
 // podStart creates the next pod (round robin over nodes and namespaces) and,
-// when gate is set, calls its node's gate Add as the plugin would, returning
-// the time from the create's return to the decision.
-func (f *fleet) podStart(ctx context.Context, gate bool) (time.Duration, error) {
+// when gate is set, waits until its node's kubelet has it and calls its
+// node's gate Add as the plugin would, returning the time from the create's
+// return to the decision, and from the kubelet's watch to the decision.
+func (f *fleet) podStart(ctx context.Context, gate bool) (total, own time.Duration, err error) {
 	f.mu.Lock()
 	i := f.seq
 	f.seq++
@@ -789,6 +864,10 @@ func (f *fleet) podStart(ctx context.Context, gate bool) (time.Duration, error) 
 	}
 	cctx, cancel := context.WithTimeout(ctx, limit)
 	defer cancel()
+	var atNode <-chan struct{}
+	if gate {
+		atNode = f.kubelets.expect(ns + "/" + name)
+	}
 	p, err := f.admin.CoreV1().Pods(ns).Create(cctx, &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Labels: map[string]string{"app": "fleet"}},
 		Spec: corev1.PodSpec{
@@ -799,18 +878,24 @@ func (f *fleet) podStart(ctx context.Context, gate bool) (time.Duration, error) 
 		},
 	}, metav1.CreateOptions{})
 	if err != nil {
-		return 0, fmt.Errorf("create pod %s/%s: %w", ns, name, err)
+		return 0, 0, fmt.Errorf("create pod %s/%s: %w", ns, name, err)
 	}
 	if !gate {
-		return 0, nil
+		return 0, 0, nil
 	}
 	created := time.Now()
+	select {
+	case <-atNode:
+	case <-cctx.Done():
+		return 0, 0, fmt.Errorf("pod %s/%s: not delivered to its node's kubelet: %w", ns, name, cctx.Err())
+	}
+	delivered := time.Now()
 	uid := string(p.UID)
 	if f.istio != nil {
 		if err := f.istio.add(cctx, node, ns, name, uid, i, f.netns); err != nil {
-			return 0, err
+			return 0, 0, err
 		}
-		return time.Since(created), nil
+		return time.Since(created), time.Since(delivered), nil
 	}
 	_, err = f.gates[node].Add(cctx, &gatepb.AddRequest{
 		Pod:        &gatepb.PodIdentity{Namespace: ns, Name: name, Uid: uid},
@@ -819,9 +904,9 @@ func (f *fleet) podStart(ctx context.Context, gate bool) (time.Duration, error) 
 		Source:     gatepb.Source_SOURCE_CNI,
 	})
 	if err != nil {
-		return 0, fmt.Errorf("gate Add for %s/%s on %s: %w", ns, name, f.nodes[node], err)
+		return 0, 0, fmt.Errorf("gate Add for %s/%s on %s: %w", ns, name, f.nodes[node], err)
 	}
-	return time.Since(created), nil
+	return time.Since(created), time.Since(delivered), nil
 }
 
 // peakPerSecond is the most requests received in any one second.
