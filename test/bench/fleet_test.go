@@ -166,7 +166,7 @@ type fleetConfig struct {
 // fleetMetrics collects every level's numbers.
 type fleetMetrics struct {
 	requests, writes, misses, watchEvents, cpuPerPod, etcdPerPod,
-	idle, startReqs, startCPU, latency, ownLatency, restart, restartRate, memory results.Metric
+	idle, startReqs, startBytes, startCPU, latency, ownLatency, restart, restartRate, memory results.Metric
 	notes    []string
 	profiles []results.Profile
 }
@@ -184,6 +184,7 @@ func newFleetMetrics() *fleetMetrics {
 		startReqs:   results.Metric{Name: "agent-start-requests", Title: "API requests per agent start, and refused", Unit: "req", XLabel: x},
 		startCPU:    results.Metric{Name: "agent-start-cpu", Title: "API server CPU per agent start", Unit: "ms", XLabel: x},
 		latency:     results.Metric{Name: "decision-latency", Title: "Pod create → the gate's decision (istio-cni: its plugin's ADD returned, its process start included)", Unit: "ms", XLabel: x},
+		startBytes:  results.Metric{Name: "agent-start-bytes", Title: "What the API server sent per agent start (pods and namespaces: lists, gets and watch events)", Unit: "KiB", XLabel: x},
 		ownLatency:  results.Metric{Name: "decision-after-kubelet", Title: "The node's kubelet has the pod → the gate's decision (the node agent's and plugin's own share)", Unit: "ms", XLabel: x},
 		restart:     results.Metric{Name: "fleet-restart", Title: "Whole-fleet restart: until every agent is ready", Unit: "s", XLabel: x},
 		restartRate: results.Metric{Name: "restart-request-rate", Title: "Agents' requests in the busiest second of a start all at once", Unit: "req/s", XLabel: x},
@@ -192,7 +193,7 @@ func newFleetMetrics() *fleetMetrics {
 }
 
 func (m *fleetMetrics) all() []results.Metric {
-	return []results.Metric{m.requests, m.writes, m.misses, m.watchEvents, m.cpuPerPod, m.etcdPerPod, m.idle, m.startReqs, m.startCPU, m.latency, m.ownLatency, m.restart, m.restartRate, m.memory}
+	return []results.Metric{m.requests, m.writes, m.misses, m.watchEvents, m.cpuPerPod, m.etcdPerPod, m.idle, m.startReqs, m.startBytes, m.startCPU, m.latency, m.ownLatency, m.restart, m.restartRate, m.memory}
 }
 
 func point(m *results.Metric, variant, label string, x float64, samples ...float64) {
@@ -387,6 +388,7 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 	}
 	point(&m.startReqs, f.series("first-start"), f.label("first start, all at once"), x, float64(len(start.agentReqs))/x)
 	point(&m.startCPU, f.series("first-start"), f.label("first start, all at once"), x, start.apiCPU/x)
+	point(&m.startBytes, f.series("first-start"), f.label("first start, all at once"), x, start.bytes/1024/x)
 	point(&m.restart, f.series("first-start"), f.label("first start, all at once"), x, startTook.Seconds())
 
 	idle, err := f.phase(ctx, func() error { return sleepCtx(ctx, fleetIdle) })
@@ -554,6 +556,7 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 	point(&m.startReqs, f.series("restart"), f.label("fleet restart"), x, float64(len(restart.agentReqs))/x)
 	point(&m.startReqs, f.series("refused"), f.label("refused (429) in the fleet restart"), x, float64(refused)/x)
 	point(&m.startCPU, f.series("restart"), f.label("fleet restart"), x, restart.apiCPU/x)
+	point(&m.startBytes, f.series("restart"), f.label("fleet restart"), x, restart.bytes/1024/x)
 	point(&m.restartRate, f.series("restart"), f.label("fleet restart: the busiest second"), x, peakPerSecond(restart.agentReqs))
 	point(&m.restartRate, f.series("first-start"), f.label("first start: the busiest second"), x, peakPerSecond(start.agentReqs))
 
@@ -620,7 +623,9 @@ type phaseResult struct {
 	agentReqs       []kubeenv.AuditEvent
 	podEvents       float64
 	nsEvents        float64
-	created         []createdPod
+	// bytes is what the API server sent of pods and namespaces.
+	bytes   float64
+	created []createdPod
 }
 
 type createdPod struct{ namespace string }
@@ -636,7 +641,7 @@ func (f *fleet) phase(ctx context.Context, fn func() error) (phaseResult, error)
 	f.mu.Lock()
 	f.createdLog = f.createdLog[:0]
 	f.mu.Unlock()
-	podEv0, nsEv0, err := f.watchEvents(ctx)
+	podEv0, nsEv0, bytes0, err := f.watchEvents(ctx)
 	if err != nil {
 		return r, err
 	}
@@ -653,11 +658,11 @@ func (f *fleet) phase(ctx context.Context, fn func() error) (phaseResult, error)
 	}
 	r.took = time.Since(t0)
 	r.apiCPU, r.etcdCPU = cpuMs(f.api.Proc.Pid())-api0, cpuMs(f.etcd.Proc.Pid())-etcd0
-	podEv1, nsEv1, err := f.watchEvents(ctx)
+	podEv1, nsEv1, bytes1, err := f.watchEvents(ctx)
 	if err != nil {
 		return r, err
 	}
-	r.podEvents, r.nsEvents = podEv1-podEv0, nsEv1-nsEv0
+	r.podEvents, r.nsEvents, r.bytes = podEv1-podEv0, nsEv1-nsEv0, bytes1-bytes0
 	for _, e := range after[len(before):] {
 		if f.counted(e.User.Username) {
 			r.agentReqs = append(r.agentReqs, e)
@@ -694,17 +699,26 @@ func (f *fleet) settle(ctx context.Context) ([]kubeenv.AuditEvent, error) {
 
 // watchEvents reads the API server's count of watch events sent for pods and
 // for namespaces, to every watcher.
-func (f *fleet) watchEvents(ctx context.Context) (pods, namespaces float64, err error) {
+func (f *fleet) watchEvents(ctx context.Context) (pods, namespaces, bytes float64, err error) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	fams, err := kubeenv.Metrics(ctx, f.admin)
 	if err != nil {
-		return 0, 0, err
+		return 0, 0, 0, err
 	}
-	const name = "apiserver_watch_events_total"
-	pods = kubeenv.SumMetric(fams, name, map[string]string{"resource": "pods"}) + kubeenv.SumMetric(fams, name, map[string]string{"kind": "Pod"})
-	namespaces = kubeenv.SumMetric(fams, name, map[string]string{"resource": "namespaces"}) + kubeenv.SumMetric(fams, name, map[string]string{"kind": "Namespace"})
-	return pods, namespaces, nil
+	// Newer API servers label watch metrics by resource, older by kind.
+	sum := func(name, resource, kind string) float64 {
+		return kubeenv.SumMetric(fams, name, map[string]string{"resource": resource}) + kubeenv.SumMetric(fams, name, map[string]string{"kind": kind})
+	}
+	pods = sum("apiserver_watch_events_total", "pods", "Pod")
+	namespaces = sum("apiserver_watch_events_total", "namespaces", "Namespace")
+	// What the API server sent of pods and namespaces: watch events (a
+	// streamed list's initial ones too) and list or get answers.
+	for _, r := range []struct{ resource, kind string }{{"pods", "Pod"}, {"namespaces", "Namespace"}} {
+		bytes += sum("apiserver_watch_events_sizes", r.resource, r.kind) +
+			kubeenv.SumMetric(fams, "apiserver_response_sizes", map[string]string{"resource": r.resource})
+	}
+	return pods, namespaces, bytes, nil
 }
 
 // cpuMs is a process's user+system CPU time in ms, 0 if it cannot be read.

@@ -131,6 +131,9 @@ func SumMetric(fams map[string]*dto.MetricFamily, name string, match map[string]
 			sum += m.GetCounter().GetValue()
 		case m.GetGauge() != nil:
 			sum += m.GetGauge().GetValue()
+		case m.GetHistogram() != nil:
+			// The total of what it observed: bytes, for a size histogram.
+			sum += m.GetHistogram().GetSampleSum()
 		}
 	}
 	return sum
