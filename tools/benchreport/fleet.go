@@ -155,7 +155,7 @@ func fleetCPUVsIstio(d data) target {
 	t.status = check(rp <= 0.7 && rs <= 0.7)
 	t.limits = "most of a pod start's API server CPU is the create itself, the same for both (`no agents` below); the rest is the agent's and plugin's requests and the watch events they cause. " +
 		"An agent start is the same two requests for both, a list and watch of the node's pods and one of every namespace (`API requests per agent start` below): what is left is the API server's cost per request, " +
-		fmt.Sprintf("read from /proc in 10 ms ticks over the whole start of %s agents (%s ms against %s ms in all), a difference of a few ticks.", numX(x), num(start*x), num(istart*x))
+		fmt.Sprintf("read from /proc in 10 ms ticks over the whole start of %s agents, above the API server's own idle work (%s ms against %s ms in all), a difference of a few ticks.", numX(x), num(start*x), num(istart*x))
 	return t
 }
 
