@@ -595,6 +595,21 @@ func Uninstall(ctx context.Context, cfg Config) error {
 			errs = append(errs, detachPinned(path))
 		}
 	}
+	// Hooks this build does not know (pinned by an older or newer build) may
+	// redirect too: they go with the redirecting ones, before the grace.
+	// Whatever of theirs answered for them goes with them: nothing they
+	// redirected is then left unanswered by a hook of this build's.
+	others, err := os.ReadDir(pins.links())
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		errs = append(errs, fmt.Errorf("list links: %w", err))
+	}
+	for _, e := range others {
+		if slices.ContainsFunc(cgroupHooks, func(h cgroupHook) bool { return h.name == e.Name() }) {
+			continue
+		}
+		redirected = true
+		errs = append(errs, detachPinned(filepath.Join(pins.links(), e.Name())))
+	}
 	if redirected && len(podDirs) > 0 {
 		// A caller that stops waiting still gets everything removed: nothing
 		// redirects any more, and what answers for it goes now.
@@ -607,15 +622,6 @@ func Uninstall(ctx context.Context, cfg Config) error {
 		if h := cgroupHooks[i].name; !redirects(h) {
 			errs = append(errs, detachPinned(filepath.Join(pins.links(), h)))
 		}
-	}
-	// Then whatever else is pinned there: the hooks of another build (an
-	// uninstall by a build older or newer than the one that attached them).
-	others, err := os.ReadDir(pins.links())
-	if err != nil && !errors.Is(err, os.ErrNotExist) {
-		errs = append(errs, fmt.Errorf("list links: %w", err))
-	}
-	for _, e := range others {
-		errs = append(errs, detachPinned(filepath.Join(pins.links(), e.Name())))
 	}
 	for _, dir := range []string{pins.pods(), pins.links()} {
 		errs = append(errs, removeIfExists(dir))
