@@ -249,7 +249,7 @@ func Run(ctx context.Context, log *zap.Logger, cfg Config) (err error) {
 		}()
 	}
 	interval := cfg.ReconcileInterval
-	if interval == 0 {
+	if interval <= 0 {
 		interval = 30 * time.Second
 	}
 	background.Add(1)

@@ -439,6 +439,11 @@ func checkZDSServiceAccounts(opts options) error {
 }
 
 func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {
+	if opts.reconcileInterval <= 0 {
+		// It paces the reconcile pass and the adoption of running pods,
+		// which would otherwise run back to back against the API server.
+		return agent.Config{}, fmt.Errorf("--reconcile-interval=%s: want a positive duration (default 30s)", opts.reconcileInterval)
+	}
 	cfg := agent.Config{
 		SocketPath:        opts.socketPath,
 		StateDir:          opts.stateDir,

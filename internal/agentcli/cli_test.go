@@ -150,3 +150,19 @@ func TestIstioProfileDefaults(t *testing.T) {
 		}
 	}
 }
+
+// A reconcile interval that is not positive is refused before the agent
+// starts: it paces the reconcile pass and the adoption of running pods,
+// which would otherwise run back to back against the API server.
+func TestReconcileIntervalMustBePositive(t *testing.T) {
+	for _, v := range []string{"0s", "-1s"} {
+		var opts options
+		fs := flagSet("mesh-agent run", &opts, io.Discard)
+		if err := parseFlags(fs, []string{"--reconcile-interval", v}, func(string) (string, bool) { return "", false }); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := agentConfig(opts, zap.NewNop()); err == nil || !strings.Contains(err.Error(), "--reconcile-interval") {
+			t.Errorf("--reconcile-interval %s: %v, want refused", v, err)
+		}
+	}
+}
