@@ -43,7 +43,7 @@ const fleetAgentPrefix = "mesh-agent-"
 // Pods are created bound to a node (spec.nodeName, as the scheduler leaves
 // them), in many namespaces (half of them in the mesh), at a steady rate and
 // then in a burst; each pod's start reaches its node's agent over the gate,
-// as the plugin's call does, right after the create returns. The audit log
+// as the plugin's call does, once its node's kubelet watch has the pod. The audit log
 // attributes every request to its agent; /proc gives the API server's and
 // etcd's CPU time and memory. At the smallest fleet, istio-cni's real node
 // agent and plugin take the same phases (but the outage) on a control plane of
@@ -93,7 +93,7 @@ func BenchmarkFleet(b *testing.B) {
 		"the same phases but the outage, with istio-cni's real node agent (`install-cni` from istio.io/istio, ambient on with its chart's enablement selector, repair off) on every node, "+
 		"each in a network namespace of its own (where it writes its host rules), its own PID and mount namespace and chroot with its service account's token (a user of its own), "+
 		"and a ztunnel double's ZDS session (test/ztunnel's, serving no data path) acking the pods it hands over. "+
-		"Namespaces in the mesh are labelled `istio.io/dataplane-mode=ambient`. Each pod start runs istio-cni's real plugin's ADD as the kubelet's chain would, right after the create returns "+
+		"Namespaces in the mesh are labelled `istio.io/dataplane-mode=ambient`. Each pod start runs istio-cni's real plugin's ADD as the kubelet's chain would, once its node's kubelet watch has the pod "+
 		"(the CNI environment, its entry of the conflist install-cni wrote, the primary network's result), tried again 10 s later when it fails, as the kubelet's pod worker does. "+
 		"The plugin is given a kubeconfig of its own (in a cluster it uses its agent's token) so the audit log tells its requests from the agent's. "+
 		"Every pod shares one network namespace: the agent's in-pod rules are written there over and over, and no traffic is redirected.", levels[0]))
@@ -605,7 +605,7 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 		}
 		agentName, variant = "one install-cni (each node's)", "istio-cni"
 		if retried := f.istio.failed.Load(); retried > 0 {
-			m.notes = append(m.notes, fmt.Sprintf("istio-cni at %d nodes: %d plugin ADDs failed and were tried again a second later, as the kubelet would (their requests are counted).", n, retried))
+			m.notes = append(m.notes, fmt.Sprintf("istio-cni at %d nodes: %d plugin ADDs failed and were tried again 10 s later, as the kubelet's pod worker would (their requests are counted).", n, retried))
 		}
 		var adds int64
 		for _, node := range f.istio.nodes {
