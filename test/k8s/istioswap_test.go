@@ -525,6 +525,24 @@ func testIstioSwap(t *testing.T, backend string) {
 		}
 	}
 
+	// The agent removes istio-cni's rules from a pod just after adopting it,
+	// which the wait above saw: wait until it said what it did for each, so
+	// that what is left is not a removal half done.
+	fixtures.WaitFor(t, 30*time.Second, "the agent's word on istio-cni's rules in every pod", func() bool {
+		done := map[string]bool{}
+		for line := range strings.Lines(a.Proc.Output()) {
+			if !strings.Contains(line, "the replaced node agent's capture removed from an adopted pod") &&
+				!strings.Contains(line, "the replaced node agent's capture not fully removed from an adopted pod") {
+				continue
+			}
+			for _, p := range all {
+				if strings.Contains(line, `"pod":"`+p.api.Namespace+"/"+p.api.Name+`"`) {
+					done[p.api.Name] = true
+				}
+			}
+		}
+		return len(done) == len(all)
+	})
 	if backend == "legacy" {
 		// Nothing removed, nothing of istio-cni's in nftables, and the
 		// agent said why.
