@@ -238,10 +238,21 @@ type kubelets struct {
 func startKubelets(ctx context.Context, b *testing.B, client kubernetes.Interface, nodes []string) *kubelets {
 	k := &kubelets{waiting: map[string]chan struct{}{}}
 	ctx, cancel := context.WithCancel(ctx)
+	var factories []informers.SharedInformerFactory
+	// Registered first, so that a failure below stops those already started.
+	b.Cleanup(func() {
+		cancel()
+		for _, f := range factories {
+			f.Shutdown()
+		}
+	})
+	syncCtx, synced := context.WithTimeout(ctx, time.Minute)
+	defer synced()
 	for _, node := range nodes {
 		factory := informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithTweakListOptions(func(o *metav1.ListOptions) {
 			o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", node).String()
 		}))
+		factories = append(factories, factory)
 		inf := factory.Core().V1().Pods().Informer()
 		if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: func(obj any) {
 			if p, ok := obj.(*corev1.Pod); ok {
@@ -251,13 +262,10 @@ func startKubelets(ctx context.Context, b *testing.B, client kubernetes.Interfac
 			b.Fatal(err)
 		}
 		factory.Start(ctx.Done())
-		b.Cleanup(factory.Shutdown)
-		if !cache.WaitForCacheSync(ctx.Done(), inf.HasSynced) {
+		if !cache.WaitForCacheSync(syncCtx.Done(), inf.HasSynced) {
 			b.Fatalf("node %s's kubelet watch did not sync", node)
 		}
 	}
-	// Before the factories' Shutdown, which waits for their informers.
-	b.Cleanup(cancel)
 	return k
 }
 

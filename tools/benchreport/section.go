@@ -133,8 +133,11 @@ func refreshSummary(report, before, after string, r *results.Result) string {
 	lines := strings.SplitAfter(run.String(), "\n")
 	prefix := "| " + r.Name + " | "
 	if i := strings.Index(report, "\n"+prefix); i >= 0 && len(lines) > 2 {
-		end := strings.IndexByte(report[i+1:], '\n')
-		report = report[:i+1] + lines[2] + report[i+1+end+1:]
+		rest := ""
+		if end := strings.IndexByte(report[i+1:], '\n'); end >= 0 {
+			rest = report[i+1+end+1:]
+		}
+		report = report[:i+1] + lines[2] + rest
 	}
 	return report
 }
