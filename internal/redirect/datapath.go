@@ -532,11 +532,11 @@ func (d *Datapath) closeAll() error {
 	return errors.Join(errs...)
 }
 
-// redirects says whether the cgroup hook named h sends connections or
-// datagrams to the proxy (the others answer for what it sent).
-func redirects(h string) bool {
-	switch h {
-	case "connect4", "connect6", "sendmsg4", "sendmsg6":
+// redirects says whether the hook sends connections or datagrams to the proxy
+// (it rewrites their destination); the others answer for what it sent.
+func (h cgroupHook) redirects() bool {
+	switch h.attach {
+	case ebpf.AttachCGroupInet4Connect, ebpf.AttachCGroupInet6Connect, ebpf.AttachCGroupUDP4Sendmsg, ebpf.AttachCGroupUDP6Sendmsg:
 		return true
 	}
 	return false
@@ -587,8 +587,8 @@ func Uninstall(ctx context.Context, cfg Config) error {
 	// proxy does not find the connection addressed to itself.
 	redirected := false
 	for i := len(cgroupHooks) - 1; i >= 0; i-- {
-		if h := cgroupHooks[i].name; redirects(h) {
-			path := filepath.Join(pins.links(), h)
+		if h := cgroupHooks[i]; h.redirects() {
+			path := filepath.Join(pins.links(), h.name)
 			if _, err := os.Stat(path); err == nil {
 				redirected = true
 			}
@@ -619,8 +619,8 @@ func Uninstall(ctx context.Context, cfg Config) error {
 		}
 	}
 	for i := len(cgroupHooks) - 1; i >= 0; i-- {
-		if h := cgroupHooks[i].name; !redirects(h) {
-			errs = append(errs, detachPinned(filepath.Join(pins.links(), h)))
+		if h := cgroupHooks[i]; !h.redirects() {
+			errs = append(errs, detachPinned(filepath.Join(pins.links(), h.name)))
 		}
 	}
 	for _, dir := range []string{pins.pods(), pins.links()} {
