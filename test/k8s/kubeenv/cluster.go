@@ -341,26 +341,29 @@ func (s *APIServer) Token(user string) string { return s.tokens[user] }
 // GrantAgent gives AgentUser and AgentGroup the AgentRules, cluster-wide.
 func (s *APIServer) GrantAgent(tb testing.TB) {
 	tb.Helper()
+	s.grant(tb, "mesh-agent", AgentRules(),
+		rbacv1.Subject{APIGroup: rbacv1.GroupName, Kind: rbacv1.UserKind, Name: AgentUser},
+		rbacv1.Subject{APIGroup: rbacv1.GroupName, Kind: rbacv1.GroupKind, Name: AgentGroup})
+}
+
+// grant creates the ClusterRole name with rules and binds it to subjects.
+func (s *APIServer) grant(tb testing.TB, name string, rules []rbacv1.PolicyRule, subjects ...rbacv1.Subject) {
+	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	admin := s.Client(tb, AdminUser)
-	_, err := admin.RbacV1().ClusterRoles().Create(ctx, &rbacv1.ClusterRole{
-		ObjectMeta: metav1.ObjectMeta{Name: "mesh-agent"},
-		Rules:      AgentRules(),
-	}, metav1.CreateOptions{})
-	if err != nil {
-		tb.Fatalf("create agent ClusterRole: %v", err)
+	if _, err := admin.RbacV1().ClusterRoles().Create(ctx, &rbacv1.ClusterRole{
+		ObjectMeta: metav1.ObjectMeta{Name: name},
+		Rules:      rules,
+	}, metav1.CreateOptions{}); err != nil {
+		tb.Fatalf("create ClusterRole %s: %v", name, err)
 	}
-	_, err = admin.RbacV1().ClusterRoleBindings().Create(ctx, &rbacv1.ClusterRoleBinding{
-		ObjectMeta: metav1.ObjectMeta{Name: "mesh-agent"},
-		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: "mesh-agent"},
-		Subjects: []rbacv1.Subject{
-			{APIGroup: rbacv1.GroupName, Kind: rbacv1.UserKind, Name: AgentUser},
-			{APIGroup: rbacv1.GroupName, Kind: rbacv1.GroupKind, Name: AgentGroup},
-		},
-	}, metav1.CreateOptions{})
-	if err != nil {
-		tb.Fatalf("create agent ClusterRoleBinding: %v", err)
+	if _, err := admin.RbacV1().ClusterRoleBindings().Create(ctx, &rbacv1.ClusterRoleBinding{
+		ObjectMeta: metav1.ObjectMeta{Name: name},
+		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: name},
+		Subjects:   subjects,
+	}, metav1.CreateOptions{}); err != nil {
+		tb.Fatalf("create ClusterRoleBinding %s: %v", name, err)
 	}
 }
 

@@ -1,12 +1,9 @@
 package kubeenv
 
 import (
-	"context"
 	"testing"
-	"time"
 
 	rbacv1 "k8s.io/api/rbac/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
 // IstioCNIRoot is the root install-cni sees, as its DaemonSet's mounts make it: a
@@ -58,26 +55,9 @@ const IstioAmbientSelector = `[{"podSelector":{"matchLabels":{"istio.io/dataplan
 // pod's status, reading its own DaemonSet.
 func (s *APIServer) GrantIstioCNI(tb testing.TB, group string) {
 	tb.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	admin := s.Client(tb, AdminUser)
-	_, err := admin.RbacV1().ClusterRoles().Create(ctx, &rbacv1.ClusterRole{
-		ObjectMeta: metav1.ObjectMeta{Name: "istio-cni"},
-		Rules: []rbacv1.PolicyRule{
-			{APIGroups: []string{""}, Resources: []string{"pods", "nodes", "namespaces"}, Verbs: []string{"get", "list", "watch"}},
-			{APIGroups: []string{""}, Resources: []string{"pods/status"}, Verbs: []string{"patch", "update"}},
-			{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{"istio-cni-node"}, Verbs: []string{"get"}},
-		},
-	}, metav1.CreateOptions{})
-	if err != nil {
-		tb.Fatalf("create istio-cni ClusterRole: %v", err)
-	}
-	_, err = admin.RbacV1().ClusterRoleBindings().Create(ctx, &rbacv1.ClusterRoleBinding{
-		ObjectMeta: metav1.ObjectMeta{Name: "istio-cni"},
-		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: "istio-cni"},
-		Subjects:   []rbacv1.Subject{{APIGroup: rbacv1.GroupName, Kind: rbacv1.GroupKind, Name: group}},
-	}, metav1.CreateOptions{})
-	if err != nil {
-		tb.Fatalf("create istio-cni ClusterRoleBinding: %v", err)
-	}
+	s.grant(tb, "istio-cni", []rbacv1.PolicyRule{
+		{APIGroups: []string{""}, Resources: []string{"pods", "nodes", "namespaces"}, Verbs: []string{"get", "list", "watch"}},
+		{APIGroups: []string{""}, Resources: []string{"pods/status"}, Verbs: []string{"patch", "update"}},
+		{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{"istio-cni-node"}, Verbs: []string{"get"}},
+	}, rbacv1.Subject{APIGroup: rbacv1.GroupName, Kind: rbacv1.GroupKind, Name: group})
 }
