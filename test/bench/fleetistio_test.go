@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net/http"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -273,16 +272,7 @@ func (n *istioNode) ready(ctx context.Context) bool {
 	n.notReady = "its readiness endpoint does not answer 200"
 	rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
-	req, err := http.NewRequestWithContext(rctx, http.MethodGet, "http://"+netip.AddrPortFrom(n.net.addr, 8000).String()+"/readyz", nil)
-	if err != nil {
-		return false
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return false
-	}
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
+	if harness.GetOK(rctx, "http://"+netip.AddrPortFrom(n.net.addr, 8000).String()+"/readyz") != nil {
 		return false
 	}
 	n.notReady = "its plugin is not in the conflist"

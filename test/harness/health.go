@@ -3,6 +3,7 @@ package harness
 import (
 	"context"
 	"fmt"
+	"net/http"
 	"path/filepath"
 	"time"
 
@@ -61,4 +62,22 @@ func WaitForHealthy(ctx context.Context, socketPath string) error {
 		case <-timer.C:
 		}
 	}
+}
+
+// GetOK asks url with a GET and fails unless the answer is 200 OK: a peer's
+// HTTP health or readiness endpoint.
+func GetOK(ctx context.Context, url string) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return err
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("GET %s: %s", url, resp.Status)
+	}
+	return nil
 }

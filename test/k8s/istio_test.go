@@ -267,16 +267,7 @@ func startIstiod(t *testing.T, api *kubeenv.APIServer) (debug, xds string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	err := harness.PollUntil(ctx, proc, 200*time.Millisecond, func(ctx context.Context) error {
-		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr("http")+"/ready", nil)
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			return err
-		}
-		resp.Body.Close()
-		if resp.StatusCode != http.StatusOK {
-			return fmt.Errorf("istiod /ready: %s", resp.Status)
-		}
-		return nil
+		return harness.GetOK(ctx, "http://"+addr("http")+"/ready")
 	})
 	if err != nil {
 		t.Fatalf("istiod did not become ready: %v", err)

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"net"
-	"net/http"
 	"os"
 	"path/filepath"
 	"sort"
@@ -83,19 +82,7 @@ func StartEtcd(tb testing.TB, bins Binaries) *Etcd {
 	ctx, cancel := context.WithTimeout(context.Background(), startTimeout)
 	defer cancel()
 	err := pollUntil(ctx, proc, func(ctx context.Context) error {
-		req, err := http.NewRequestWithContext(ctx, http.MethodGet, clientURL+"/health", nil)
-		if err != nil {
-			return err
-		}
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			return err
-		}
-		resp.Body.Close()
-		if resp.StatusCode != http.StatusOK {
-			return fmt.Errorf("etcd /health: %s", resp.Status)
-		}
-		return nil
+		return harness.GetOK(ctx, clientURL+"/health")
 	})
 	if err != nil {
 		tb.Fatalf("etcd did not start: %v", err)
