@@ -144,8 +144,12 @@ int mesh_lookup_main(struct bpf_sk_lookup *ctx)
 		count(COUNTER_IN_PASSED);
 		return SK_PASS;
 	}
+	struct pod_capture_info *c = NULL;
+	if (s->flags & SETTING_CAPTURE)
+		c = bpf_map_lookup_elem(&pod_capture, &netns);
 	if (((s->flags & SETTING_INBOUND_PORTS) && port_in(s->inbound_port_set, lport)) ||
-	    ((s->flags & SETTING_PROBE_SOURCES) && in_cidrs(&probe_srcs, s->probe_set, t.remote))) {
+	    ((s->flags & SETTING_PROBE_SOURCES) && in_cidrs(&probe_srcs, s->probe_set, t.remote)) ||
+	    (c && (c->flags & CAPTURE_INCLUDED_INBOUND_PORTS) && !port_in(c->inbound_include_set, lport))) {
 		count(COUNTER_IN_PASSED);
 		return SK_PASS;
 	}

@@ -161,14 +161,70 @@ static __always_inline void user_dst(struct bpf_sock_addr *ctx, bool v6, struct 
 	d->port = (__u16)ctx->user_port;
 }
 
-// is_proxy_socket: the proxy's own connects are never redirected.
-static __always_inline bool is_proxy_socket(struct bpf_sock *sk, const struct pod_settings *s)
+// is_proxy_socket: the proxy's own connects are never redirected. c is the pod's
+// pod_capture entry (NULL: none): a sidecar's own cgroup.
+static __always_inline bool is_proxy_socket(struct bpf_sock *sk, const struct pod_settings *s,
+					    const struct pod_capture_info *c)
 {
 	if ((s->flags & SETTING_PROXY_MARK) && (sk->mark & s->proxy_mark_mask) == s->proxy_mark)
 		return true;
 	if ((s->flags & SETTING_PROXY_UID) && (__u32)bpf_get_current_uid_gid() == s->proxy_uid)
 		return true;
+	if (c && (c->flags & CAPTURE_PROXY_CGROUP) && in_cgroups(&c->proxy, 1))
+		return true;
 	return is_proxy_task();
+}
+
+// Istio's inbound tunnel port and the source its sidecar binds to reach the
+// application (inbound passthrough): neither is sent back to the inbound port.
+#define ISTIO_TUNNEL_PORT 15008
+#define PASSTHROUGH_SRC4 0x7f000006 // 127.0.0.6
+
+// local_to_inbound reports whether a connect of the proxy goes to its own inbound
+// port (CAPTURE_LOCAL_TO_INBOUND): to a local address, the pod's own or a loopback
+// one other than 127.0.0.1 and ::1, from a socket not bound to 127.0.0.6 or ::6,
+// to any port but the tunnel's (and DNS's when DNS is captured).
+static __always_inline bool local_to_inbound(const struct bpf_sock *sk, const struct pod_settings *s,
+					     const struct pod_capture_info *c, const struct pod_net_info *n,
+					     const struct orig_dst *d)
+{
+	if (!c || !(c->flags & CAPTURE_LOCAL_TO_INBOUND))
+		return false;
+	__u16 port = bpf_ntohs(d->port);
+	if (port == ISTIO_TUNNEL_PORT || ((s->flags & SETTING_DNS_CAPTURE) && port == DNS_PORT))
+		return false;
+	if (sk->src_ip4 == bpf_htonl(PASSTHROUGH_SRC4))
+		return false;
+	__u32 src6[4];
+	copy_addr(src6, sk->src_ip6);
+	if (!src6[0] && !src6[1] && !src6[2] && src6[3] == bpf_htonl(6))
+		return false;
+	if (is_pod_addr(n, d->addr))
+		return true;
+	if (!is_loopback_or_any(d->addr))
+		return false;
+	if (is_v4_mapped(d->addr)) {
+		__u32 ip = bpf_ntohl(d->addr[3]);
+		return ip != 0x7f000001 && ip != 0;
+	}
+	return false; // ::1 and ::
+}
+
+// excluded_port: outbound connects to this port are never redirected.
+static __always_inline bool excluded_port(const struct pod_settings *s, const struct orig_dst *d)
+{
+	return (s->flags & SETTING_OUTBOUND_PORTS) && port_in(s->outbound_port_set, bpf_ntohs(d->port));
+}
+
+// outbound_included: with an include list (CAPTURE_INCLUDED_CIDRS), a destination
+// outside it is not redirected unless its port is one of the included ports.
+static __always_inline bool outbound_included(const struct pod_capture_info *c, const struct orig_dst *d)
+{
+	if (!c || !(c->flags & CAPTURE_INCLUDED_CIDRS))
+		return true;
+	if ((c->flags & CAPTURE_INCLUDED_OUTBOUND_PORTS) && port_in(c->outbound_include_set, bpf_ntohs(d->port)))
+		return true;
+	return in_cidrs(&excluded_dsts, c->included_set, d->addr);
 }
 
 // uncaptured decides a socket whose proxy listener is (not) there: with the
@@ -218,6 +274,34 @@ static __always_inline int dns_redirect(struct bpf_sock_addr *ctx, const struct 
 	return 1;
 }
 
+// capture_to sends a TCP connect to the proxy's port on loopback (proxy_addr),
+// its original destination kept in the socket's storage for SO_ORIGINAL_DST and
+// getpeername, its source bound to the pod's address when bind (as REDIRECT
+// keeps it). With nothing listening there it fails closed, or passes when the
+// pod fails open.
+static __always_inline int capture_to(struct bpf_sock_addr *ctx, const struct pod_settings *s,
+				      const struct pod_net_info *n, struct bpf_sock *sk, const struct orig_dst *d,
+				      bool v6, bool connect, __u16 port, bool bind)
+{
+	bool v4 = d->family == AF_INET;
+	__u32 a[4];
+	proxy_addr(sk, n, v4, a);
+	if (uncaptured(sk, proxy_listening(ctx, a, v4, port, false), s->flags & SETTING_FAIL_OPEN,
+		       COUNTER_OUT_PASSED, COUNTER_OUT_DROPPED, COUNTER_OUT_REDIRECTED))
+		return 1;
+	struct orig_dst *st = bpf_sk_storage_get(&sock_orig, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!st) {
+		// Without the original destination the proxy cannot forward: refuse the
+		// connect (EPERM) rather than let it bypass the proxy.
+		return 0;
+	}
+	*st = *d;
+	if (connect && bind)
+		bind_pod_source(ctx, sk, n, v6, v4);
+	rewrite_dst(ctx, v6, a, port);
+	return 1;
+}
+
 static __always_inline bool is_dns(const struct pod_settings *s, const struct orig_dst *d)
 {
 	return (s->flags & SETTING_DNS_CAPTURE) && d->port == bpf_htons(DNS_PORT) && !is_loopback_or_any(d->addr);
@@ -252,9 +336,20 @@ static __always_inline int redirect_common(struct bpf_sock_addr *ctx, bool v6, b
 	if (udp && !dns)
 		return 1;
 
-	// A socket may connect again after a failed attempt: forget an earlier
-	// redirection so getpeername does not report a stale peer.
-	if (is_proxy_socket(sk, s)) {
+	const struct pod_capture_info *c = NULL;
+	if (s->flags & SETTING_CAPTURE)
+		c = bpf_map_lookup_elem(&pod_capture, &netns);
+	if (is_proxy_socket(sk, s, c)) {
+		if (c && !udp && !excluded_port(s, &d)) {
+			const struct pod_net_info *n = bpf_map_lookup_elem(&pod_net, &netns);
+			if (local_to_inbound(sk, s, c, n, &d)) {
+				// The proxy's own inbound port: not a proxy socket for sockops.
+				bpf_sk_storage_delete(&proxy_socks, sk);
+				return capture_to(ctx, s, n, sk, &d, v6, connect, s->inbound_port, is_pod_addr(n, d.addr));
+			}
+		}
+		// A socket may connect again after a failed attempt: forget an
+		// earlier redirection so getpeername does not report a stale peer.
 		bpf_sk_storage_delete(&sock_orig, sk);
 		if (!udp) {
 			__u8 *p = bpf_sk_storage_get(&proxy_socks, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
@@ -269,32 +364,15 @@ static __always_inline int redirect_common(struct bpf_sock_addr *ctx, bool v6, b
 		return dns_redirect(ctx, s, n, sk, &d, v6, udp, connect);
 	// Loopback, unspecified and the pod's own addresses stay inside the pod, like
 	// the `! -d 127.0.0.1/32` and `-o lo` exclusions of iptables-based meshes.
-	if (is_loopback_or_any(d.addr) || is_pod_addr(n, d.addr) ||
-	    ((s->flags & SETTING_OUTBOUND_PORTS) && port_in(s->outbound_port_set, bpf_ntohs(d.port))) ||
-	    ((s->flags & SETTING_EXCLUDED_CIDRS) && in_cidrs(&excluded_dsts, s->excluded_set, d.addr))) {
+	if (is_loopback_or_any(d.addr) || is_pod_addr(n, d.addr) || excluded_port(s, &d) ||
+	    ((s->flags & SETTING_EXCLUDED_CIDRS) && in_cidrs(&excluded_dsts, s->excluded_set, d.addr)) ||
+	    !outbound_included(c, &d)) {
 		bpf_sk_storage_delete(&sock_orig, sk);
 		count(COUNTER_OUT_PASSED);
 		return 1;
 	}
 
-	bool v4 = d.family == AF_INET;
-	__u32 a[4];
-	proxy_addr(sk, n, v4, a);
-	if (uncaptured(sk, proxy_listening(ctx, a, v4, s->outbound_port, false), s->flags & SETTING_FAIL_OPEN,
-		       COUNTER_OUT_PASSED, COUNTER_OUT_DROPPED, COUNTER_OUT_REDIRECTED))
-		return 1;
-
-	struct orig_dst *st = bpf_sk_storage_get(&sock_orig, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
-	if (!st) {
-		// Without the original destination the proxy cannot forward: refuse the
-		// connect (EPERM) rather than let it bypass the proxy.
-		return 0;
-	}
-	*st = d;
-	if (connect)
-		bind_pod_source(ctx, sk, n, v6, v4);
-	rewrite_dst(ctx, v6, a, s->outbound_port);
-	return 1;
+	return capture_to(ctx, s, n, sk, &d, v6, connect, s->outbound_port, true);
 }
 
 SOCK_ADDR_PROGS(connect, redirect_common, true)

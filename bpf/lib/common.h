@@ -87,6 +87,9 @@ enum setting_flags {
 	// kubelet_ports (pod_net); without this flag, to any port (a source that
 	// does not know the pod's probes, or the pinned release, which ignores it).
 	SETTING_KUBELET_PORTS = 1 << 16,
+	// The pod has a pod_capture entry (a sidecar of its own): the hooks look
+	// it up for this pod only, not for every pod's connections.
+	SETTING_CAPTURE = 1 << 17,
 };
 
 #define DNS_PORT 53
@@ -152,6 +155,36 @@ struct proxy_cgroup {
 	__u64 id;
 	__u32 level;
 	__u32 pad;
+};
+
+// pod_capture_info.flags
+enum capture_flags {
+	// The pod's own proxy is proxy's processes (a sidecar container's cgroup).
+	CAPTURE_PROXY_CGROUP = 1 << 0,
+	// The proxy's connects to the pod's local addresses other than 127.0.0.1
+	// and ::1 (127.0.0.6, the pod's own address) go to its inbound port, as
+	// Istio's sidecar rules send uid 1337's: the proxy calling its own pod
+	// through a service, and the validation of the capture.
+	CAPTURE_LOCAL_TO_INBOUND = 1 << 1,
+	// Only outbound destinations in included_set are redirected
+	// (traffic.sidecar.istio.io/includeOutboundIPRanges).
+	CAPTURE_INCLUDED_CIDRS = 1 << 2,
+	// ... and, whatever their destination, the ports of outbound_include_set.
+	CAPTURE_INCLUDED_OUTBOUND_PORTS = 1 << 3,
+	// Only inbound connections to the ports of inbound_include_set are captured.
+	CAPTURE_INCLUDED_INBOUND_PORTS = 1 << 4,
+};
+
+// What an in-pod sidecar's capture adds to a pod's pod_settings (Istio's
+// sidecar mode), by netns cookie; pods without an entry have none of it. A map
+// of its own: pod_settings's layout is pinned. The sets are in excluded_dsts
+// (CIDRs) and excluded_ports (ports), shared by content with the exclusions.
+struct pod_capture_info {
+	struct proxy_cgroup proxy;
+	enum capture_flags flags;
+	__u32 included_set;
+	__u32 outbound_include_set;
+	__u32 inbound_include_set;
 };
 
 // Node-wide settings: one entry.

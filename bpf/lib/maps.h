@@ -44,6 +44,14 @@ struct {
 	__type(value, struct pod_net_info);
 } pod_net SEC(".maps");
 
+// Each sidecar-mode pod's pod_capture_info, by netns cookie, next to its pods entry.
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u64);
+	__type(value, struct pod_capture_info);
+} pod_capture SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, 1);

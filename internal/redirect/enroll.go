@@ -366,7 +366,11 @@ func (d *Datapath) List(ctx context.Context) ([]Enrollment, error) {
 		if err != nil {
 			return nil, fmt.Errorf("list: %w", err)
 		}
-		e := Enrollment{Cookie: cookie, Settings: d.settingsOf(value, n)}
+		c, err := d.podCapture(cookie)
+		if err != nil {
+			return nil, fmt.Errorf("list: %w", err)
+		}
+		e := Enrollment{Cookie: cookie, Settings: d.settingsOf(value, n, c)}
 		if n != nil {
 			e.Addresses = podAddrsFromBPF(*n)
 		}

@@ -78,6 +78,7 @@ type dialOpts struct {
 	mark    uint32
 	timeout time.Duration
 	mptcp   bool
+	local   string // an address (no port) to bind before connecting
 }
 
 // dial connects from inside the pod. The socket belongs to the pod netns; the
@@ -90,6 +91,13 @@ func (p *pod) dial(addr string, o dialOpts) (net.Conn, error) {
 	}
 	err := netns.Do(p.path, func() error {
 		d := net.Dialer{Timeout: timeout, Control: fixtures.MarkControl(int(o.mark))}
+		if o.local != "" {
+			a, err := netip.ParseAddr(o.local)
+			if err != nil {
+				return err
+			}
+			d.LocalAddr = net.TCPAddrFromAddrPort(netip.AddrPortFrom(a, 0))
+		}
 		d.SetMultipathTCP(o.mptcp)
 		var err error
 		conn, err = d.Dial("tcp", addr)

@@ -35,6 +35,10 @@ type PodState struct {
 	Listeners int `json:"listeners"`
 	// LegacyLinks are an earlier version's per-interface links still pinned.
 	LegacyLinks []string `json:"legacyLinks,omitempty"`
+	// Proxy says how the pod's own proxy (a sidecar) is told apart, when it
+	// has one: by its container's cgroup, or, while that is not known, by
+	// its uid, which any container of the pod can also run as.
+	Proxy string `json:"proxy,omitempty"`
 }
 
 // Snapshot is the pinned data path as it stands, read without loading programs
@@ -72,6 +76,14 @@ func Inspect(ctx context.Context, pinRoot string) (Snapshot, error) {
 		return snap, fmt.Errorf("open pinned listeners map: %w", err)
 	}
 	defer listeners.Close()
+	// Pinned by builds that capture for sidecars.
+	captures, err := ebpf.LoadPinnedMap(filepath.Join(pins.maps(), "pod_capture"), readOnly)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return snap, fmt.Errorf("open pinned pod_capture map: %w", err)
+	}
+	if captures != nil {
+		defer captures.Close()
+	}
 
 	for _, h := range cgroupHooks {
 		snap.Hooks = append(snap.Hooks, inspectHook(filepath.Join(pins.links(), h.name), h.name))
@@ -84,6 +96,10 @@ func Inspect(ctx context.Context, pinRoot string) (Snapshot, error) {
 	it := pods.Iterate()
 	for it.Next(&cookie, &value) {
 		pod := PodState{Cookie: cookie, Listeners: countListeners(listeners, cookie, value.InboundPort)}
+		var c redirectPodCaptureInfo
+		if captures != nil && captures.Lookup(cookie, &c) == nil {
+			pod.Proxy = sidecarProxy(value, c)
+		}
 		pp, err := readPodPins(pins.pod(cookie))
 		if err != nil {
 			return snap, err
@@ -157,4 +173,15 @@ func netnsLinkAttached(path string) bool {
 	}
 	defer l.Close()
 	return info.NetNs() != nil && info.NetNs().NetnsInode != 0
+}
+
+// sidecarProxy says how a sidecar pod's proxy is known (PodState.Proxy).
+func sidecarProxy(v redirectPodSettings, c redirectPodCaptureInfo) string {
+	switch {
+	case c.Flags&redirectCaptureFlagsCAPTURE_PROXY_CGROUP != 0:
+		return fmt.Sprintf("sidecar container's cgroup (id %d)", c.Proxy.Id)
+	case v.Flags&redirectSettingFlagsSETTING_PROXY_UID != 0:
+		return fmt.Sprintf("uid %d: the sidecar container's cgroup is not known yet, and any container of the pod running as this uid passes as the proxy", v.ProxyUid)
+	}
+	return "none: every process of the pod is captured"
 }

@@ -31,7 +31,7 @@ func TestHelperDial(t *testing.T) {
 	}
 	mark, _ := strconv.ParseUint(os.Getenv("MESH_DIAL_MARK"), 0, 32)
 	p := &pod{name: "helper", path: netnsPath}
-	lines, _, err := p.fetch(os.Getenv("MESH_DIAL_ADDR"), dialOpts{mark: uint32(mark)})
+	lines, _, err := p.fetch(os.Getenv("MESH_DIAL_ADDR"), dialOpts{mark: uint32(mark), local: os.Getenv("MESH_DIAL_LOCAL")})
 	if err != nil {
 		fmt.Println("ERR", err)
 		return
@@ -59,13 +59,20 @@ func newCgroup(t *testing.T, parent, name string) string {
 // dialFromCgroup runs TestHelperDial in cgroup dir and returns its lines.
 func dialFromCgroup(t *testing.T, dir string, p *pod, addr string, mark uint32) []string {
 	t.Helper()
+	return dialFromCgroupBound(t, dir, p, addr, mark, "")
+}
+
+// dialFromCgroupBound is dialFromCgroup with the socket bound to address local
+// first ("": not bound).
+func dialFromCgroupBound(t *testing.T, dir string, p *pod, addr string, mark uint32, local string) []string {
+	t.Helper()
 	cg, err := os.Open(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer cg.Close()
 	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperDial$", "-test.v=false")
-	cmd.Env = append(os.Environ(), "MESH_DIAL_NETNS="+p.path, "MESH_DIAL_ADDR="+addr, fmt.Sprintf("MESH_DIAL_MARK=%#x", mark))
+	cmd.Env = append(os.Environ(), "MESH_DIAL_NETNS="+p.path, "MESH_DIAL_ADDR="+addr, fmt.Sprintf("MESH_DIAL_MARK=%#x", mark), "MESH_DIAL_LOCAL="+local)
 	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: int(cg.Fd())}
 	cmd.WaitDelay = 10 * time.Second
 	out, err := cmd.Output()

@@ -13,6 +13,16 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+type redirectCaptureFlags uint32
+
+const (
+	redirectCaptureFlagsCAPTURE_PROXY_CGROUP            redirectCaptureFlags = 1
+	redirectCaptureFlagsCAPTURE_LOCAL_TO_INBOUND        redirectCaptureFlags = 2
+	redirectCaptureFlagsCAPTURE_INCLUDED_CIDRS          redirectCaptureFlags = 4
+	redirectCaptureFlagsCAPTURE_INCLUDED_OUTBOUND_PORTS redirectCaptureFlags = 8
+	redirectCaptureFlagsCAPTURE_INCLUDED_INBOUND_PORTS  redirectCaptureFlags = 16
+)
+
 type redirectListenerKey struct {
 	_      structs.HostLayout
 	Netns  uint64
@@ -52,6 +62,15 @@ type redirectOrigDst struct {
 	Addr   [4]uint32
 	Port   uint16
 	Family uint16
+}
+
+type redirectPodCaptureInfo struct {
+	_                  structs.HostLayout
+	Proxy              redirectProxyCgroup
+	Flags              redirectCaptureFlags
+	IncludedSet        uint32
+	OutboundIncludeSet uint32
+	InboundIncludeSet  uint32
 }
 
 type redirectPodNetInfo struct {
@@ -122,6 +141,7 @@ const (
 	redirectSettingFlagsSETTING_BYPASS_INBOUND  redirectSettingFlags = 4096
 	redirectSettingFlagsSETTING_DENY_PACKET     redirectSettingFlags = 16384
 	redirectSettingFlagsSETTING_KUBELET_PORTS   redirectSettingFlags = 65536
+	redirectSettingFlagsSETTING_CAPTURE         redirectSettingFlags = 131072
 )
 
 type redirectTupleKey struct {
@@ -148,6 +168,7 @@ const (
 	redirectMapLookupScratch     = "lookup_scratch"
 	redirectMapNode              = "node"
 	redirectMapOrigDsts          = "orig_dsts"
+	redirectMapPodCapture        = "pod_capture"
 	redirectMapPodNet            = "pod_net"
 	redirectMapPods              = "pods"
 	redirectMapProbeConns        = "probe_conns"
@@ -246,6 +267,7 @@ type redirectMapSpecs struct {
 	LookupScratch  *ebpf.MapSpec `ebpf:"lookup_scratch"`
 	Node           *ebpf.MapSpec `ebpf:"node"`
 	OrigDsts       *ebpf.MapSpec `ebpf:"orig_dsts"`
+	PodCapture     *ebpf.MapSpec `ebpf:"pod_capture"`
 	PodNet         *ebpf.MapSpec `ebpf:"pod_net"`
 	Pods           *ebpf.MapSpec `ebpf:"pods"`
 	ProbeConns     *ebpf.MapSpec `ebpf:"probe_conns"`
@@ -294,6 +316,7 @@ type redirectMaps struct {
 	LookupScratch  *ebpf.Map `ebpf:"lookup_scratch"`
 	Node           *ebpf.Map `ebpf:"node"`
 	OrigDsts       *ebpf.Map `ebpf:"orig_dsts"`
+	PodCapture     *ebpf.Map `ebpf:"pod_capture"`
 	PodNet         *ebpf.Map `ebpf:"pod_net"`
 	Pods           *ebpf.Map `ebpf:"pods"`
 	ProbeConns     *ebpf.Map `ebpf:"probe_conns"`
@@ -318,6 +341,7 @@ func (m *redirectMaps) Close() error {
 		m.LookupScratch,
 		m.Node,
 		m.OrigDsts,
+		m.PodCapture,
 		m.PodNet,
 		m.Pods,
 		m.ProbeConns,

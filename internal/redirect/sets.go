@@ -202,20 +202,24 @@ func (d *Datapath) loadSets() error {
 	if d.ports, err = portSets(d.objs.ExcludedPorts); err != nil {
 		return err
 	}
-	var (
-		cookie uint64
-		v      redirectPodSettings
-	)
-	it := d.objs.Pods.Iterate()
-	for it.Next(&cookie, &v) {
+	err = eachEntry(d.objs.Pods, func(_ uint64, v redirectPodSettings) {
 		ps := setsOf(v)
 		d.excluded.countRef(ps.excluded)
 		d.probes.countRef(ps.probes)
 		d.ports.countRef(ps.inPorts)
 		d.ports.countRef(ps.outPorts)
-	}
-	if err := it.Err(); err != nil {
+	})
+	if err != nil {
 		return fmt.Errorf("read pods: %w", err)
+	}
+	err = eachEntry(d.objs.PodCapture, func(_ uint64, c redirectPodCaptureInfo) {
+		cs := captureSetsOf(c)
+		d.excluded.countRef(cs.included)
+		d.ports.countRef(cs.outPorts)
+		d.ports.countRef(cs.inPorts)
+	})
+	if err != nil {
+		return fmt.Errorf("read pod_capture: %w", err)
 	}
 	d.excluded.dropUnreferenced()
 	d.probes.dropUnreferenced()
@@ -232,22 +236,31 @@ func (d *Datapath) releaseSets(ps podSets) {
 
 // settingsOf reads a pod's settings back, lists included; n is its pod_net
 // entry (nil: none). Callers hold mapMu.
-func (d *Datapath) settingsOf(v redirectPodSettings, n *redirectPodNetInfo) Settings {
+func (d *Datapath) settingsOf(v redirectPodSettings, n *redirectPodNetInfo, c *redirectPodCaptureInfo) Settings {
 	ps := setsOf(v)
-	return settingsFromBPF(v, n, d.excluded.members(ps.excluded), d.probes.members(ps.probes),
+	s := settingsFromBPF(v, n, d.excluded.members(ps.excluded), d.probes.members(ps.probes),
 		d.ports.members(ps.inPorts), d.ports.members(ps.outPorts))
+	if c != nil {
+		s.Capture = d.captureFromBPF(*c)
+	}
+	return s
 }
 
 // podNet reads the pod's pod_net entry; nil when it has none (enrolled by a
 // build without the map, or copied from an earlier layout).
 func (d *Datapath) podNet(cookie uint64) (*redirectPodNetInfo, error) {
-	var n redirectPodNetInfo
-	if err := d.objs.PodNet.Lookup(cookie, &n); errors.Is(err, ebpf.ErrKeyNotExist) {
+	return podEntry[redirectPodNetInfo](d.objs.PodNet, cookie, "pod_net")
+}
+
+// podEntry reads a pod's entry of a per-pod map; nil when it has none.
+func podEntry[V any](m *ebpf.Map, cookie uint64, name string) (*V, error) {
+	var v V
+	if err := m.Lookup(cookie, &v); errors.Is(err, ebpf.ErrKeyNotExist) {
 		return nil, nil
 	} else if err != nil {
-		return nil, fmt.Errorf("read pod_net entry: %w", err)
+		return nil, fmt.Errorf("read %s entry: %w", name, err)
 	}
-	return &n, nil
+	return &v, nil
 }
 
 // putPod writes a pod's entries with its sets and addresses (nil: unknown, no
@@ -257,21 +270,22 @@ func (d *Datapath) podNet(cookie uint64) (*redirectPodNetInfo, error) {
 func (d *Datapath) putPod(cookie uint64, s Settings, addrs *podAddrs, old *redirectPodSettings) error {
 	var (
 		ps   podSets
-		errs []error
+		errs acquisitions
 	)
-	acquire := func(dst *uint32, id uint32, err error) {
-		*dst = id
-		errs = append(errs, err)
-	}
 	id, err := d.excluded.acquire(s.ExcludedCIDRs)
-	acquire(&ps.excluded, id, err)
+	errs.take(&ps.excluded, id, err)
 	id, err = d.probes.acquire(s.ProbeSources)
-	acquire(&ps.probes, id, err)
+	errs.take(&ps.probes, id, err)
 	id, err = d.ports.acquire(s.InboundExcludedPorts)
-	acquire(&ps.inPorts, id, err)
+	errs.take(&ps.inPorts, id, err)
 	id, err = d.ports.acquire(s.OutboundExcludedPorts)
-	acquire(&ps.outPorts, id, err)
+	errs.take(&ps.outPorts, id, err)
 	if err := errors.Join(errs...); err != nil {
+		d.releaseSets(ps)
+		return err
+	}
+	undoCapture, doneCapture, err := d.putCapture(cookie, s.Capture)
+	if err != nil {
 		d.releaseSets(ps)
 		return err
 	}
@@ -284,16 +298,19 @@ func (d *Datapath) putPod(cookie uint64, s Settings, addrs *podAddrs, old *redir
 		}
 	}
 	if err != nil {
+		undoCapture()
 		d.releaseSets(ps)
 		return fmt.Errorf("write pod_net entry: %w", err)
 	}
 	if err := d.objs.Pods.Put(cookie, s.toBPF(ps)); err != nil {
+		undoCapture()
 		d.releaseSets(ps)
 		if old == nil {
 			_ = d.objs.PodNet.Delete(cookie)
 		}
 		return fmt.Errorf("write pod entry: %w", err)
 	}
+	doneCapture()
 	if old != nil {
 		d.releaseSets(setsOf(*old))
 	}
@@ -315,30 +332,62 @@ func (d *Datapath) deletePod(cookie uint64) error {
 	if err := d.objs.PodNet.Delete(cookie); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 		return fmt.Errorf("delete pod_net entry: %w", err)
 	}
-	return nil
+	return d.deleteCapture(cookie)
 }
 
-// dropStrayPodNet removes pod_net entries of pods without a pods entry (an
-// agent stopped between the two deletions).
+// dropStrayPodNet removes pod_net and pod_capture entries of pods without a
+// pods entry (an agent stopped between the deletions).
 func (d *Datapath) dropStrayPodNet() {
-	var (
-		cookie uint64
-		n      redirectPodNetInfo
-		stray  []uint64
-	)
-	it := d.objs.PodNet.Iterate()
-	for it.Next(&cookie, &n) {
-		var v redirectPodSettings
-		if errors.Is(d.objs.Pods.Lookup(cookie, &v), ebpf.ErrKeyNotExist) {
+	for _, cookie := range strayEntries[redirectPodNetInfo](d, d.objs.PodNet) {
+		if err := d.objs.PodNet.Delete(cookie); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			d.log.Warn("remove a stray pod_net entry", zap.Uint64("cookie", cookie), zap.Error(err))
+		}
+	}
+	// pod_capture's sets were counted by loadSets: released with the entry.
+	stray := strayEntries[redirectPodCaptureInfo](d, d.objs.PodCapture)
+	d.mapMu.Lock()
+	defer d.mapMu.Unlock()
+	for _, cookie := range stray {
+		if err := d.deleteCapture(cookie); err != nil {
+			d.log.Warn("remove a stray pod_capture entry", zap.Uint64("cookie", cookie), zap.Error(err))
+		}
+	}
+}
+
+// strayEntries lists the cookies of a per-pod map (values V) that have no
+// pods entry.
+func strayEntries[V any](d *Datapath, m *ebpf.Map) []uint64 {
+	var stray []uint64
+	err := eachEntry(m, func(cookie uint64, _ V) {
+		var p redirectPodSettings
+		if errors.Is(d.objs.Pods.Lookup(cookie, &p), ebpf.ErrKeyNotExist) {
 			stray = append(stray, cookie)
 		}
+	})
+	if err != nil {
+		d.log.Warn("read a per-pod map", zap.Error(err))
 	}
-	if err := it.Err(); err != nil {
-		d.log.Warn("read pod_net", zap.Error(err))
+	return stray
+}
+
+// eachEntry calls fn with every entry of a per-pod map (values V).
+func eachEntry[V any](m *ebpf.Map, fn func(cookie uint64, v V)) error {
+	var (
+		cookie uint64
+		v      V
+	)
+	it := m.Iterate()
+	for it.Next(&cookie, &v) {
+		fn(cookie, v)
 	}
-	for _, c := range stray {
-		if err := d.objs.PodNet.Delete(c); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-			d.log.Warn("remove a stray pod_net entry", zap.Uint64("cookie", c), zap.Error(err))
-		}
-	}
+	return it.Err()
+}
+
+// acquisitions collects what acquiring a pod's sets failed with.
+type acquisitions []error
+
+// take stores a set id acquired (0 when it failed or the list is empty).
+func (a *acquisitions) take(dst *uint32, id uint32, err error) {
+	*dst = id
+	*a = append(*a, err)
 }

@@ -92,6 +92,8 @@ type Settings struct {
 	// any frame (a TCP handshake as another address, ARP answers for it). It
 	// needs the BPF LSM on the node (Config.PacketSockets).
 	DenyPacketSockets bool
+	// Capture is what an in-pod sidecar's capture adds (Istio's sidecar mode).
+	Capture Capture
 }
 
 // HBONEPort is ztunnel's in-pod HBONE listener, the one port of a pod's proxy
@@ -156,8 +158,8 @@ func (s Settings) Validate() error {
 	if s.ReplyMark != 0 && s.ReplyMark&^s.replyMask() != 0 {
 		errs = append(errs, fmt.Errorf("reply mark %#x has bits outside mask %#x", s.ReplyMark, s.ReplyMarkMask))
 	}
-	errs = append(errs, validatePorts("inbound", s.InboundExcludedPorts)...)
-	errs = append(errs, validatePorts("outbound", s.OutboundExcludedPorts)...)
+	errs = append(errs, validatePortList("inbound excluded", s.InboundExcludedPorts)...)
+	errs = append(errs, validatePortList("outbound excluded", s.OutboundExcludedPorts)...)
 	if len(s.KubeletPorts) > 0 && !s.KubeletPortsOnly {
 		errs = append(errs, errors.New("kubelet ports without KubeletPortsOnly"))
 	}
@@ -169,19 +171,20 @@ func (s Settings) Validate() error {
 	}
 	errs = append(errs, validatePrefixes("excluded CIDR", s.ExcludedCIDRs)...)
 	errs = append(errs, validatePrefixes("probe source", s.ProbeSources)...)
+	errs = append(errs, s.Capture.validate()...)
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("invalid redirect settings: %w", err)
 	}
 	return nil
 }
 
-func validatePorts(dir string, ports []uint16) []error {
+func validatePortList(what string, ports []uint16) []error {
 	var errs []error
 	if slices.Contains(ports, 0) {
-		errs = append(errs, fmt.Errorf("%s excluded port 0", dir))
+		errs = append(errs, fmt.Errorf("%s port 0", what))
 	}
 	if n := len(normalizePorts(ports)); n > MaxExcludedPorts {
-		errs = append(errs, fmt.Errorf("%d %s excluded ports, at most %d", n, dir, MaxExcludedPorts))
+		errs = append(errs, fmt.Errorf("%d %s ports, at most %d", n, what, MaxExcludedPorts))
 	}
 	return errs
 }
@@ -237,6 +240,7 @@ func (s Settings) normalized() Settings {
 	n.ExcludedCIDRs = normalizePrefixes(s.ExcludedCIDRs)
 	n.ProbeSources = normalizePrefixes(s.ProbeSources)
 	n.KubeletPorts = normalizePorts(s.KubeletPorts)
+	n.Capture = s.Capture.normalized()
 	return n
 }
 
@@ -287,24 +291,20 @@ func (s Settings) toBPF(ps podSets) redirectPodSettings {
 		OutboundPortSet: ps.outPorts,
 		DnsPort:         s.DNSPort,
 	}
-	flag := func(on bool, f redirectSettingFlags) {
-		if on {
-			v.Flags |= f
-		}
-	}
-	flag(s.ProxyMark != 0, redirectSettingFlagsSETTING_PROXY_MARK)
-	flag(s.FailOpen, redirectSettingFlagsSETTING_FAIL_OPEN)
-	flag(ps.excluded != 0, redirectSettingFlagsSETTING_EXCLUDED_CIDRS)
-	flag(ps.probes != 0, redirectSettingFlagsSETTING_PROBE_SOURCES)
-	flag(ps.inPorts != 0, redirectSettingFlagsSETTING_INBOUND_PORTS)
-	flag(ps.outPorts != 0, redirectSettingFlagsSETTING_OUTBOUND_PORTS)
-	flag(s.DNSCapture, redirectSettingFlagsSETTING_DNS_CAPTURE)
-	flag(s.DNSFailClosed, redirectSettingFlagsSETTING_DNS_FAIL_CLOSED)
-	flag(s.DenyRawSockets, redirectSettingFlagsSETTING_DENY_RAW)
-	flag(s.DenyPacketSockets, redirectSettingFlagsSETTING_DENY_PACKET)
-	flag(s.ReplyMark != 0, redirectSettingFlagsSETTING_REPLY_MARK)
-	flag(s.BypassInbound, redirectSettingFlagsSETTING_BYPASS_INBOUND)
-	flag(s.KubeletPortsOnly, redirectSettingFlagsSETTING_KUBELET_PORTS)
+	setFlag(&v.Flags, s.ProxyMark != 0, redirectSettingFlagsSETTING_PROXY_MARK)
+	setFlag(&v.Flags, s.FailOpen, redirectSettingFlagsSETTING_FAIL_OPEN)
+	setFlag(&v.Flags, ps.excluded != 0, redirectSettingFlagsSETTING_EXCLUDED_CIDRS)
+	setFlag(&v.Flags, ps.probes != 0, redirectSettingFlagsSETTING_PROBE_SOURCES)
+	setFlag(&v.Flags, ps.inPorts != 0, redirectSettingFlagsSETTING_INBOUND_PORTS)
+	setFlag(&v.Flags, ps.outPorts != 0, redirectSettingFlagsSETTING_OUTBOUND_PORTS)
+	setFlag(&v.Flags, s.DNSCapture, redirectSettingFlagsSETTING_DNS_CAPTURE)
+	setFlag(&v.Flags, s.DNSFailClosed, redirectSettingFlagsSETTING_DNS_FAIL_CLOSED)
+	setFlag(&v.Flags, s.DenyRawSockets, redirectSettingFlagsSETTING_DENY_RAW)
+	setFlag(&v.Flags, s.DenyPacketSockets, redirectSettingFlagsSETTING_DENY_PACKET)
+	setFlag(&v.Flags, s.ReplyMark != 0, redirectSettingFlagsSETTING_REPLY_MARK)
+	setFlag(&v.Flags, s.BypassInbound, redirectSettingFlagsSETTING_BYPASS_INBOUND)
+	setFlag(&v.Flags, s.KubeletPortsOnly, redirectSettingFlagsSETTING_KUBELET_PORTS)
+	setFlag(&v.Flags, !s.Capture.IsZero(), redirectSettingFlagsSETTING_CAPTURE)
 	if s.ProxyUID != nil {
 		v.ProxyUid = *s.ProxyUID
 		v.Flags |= redirectSettingFlagsSETTING_PROXY_UID
@@ -345,6 +345,13 @@ func settingsFromBPF(v redirectPodSettings, n *redirectPodNetInfo, excluded, pro
 		s.ProxyUID = &uid
 	}
 	return s
+}
+
+// setFlag sets f in flags when on.
+func setFlag[F ~uint32](flags *F, on bool, f F) {
+	if on {
+		*flags |= f
+	}
 }
 
 func portsFromBPF(ports []uint16, n uint32) []uint16 {
