@@ -220,3 +220,26 @@ func (l PodCgroupLayout) containerLevel(elem string) (string, bool) {
 	}
 	return c, c != ""
 }
+
+// ContainerCgroups are the cgroup paths (as the host's cgroup namespace shows
+// them) where the kubelet and the runtime put a container of a pod: one per
+// QoS class and, with the systemd driver, per runtime's scope name. Exactly one
+// exists for a running container; which one is for the caller to find out.
+func (l PodCgroupLayout) ContainerCgroups(podUID, containerID string) []string {
+	var out []string
+	for _, qos := range append([]string{""}, qosNames...) {
+		names := []string{kubepodsName}
+		if qos != "" {
+			names = append(names, qos)
+		}
+		pod := l.path(append(names, podPrefix+podUID)...)
+		if l.Driver != DriverSystemd {
+			out = append(out, pod+"/"+containerID)
+			continue
+		}
+		for _, p := range containerPrefixes {
+			out = append(out, pod+"/"+p+containerID+".scope")
+		}
+	}
+	return out
+}

@@ -77,3 +77,30 @@ func TestPodCgroupLayout(t *testing.T) {
 		}
 	}
 }
+
+// Every path ContainerCgroups names is read back by Pod as that pod's container,
+// for both drivers and roots below the hierarchy's.
+func TestContainerCgroups(t *testing.T) {
+	const uid, id = "5f0e1c7a-8b1d-4c3e-9a2b-0c4d5e6f7a8b", "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
+	for _, l := range []PodCgroupLayout{
+		{Driver: DriverCgroupfs, Root: "/"},
+		{Driver: DriverCgroupfs, Root: "/node-a"},
+		{Driver: DriverSystemd, Root: "/"},
+		{Driver: DriverSystemd, Root: "/k8s.io"},
+	} {
+		paths := l.ContainerCgroups(uid, id)
+		want := 3
+		if l.Driver == DriverSystemd {
+			want *= len(containerPrefixes)
+		}
+		if len(paths) != want {
+			t.Errorf("%s: %d paths, want %d: %q", l, len(paths), want, paths)
+		}
+		for _, p := range paths {
+			gotUID, gotID, err := l.Pod(p)
+			if err != nil || gotUID != uid || gotID != id {
+				t.Errorf("%s: %s read back as pod %q container %q (%v)", l, p, gotUID, gotID, err)
+			}
+		}
+	}
+}

@@ -13,8 +13,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"sort"
 	"strings"
@@ -92,13 +94,49 @@ type Capture struct {
 	// hooks (empty: none). Nil: any port (a source that does not read the
 	// pod's spec).
 	KubeletPorts *[]uint16 `json:"kubeletPorts,omitempty"`
+	// Sidecar, when set, captures the pod as its own sidecar's in-pod rules
+	// would (Istio's sidecar mode) instead of for the node proxy: it is not
+	// handed to the node proxy, and DNS and BypassInbound do not apply.
+	Sidecar *Sidecar `json:"sidecar,omitempty"`
+}
+
+// Sidecar is the capture of a pod whose proxy is one of its own containers,
+// as Istio's sidecar injection and istio-cni set it up: outbound to 15001,
+// inbound to 15006, the lists its annotations give.
+type Sidecar struct {
+	// ProxyUID is the uid the proxy container runs as: its processes are the
+	// proxy while its cgroup is not known (any container of the pod can run as
+	// it too).
+	ProxyUID uint32 `json:"proxyUID"`
+	// ProxyContainer is the proxy container's runtime id once it runs (from
+	// the pod's status), and CgroupUID the uid its pod's cgroup is named
+	// after: together they name the container's cgroup, whose processes are
+	// then the proxy and no one else.
+	ProxyContainer string `json:"proxyContainer,omitempty"`
+	CgroupUID      string `json:"cgroupUID,omitempty"`
+	// The ports and destinations never captured.
+	InboundExcludedPorts  []uint16       `json:"inboundExcludedPorts,omitempty"`
+	OutboundExcludedPorts []uint16       `json:"outboundExcludedPorts,omitempty"`
+	ExcludedCIDRs         []netip.Prefix `json:"excludedCIDRs,omitempty"`
+	// OutboundCIDRsOnly redirects only IncludedCIDRs and, to any
+	// destination, OutboundIncludedPorts.
+	OutboundCIDRsOnly     bool           `json:"outboundCIDRsOnly,omitempty"`
+	IncludedCIDRs         []netip.Prefix `json:"includedCIDRs,omitempty"`
+	OutboundIncludedPorts []uint16       `json:"outboundIncludedPorts,omitempty"`
+	// InboundPortsOnly captures only InboundIncludedPorts (none when empty).
+	InboundPortsOnly     bool     `json:"inboundPortsOnly,omitempty"`
+	InboundIncludedPorts []uint16 `json:"inboundIncludedPorts,omitempty"`
+	// DNS sends the pod's DNS to the sidecar's resolver (15053).
+	DNS bool `json:"dns,omitempty"`
 }
 
 // Equal reports whether c and o capture the same way.
 func (c Capture) Equal(o Capture) bool {
 	eqPtr := func(a, b *bool) bool { return (a == nil) == (b == nil) && (a == nil || *a == *b) }
 	eqPorts := func(a, b *[]uint16) bool { return (a == nil) == (b == nil) && (a == nil || slices.Equal(*a, *b)) }
-	return eqPtr(c.DNS, o.DNS) && c.BypassInbound == o.BypassInbound && eqPorts(c.KubeletPorts, o.KubeletPorts)
+	eqSidecar := func(a, b *Sidecar) bool { return (a == nil) == (b == nil) && (a == nil || reflect.DeepEqual(*a, *b)) }
+	return eqPtr(c.DNS, o.DNS) && c.BypassInbound == o.BypassInbound && eqPorts(c.KubeletPorts, o.KubeletPorts) &&
+		eqSidecar(c.Sidecar, o.Sidecar)
 }
 
 // SourceAdopted is the Source of a record the agent made for a pod that was
