@@ -13,6 +13,11 @@
 //	                                             annotation sidecar.istio.io/status
 //	                                             (the pod runs an Istio sidecar)
 //
+// Under the istio profile the Kubernetes source enrolls a pod Istio injected
+// with a sidecar for istio-cni in sidecar mode instead, captured for its own
+// proxy container as istio-cni's plugin would (IstioSidecarPod,
+// IstioSidecarCapture), unless its namespace enforces the mesh.
+//
 // When labels disagree: a pod opt-out wins over everything, then the pod's own
 // enable label, then its namespace. A namespace labelled mesh-cni.io/enforce=true
 // overrules its pods' opt-outs (and the istio profile's

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -353,10 +354,36 @@ func terminated(p *corev1.Pod) bool {
 	return p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed
 }
 
-// captureChanged: the pod's own capture annotations changed, which the agent
-// applies to a running pod in place.
+// captureChanged: the pod's own capture annotations changed, or its sidecar
+// container's id (a sidecar started or restarted), which the agent applies to
+// a running pod in place.
 func (k *KubeSource) captureChanged(o, n *corev1.Pod) bool {
-	return k.cfg.Selectors.Profile == ProfileIstio && !IstioCapture(o.Annotations).Equal(IstioCapture(n.Annotations))
+	if k.cfg.Selectors.Profile != ProfileIstio {
+		return false
+	}
+	if !IstioCapture(o.Annotations).Equal(IstioCapture(n.Annotations)) {
+		return true
+	}
+	sidecar, _ := IstioSidecarPod(n)
+	return sidecar && IstioProxyContainerID(o) != IstioProxyContainerID(n)
+}
+
+// istioSidecarDecision enrolls a pod Istio injected with a sidecar
+// (IstioSidecarPod) in sidecar mode, as istio-cni captures it: for its own
+// proxy, never the node proxy's. Annotations that do not parse fail it.
+func istioSidecarDecision(p *corev1.Pod, serviceAccount string) (agent.Decision, error) {
+	sc, err := IstioSidecarCapture(p)
+	if err != nil {
+		return agent.Decision{}, err
+	}
+	sc.ProxyContainer = IstioProxyContainerID(p)
+	ports := KubeletPorts(p)
+	return agent.Decision{
+		Enroll:         true,
+		Reason:         fmt.Sprintf("Istio sidecar injected (%s): captured for the pod's own %s container, as istio-cni's sidecar mode", IstioAnnotationSidecar, IstioProxyContainer),
+		ServiceAccount: serviceAccount,
+		Capture:        podstore.Capture{Sidecar: sc, KubeletPorts: &ports},
+	}, nil
 }
 
 func (k *KubeSource) namespaceUpdated(oldObj, newObj any) {
@@ -399,6 +426,15 @@ func (k *KubeSource) Decide(ctx context.Context, pod *gatepb.PodIdentity) (agent
 		return d, nil
 	}
 	if k.cfg.Selectors.Profile == ProfileIstio {
+		// A namespace that enforces the mesh overrules a sidecar as it does
+		// any opt-out: its pods are the node proxy's, and a pod cannot make
+		// itself its own proxy there.
+		sidecar, _ := IstioSidecarPod(p)
+		sidecar = sidecar && !Enforced(nsObj.Labels)
+		k.reporter.markSidecar(ns, name, string(p.UID), sidecar)
+		if sidecar {
+			return istioSidecarDecision(p, d.ServiceAccount)
+		}
 		d.Capture = IstioCapture(p.Annotations)
 		// Leaving inbound uncaptured, or DNS to the node's resolver, opts out
 		// of part of the mesh: where the namespace enforces it, ignored and said.
@@ -470,7 +506,9 @@ func (k *KubeSource) AuditOutcomes(_ context.Context, captured, pending func(uid
 		switch {
 		case in:
 			want = OutcomeEnabled
-			disagree = outcome != OutcomeEnabled || (k.reporter.istio && istioValue != OutcomeEnabled)
+			// A sidecar pod is not ambient: istiod must not see it enabled.
+			ambient := k.reporter.istio && !k.reporter.sidecar(podKey{p.Namespace, p.Name}, string(p.UID))
+			disagree = outcome != OutcomeEnabled || (ambient && istioValue != OutcomeEnabled) || (!ambient && istio)
 		case outcome == OutcomeDisabled || outcome == OutcomeFailed:
 			want = outcome
 			disagree = istio
@@ -751,8 +789,30 @@ func trimPod(obj any) (any, error) {
 		// The service account goes to the node proxy with the pod (ZDS).
 		Spec: corev1.PodSpec{NodeName: p.Spec.NodeName, ServiceAccountName: p.Spec.ServiceAccountName, HostNetwork: p.Spec.HostNetwork,
 			InitContainers: trimContainers(p.Spec.InitContainers), Containers: trimContainers(p.Spec.Containers)},
-		Status: corev1.PodStatus{Phase: p.Status.Phase, PodIPs: p.Status.PodIPs},
+		Status: corev1.PodStatus{Phase: p.Status.Phase, PodIPs: p.Status.PodIPs,
+			InitContainerStatuses: trimStatuses(p.Status.InitContainerStatuses), ContainerStatuses: trimStatuses(p.Status.ContainerStatuses)},
 	}, nil
+}
+
+// istioProxyEnv are the variables of Istio's proxy container its sidecar
+// capture reads (IstioSidecarPod, IstioSidecarCapture).
+var istioProxyEnv = []string{"DISABLE_ENVOY", "ISTIO_META_DNS_CAPTURE"}
+
+// trimStatuses keeps Istio's proxy container's id and whether it runs
+// (IstioProxyContainerID); the other containers' statuses are dropped.
+func trimStatuses(sts []corev1.ContainerStatus) []corev1.ContainerStatus {
+	var out []corev1.ContainerStatus
+	for _, st := range sts {
+		if st.Name != IstioProxyContainer {
+			continue
+		}
+		t := corev1.ContainerStatus{Name: st.Name, ContainerID: st.ContainerID}
+		if st.State.Running != nil {
+			t.State.Running = &corev1.ContainerStateRunning{}
+		}
+		out = append(out, t)
+	}
+	return out
 }
 
 // trimContainers keeps what KubeletPorts reads: each container's probes and
@@ -772,6 +832,20 @@ func trimContainers(cs []corev1.Container) []corev1.Container {
 		}
 		if l := c.Lifecycle; l != nil && (l.PostStart != nil || l.PreStop != nil) {
 			t.Lifecycle = &corev1.Lifecycle{PostStart: trimHook(l.PostStart), PreStop: trimHook(l.PreStop)}
+		}
+		if c.Name == IstioProxyContainer {
+			// What its sidecar capture reads: the proxy's type, its uid and
+			// the variables that turn it off or capture DNS.
+			t.Args = slices.Clone(c.Args[:min(len(c.Args), 2)])
+			for _, e := range c.Env {
+				if slices.Contains(istioProxyEnv, e.Name) {
+					t.Env = append(t.Env, corev1.EnvVar{Name: e.Name, Value: e.Value})
+				}
+			}
+			if c.SecurityContext != nil && c.SecurityContext.RunAsUser != nil {
+				uid := *c.SecurityContext.RunAsUser
+				t.SecurityContext = &corev1.SecurityContext{RunAsUser: &uid}
+			}
 		}
 		out[i] = t
 	}

@@ -92,6 +92,16 @@ type reporter struct {
 	// process's last annotation write (by uid): the audit must not take a
 	// cache that has not caught up with that write for someone else's.
 	writtenRV map[podKey]uidVersion
+	// sidecars says which pods were decided in Istio's sidecar mode: istiod
+	// must not take them for ambient pods, so they never get
+	// ambient.istio.io/redirection.
+	sidecars map[podKey]sidecarMark
+}
+
+// sidecarMark is whether a pod (by uid) was decided in Istio's sidecar mode.
+type sidecarMark struct {
+	uid     string
+	sidecar bool
 }
 
 // uidVersion is a pod's uid and a resourceVersion of it.
@@ -114,6 +124,7 @@ func startReporter(ctx context.Context, log *zap.Logger, client kubernetes.Inter
 		bare:    map[podKey]string{},
 
 		writtenRV: map[podKey]uidVersion{},
+		sidecars:  map[podKey]sidecarMark{},
 	}
 	go func() {
 		<-ctx.Done()
@@ -291,7 +302,8 @@ func (r *reporter) write(ctx context.Context, key podKey) error {
 		skip = c != nil && (uid == "" || string(c.UID) == uid) && c.Annotations[AnnotationRedirection] == outcome
 		if r.istio && c != nil {
 			v, ok := c.Annotations[IstioAnnotationRedirection]
-			skip = skip && (outcome == OutcomeEnabled) == ok && (!ok || v == OutcomeEnabled)
+			ambient := outcome == OutcomeEnabled && !r.sidecar(key, uid)
+			skip = skip && ambient == ok && (!ok || v == OutcomeEnabled)
 		}
 	}
 	if !skip {
@@ -363,10 +375,35 @@ func (r *reporter) observe(namespace, name, uid string, annotations map[string]s
 	r.bare[key] = uid
 }
 
+// markSidecar records whether the pod was decided in Istio's sidecar mode.
+func (r *reporter) markSidecar(namespace, name, uid string, sidecar bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.sidecars[podKey{namespace, name}] = sidecarMark{uid: uid, sidecar: sidecar}
+}
+
+// sidecar reports whether the pod runs Istio's sidecar: as this process
+// decided it, or, for a pod it has not decided yet (after a restart), as its
+// cached object says, so that a sidecar pod is never taken for ambient.
+func (r *reporter) sidecar(key podKey, uid string) bool {
+	r.mu.Lock()
+	m, ok := r.sidecars[key]
+	r.mu.Unlock()
+	if ok && m.uid == uid {
+		return m.sidecar
+	}
+	if c := r.cached(key.namespace, key.name); c != nil && (uid == "" || string(c.UID) == uid) {
+		in, _ := IstioSidecarPod(c)
+		return in
+	}
+	return false
+}
+
 // forget drops what is remembered of a pod that was deleted.
 func (r *reporter) forget(namespace, name string) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	delete(r.sidecars, podKey{namespace, name})
 	delete(r.written, podKey{namespace, name})
 	delete(r.ignored, podKey{namespace, name})
 	delete(r.bare, podKey{namespace, name})
@@ -396,7 +433,7 @@ func (r *reporter) annotate(ctx context.Context, key podKey, uid, outcome string
 	if r.istio {
 		// null removes it (a merge patch).
 		annotations[IstioAnnotationRedirection] = nil
-		if outcome == OutcomeEnabled {
+		if outcome == OutcomeEnabled && !r.sidecar(key, uid) {
 			annotations[IstioAnnotationRedirection] = OutcomeEnabled
 		}
 	}

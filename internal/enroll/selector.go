@@ -16,8 +16,9 @@ const (
 	ProfileMeshCNI = "mesh-cni"
 	// ProfileIstio reads Istio ambient's labels: istio.io/dataplane-mode=ambient
 	// on a namespace or pod enrolls, =none on a pod opts out, and so does a pod
-	// that already runs an Istio sidecar (annotation sidecar.istio.io/status), as
-	// istio-cni does.
+	// that already runs an Istio sidecar (annotation sidecar.istio.io/status)
+	// from ambient: the Kubernetes source, which reads the pod's spec, enrolls
+	// it in sidecar mode instead (IstioSidecarPod), as istio-cni does.
 	ProfileIstio = "istio"
 )
 
