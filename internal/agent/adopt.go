@@ -230,6 +230,10 @@ func (s *Service) adoptOne(ctx context.Context, p RunningPod, sb hostproc.Sandbo
 		Labels:         p.Pod.GetLabels(),
 		Annotations:    p.Pod.GetAnnotations(),
 	}
+	if leftToItsRules(rec, decision) {
+		decision.Enroll = false
+		decision.Reason = "a running pod with its own sidecar keeps the in-pod rules its CNI plugin wrote (istio-cni's); it is captured for its sidecar when its sandbox is made again"
+	}
 	if !decision.Enroll {
 		if err := s.skip(ctx, rec, ns); err != nil {
 			s.adoptFailed(ctx, p.Pod, "record", err)
@@ -402,4 +406,15 @@ func ifnameOf(ifs []podstore.Interface, ips []string) string {
 		}
 	}
 	return "eth0"
+}
+
+// leftToItsRules reports a pod the agent does not take over in place although
+// the policy enrolls it: one captured for its own sidecar that was already
+// running when the agent found it (an adopted record). Its sidecar's capture
+// was set up by the CNI plugin before mesh-cni, istio-cni's iptables rules in
+// the pod's namespace, which would stay beside mesh-cni's and answer the
+// sidecar's SO_ORIGINAL_DST for inbound connections differently: the pod keeps
+// its rules until it is started again, and its next sandbox's ADD enrolls it.
+func leftToItsRules(rec podstore.Record, d Decision) bool {
+	return d.Enroll && d.Capture.Sidecar != nil && rec.Source == podstore.SourceAdopted
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 
+	"github.com/mesh-cni/mesh-cni/internal/hostproc"
 	"github.com/mesh-cni/mesh-cni/internal/netns"
 	"github.com/mesh-cni/mesh-cni/internal/podstore"
 	"github.com/mesh-cni/mesh-cni/internal/redirect"
@@ -20,6 +21,10 @@ type RedirectDatapath struct {
 	// the data path's cgroup v2 root; the connected node proxies' own cgroups are
 	// added to them.
 	ProxyCgroups []string
+	// PodCgroups is the node's pod cgroup layout, where a sidecar container's
+	// cgroup is found (nil, or an error: not known; sidecars are then known
+	// by their uid).
+	PodCgroups func() (hostproc.PodCgroupLayout, error)
 }
 
 // ProxyIdentifier is a data path that can tell the proxy's processes apart from
@@ -56,9 +61,47 @@ func (r RedirectDatapath) Enroll(ctx context.Context, ns *netns.Handle, capture 
 	return e.Cookie, nil
 }
 
+// Istio's sidecar ports: its outbound and inbound listeners and its DNS
+// proxy, inside the pod.
+const (
+	sidecarOutboundPort = 15001
+	sidecarInboundPort  = 15006
+	sidecarDNSPort      = 15053
+)
+
 // settingsFor is the node's settings with a pod's own deviations.
 func (r RedirectDatapath) settingsFor(c podstore.Capture) redirect.Settings {
 	s := r.Settings
+	if sc := c.Sidecar; sc != nil {
+		s.OutboundPort, s.InboundPort, s.DNSPort = sidecarOutboundPort, sidecarInboundPort, sidecarDNSPort
+		s.InboundExcludedPorts = sc.InboundExcludedPorts
+		s.OutboundExcludedPorts = sc.OutboundExcludedPorts
+		s.ExcludedCIDRs = slices.Concat(s.ExcludedCIDRs, sc.ExcludedCIDRs)
+		// Istio's sidecar rules send DNS to its proxy whether or not it
+		// listens.
+		s.DNSCapture, s.DNSFailClosed = sc.DNS, sc.DNS
+		// Its inbound capture is the sidecar's include list's.
+		s.BypassInbound = false
+		s.Capture = redirect.Capture{
+			LocalToInbound:        true,
+			OutboundCIDRsOnly:     sc.OutboundCIDRsOnly,
+			IncludedCIDRs:         sc.IncludedCIDRs,
+			OutboundIncludedPorts: sc.OutboundIncludedPorts,
+			InboundPortsOnly:      sc.InboundPortsOnly,
+			InboundIncludedPorts:  sc.InboundIncludedPorts,
+		}
+		if ref, ok := r.sidecarCgroup(sc); ok {
+			// The container alone: not even a node-wide uid opt-in.
+			s.Capture.ProxyCgroup, s.ProxyUID = ref, nil
+		} else {
+			uid := sc.ProxyUID
+			s.ProxyUID = &uid
+		}
+		if c.KubeletPorts != nil {
+			s.KubeletPortsOnly, s.KubeletPorts = true, *c.KubeletPorts
+		}
+		return s
+	}
 	if c.DNS != nil {
 		s.DNSCapture = *c.DNS
 		s.DNSFailClosed = s.DNSFailClosed && s.DNSCapture
@@ -108,3 +151,21 @@ func (r RedirectDatapath) Counters() (redirect.Counters, error) { return r.DP.Co
 
 // Refusals implements RefusalReader.
 func (r RedirectDatapath) Refusals() ([]redirect.Refusal, error) { return r.DP.Refusals() }
+
+// sidecarCgroup finds the cgroup of sc's proxy container at the node's pod
+// cgroup layout, if it runs and the layout is known.
+func (r RedirectDatapath) sidecarCgroup(sc *podstore.Sidecar) (redirect.CgroupRef, bool) {
+	if sc.ProxyContainer == "" || sc.CgroupUID == "" || r.PodCgroups == nil {
+		return redirect.CgroupRef{}, false
+	}
+	l, err := r.PodCgroups()
+	if err != nil {
+		return redirect.CgroupRef{}, false
+	}
+	for _, path := range l.ContainerCgroups(sc.CgroupUID, sc.ProxyContainer) {
+		if ref, err := r.DP.CgroupRef(path); err == nil {
+			return ref, true
+		}
+	}
+	return redirect.CgroupRef{}, false
+}

@@ -56,6 +56,8 @@ func (s *Service) reevaluateOne(ctx context.Context, key podstore.Key, res *Reev
 		return fmt.Errorf("re-decide %s: %w", key, err)
 	}
 	switch {
+	case decision.Enroll && rec.Skipped && leftToItsRules(rec, decision):
+		// Adopted with its own sidecar's rules in place: left to them.
 	case decision.Enroll && rec.Skipped:
 		rec.ServiceAccount, rec.Capture = decision.ServiceAccount, decision.Capture
 		ns, err := netns.OpenExpected(rec.NetnsPath, rec.NetnsCookie)

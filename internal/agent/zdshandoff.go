@@ -106,13 +106,20 @@ func zdsPods(recs []podstore.Record) []zds.Pod {
 	seen := map[string]bool{}
 	var out []zds.Pod
 	for _, r := range recs {
-		if r.UID == "" || seen[r.UID] {
+		if !forNodeProxy(r) || seen[r.UID] {
 			continue
 		}
 		seen[r.UID] = true
 		out = append(out, zdsPod(r))
 	}
 	return out
+}
+
+// forNodeProxy reports whether the node proxy serves the pod: ZDS names
+// workloads by pod uid, and a pod captured for its own sidecar is its
+// sidecar's.
+func forNodeProxy(r podstore.Record) bool {
+	return r.UID != "" && r.Capture.Sidecar == nil
 }
 
 func zdsPod(r podstore.Record) zds.Pod {
@@ -160,8 +167,8 @@ func (h *ZDSHandoff) Close() error { return h.srv.Close() }
 
 // PodAdded implements Handoff.
 func (h *ZDSHandoff) PodAdded(ctx context.Context, rec podstore.Record, ns *netns.Handle) error {
-	if rec.UID == "" {
-		return nil // ZDS names workloads by pod uid; without one there is nothing to hand over
+	if !forNodeProxy(rec) {
+		return nil
 	}
 	pod := zdsPod(rec)
 	pod.Netns = ns.File
@@ -202,7 +209,7 @@ func withAnswerMargin(ctx context.Context) (context.Context, context.CancelFunc)
 
 // PodDeleted implements Handoff.
 func (h *ZDSHandoff) PodDeleted(ctx context.Context, rec podstore.Record) {
-	if rec.UID == "" {
+	if !forNodeProxy(rec) {
 		return
 	}
 	err := h.srv.DelPod(ctx, rec.UID)

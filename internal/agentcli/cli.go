@@ -163,7 +163,7 @@ func flagSet(name string, opts *options, stderr io.Writer) *flag.FlagSet {
 	fs.DurationVar(&opts.reconcileInterval, "reconcile-interval", 30*time.Second, "period of the reconcile pass that releases pods whose namespace is gone, repairs broken redirection and rewrites redirection annotations that disagree with it")
 	fs.BoolVar(&opts.adoptRunning, "adopt-running", true, "with --enrollment=kubernetes, enroll in place the running pods the agent has no record of (pods started before it was installed), once ready and every --reconcile-interval; their namespaces are found from the host's processes (the agent needs the host's PID namespace) in --netns-dir")
 	fs.StringVar(&opts.netnsDir, "netns-dir", DefaultNetnsDir, "where the container runtime bind mounts pods' network namespaces: the only namespaces --adopt-running takes for a pod's")
-	fs.StringVar(&opts.podCgroupDriver, "pod-cgroup-driver", podCgroupsFromKubelet, "where --adopt-running expects pods' container cgroups: kubelet (the kubelet's cgroupDriver and cgroupRoot, read from its command line and config files), or the kubelet's driver, systemd or cgroupfs, with --pod-cgroup-root, for a kubelet whose settings are not on its command line (k3s, MicroK8s)")
+	fs.StringVar(&opts.podCgroupDriver, "pod-cgroup-driver", podCgroupsFromKubelet, "where --adopt-running expects pods' container cgroups, and where a pod's Istio sidecar container's cgroup is found: kubelet (the kubelet's cgroupDriver and cgroupRoot, read from its command line and config files), or the kubelet's driver, systemd or cgroupfs, with --pod-cgroup-root, for a kubelet whose settings are not on its command line (k3s, MicroK8s)")
 	fs.StringVar(&opts.podCgroupRoot, "pod-cgroup-root", "/", "with --pod-cgroup-driver=systemd or cgroupfs, the kubelet's cgroupRoot (its --cgroup-root)")
 
 	fs.UintVar(&opts.outboundPort, "outbound-port", uint(defaults.OutboundPort), "proxy's outbound listener port inside each pod (127.0.0.1 and ::1)")
@@ -489,12 +489,18 @@ func agentConfig(opts options, log *zap.Logger) (agent.Config, error) {
 		}
 		rcfg := redirect.Config{PinRoot: opts.bpffsRoot, CgroupRoot: cg, PacketSockets: opts.denyPacketSockets,
 			Logger: log.Named("datapath")}
+		// Where sidecar containers' cgroups are: Istio's sidecar is known by
+		// its container's.
+		podCgroups, err := opts.podCgroupLayout()
+		if err != nil {
+			return cfg, err
+		}
 		cfg.OpenDatapath = func(ctx context.Context) (agent.Datapath, func() error, error) {
 			dp, err := redirect.Open(ctx, rcfg)
 			if err != nil {
 				return nil, nil, err
 			}
-			rd := agent.RedirectDatapath{DP: dp, Settings: settings, ProxyCgroups: opts.proxyCgroups}
+			rd := agent.RedirectDatapath{DP: dp, Settings: settings, ProxyCgroups: opts.proxyCgroups, PodCgroups: podCgroups}
 			// With ZDS, the node proxy's cgroup pinned by the agent before
 			// this one stays until the proxy connects here (which replaces
 			// the list): its own connections in the pods must not loop back

@@ -21,25 +21,9 @@ const podCgroupsFromKubelet = "kubelet"
 // reported failed with the reason, which is logged when it changes.
 func (o options) sandboxFinder(log *zap.Logger) (agent.SandboxFinder, error) {
 	procfs, netnsDir := hostproc.Procfs{Root: "/proc"}, o.netnsDir
-	var layout func() (hostproc.PodCgroupLayout, error)
-	if o.podCgroupDriver == podCgroupsFromKubelet {
-		if o.podCgroupRoot != "/" {
-			return nil, fmt.Errorf("--pod-cgroup-root %q needs --pod-cgroup-driver=systemd or cgroupfs: with %s the kubelet's is read", o.podCgroupRoot, podCgroupsFromKubelet)
-		}
-		finder := hostproc.KubeletFinder{Proc: procfs, Names: agent.KubeletProcessNames(), Exes: o.kubeletExes, ExeNames: agent.KubeletExeNames()}
-		layout = func() (hostproc.PodCgroupLayout, error) {
-			k, _, err := finder.Find()
-			if err != nil {
-				return hostproc.PodCgroupLayout{}, err
-			}
-			return procfs.PodCgroupLayout(k)
-		}
-	} else {
-		fixed := hostproc.PodCgroupLayout{Driver: o.podCgroupDriver, Root: o.podCgroupRoot}
-		if err := fixed.Validate(); err != nil {
-			return nil, fmt.Errorf("--pod-cgroup-driver, --pod-cgroup-root: %w", err)
-		}
-		layout = func() (hostproc.PodCgroupLayout, error) { return fixed, nil }
+	layout, err := o.podCgroupLayout()
+	if err != nil {
+		return nil, err
 	}
 	var mu sync.Mutex
 	last := ""
@@ -64,5 +48,30 @@ func (o options) sandboxFinder(log *zap.Logger) (agent.SandboxFinder, error) {
 			last = l.String()
 		}
 		return procfs.Sandboxes(l, netnsDir, uids)
+	}, nil
+}
+
+// podCgroupLayout returns how the node's pod cgroup layout is learned:
+// --pod-cgroup-driver and --pod-cgroup-root, or the kubelet's, read on each
+// call (a kubelet restarted with other settings is followed).
+func (o options) podCgroupLayout() (func() (hostproc.PodCgroupLayout, error), error) {
+	if o.podCgroupDriver != podCgroupsFromKubelet {
+		fixed := hostproc.PodCgroupLayout{Driver: o.podCgroupDriver, Root: o.podCgroupRoot}
+		if err := fixed.Validate(); err != nil {
+			return nil, fmt.Errorf("--pod-cgroup-driver, --pod-cgroup-root: %w", err)
+		}
+		return func() (hostproc.PodCgroupLayout, error) { return fixed, nil }, nil
+	}
+	if o.podCgroupRoot != "/" {
+		return nil, fmt.Errorf("--pod-cgroup-root %q needs --pod-cgroup-driver=systemd or cgroupfs: with %s the kubelet's is read", o.podCgroupRoot, podCgroupsFromKubelet)
+	}
+	procfs := hostproc.Procfs{Root: "/proc"}
+	finder := hostproc.KubeletFinder{Proc: procfs, Names: agent.KubeletProcessNames(), Exes: o.kubeletExes, ExeNames: agent.KubeletExeNames()}
+	return func() (hostproc.PodCgroupLayout, error) {
+		k, _, err := finder.Find()
+		if err != nil {
+			return hostproc.PodCgroupLayout{}, err
+		}
+		return procfs.PodCgroupLayout(k)
 	}, nil
 }

@@ -59,6 +59,8 @@ type PodStatus struct {
 	Source      string    `json:"source"`
 	State       string    `json:"state"`
 	Since       time.Time `json:"since"`
+	// Proxy says how the pod's own sidecar is told apart (redirect.PodState).
+	Proxy string `json:"proxy,omitempty"`
 }
 
 // Pod states in status output.
@@ -164,6 +166,7 @@ func collectStatus(ctx context.Context, opts options) NodeStatus {
 			ps.Interfaces = append(ps.Interfaces, i.GetName())
 		}
 		ps.State = podState(opts.datapath, pinned, ps.NetnsCookie)
+		ps.Proxy = pinned[ps.NetnsCookie].Proxy
 		st.Pods = append(st.Pods, ps)
 	}
 	slices.SortFunc(st.Pods, func(a, b PodStatus) int {
@@ -269,6 +272,11 @@ func printStatus(w io.Writer, st NodeStatus) {
 		fmt.Fprintf(tw, "%s/%s\t%d\t%s\t%s\t%s\n", p.Namespace, p.Name, p.NetnsCookie, strings.Join(p.Interfaces, ","), p.State, p.Since.Format(time.RFC3339))
 	}
 	tw.Flush()
+	for _, p := range st.Pods {
+		if p.Proxy != "" {
+			fmt.Fprintf(w, "sidecar:    %s/%s: proxy known by %s\n", p.Namespace, p.Name, p.Proxy)
+		}
+	}
 }
 
 // chainWithoutAgent says what the chain entry on disk does to new pods while

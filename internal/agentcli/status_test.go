@@ -86,3 +86,19 @@ func TestStatusAgentNotRunning(t *testing.T) {
 		t.Errorf("-o json with a stale socket: agent %+v, chain %+v", st.Agent, st.ChainOnDisk)
 	}
 }
+
+// The text status names how each sidecar pod's proxy is told apart, and says
+// nothing of pods without one.
+func TestStatusSaysSidecarRule(t *testing.T) {
+	var out bytes.Buffer
+	printStatus(&out, NodeStatus{Agent: AgentStatus{Reachable: true, Ready: true}, Pods: []PodStatus{
+		{Namespace: "shop", Name: "cart", Proxy: "uid 1337: the sidecar container's cgroup is not known yet"},
+		{Namespace: "shop", Name: "ambient"},
+	}})
+	if !strings.Contains(out.String(), "sidecar:    shop/cart: proxy known by uid 1337: the sidecar container's cgroup is not known yet\n") {
+		t.Errorf("status does not name the sidecar pod's rule:\n%s", out.String())
+	}
+	if strings.Contains(out.String(), "shop/ambient: proxy") {
+		t.Errorf("status names a proxy rule for a pod without a sidecar:\n%s", out.String())
+	}
+}
