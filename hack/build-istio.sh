@@ -2,8 +2,9 @@
 # Builds Istio's control plane and CNI node agent from the Go module proxy (no
 # other download) into a cache directory outside the repository, for test/k8s,
 # which runs them as the peers mesh-cni replaces or works with: istiod
-# (pilot-discovery), istio-cni's node agent (install-cni, which also installs its
-# plugin and serves ZDS) and its plugin (istio-cni). With them, hack/istio-inpod
+# (pilot-discovery) and its chart, istio-cni's node agent (install-cni, which
+# also installs its plugin and serves ZDS), its plugin (istio-cni), and the
+# sidecar's agent (pilot-agent), whose validation injected pods run. With them, hack/istio-inpod
 # (its own module, pinned to the same Istio): istio-cni's in-pod rules applied
 # by istio-cni's code, the baseline of test/capture and test/bench. A second run
 # finds them there and builds nothing. Prints the directory holding the
@@ -26,8 +27,8 @@ fi
 # The helper's sources name the cache too: a change to them is a new build.
 inpod_sum="$(cat "$INPOD/go.mod" "$INPOD/go.sum" "$INPOD"/*.go | sha256sum | cut -c1-12)"
 OUT="$CACHE_ROOT/istio-$ISTIO_VERSION-inpod-$inpod_sum"
-CMDS=(pilot/cmd/pilot-discovery cni/cmd/install-cni cni/cmd/istio-cni)
-BINS=(pilot-discovery install-cni istio-cni istio-inpod)
+CMDS=(pilot/cmd/pilot-discovery pilot/cmd/pilot-agent cni/cmd/install-cni cni/cmd/istio-cni)
+BINS=(pilot-discovery pilot-agent install-cni istio-cni istio-inpod)
 
 # shellcheck source=hack/cache.sh
 source "$(dirname "${BASH_SOURCE[0]}")/cache.sh"
@@ -37,4 +38,8 @@ pkgs=()
 for c in "${CMDS[@]}"; do pkgs+=("istio.io/istio/$c@$ISTIO_VERSION"); done
 GOBIN="$CACHE_STAGE" go install -trimpath -ldflags "-s -w" "${pkgs[@]}" >&2
 (cd "$INPOD" && go build -trimpath -ldflags "-s -w" -o "$CACHE_STAGE/istio-inpod" .) >&2
+# istiod's chart, whose sidecar injector templates and values test/k8s renders
+# pods with.
+cp -r "$(go env GOMODCACHE)/istio.io/istio@$ISTIO_VERSION/manifests/charts/istio-control/istio-discovery" "$CACHE_STAGE/"
+chmod -R u+w "$CACHE_STAGE/istio-discovery"
 cache_publish

@@ -81,6 +81,7 @@ type ambientNode struct {
 	name     string
 	istiod   string       // istiod's debug base URL
 	xds      string       // istiod's plaintext xDS address
+	injector string       // istiod's sidecar injection URL, when it injects
 	kubelet  string       // the kubelet's cgroup
 	dir      string       // short: sockets live here
 	zds      string       // the ZDS socket the node agent serves
@@ -100,6 +101,14 @@ type ambientNode struct {
 
 // newAmbientNode starts the cluster and the node; the node agent is the caller's.
 func newAmbientNode(t *testing.T) *ambientNode {
+	t.Helper()
+	return newAmbientNodeWith(t, false)
+}
+
+// newAmbientNodeWith is newAmbientNode with istiod's sidecar injector on
+// (inject), configured as its chart configures it with istio-cni
+// (injectorConfigMaps).
+func newAmbientNodeWith(t *testing.T, inject bool) *ambientNode {
 	t.Helper()
 	bins, err := kubeenv.FromEnv()
 	if err != nil {
@@ -156,7 +165,14 @@ func newAmbientNode(t *testing.T) *ambientNode {
 			n.plain = created.Name
 		}
 	}
-	n.istiod, n.xds = startIstiod(t, n.api)
+	if inject {
+		for _, cm := range injectorConfigMaps(t) {
+			if _, err := n.admin.CoreV1().ConfigMaps("istio-system").Create(ctx, cm, metav1.CreateOptions{}); err != nil {
+				t.Fatalf("create ConfigMap %s: %v", cm.Name, err)
+			}
+		}
+	}
+	n.istiod, n.xds, n.injector = startIstiod(t, n.api, inject)
 	return n
 }
 
@@ -243,8 +259,9 @@ func apiLink(t *testing.T, node *harness.Node) netip.Addr {
 
 // startIstiod runs pilot-discovery against the API server with ambient on, as
 // Istio's ambient profile does, every listener on loopback, and returns its debug
-// base URL and its plaintext xDS address once /ready answers.
-func startIstiod(t *testing.T, api *kubeenv.APIServer) (debug, xds string) {
+// base URL, its plaintext xDS address and, with inject, its sidecar injection
+// URL once /ready answers.
+func startIstiod(t *testing.T, api *kubeenv.APIServer, inject bool) (debug, xds, injector string) {
 	t.Helper()
 	cwd := t.TempDir()
 	kubeconfig := api.WriteKubeconfig(t, kubeenv.AdminUser, filepath.Join(cwd, "kubeconfig"))
@@ -261,7 +278,7 @@ func startIstiod(t *testing.T, api *kubeenv.APIServer) (debug, xds string) {
 			"--httpAddr", addr("http"), "--httpsAddr", addr("https"), "--grpcAddr", addr("grpc"),
 			"--secureGRPCAddr", addr("securegrpc"), "--monitoringAddr", addr("monitoring"),
 			"--ctrlz_port", strconv.Itoa(ports["ctrlz"]), "--log_output_level", "default:warn"},
-		Env: []string{"POD_NAMESPACE=istio-system", "PILOT_ENABLE_AMBIENT=true", "INJECT_ENABLED=false",
+		Env: []string{"POD_NAMESPACE=istio-system", "PILOT_ENABLE_AMBIENT=true", "INJECT_ENABLED=" + strconv.FormatBool(inject),
 			"PILOT_ENABLE_GATEWAY_API=false", "REVISION=default", "KUBECONFIG=" + kubeconfig},
 	})
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
@@ -272,7 +289,10 @@ func startIstiod(t *testing.T, api *kubeenv.APIServer) (debug, xds string) {
 	if err != nil {
 		t.Fatalf("istiod did not become ready: %v", err)
 	}
-	return "http://" + addr("monitoring"), addr("grpc")
+	if inject {
+		injector = "https://" + addr("https") + "/inject"
+	}
+	return "http://" + addr("monitoring"), addr("grpc"), injector
 }
 
 func freeLoopbackPort(t *testing.T) int {

@@ -209,6 +209,43 @@ func testSourceIstioProfile(t *testing.T, c *cluster) {
 	c.setMeta(t, amb, openBypass.Name, "annotations", enroll.IstioAnnotationBypassInbound, "false")
 	expectDecision(t, src, ch, openBypass, "bypass annotation turned off", "inbound captured",
 		func(d meshagent.Decision) bool { return d.Enroll && !d.Capture.BypassInbound })
+
+	// A pod Istio injected with a sidecar is captured for it, in any
+	// namespace but one that enforces the mesh, where a pod cannot make
+	// itself its own proxy: there it is the node proxy's.
+	plain := c.namespace(t, "plain", nil)
+	for _, tc := range []struct {
+		namespace string
+		sidecar   bool
+	}{{plain, true}, {amb, true}, {enforced, false}} {
+		p, err := c.admin.CoreV1().Pods(tc.namespace).Create(apiContext(t), injectedPod(tc.namespace, "injected", node), metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		d := decide(t, src, p)
+		if !d.Enroll || (d.Capture.Sidecar != nil) != tc.sidecar {
+			t.Errorf("injected pod in %s: %+v, want enrolled, in sidecar mode %v", tc.namespace, d, tc.sidecar)
+		}
+	}
+}
+
+// injectedPod is a pod as Istio's injector leaves it for istio-cni: its
+// istio-proxy as a native sidecar running as 1337, an application container,
+// and the injector's status.
+func injectedPod(namespace, name, node string) *corev1.Pod {
+	uid := int64(enroll.IstioProxyUID)
+	always := corev1.ContainerRestartPolicyAlways
+	return &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: namespace,
+			Annotations: map[string]string{enroll.IstioAnnotationSidecar: `{"initContainers":["istio-validation","istio-proxy"]}`}},
+		Spec: corev1.PodSpec{
+			NodeName: node,
+			InitContainers: []corev1.Container{{Name: enroll.IstioProxyContainer, Image: "registry.invalid/proxyv2:never-pulled", Args: []string{"proxy", "sidecar"},
+				RestartPolicy: &always, SecurityContext: &corev1.SecurityContext{RunAsUser: &uid}}},
+			Containers:                    []corev1.Container{{Name: "app", Image: "registry.invalid/app:never-pulled"}},
+			TerminationGracePeriodSeconds: new(int64),
+		},
+	}
 }
 
 // testSourceDirectGet: a pod the cache does not hold is fetched from the API
