@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/prometheus/procfs"
+	"gonum.org/v1/gonum/stat"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
@@ -55,7 +56,7 @@ func BenchmarkFleet(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	levels := []int{10, 40, 100}
+	levels := []int{10, 40, 100, 200}
 	if quickMode() {
 		levels = []int{3}
 	}
@@ -71,24 +72,27 @@ func BenchmarkFleet(b *testing.B) {
 	}
 	cfg := fleetConfig{
 		namespaces: size(400, 40), steady: size(400, 40), rate: 20,
-		burstPerNode: size(10, 5), baseline: size(200, 20), churn: size(40, 10),
+		burstPerNode: size(10, 5), churn: size(40, 10),
+		rounds: size(8, 2), roundPods: size(40, 10), bareNodes: 2,
 	}
 	res := newResult(b, "fleet", "Fleet: what node agents cost one API server", "BenchmarkFleet",
 		fmt.Sprintf("N real `mesh-agent` processes (`--enrollment kubernetes --datapath none`: the data path is not what is measured), "+
 			"each with its own node name and bearer token, on one real kube-apiserver and etcd (API Priority and Fairness on, an audit log of every request's metadata). "+
 			"%d namespaces, every other one labelled `mesh-cni.io/dataplane-mode=enabled`. "+
-			"Each node has a kubelet's watch of its pods (field selector `spec.nodeName`, one per node, from the start on). "+
-			"**Baseline**: before any agent starts, the API server sits idle for 15 s, then %d pods are created at %d/s with no agent at all: the API server's and etcd's own cost, the kubelets' watches included. "+
+			"Each node has a kubelet's watch of its pods (field selector `spec.nodeName`, one per node, from the start on), and so have %d more nodes that never get an agent. "+
+			"**Baseline**: before any agent starts, the API server sits idle for 15 s: its own background work. "+
 			"Then the agents start together (**agent start**), sit idle for 15 s (**idle**, counted above the API server's own idle cost), and take **pod starts**: %d pods at %d/s across the nodes and namespaces, "+
 			"then a **burst** of %d pods per node created all at once; each pod's start reaches its node's agent over the gate socket as soon as its node's kubelet watch has the pod, "+
 			"as the plugin's call would (the plugin itself makes no API request: it holds no credential). That is still sooner than a kubelet calls CNI (after its watch, the pod's sandbox and the chain before mesh-cni), "+
 			"so a pod the agent's watch has not delivered yet, a cache miss, is more frequent here than on a node. "+
 			"Requests are the agents' own, from the audit log (by user); watch events are the API server's `apiserver_watch_events_total`, every watcher counted. "+
+			"**Paired rounds**: %d rounds of %d pods at %d/s on the nodes without an agent and %d on the agents' nodes, the order alternating from round to round, each measured on its own: "+
+			"what the agents (and istio-cni's plugin) add to a pod start's cost is the difference within a round, on one API server at one time, the create itself (the same whatever the CNI) taken out. "+
 			"Then %d namespaces are created (**namespace churn**), and every agent is restarted at once (**fleet restart**: SIGTERM, start, until every gate is ready). "+
 			"At the smallest fleet only, the API server is then killed for a minute (**outage**): the agents' gates must stay ready (decisions from their caches), and the report gives how long after its start every agent was back on it. "+
 			"CPU is the processes' user+system time from /proc over each phase; the machine is shared, so ratios and counts hold better than absolute times. "+
 			"The burst of the largest fleet runs under a machine profile (perf, every CPU), which shows what its latency is bound by.",
-			cfg.namespaces, cfg.baseline, cfg.rate, cfg.steady, cfg.rate, cfg.burstPerNode, cfg.churn))
+			cfg.namespaces, cfg.bareNodes, cfg.steady, cfg.rate, cfg.burstPerNode, cfg.rounds, cfg.roundPods, cfg.rate, cfg.roundPods, cfg.churn))
 	res.Notes = append(res.Notes, fmt.Sprintf("istio-cni's side, at %d nodes (the smallest fleet; it runs after mesh-cni's, on an API server and etcd of its own): "+
 		"the same phases but the outage, with istio-cni's real node agent (`install-cni` from istio.io/istio, ambient on with its chart's enablement selector, repair off) on every node, "+
 		"each in a network namespace of its own (where it writes its host rules), its own PID and mount namespace and chroot with its service account's token (a user of its own), "+
@@ -132,9 +136,30 @@ func BenchmarkFleet(b *testing.B) {
 	}
 	res.Metrics = append(res.Metrics, m.all()...)
 	res.Notes = append(res.Notes, m.notes...)
+	if note := memorySlope(&m.memory); note != "" {
+		res.Notes = append(res.Notes, note)
+	}
 	res.Profiles = append(res.Profiles, m.profiles...)
 	b.ReportMetric(0, "ns/op")
 	finish(b, res)
+}
+
+// memorySlope says how the API server's memory grows with mesh-cni's fleet:
+// the least-squares slope over the levels run, per agent, and what it comes
+// to for fleets larger than this machine holds.
+func memorySlope(m *results.Metric) string {
+	var xs, ys []float64
+	for _, s := range m.Series {
+		if s.Variant == "apiserver" && len(s.Samples) > 0 {
+			xs, ys = append(xs, s.X), append(ys, results.Median(s.Samples))
+		}
+	}
+	if len(xs) < 2 {
+		return ""
+	}
+	base, perAgent := stat.LinearRegression(xs, ys, nil, false)
+	return fmt.Sprintf("The API server's memory at the end grows by %.2f MiB per agent (least squares over %d fleet sizes, %.0f MiB at none): %.0f MiB at 1,000 nodes, %.0f MiB at 5,000, if it stays linear.",
+		perAgent, len(xs), base, base+1000*perAgent, base+5000*perAgent)
 }
 
 // fleetIdle is how long the idle phases last.
@@ -155,8 +180,12 @@ type fleetConfig struct {
 	namespaces   int
 	steady, rate int
 	burstPerNode int
-	baseline     int
 	churn        int
+	// rounds of roundPods pods each on the nodes without an agent and on the
+	// agents' nodes, for what the agents add to a pod start.
+	rounds, roundPods int
+	// bareNodes is how many nodes have a kubelet's watch but no agent.
+	bareNodes int
 	// outage, when set, stops the API server that long at the end.
 	outage time.Duration
 	// profile takes a machine profile of the burst.
@@ -165,7 +194,7 @@ type fleetConfig struct {
 
 // fleetMetrics collects every level's numbers.
 type fleetMetrics struct {
-	requests, writes, misses, watchEvents, cpuPerPod, etcdPerPod,
+	requests, writes, misses, watchEvents, cpuPerPod, etcdPerPod, cpuAdded,
 	idle, startReqs, startBytes, startCPU, latency, ownLatency, restart, restartRate, memory results.Metric
 	notes    []string
 	profiles []results.Profile
@@ -178,8 +207,9 @@ func newFleetMetrics() *fleetMetrics {
 		writes:      results.Metric{Name: "writes-per-pod", Title: "Agents' API writes per pod start, meshed and not", Unit: "req", XLabel: x},
 		misses:      results.Metric{Name: "cache-misses", Title: "Decisions that had to ask the API server (pod GETs per pod start)", Unit: "req", XLabel: x},
 		watchEvents: results.Metric{Name: "watch-events", Title: "Watch events the API server sent, per object created", Unit: "events", XLabel: x},
-		cpuPerPod:   results.Metric{Name: "apiserver-cpu-per-pod", Title: "API server CPU per pod create, without and with the agents", Unit: "ms", XLabel: x},
-		etcdPerPod:  results.Metric{Name: "etcd-cpu-per-pod", Title: "etcd CPU per pod create, without and with the agents", Unit: "ms", XLabel: x},
+		cpuPerPod:   results.Metric{Name: "apiserver-cpu-per-pod", Title: "API server CPU per pod start, on nodes without and with an agent (paired rounds)", Unit: "ms", XLabel: x},
+		etcdPerPod:  results.Metric{Name: "etcd-cpu-per-pod", Title: "etcd CPU per pod start, on nodes without and with an agent (paired rounds)", Unit: "ms", XLabel: x},
+		cpuAdded:    results.Metric{Name: "cpu-added-per-pod", Title: "What the node agents (and istio-cni's plugin) add to a pod start's CPU, round by round", Unit: "ms", XLabel: x},
 		idle:        results.Metric{Name: "idle-cpu-per-agent", Title: "API server CPU per idle agent", Unit: "ms/s", XLabel: x},
 		startReqs:   results.Metric{Name: "agent-start-requests", Title: "API requests per agent start, and refused", Unit: "req", XLabel: x},
 		startCPU:    results.Metric{Name: "agent-start-cpu", Title: "API server CPU per agent start (above its own idle work)", Unit: "ms", XLabel: x},
@@ -193,7 +223,7 @@ func newFleetMetrics() *fleetMetrics {
 }
 
 func (m *fleetMetrics) all() []results.Metric {
-	return []results.Metric{m.requests, m.writes, m.misses, m.watchEvents, m.cpuPerPod, m.etcdPerPod, m.idle, m.startReqs, m.startBytes, m.startCPU, m.latency, m.ownLatency, m.restart, m.restartRate, m.memory}
+	return []results.Metric{m.requests, m.writes, m.misses, m.watchEvents, m.cpuPerPod, m.etcdPerPod, m.cpuAdded, m.idle, m.startReqs, m.startBytes, m.startCPU, m.latency, m.ownLatency, m.restart, m.restartRate, m.memory}
 }
 
 func point(m *results.Metric, variant, label string, x float64, samples ...float64) {
@@ -210,9 +240,11 @@ type fleet struct {
 	agents     []*agent
 	gates      []gatepb.GateClient
 	nodes      []string
-	netns      string
-	mu         sync.Mutex
-	seq        int
+	// bare are nodes with a kubelet but no agent.
+	bare  []string
+	netns string
+	mu    sync.Mutex
+	seq   int
 	// createdLog lists the pods created in the current phase.
 	createdLog []createdPod
 	// istio, when set, is istio-cni's side in place of mesh-cni's.
@@ -334,6 +366,9 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 			opts.Users[fleetAgentPrefix+node] = []string{kubeenv.AgentGroup}
 		}
 	}
+	for i := range cfg.bareNodes {
+		f.bare = append(f.bare, fmt.Sprintf("bare-%03d", i))
+	}
 	f.etcd = kubeenv.StartEtcd(b, bins)
 	f.api = kubeenv.StartAPIServerWith(b, bins, f.etcd, "fleet", opts)
 	if f.istio != nil {
@@ -361,20 +396,13 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 	}
 	// The kubelets run from the baseline on: their watches are part of
 	// what a pod create costs the API server without any mesh.
-	f.kubelets = startKubelets(ctx, b, admin, f.nodes)
+	f.kubelets = startKubelets(ctx, b, admin, append(slices.Clone(f.nodes), f.bare...))
 
-	// Baseline: the API server idle, then taking pod creates, with no agent
-	// at all.
+	// Baseline: the API server idle, with no agent at all.
 	idleBase, err := f.phase(ctx, func() error { return sleepCtx(ctx, fleetIdle) })
 	if err != nil {
 		b.Fatal(err)
 	}
-	base, err := f.phase(ctx, func() error { return f.steadyPods(ctx, cfg.baseline, cfg.rate, nil) })
-	if err != nil {
-		b.Fatal(err)
-	}
-	point(&m.cpuPerPod, f.series("no-agents"), f.label("no agents (the create alone)"), x, base.apiCPU/float64(cfg.baseline))
-	point(&m.etcdPerPod, f.series("no-agents"), f.label("no agents (the create alone)"), x, base.etcdCPU/float64(cfg.baseline))
 
 	// The agents start together.
 	var startTook time.Duration
@@ -521,8 +549,16 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 		}
 		point(&m.misses, f.series(ph.name), f.label(ph.name), x, float64(gets)/float64(ph.pods))
 	}
-	point(&m.cpuPerPod, f.series("agents"), f.label("with the agents"), x, (steady.apiCPU+burst.apiCPU)/pods)
-	point(&m.etcdPerPod, f.series("agents"), f.label("with the agents"), x, (steady.etcdCPU+burst.etcdCPU)/pods)
+	rounds, err := f.pairedRounds(ctx, cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	point(&m.cpuPerPod, f.series("no-agents"), f.label("nodes without an agent (the create alone)"), x, rounds.bareAPI...)
+	point(&m.cpuPerPod, f.series("agents"), f.label("the agents' nodes"), x, rounds.gatedAPI...)
+	point(&m.etcdPerPod, f.series("no-agents"), f.label("nodes without an agent (the create alone)"), x, rounds.bareEtcd...)
+	point(&m.etcdPerPod, f.series("agents"), f.label("the agents' nodes"), x, rounds.gatedEtcd...)
+	point(&m.cpuAdded, f.series("apiserver"), f.label("API server"), x, rounds.addedAPI()...)
+	point(&m.cpuAdded, f.series("etcd"), f.label("etcd"), x, rounds.addedEtcd()...)
 	point(&m.watchEvents, f.series("per-pod"), f.label("per pod created (pods)"), x, (steady.podEvents+burst.podEvents)/pods)
 
 	churn, err := f.phase(ctx, func() error { return f.makeNamespaces(ctx, "churn", cfg.churn) })
@@ -622,10 +658,10 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 		b.Logf("istio-cni: %d pods handed over to the ztunnel doubles", adds)
 	}
 	point(&m.memory, f.series("agent"), f.label(agentName), x, agentRSS...)
-	b.Logf("%s N=%d: %.2f agent requests per pod start (%d pods), writes %.2f meshed / %.2f unmeshed, API server CPU %.1f ms per pod (%.1f without agents), "+
+	b.Logf("%s N=%d: %.2f agent requests per pod start (%d pods), writes %.2f meshed / %.2f unmeshed, API server CPU %.2f ms per pod (%.2f of it the agents'), "+
 		"decision p50 %.1f ms p99 %.1f ms (burst p99 %.1f ms; after the kubelet's watch %.1f ms), idle %.2f ms/s per agent, start %.1f s, restart %.1f s with %d refused",
 		variant, n, float64(len(both))/pods, int(pods), float64(meshedW)/float64(meshedPods), float64(plainW)/float64(plainPods),
-		(steady.apiCPU+burst.apiCPU)/pods, base.apiCPU/float64(cfg.baseline),
+		results.Median(rounds.gatedAPI), results.Median(rounds.addedAPI()),
 		results.Median(steadyLat.total), results.Quantile(steadyLat.total, 0.99), results.Quantile(burstLat.total, 0.99), results.Quantile(burstLat.own, 0.99),
 		perAgentIdle, startTook.Seconds(), restartTook.Seconds(), refused)
 }
@@ -818,9 +854,9 @@ func (f *fleet) podsByMesh(created []createdPod) (meshed, plain int) {
 	return meshed, plain
 }
 
-// steadyPods creates count pods at rate per second, each followed by its
-// gate Add when gated; latencies are collected into lat when not nil.
-func (f *fleet) steadyPods(ctx context.Context, count, rate int, lat *latencies) error {
+// steadyPods creates count pods at rate per second on target's nodes, each
+// followed by its start; latencies are collected into lat when not nil.
+func (f *fleet) steadyPods(ctx context.Context, count, rate int, target podTarget, lat *latencies) error {
 	tick := time.NewTicker(time.Second / time.Duration(rate))
 	defer tick.Stop()
 	var mu sync.Mutex
@@ -833,7 +869,7 @@ func (f *fleet) steadyPods(ctx context.Context, count, rate int, lat *latencies)
 		case <-tick.C:
 		}
 		wg.Go(func() {
-			d, own, err := f.podStart(ctx, lat != nil)
+			d, own, err := f.podStart(ctx, target)
 			errs[i] = err
 			if lat != nil && err == nil {
 				mu.Lock()
@@ -853,7 +889,7 @@ type latencies struct{ total, own []float64 }
 
 func (f *fleet) steadyPodsLatency(ctx context.Context, count, rate int) (latencies, error) {
 	var lat latencies
-	err := f.steadyPods(ctx, count, rate, &lat)
+	err := f.steadyPods(ctx, count, rate, toAgents, &lat)
 	return lat, err
 }
 
@@ -864,7 +900,7 @@ func (f *fleet) burstPods(ctx context.Context, count int) (latencies, error) {
 	var wg sync.WaitGroup
 	for i := range count {
 		wg.Go(func() {
-			d, own, err := f.podStart(ctx, true)
+			d, own, err := f.podStart(ctx, toAgents)
 			lat.total[i], lat.own[i], errs[i] = ms(d), ms(own), err
 		})
 	}
@@ -872,11 +908,24 @@ func (f *fleet) burstPods(ctx context.Context, count int) (latencies, error) {
 	return lat, errors.Join(errs...)
 }
 
-// podStart creates the next pod (round robin over nodes and namespaces) and,
-// when gate is set, waits until its node's kubelet has it and calls its
-// node's gate Add as the plugin would, returning the time from the create's
-// return to the decision, and from the kubelet's watch to the decision.
-func (f *fleet) podStart(ctx context.Context, gate bool) (total, own time.Duration, err error) {
+// podTarget says which nodes a pod start goes to.
+type podTarget int
+
+const (
+	// toAgents: the agents' nodes; the start goes through the node's agent
+	// (mesh-cni's gate, istio-cni's plugin).
+	toAgents podTarget = iota
+	// toBare: the nodes without an agent; the start ends once the node's
+	// kubelet has the pod.
+	toBare
+)
+
+// podStart creates the next pod (round robin over target's nodes and the
+// namespaces), waits until its node's kubelet has it and, on an agent's
+// node, calls its node's gate Add as the plugin would, returning the time
+// from the create's return to the decision, and from the kubelet's watch to
+// the decision.
+func (f *fleet) podStart(ctx context.Context, target podTarget) (total, own time.Duration, err error) {
 	f.mu.Lock()
 	i := f.seq
 	f.seq++
@@ -884,6 +933,10 @@ func (f *fleet) podStart(ctx context.Context, gate bool) (total, own time.Durati
 	f.createdLog = append(f.createdLog, createdPod{namespace: ns})
 	f.mu.Unlock()
 	node := i % len(f.nodes)
+	nodeName := f.nodes[node]
+	if target == toBare {
+		nodeName = f.bare[i%len(f.bare)]
+	}
 	name := fmt.Sprintf("pod-%06d", i)
 	limit := time.Minute
 	if f.istio != nil {
@@ -892,14 +945,11 @@ func (f *fleet) podStart(ctx context.Context, gate bool) (total, own time.Durati
 	}
 	cctx, cancel := context.WithTimeout(ctx, limit)
 	defer cancel()
-	var atNode <-chan struct{}
-	if gate {
-		atNode = f.kubelets.expect(ns + "/" + name)
-	}
+	atNode := f.kubelets.expect(ns + "/" + name)
 	p, err := f.admin.CoreV1().Pods(ns).Create(cctx, &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Labels: map[string]string{"app": "fleet"}},
 		Spec: corev1.PodSpec{
-			NodeName:                      f.nodes[node],
+			NodeName:                      nodeName,
 			ServiceAccountName:            "default",
 			Containers:                    []corev1.Container{{Name: "app", Image: "registry.invalid/app:never-pulled"}},
 			TerminationGracePeriodSeconds: new(int64),
@@ -908,9 +958,6 @@ func (f *fleet) podStart(ctx context.Context, gate bool) (total, own time.Durati
 	if err != nil {
 		return 0, 0, fmt.Errorf("create pod %s/%s: %w", ns, name, err)
 	}
-	if !gate {
-		return 0, 0, nil
-	}
 	created := time.Now()
 	select {
 	case <-atNode:
@@ -918,6 +965,9 @@ func (f *fleet) podStart(ctx context.Context, gate bool) (total, own time.Durati
 		return 0, 0, fmt.Errorf("pod %s/%s: not delivered to its node's kubelet: %w", ns, name, cctx.Err())
 	}
 	delivered := time.Now()
+	if target == toBare {
+		return delivered.Sub(created), 0, nil
+	}
 	uid := string(p.UID)
 	if f.istio != nil {
 		if err := f.istio.add(cctx, node, ns, name, uid, i, f.netns); err != nil {
@@ -935,6 +985,58 @@ func (f *fleet) podStart(ctx context.Context, gate bool) (total, own time.Durati
 		return 0, 0, fmt.Errorf("gate Add for %s/%s on %s: %w", ns, name, f.nodes[node], err)
 	}
 	return time.Since(created), time.Since(delivered), nil
+}
+
+// rounds is what the paired rounds cost per pod start, one sample per round.
+type rounds struct {
+	bareAPI, gatedAPI, bareEtcd, gatedEtcd []float64 // ms per pod
+}
+
+func (r rounds) addedAPI() []float64  { return differences(r.gatedAPI, r.bareAPI) }
+func (r rounds) addedEtcd() []float64 { return differences(r.gatedEtcd, r.bareEtcd) }
+
+// differences is a[i]−b[i] for every i.
+func differences(a, b []float64) []float64 {
+	d := make([]float64, len(a))
+	for i := range a {
+		d[i] = a[i] - b[i]
+	}
+	return d
+}
+
+// pairedRounds creates cfg.roundPods pods at cfg.rate on the nodes without an
+// agent, then as many on the agents' nodes (the other way round every other
+// round), each measured as a phase of its own: within a round the two differ
+// by what the agents add to a pod start, on the same API server at nearly the
+// same time, while the API server's own cost of a create (its size, garbage
+// collection, the machine's other load) drifts from round to round.
+func (f *fleet) pairedRounds(ctx context.Context, cfg fleetConfig) (rounds, error) {
+	var r rounds
+	perPod := func(target podTarget) (api, etcd float64, err error) {
+		p, err := f.phase(ctx, func() error { return f.steadyPods(ctx, cfg.roundPods, cfg.rate, target, nil) })
+		if err != nil {
+			return 0, 0, err
+		}
+		return p.apiCPU / float64(cfg.roundPods), p.etcdCPU / float64(cfg.roundPods), nil
+	}
+	for i := range cfg.rounds {
+		order := []podTarget{toBare, toAgents}
+		if i%2 == 1 {
+			order = []podTarget{toAgents, toBare}
+		}
+		for _, target := range order {
+			api, etcd, err := perPod(target)
+			if err != nil {
+				return r, err
+			}
+			if target == toBare {
+				r.bareAPI, r.bareEtcd = append(r.bareAPI, api), append(r.bareEtcd, etcd)
+			} else {
+				r.gatedAPI, r.gatedEtcd = append(r.gatedAPI, api), append(r.gatedEtcd, etcd)
+			}
+		}
+	}
+	return r, nil
 }
 
 // peakPerSecond is the most requests received in any one second.

@@ -27,7 +27,7 @@ func fleetResult(writesOutside, growth, istio float64) *results.Result {
 		m("writes-per-pod", append(both("meshed", 10, 1), append(both("unmeshed", 10, 0), series("meshed", 40, 1), series("unmeshed", 40, writesOutside))...)...),
 		m("requests-per-pod", append(both("all", 10, 0.8), series("all", 40, 0.8))...),
 		m("watch-events", both("per-pod", 10, 3)...),
-		m("apiserver-cpu-per-pod", both("agents", 10, 4)...),
+		m("cpu-added-per-pod", both("apiserver", 10, 1)...),
 		m("agent-start-cpu", append(both("first-start", 10, 30), series("first-start", 40, 30*growth))...),
 		m("agent-start-requests", series("first-start", 10, 2), series("first-start", 40, 2), series("refused", 40, 0)),
 		m("fleet-restart", series("restart", 40, 2.5)),
