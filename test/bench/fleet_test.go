@@ -87,7 +87,8 @@ func BenchmarkFleet(b *testing.B) {
 			"so a pod the agent's watch has not delivered yet, a cache miss, is more frequent here than on a node. "+
 			"Requests are the agents' own, from the audit log (by user); watch events are the API server's `apiserver_watch_events_total`, every watcher counted. "+
 			"**Paired rounds**: %d rounds of %d pods at %d/s on the nodes without an agent and %d on the agents' nodes, the order alternating from round to round, each measured on its own: "+
-			"what the agents (and istio-cni's plugin) add to a pod start's cost is the difference within a round, on one API server at one time, the create itself (the same whatever the CNI) taken out. "+
+			"what the agents (and istio-cni's plugin) add to a pod start's cost is the difference within a round, on one API server at one time, the create itself (the same whatever the CNI) taken out; "+
+			"each round's CPU is counted above what the idle cluster (its agents included) spends in as long. "+
 			"Then %d namespaces are created (**namespace churn**), and every agent is restarted at once (**fleet restart**: SIGTERM, start, until every gate is ready). "+
 			"At the smallest fleet only, the API server is then killed for a minute (**outage**): the agents' gates must stay ready (decisions from their caches), and the report gives how long after its start every agent was back on it. "+
 			"CPU is the processes' user+system time from /proc over each phase; the machine is shared, so ratios and counts hold better than absolute times. "+
@@ -99,6 +100,8 @@ func BenchmarkFleet(b *testing.B) {
 		"and a ztunnel double's ZDS session (test/ztunnel's, serving no data path) acking the pods it hands over. "+
 		"Namespaces in the mesh are labelled `istio.io/dataplane-mode=ambient`. Each pod start runs istio-cni's real plugin's ADD as the kubelet's chain would, once its node's kubelet watch has the pod "+
 		"(the CNI environment, its entry of the conflist install-cni wrote, the primary network's result), tried again 10 s later when it fails, as the kubelet's pod worker does. "+
+		"A node's plugin runs on that node's CPUs; here every node's shares the machine's two, and a process start of the plugin costs about a tenth of a CPU-second, "+
+		"so at most one plugin process per CPU runs at once and the others wait their turn (the wait is left out of its ADD's own time, and the rounds count CPU above idle). "+
 		"The plugin is given a kubeconfig of its own (in a cluster it uses its agent's token) so the audit log tells its requests from the agent's. "+
 		"Every pod shares one network namespace: the agent's in-pod rules are written there over and over, and no traffic is redirected.", levels[0]))
 
@@ -353,7 +356,7 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 		// The nodes' namespaces are made before this level's first
 		// process starts (see spawner); the levels before have ended theirs.
 		inet := newIstioNet(ctx, b, n)
-		f.istio = &istioFleet{net: inet}
+		f.istio = newIstioFleet(inet)
 		opts.Address = inet.api.String()
 	}
 	for i := range n {
@@ -549,7 +552,7 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 		}
 		point(&m.misses, f.series(ph.name), f.label(ph.name), x, float64(gets)/float64(ph.pods))
 	}
-	rounds, err := f.pairedRounds(ctx, cfg)
+	rounds, err := f.pairedRounds(ctx, cfg, idle)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -970,10 +973,13 @@ func (f *fleet) podStart(ctx context.Context, target podTarget) (total, own time
 	}
 	uid := string(p.UID)
 	if f.istio != nil {
-		if err := f.istio.add(cctx, node, ns, name, uid, i, f.netns); err != nil {
+		waited, err := f.istio.add(cctx, node, ns, name, uid, i, f.netns)
+		if err != nil {
 			return 0, 0, err
 		}
-		return time.Since(created), time.Since(delivered), nil
+		// Its own share leaves out the wait for a turn of the machine's
+		// CPUs, which a node's own would not have made it wait.
+		return time.Since(created), time.Since(delivered) - waited, nil
 	}
 	_, err = f.gates[node].Add(cctx, &gatepb.AddRequest{
 		Pod:        &gatepb.PodIdentity{Namespace: ns, Name: name, Uid: uid},
@@ -1009,15 +1015,20 @@ func differences(a, b []float64) []float64 {
 // round), each measured as a phase of its own: within a round the two differ
 // by what the agents add to a pod start, on the same API server at nearly the
 // same time, while the API server's own cost of a create (its size, garbage
-// collection, the machine's other load) drifts from round to round.
-func (f *fleet) pairedRounds(ctx context.Context, cfg fleetConfig) (rounds, error) {
+// collection, the machine's other load) drifts from round to round. What
+// the idle cluster (its agents included) spends in as long as the phase
+// lasted is taken out of each: a phase whose starts take longer (istio-cni's
+// plugin processes wait for a CPU) would otherwise count more idle work.
+func (f *fleet) pairedRounds(ctx context.Context, cfg fleetConfig, idle phaseResult) (rounds, error) {
 	var r rounds
 	perPod := func(target podTarget) (api, etcd float64, err error) {
 		p, err := f.phase(ctx, func() error { return f.steadyPods(ctx, cfg.roundPods, cfg.rate, target, nil) })
 		if err != nil {
 			return 0, 0, err
 		}
-		return p.apiCPU / float64(cfg.roundPods), p.etcdCPU / float64(cfg.roundPods), nil
+		scale := p.took.Seconds() / idle.took.Seconds()
+		pods := float64(cfg.roundPods)
+		return (p.apiCPU - idle.apiCPU*scale) / pods, (p.etcdCPU - idle.etcdCPU*scale) / pods, nil
 	}
 	for i := range cfg.rounds {
 		order := []podTarget{toBare, toAgents}

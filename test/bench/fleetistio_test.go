@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -134,6 +135,13 @@ type istioFleet struct {
 	src    string // the plugin alone, install-cni's image's /opt/cni/bin
 	nodes  []*istioNode
 	failed atomic.Int64 // plugin ADDs that failed and were tried again
+	// slots bounds the plugin processes running at once (see add).
+	slots chan struct{}
+}
+
+// newIstioFleet is istio-cni's side on the nodes of net.
+func newIstioFleet(net *istioNet) *istioFleet {
+	return &istioFleet{net: net, slots: make(chan struct{}, runtime.NumCPU())}
 }
 
 // counted reports whether user is one of istio-cni's.
@@ -350,7 +358,15 @@ func (f *istioFleet) stopAll(ctx context.Context) error {
 // kubelet's pod worker requeues a failed sync (the plugin fails while its agent
 // has not seen the pod yet, or while its work for the pods before keeps it past
 // the plugin's 5 s timeout), for up to istioAddLimit.
-func (f *istioFleet) add(ctx context.Context, i int, namespace, name, uid string, seq int, netnsPath string) error {
+//
+// Each node's kubelet runs its plugin on the node's own CPUs; here every
+// node's plugin shares the machine's, and a process start of the plugin costs
+// about a tenth of a CPU-second before it does anything. So at most one plugin
+// process per CPU runs at once and the others wait their turn: unbounded, the
+// steady rate's starts outrun the two CPUs, every ADD passes its 5 s timeout,
+// each retry adds to the pile and the API server itself starves. The wait for
+// a turn is returned, to be taken out of the ADD's own latency.
+func (f *istioFleet) add(ctx context.Context, i int, namespace, name, uid string, seq int, netnsPath string) (waited time.Duration, err error) {
 	n := f.nodes[i]
 	conf := map[string]any{}
 	for k, v := range n.plugin {
@@ -368,7 +384,7 @@ func (f *istioFleet) add(ctx context.Context, i int, namespace, name, uid string
 	}
 	stdin, err := json.Marshal(conf)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	cid := strings.ReplaceAll(uid, "-", "")
 	deadline := time.Now().Add(istioAddLimit)
@@ -379,16 +395,24 @@ func (f *istioFleet) add(ctx context.Context, i int, namespace, name, uid string
 		cmd.Stdin = bytes.NewReader(stdin)
 		var stderr bytes.Buffer
 		cmd.Stderr = &stderr
+		t0 := time.Now()
+		select {
+		case f.slots <- struct{}{}:
+		case <-ctx.Done():
+			return waited, ctx.Err()
+		}
+		waited += time.Since(t0)
 		out, err := cmd.Output()
+		<-f.slots
 		if err == nil {
-			return nil
+			return waited, nil
 		}
 		if time.Now().After(deadline) || ctx.Err() != nil {
-			return fmt.Errorf("istio-cni ADD %s/%s on %s: %w: %s %s", namespace, name, n.name, err, out, stderr.String())
+			return waited, fmt.Errorf("istio-cni ADD %s/%s on %s: %w: %s %s", namespace, name, n.name, err, out, stderr.String())
 		}
 		f.failed.Add(1)
 		if err := sleepCtx(ctx, istioAddRetry); err != nil {
-			return err
+			return waited, err
 		}
 	}
 }
