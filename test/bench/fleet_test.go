@@ -524,6 +524,10 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 	point(&m.requests, f.series("refused"), f.label("of which refused (429)"), x, float64(refusedPods)/pods)
 	meshedPods, plainPods := f.podsByMesh(append(slices.Clone(steady.created), burst.created...))
 	meshedW, plainW := 0, 0
+	// Writes of an object written before in these phases: what went beyond
+	// one write per pod, for the report to say what they were.
+	seen := map[string]int{}
+	var again []string
 	for _, e := range both {
 		// A write the API server refused (API Priority and Fairness: 429)
 		// changed nothing; it counts among the requests, retried.
@@ -533,7 +537,18 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 			} else {
 				plainW++
 			}
+			obj := e.ObjectRef.Resource + " " + e.ObjectRef.Namespace + "/" + e.ObjectRef.Name
+			if seen[obj]++; seen[obj] > 1 && len(again) < 5 {
+				again = append(again, fmt.Sprintf("%s %s by %s at %s", e.Verb, obj, e.User.Username, e.Received.Format("15:04:05.000")))
+			}
 		}
+	}
+	if len(again) > 0 {
+		who := "mesh-cni"
+		if f.istio != nil {
+			who = "istio-cni"
+		}
+		m.notes = append(m.notes, fmt.Sprintf("%s at %d nodes: objects written more than once in the pod starts (the first few): %s.", who, n, strings.Join(again, "; ")))
 	}
 	point(&m.writes, f.series("meshed"), f.label("per meshed pod start"), x, float64(meshedW)/float64(meshedPods))
 	point(&m.writes, f.series("unmeshed"), f.label("per pod start outside the mesh"), x, float64(plainW)/float64(plainPods))
