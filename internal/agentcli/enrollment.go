@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"go.uber.org/zap"
-	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
@@ -113,12 +112,6 @@ func (e enrollOptions) client(log *zap.Logger, node, what string) (kubernetes.In
 	}
 	cfg.UserAgent = "mesh-agent/" + node
 	cfg.QPS, cfg.Burst = float32(e.apiQPS), e.apiBurst
-	// Pods, namespaces and Events in protobuf, as the kubelet asks for them:
-	// the API server encodes every list and watch event it sends the agent
-	// for less CPU, and in fewer bytes, than in JSON. Patches still go as
-	// JSON merge patches (the patch type sets their body's content type).
-	cfg.AcceptContentTypes = runtime.ContentTypeProtobuf + "," + runtime.ContentTypeJSON
-	cfg.ContentType = runtime.ContentTypeProtobuf
 	client, err := kubernetes.NewForConfig(cfg)
 	if err != nil {
 		return nil, nil, fmt.Errorf("kubernetes client: %w", err)
