@@ -230,9 +230,34 @@ func echoProxy(t *testing.T, c containerProc) (records string) {
 		t.Fatal(err)
 	}
 	records = filepath.Join(dir, "proxy.jsonl")
-	harness.StartProcess(t, harness.ProcessOptions{Path: harness.Bins(t).Path("refproxy"), Args: []string{"-echo", "-record", records},
+	p := harness.StartProcess(t, harness.ProcessOptions{Path: harness.Bins(t).Path("refproxy"), Args: []string{"-echo", "-record", records},
 		NetNSPath: c.netns, Cgroup: c.cgroup, Credential: c.credential(), Dir: "/", Name: "istio-proxy"})
+	// A pod's first connection must not beat its proxy's listen: a capture
+	// to a port nobody listens on yet is refused like no capture at all.
+	fixtures.WaitFor(t, 10*time.Second, "the sidecar listening on its outbound and inbound ports", func() bool {
+		return listening(p.Pid(), proxy.DefaultOutboundPort) && listening(p.Pid(), proxy.DefaultInboundPort)
+	})
 	return records
+}
+
+// listening reports whether a TCP socket listens on port in the network
+// namespace of process pid (its /proc/<pid>/net/tcp and tcp6).
+func listening(pid int, port uint16) bool {
+	suffix := fmt.Sprintf(":%04X", port)
+	for _, f := range []string{"tcp", "tcp6"} {
+		raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/net/%s", pid, f))
+		if err != nil {
+			continue
+		}
+		for line := range strings.Lines(string(raw)) {
+			// sl local_address rem_address st ...; 0A is LISTEN.
+			fields := strings.Fields(line)
+			if len(fields) > 3 && strings.HasSuffix(fields[1], suffix) && fields[3] == "0A" {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // reachesSidecar checks that c's connect to target reaches the sidecar that
