@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/procfs"
 	jsonpatch "gopkg.in/evanphx/json-patch.v4"
 	admissionv1 "k8s.io/api/admission/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -243,22 +244,23 @@ func echoProxy(t *testing.T, c containerProc) (records string) {
 // listening reports whether a TCP socket listens on port in the network
 // namespace of process pid (its /proc/<pid>/net/tcp and tcp6).
 func listening(pid int, port uint16) bool {
-	suffix := fmt.Sprintf(":%04X", port)
-	for _, f := range []string{"tcp", "tcp6"} {
-		raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/net/%s", pid, f))
-		if err != nil {
-			continue
-		}
-		for line := range strings.Lines(string(raw)) {
-			// sl local_address rem_address st ...; 0A is LISTEN.
-			fields := strings.Fields(line)
-			if len(fields) > 3 && strings.HasSuffix(fields[1], suffix) && fields[3] == "0A" {
+	fs, err := procfs.NewFS(fmt.Sprintf("/proc/%d", pid))
+	if err != nil {
+		return false
+	}
+	for _, read := range []func() (procfs.NetTCP, error){fs.NetTCP, fs.NetTCP6} {
+		socks, _ := read()
+		for _, s := range socks {
+			if s.LocalPort == uint64(port) && s.St == tcpListen {
 				return true
 			}
 		}
 	}
 	return false
 }
+
+// tcpListen is TCP_LISTEN in the st column of /proc/net/tcp.
+const tcpListen = 0x0A
 
 // reachesSidecar checks that c's connect to target reaches the sidecar that
 // records into records (echoProxy), on its dir port, with target as the
