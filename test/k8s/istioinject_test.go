@@ -18,7 +18,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/procfs"
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 	jsonpatch "gopkg.in/evanphx/json-patch.v4"
 	admissionv1 "k8s.io/api/admission/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -242,25 +244,30 @@ func echoProxy(t *testing.T, c containerProc) (records string) {
 }
 
 // listening reports whether a TCP socket listens on port in the network
-// namespace of process pid (its /proc/<pid>/net/tcp and tcp6).
+// namespace of process pid, asked of the kernel's socket diagnostics there.
 func listening(pid int, port uint16) bool {
-	fs, err := procfs.NewFS(fmt.Sprintf("/proc/%d", pid))
+	ns, err := netns.GetFromPid(pid)
 	if err != nil {
 		return false
 	}
-	for _, read := range []func() (procfs.NetTCP, error){fs.NetTCP, fs.NetTCP6} {
-		socks, _ := read()
+	defer ns.Close()
+	// The handle opens its sock_diag socket in ns only when asked for that
+	// family; otherwise the dump would read the caller's namespace.
+	h, err := netlink.NewHandleAt(ns, unix.NETLINK_INET_DIAG)
+	if err != nil {
+		return false
+	}
+	defer h.Close()
+	for _, family := range []uint8{unix.AF_INET, unix.AF_INET6} {
+		socks, _ := h.SocketDiagTCP(family)
 		for _, s := range socks {
-			if s.LocalPort == uint64(port) && s.St == tcpListen {
+			if s.ID.SourcePort == port && s.State == netlink.TCP_LISTEN {
 				return true
 			}
 		}
 	}
 	return false
 }
-
-// tcpListen is TCP_LISTEN in the st column of /proc/net/tcp.
-const tcpListen = 0x0A
 
 // reachesSidecar checks that c's connect to target reaches the sidecar that
 // records into records (echoProxy), on its dir port, with target as the
