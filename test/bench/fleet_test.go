@@ -82,7 +82,7 @@ func BenchmarkFleet(b *testing.B) {
 			"Each node has a kubelet's watch of its pods (field selector `spec.nodeName`, one per node, from the start on), and so have %d more nodes that never get an agent. "+
 			"**Baseline**: before any agent starts, the API server sits idle for 15 s: its own background work. "+
 			"Then the agents start together (**agent start**), sit idle for 15 s (**idle**, counted above the API server's own idle cost), and take **pod starts**: %d pods at %d/s across the nodes and namespaces, "+
-			"then a **burst** of %d pods per node created all at once; each pod's start reaches its node's agent over the gate socket as soon as its node's kubelet watch has the pod, "+
+			"then a **burst** of %d pods per node created all at once, at most %d creates in flight (as controllers create in batches; beyond that, 2,000 creates from one client at once starve this two-CPU API server's own loopback requests); each pod's start reaches its node's agent over the gate socket as soon as its node's kubelet watch has the pod, "+
 			"as the plugin's call would (the plugin itself makes no API request: it holds no credential). That is still sooner than a kubelet calls CNI (after its watch, the pod's sandbox and the chain before mesh-cni), "+
 			"so a pod the agent's watch has not delivered yet, a cache miss, is more frequent here than on a node. "+
 			"Requests are the agents' own, from the audit log (by user); watch events are the API server's `apiserver_watch_events_total`, every watcher counted. "+
@@ -93,7 +93,7 @@ func BenchmarkFleet(b *testing.B) {
 			"At the smallest fleet only, the API server is then killed for a minute (**outage**): the agents' gates must stay ready (decisions from their caches), and the report gives how long after its start every agent was back on it. "+
 			"CPU is the processes' user+system time from /proc over each phase; the machine is shared, so ratios and counts hold better than absolute times. "+
 			"The burst of the largest fleet runs under a machine profile (perf, every CPU), which shows what its latency is bound by.",
-			cfg.namespaces, cfg.bareNodes, cfg.steady, cfg.rate, cfg.burstPerNode, cfg.rounds, cfg.roundPods, cfg.rate, cfg.roundPods, cfg.churn))
+			cfg.namespaces, cfg.bareNodes, cfg.steady, cfg.rate, cfg.burstPerNode, maxCreatesInFlight, cfg.rounds, cfg.roundPods, cfg.rate, cfg.roundPods, cfg.churn))
 	res.Notes = append(res.Notes, fmt.Sprintf("istio-cni's side, at %d nodes (the smallest fleet; it runs after mesh-cni's, on an API server and etcd of its own): "+
 		"the same phases but the outage, with istio-cni's real node agent (`install-cni` from istio.io/istio, ambient on with its chart's enablement selector, repair off) on every node, "+
 		"each in a network namespace of its own (where it writes its host rules), its own PID and mount namespace and chroot with its service account's token (a user of its own), "+
@@ -121,6 +121,8 @@ func BenchmarkFleet(b *testing.B) {
 		}
 		// The largest burst, profiled.
 		lc.profile = i == len(levels)-1
+		// The smallest fleet's start, profiled, as istio-cni's below.
+		lc.profileStart = i == 0
 		b.Run(fmt.Sprintf("agents=%d", n), func(b *testing.B) {
 			runFleetLevel(ctx, b, bins, podNS.Path, n, lc, m, false)
 		})
@@ -129,6 +131,7 @@ func BenchmarkFleet(b *testing.B) {
 		}
 		if i == 0 {
 			ic := cfg
+			ic.profileStart = true
 			b.Run(fmt.Sprintf("istio-cni/agents=%d", n), func(b *testing.B) {
 				runFleetLevel(ctx, b, bins, podNS.Path, n, ic, m, true)
 			})
@@ -191,8 +194,9 @@ type fleetConfig struct {
 	bareNodes int
 	// outage, when set, stops the API server that long at the end.
 	outage time.Duration
-	// profile takes a machine profile of the burst.
-	profile bool
+	// profile takes a machine profile of the burst, profileStart one of the
+	// agents' start.
+	profile, profileStart bool
 }
 
 // fleetMetrics collects every level's numbers.
@@ -258,7 +262,18 @@ type fleet struct {
 	// goes on once it has delivered the pod, as a kubelet's sandbox and CNI
 	// ADD come after its watch.
 	kubelets *kubelets
+	// creates holds a slot for each pod create in flight (maxCreatesInFlight).
+	creates chan struct{}
 }
+
+// maxCreatesInFlight bounds the benchmark's concurrent pod creates. Pods come
+// from controllers that create in batches at their clients' rates, not from
+// one client sending thousands at once; on two CPUs 2,000 creates at once
+// starve the API server's own loopback lookups (the admission plugins') into
+// TLS handshake timeouts. A burst of up to this many pods is still created
+// all at once (the 10-node fleet's, beside istio-cni's); a larger one keeps
+// this many in flight. The time to a decision counts from the create's return.
+const maxCreatesInFlight = 100
 
 // kubelets stands for the nodes' kubelets: one watch per node of the pods
 // bound to it (as a kubelet's), which tells each pod start when its node has
@@ -266,12 +281,15 @@ type fleet struct {
 type kubelets struct {
 	mu      sync.Mutex
 	waiting map[string]chan struct{} // namespace/name → closed once delivered
+	// changes counts each pod's updates the watch delivered: the writes that
+	// changed it (a write that changes nothing is no new revision, no event).
+	changes map[string]int
 }
 
 // startKubelets starts a watch of its pods for every node, as the benchmark's
 // administrator (its requests are not the agents'), until the level ends.
 func startKubelets(ctx context.Context, b *testing.B, client kubernetes.Interface, nodes []string) *kubelets {
-	k := &kubelets{waiting: map[string]chan struct{}{}}
+	k := &kubelets{waiting: map[string]chan struct{}{}, changes: map[string]int{}}
 	ctx, cancel := context.WithCancel(ctx)
 	var factories []informers.SharedInformerFactory
 	// Registered first, so that a failure below stops those already started.
@@ -292,6 +310,12 @@ func startKubelets(ctx context.Context, b *testing.B, client kubernetes.Interfac
 		if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: func(obj any) {
 			if p, ok := obj.(*corev1.Pod); ok {
 				k.deliver(p.Namespace + "/" + p.Name)
+			}
+		}, UpdateFunc: func(old, cur any) {
+			o, ok1 := old.(*corev1.Pod)
+			c, ok2 := cur.(*corev1.Pod)
+			if ok1 && ok2 && o.ResourceVersion != c.ResourceVersion {
+				k.changed(c.Namespace + "/" + c.Name)
 			}
 		}}); err != nil {
 			b.Fatal(err)
@@ -314,6 +338,19 @@ func (k *kubelets) expect(key string) <-chan struct{} {
 	return ch
 }
 
+func (k *kubelets) changed(key string) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.changes[key]++
+}
+
+// changesOf returns how often the watch has seen the pod change.
+func (k *kubelets) changesOf(key string) int {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.changes[key]
+}
+
 func (k *kubelets) deliver(key string) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
@@ -329,6 +366,14 @@ func (f *fleet) series(name string) string {
 		return istioSeries + name
 	}
 	return name
+}
+
+// variant names the fleet's variant.
+func (f *fleet) variant() string {
+	if f.istio != nil {
+		return "istio-cni's"
+	}
+	return "mesh-cni's"
 }
 
 // label labels a series of the fleet's variant.
@@ -350,7 +395,7 @@ func (f *fleet) counted(user string) bool {
 // runFleetLevel runs one level: mesh-cni's agents, or istio-cni's.
 func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, netnsPath string, n int, cfg fleetConfig, m *fleetMetrics, istio bool) {
 	x := float64(n)
-	f := &fleet{netns: netnsPath, meshed: map[string]bool{}}
+	f := &fleet{netns: netnsPath, meshed: map[string]bool{}, creates: make(chan struct{}, maxCreatesInFlight)}
 	opts := kubeenv.APIServerOptions{Users: map[string][]string{}, PriorityAndFairness: true, Audit: true}
 	if istio {
 		// The nodes' namespaces are made before this level's first
@@ -411,13 +456,24 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 	var startTook time.Duration
 	start, err := f.phase(ctx, func() error {
 		t0 := time.Now()
-		var err error
-		if f.istio != nil {
-			if err = f.istio.prepare(ctx, b, f.api, f.nodes); err == nil {
-				err = f.istio.launchAll(ctx, b, f.apiAddr)
+		run := func() error {
+			if f.istio != nil {
+				if err := f.istio.prepare(ctx, b, f.api, f.nodes); err != nil {
+					return err
+				}
+				return f.istio.launchAll(ctx, b, f.apiAddr)
 			}
+			return f.startAgents(ctx, b, n)
+		}
+		var err error
+		if cfg.profileStart {
+			// Where an agent start's API server CPU goes, beside
+			// istio-cni's at the same size.
+			err = f.profiled(ctx, b, m, "machine-fleet-"+f.series("start-")+strconv.Itoa(n),
+				fmt.Sprintf("Machine during the start of %d of %s node agents (perf, all CPUs, kernel included; each process its own root)", n, f.variant()),
+				n, "agent start", run)
 		} else {
-			err = f.startAgents(ctx, b, n)
+			err = run()
 		}
 		startTook = time.Since(t0)
 		return err
@@ -466,26 +522,9 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 			return runBurst()
 		}
 		// What bounds the burst: the machine's CPUs, split by process.
-		name := fmt.Sprintf("machine-fleet-burst-%d", n)
-		file := filepath.Join(profilesDir(b), name+".pprof")
-		err := machineProfile(ctx, file, runBurst)
-		switch {
-		case errors.Is(err, errNoPerf):
-			m.notes = append(m.notes, "No machine profile of the burst: "+err.Error()+".")
-			return runBurst()
-		case err != nil:
-			return err
-		}
-		rel, _ := filepath.Rel(outDir(b), file)
-		m.profiles = append(m.profiles, results.Profile{
-			Name:       name,
-			Title:      fmt.Sprintf("Machine during the burst of %d pods on %d nodes (perf, all CPUs, kernel included; each process its own root)", cfg.burstPerNode*n, n),
-			File:       rel,
-			Command:    "go tool pprof -top " + filepath.Join(results.DefaultOut, rel),
-			Operations: cfg.burstPerNode * n,
-			Operation:  "pod start",
-		})
-		return nil
+		return f.profiled(ctx, b, m, fmt.Sprintf("machine-fleet-burst-%d", n),
+			fmt.Sprintf("Machine during the burst of %d pods on %d nodes (perf, all CPUs, kernel included; each process its own root)", cfg.burstPerNode*n, n),
+			cfg.burstPerNode*n, "pod start", runBurst)
 	})
 	if err != nil {
 		b.Fatal(err)
@@ -539,7 +578,12 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 			}
 			obj := e.ObjectRef.Resource + " " + e.ObjectRef.Namespace + "/" + e.ObjectRef.Name
 			if seen[obj]++; seen[obj] > 1 && len(again) < 5 {
-				again = append(again, fmt.Sprintf("%s %s by %s at %s", e.Verb, obj, e.User.Username, e.Received.Format("15:04:05.000")))
+				changes := ""
+				if e.ObjectRef.Resource == "pods" {
+					changes = fmt.Sprintf(", the pod changed %d times after its create (its kubelet's watch)",
+						f.kubelets.changesOf(e.ObjectRef.Namespace+"/"+e.ObjectRef.Name))
+				}
+				again = append(again, fmt.Sprintf("%s %s by %s at %s (code %d%s)", e.Verb, obj, e.User.Username, e.Received.Format("15:04:05.000"), e.ResponseStatus.Code, changes))
 			}
 		}
 	}
@@ -552,6 +596,18 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 	}
 	point(&m.writes, f.series("meshed"), f.label("per meshed pod start"), x, float64(meshedW)/float64(meshedPods))
 	point(&m.writes, f.series("unmeshed"), f.label("per pod start outside the mesh"), x, float64(plainW)/float64(plainPods))
+	// What the writes changed: each pod's updates its node's watch saw (a
+	// write that changes nothing is no new revision).
+	meshedC, plainC := 0, 0
+	for _, c := range append(slices.Clone(steady.created), burst.created...) {
+		if f.meshed[c.namespace] {
+			meshedC += f.kubelets.changesOf(c.namespace + "/" + c.name)
+		} else {
+			plainC += f.kubelets.changesOf(c.namespace + "/" + c.name)
+		}
+	}
+	point(&m.writes, f.series("meshed-changed"), f.label("changes per meshed pod (its node's watch)"), x, float64(meshedC)/float64(meshedPods))
+	point(&m.writes, f.series("unmeshed-changed"), f.label("changes per pod outside the mesh (its node's watch)"), x, float64(plainC)/float64(plainPods))
 	for _, ph := range []struct {
 		name string
 		p    phaseResult
@@ -696,7 +752,7 @@ type phaseResult struct {
 	created []createdPod
 }
 
-type createdPod struct{ namespace string }
+type createdPod struct{ namespace, name string }
 
 // phase runs fn and measures it: CPU of the API server and etcd, the
 // agents' requests from the audit log once it has settled, and watch events.
@@ -911,6 +967,30 @@ func (f *fleet) steadyPodsLatency(ctx context.Context, count, rate int) (latenci
 	return lat, err
 }
 
+// profiled runs fn under a machine profile kept as the report's name,
+// or without one where perf is missing (the report says so).
+func (f *fleet) profiled(ctx context.Context, b *testing.B, m *fleetMetrics, name, title string, ops int, op string, fn func() error) error {
+	file := filepath.Join(profilesDir(b), name+".pprof")
+	err := machineProfile(ctx, file, fn)
+	switch {
+	case errors.Is(err, errNoPerf):
+		m.notes = append(m.notes, fmt.Sprintf("No machine profile of %s: %v.", name, err))
+		return fn()
+	case err != nil:
+		return err
+	}
+	rel, _ := filepath.Rel(outDir(b), file)
+	m.profiles = append(m.profiles, results.Profile{
+		Name:       name,
+		Title:      title,
+		File:       rel,
+		Command:    "go tool pprof -top " + filepath.Join(results.DefaultOut, rel),
+		Operations: ops,
+		Operation:  op,
+	})
+	return nil
+}
+
 // burstPods creates count pods at once, each followed by its gate Add.
 func (f *fleet) burstPods(ctx context.Context, count int) (latencies, error) {
 	lat := latencies{total: make([]float64, count), own: make([]float64, count)}
@@ -948,14 +1028,14 @@ func (f *fleet) podStart(ctx context.Context, target podTarget) (total, own time
 	i := f.seq
 	f.seq++
 	ns := f.namespaces[i%len(f.namespaces)]
-	f.createdLog = append(f.createdLog, createdPod{namespace: ns})
+	name := fmt.Sprintf("pod-%06d", i)
+	f.createdLog = append(f.createdLog, createdPod{namespace: ns, name: name})
 	f.mu.Unlock()
 	node := i % len(f.nodes)
 	nodeName := f.nodes[node]
 	if target == toBare {
 		nodeName = f.bare[i%len(f.bare)]
 	}
-	name := fmt.Sprintf("pod-%06d", i)
 	limit := time.Minute
 	if f.istio != nil {
 		// Its plugin's ADD is tried again for as long.
@@ -964,6 +1044,11 @@ func (f *fleet) podStart(ctx context.Context, target podTarget) (total, own time
 	cctx, cancel := context.WithTimeout(ctx, limit)
 	defer cancel()
 	atNode := f.kubelets.expect(ns + "/" + name)
+	select {
+	case f.creates <- struct{}{}:
+	case <-cctx.Done():
+		return 0, 0, fmt.Errorf("create pod %s/%s: %w", ns, name, cctx.Err())
+	}
 	p, err := f.admin.CoreV1().Pods(ns).Create(cctx, &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Labels: map[string]string{"app": "fleet"}},
 		Spec: corev1.PodSpec{
@@ -973,6 +1058,7 @@ func (f *fleet) podStart(ctx context.Context, target podTarget) (total, own time
 			TerminationGracePeriodSeconds: new(int64),
 		},
 	}, metav1.CreateOptions{})
+	<-f.creates
 	if err != nil {
 		return 0, 0, fmt.Errorf("create pod %s/%s: %w", ns, name, err)
 	}
