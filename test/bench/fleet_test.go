@@ -121,8 +121,10 @@ func BenchmarkFleet(b *testing.B) {
 		}
 		// The largest burst, profiled.
 		lc.profile = i == len(levels)-1
-		// The smallest fleet's start, profiled, as istio-cni's below.
-		lc.profileStart = i == 0
+		// The smallest fleet's start, profiled as istio-cni's below, and the
+		// largest's: what an agent's start costs, beside istio-cni's and as
+		// the fleet grows.
+		lc.profileStart = i == 0 || i == len(levels)-1
 		b.Run(fmt.Sprintf("agents=%d", n), func(b *testing.B) {
 			runFleetLevel(ctx, b, bins, podNS.Path, n, lc, m, false)
 		})
