@@ -720,8 +720,9 @@ func (n *ambientNode) switchBack(t *testing.T, a *agent, zt *harness.Process, in
 	step(phases[2])
 
 	// mesh-cni's node state removed: chain entry, plugin, pins and programs;
-	// the pods' annotations are istio-cni's now.
-	st.setPhase(phases[3])
+	// the pods' annotations are istio-cni's now. Connections made while the
+	// uninstall runs still count in the phase before: until it has detached
+	// the programs both captures are in place.
 	args := append([]string{"uninstall", "--socket", a.Socket, "--bpffs-root", a.BPFFS, "--log-level", "info"}, install[1:]...)
 	if out, err := exec.CommandContext(ctx, harness.Bins(t).Path("mesh-agent"), args...).CombinedOutput(); err != nil {
 		t.Fatalf("mesh-agent uninstall: %v\n%s", err, out)
@@ -740,6 +741,7 @@ func (n *ambientNode) switchBack(t *testing.T, a *agent, zt *harness.Process, in
 	if pins, err := os.ReadDir(a.BPFFS); err == nil && len(pins) > 0 {
 		t.Errorf("mesh-agent's pins after the uninstall: %v", pins)
 	}
+	st.setPhase(phases[3])
 	step(phases[3])
 	st.end()
 
