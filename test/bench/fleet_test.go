@@ -563,7 +563,8 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 		}
 	}
 	point(&m.requests, f.series("refused"), f.label("of which refused (429)"), x, float64(refusedPods)/pods)
-	meshedPods, plainPods := f.podsByMesh(append(slices.Clone(steady.created), burst.created...))
+	created := append(slices.Clone(steady.created), burst.created...)
+	meshedPods, plainPods := f.byMesh(created, func(createdPod) int { return 1 })
 	meshedW, plainW := 0, 0
 	// Writes of an object written before in these phases: what went beyond
 	// one write per pod, for the report to say what they were.
@@ -600,14 +601,7 @@ func runFleetLevel(ctx context.Context, b *testing.B, bins kubeenv.Binaries, net
 	point(&m.writes, f.series("unmeshed"), f.label("per pod start outside the mesh"), x, float64(plainW)/float64(plainPods))
 	// What the writes changed: each pod's updates its node's watch saw (a
 	// write that changes nothing is no new revision).
-	meshedC, plainC := 0, 0
-	for _, c := range append(slices.Clone(steady.created), burst.created...) {
-		if f.meshed[c.namespace] {
-			meshedC += f.kubelets.changesOf(c.namespace + "/" + c.name)
-		} else {
-			plainC += f.kubelets.changesOf(c.namespace + "/" + c.name)
-		}
-	}
+	meshedC, plainC := f.byMesh(created, func(c createdPod) int { return f.kubelets.changesOf(c.namespace + "/" + c.name) })
 	point(&m.writes, f.series("meshed-changed"), f.label("changes per meshed pod (its node's watch)"), x, float64(meshedC)/float64(meshedPods))
 	point(&m.writes, f.series("unmeshed-changed"), f.label("changes per pod outside the mesh (its node's watch)"), x, float64(plainC)/float64(plainPods))
 	for _, ph := range []struct {
@@ -918,13 +912,13 @@ func (f *fleet) launchAll(ctx context.Context) error {
 	return errors.Join(errs...)
 }
 
-// podsByMesh counts created pods in meshed and other namespaces.
-func (f *fleet) podsByMesh(created []createdPod) (meshed, plain int) {
+// byMesh sums count over created pods in meshed and in other namespaces.
+func (f *fleet) byMesh(created []createdPod, count func(createdPod) int) (meshed, plain int) {
 	for _, c := range created {
 		if f.meshed[c.namespace] {
-			meshed++
+			meshed += count(c)
 		} else {
-			plain++
+			plain += count(c)
 		}
 	}
 	return meshed, plain

@@ -251,7 +251,7 @@ func fleetLatency(d data) target {
 		t.measured += fmt.Sprintf("; from the node's kubelet having the pod, p99 %s ms steady and %s ms in the burst", num(p99(o.Find("steady", top))), num(own))
 	}
 	t.status = check(math.Max(steady, burst) <= 100)
-	t.limits = "in the burst every node's pods are created at once (100 creates in flight) and a pod create returns long before the API server's watches deliver the pod, to the kubelets as to the agents: " +
+	t.limits = "in the burst every node's pods are created together and a pod create returns long before the API server's watches deliver the pod, to the kubelets as to the agents: " +
 		"a decision waits for the kubelet's watch, then for the agent's, or reads the pod, from an API server that shares this machine's two CPUs with etcd, every agent and the benchmark's creates. " +
 		"Steady pod starts stay well within the bound; the machine profile of the burst below shows where the CPUs went."
 	if ok(own) {

@@ -9,9 +9,10 @@ import (
 )
 
 // fleetResult is a fleet run at 10 and 40 agents: one write per meshed pod,
-// writesOutside per pod outside the mesh, per-agent start cost growing by
-// growth from 10 to 40 (and the restart's time and busiest second by as much); when istio is not 0, istio-cni's side at 10 nodes costs
-// istio times mesh-cni's in requests, watch events and API server CPU.
+// writesOutside per pod outside the mesh, per-agent start cost (and the
+// restart's time and busiest second) growing by growth from 10 to 40; when
+// istio is not 0, istio-cni's side at 10 nodes costs istio times mesh-cni's in
+// requests, watch events and API server CPU.
 func fleetResult(writesOutside, growth, istio float64) *results.Result {
 	m := func(name string, s ...results.Series) results.Metric {
 		return results.Metric{Name: name, XLabel: "agents", Series: s}
